@@ -1,0 +1,320 @@
+//! Attention over a packed batch and a KV cache.
+//!
+//! A forward pass builds one [`AttentionPlan`] from the cache's [`StepPlan`] (masks and index
+//! tensors, uploaded once) and every layer calls [`attend`]. The plan splits the batch in two
+//! groups:
+//!
+//! - **fresh** sequences (nothing cached yet, e.g. new prompts) run as *one packed sequence*
+//!   with a block-causal mask: a token sees the earlier tokens of its own prompt only, and no
+//!   padding is computed (TorchTitan's packed prefill);
+//! - sequences **with history** (decode steps, chunked prefill, chat turns) run one row each:
+//!   their new queries attend over the K/V the cache holds for them, padded to the longest row
+//!   and masked by position.
+//!
+//! Masks are explicit boolean tensors (`true` = masked) built from positions, never
+//! `is_causal`: burn 0.21's kernels disagree on how `is_causal` aligns when query and key
+//! lengths differ. Grouped-query attention never copies the cached K/V: a row's queries are
+//! regrouped as `[rows, n_kv_heads, n_rep * q_len, head_dim]` so each KV head serves its
+//! `n_rep` query heads in one matmul (the HF/Meta rule: query head `h` uses KV head
+//! `h / n_rep`).
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData};
+
+use crate::batch::Batch;
+use crate::ids::Position;
+use crate::kv_cache::storage::int_tensor;
+use crate::kv_cache::{KvCache, ReadIndex, StepPlan};
+
+/// The fresh group: packed prompts, block-causal.
+#[derive(Debug, Clone)]
+struct FreshGroup<B: Backend> {
+    /// Batch tokens of the group, when it is not simply the whole batch in order. `[len]`
+    gather: Option<Tensor<B, 1, Int>>,
+    len: usize,
+    /// `[1, 1, len, len]`
+    mask: Tensor<B, 4, Bool>,
+}
+
+/// The history group: one padded row per sequence.
+#[derive(Debug, Clone)]
+struct HistoryGroup<B: Backend> {
+    rows: usize,
+    max_new: usize,
+    keys: usize,
+    /// Batch token for each padded query slot (padding points at token 0). `[rows * max_new]`
+    gather: Tensor<B, 1, Int>,
+    /// The padded query slots that hold a real token, in group order. `[n_tokens_in_group]`
+    keep: Tensor<B, 1, Int>,
+    /// `[rows, 1, n_rep * max_new, keys]`
+    mask: Tensor<B, 4, Bool>,
+    read: ReadIndex<B>,
+}
+
+/// Everything attention needs for one forward pass, shared by all layers.
+#[derive(Debug, Clone)]
+pub struct AttentionPlan<B: Backend> {
+    step: StepPlan,
+    n_heads: usize,
+    n_kv_heads: usize,
+    fresh: Option<FreshGroup<B>>,
+    history: Option<HistoryGroup<B>>,
+    /// Maps `[fresh tokens, history tokens]` back to batch order, when they differ. `[n_tokens]`
+    unpermute: Option<Tensor<B, 1, Int>>,
+}
+
+impl<B: Backend> AttentionPlan<B> {
+    /// Builds the masks and indices for `batch` from the cache's plan for it.
+    ///
+    /// # Panics
+    /// If `n_heads` is not a multiple of `n_kv_heads` (a model configuration error caught when
+    /// the model is built).
+    pub fn new(
+        batch: &Batch,
+        step: StepPlan,
+        n_heads: usize,
+        n_kv_heads: usize,
+        device: &B::Device,
+    ) -> Self {
+        assert!(
+            n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+            "n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})"
+        );
+        let n_rep = n_heads / n_kv_heads;
+        let positions = batch.positions();
+        let window = step.window;
+
+        let fresh_tokens: Vec<usize> = step.fresh.iter().flat_map(|f| f.tokens.clone()).collect();
+        let history_tokens: Vec<usize> =
+            step.history.iter().flat_map(|h| h.tokens.clone()).collect();
+
+        let fresh = (!fresh_tokens.is_empty()).then(|| {
+            let len = fresh_tokens.len();
+            let mut mask = vec![true; len * len];
+            let mut offset = 0;
+            for span in &step.fresh {
+                let n = span.tokens.len();
+                for qi in 0..n {
+                    let q_pos = positions[span.tokens.start + qi];
+                    for ki in 0..n {
+                        let k_pos = positions[span.tokens.start + ki];
+                        mask[(offset + qi) * len + offset + ki] = !visible(q_pos, k_pos, window);
+                    }
+                }
+                offset += n;
+            }
+            let in_order =
+                fresh_tokens.iter().enumerate().all(|(i, &t)| i == t) && len == batch.n_tokens();
+            FreshGroup {
+                gather: (!in_order).then(|| int_tensor(fresh_tokens.iter().copied(), device)),
+                len,
+                mask: bool_tensor(mask, [1, 1, len, len], device),
+            }
+        });
+
+        let history = ReadIndex::new(&step.read, device).map(|read| {
+            let rows = step.history.len();
+            let max_new = step
+                .history
+                .iter()
+                .map(|h| h.tokens.len())
+                .max()
+                .unwrap_or(0);
+            let keys = step.history.first().map_or(0, |h| h.key_positions.len());
+            let q_rows = n_rep * max_new;
+            let mut gather = vec![0usize; rows * max_new];
+            let mut keep = Vec::with_capacity(history_tokens.len());
+            let mut mask = vec![true; rows * q_rows * keys];
+            for (r, span) in step.history.iter().enumerate() {
+                for (i, token) in span.tokens.clone().enumerate() {
+                    gather[r * max_new + i] = token;
+                    keep.push(r * max_new + i);
+                }
+                for rep in 0..n_rep {
+                    for i in 0..max_new {
+                        let row = &mut mask[(r * q_rows + rep * max_new + i) * keys..][..keys];
+                        match span.tokens.clone().nth(i) {
+                            Some(token) => {
+                                let q_pos = positions[token];
+                                for (slot, k_pos) in span.key_positions.iter().enumerate() {
+                                    row[slot] = !k_pos.is_some_and(|k| visible(q_pos, k, window));
+                                }
+                            }
+                            // A padding query sees one key so its softmax stays finite; its
+                            // output is dropped.
+                            None => row[0] = false,
+                        }
+                    }
+                }
+            }
+            HistoryGroup {
+                rows,
+                max_new,
+                keys,
+                gather: int_tensor(gather.into_iter(), device),
+                keep: int_tensor(keep.into_iter(), device),
+                mask: bool_tensor(mask, [rows, 1, q_rows, keys], device),
+                read,
+            }
+        });
+
+        let order: Vec<usize> = fresh_tokens
+            .iter()
+            .chain(&history_tokens)
+            .copied()
+            .collect();
+        let unpermute = (!order.iter().enumerate().all(|(i, &t)| i == t)).then(|| {
+            let mut inverse = vec![0usize; order.len()];
+            for (i, &t) in order.iter().enumerate() {
+                inverse[t] = i;
+            }
+            int_tensor(inverse.into_iter(), device)
+        });
+
+        Self {
+            step,
+            n_heads,
+            n_kv_heads,
+            fresh,
+            history,
+            unpermute,
+        }
+    }
+
+    /// The cache's plan this attention plan was built from.
+    pub fn step(&self) -> &StepPlan {
+        &self.step
+    }
+}
+
+/// Whether a query at `q` sees a key at `k`: causal, and within the window if there is one.
+fn visible(q: Position, k: Position, window: Option<usize>) -> bool {
+    k <= q && window.is_none_or(|w| ((q.0 - k.0) as usize) < w)
+}
+
+fn bool_tensor<B: Backend>(
+    values: Vec<bool>,
+    shape: [usize; 4],
+    device: &B::Device,
+) -> Tensor<B, 4, Bool> {
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// One layer's attention: writes the new K/V into `cache`, then attends.
+///
+/// # Shapes
+/// - `q`: `[n_tokens, n_heads, head_dim]`, RoPE applied
+/// - `k`, `v`: `[n_tokens, n_kv_heads, head_dim]`, RoPE applied to `k`
+/// - returns `[n_tokens, n_heads * head_dim]`, in batch order
+pub fn attend<B: Backend>(
+    cache: &mut dyn KvCache<B>,
+    layer: usize,
+    plan: &AttentionPlan<B>,
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+) -> Tensor<B, 2> {
+    let [n_tokens, n_heads, head_dim] = q.dims();
+    debug_assert_eq!(n_heads, plan.n_heads);
+    cache.write(layer, &plan.step, k.clone(), v.clone());
+
+    let mut outputs = Vec::with_capacity(2);
+    if let Some(fresh) = &plan.fresh {
+        let pick = |t: Tensor<B, 3>| match &fresh.gather {
+            Some(idx) => t.select(0, idx.clone()),
+            None => t,
+        };
+        let q = pick(q.clone()).swap_dims(0, 1).unsqueeze_dim::<4>(0);
+        let k = repeat_kv(pick(k).swap_dims(0, 1).unsqueeze_dim::<4>(0), n_heads);
+        let v = repeat_kv(pick(v).swap_dims(0, 1).unsqueeze_dim::<4>(0), n_heads);
+        let mask = fresh
+            .mask
+            .clone()
+            .expand([1, n_heads, fresh.len, fresh.len]);
+        let out = sdpa(q, k, v, mask); // [1, n_heads, len, head_dim]
+        outputs.push(
+            out.squeeze_dim::<3>(0)
+                .swap_dims(0, 1)
+                .reshape([fresh.len, n_heads * head_dim]),
+        );
+    }
+    if let Some(hist) = &plan.history {
+        let (rows, max_new, n_kv) = (hist.rows, hist.max_new, plan.n_kv_heads);
+        let n_rep = n_heads / n_kv;
+        let q = q
+            .select(0, hist.gather.clone())
+            .reshape([rows, max_new, n_heads, head_dim])
+            .swap_dims(1, 2)
+            .reshape([rows, n_kv, n_rep * max_new, head_dim]);
+        let (k, v) = cache.read(layer, &hist.read);
+        let dtype = FloatDType::from(q.dtype());
+        let mask = hist
+            .mask
+            .clone()
+            .expand([rows, n_kv, n_rep * max_new, hist.keys]);
+        let out = sdpa(q, k.cast(dtype), v.cast(dtype), mask);
+        outputs.push(
+            out.reshape([rows, n_heads, max_new, head_dim])
+                .swap_dims(1, 2)
+                .reshape([rows * max_new, n_heads * head_dim])
+                .select(0, hist.keep.clone()),
+        );
+    }
+    let out = Tensor::cat(outputs, 0);
+    debug_assert_eq!(out.dims()[0], n_tokens);
+    match &plan.unpermute {
+        Some(idx) => out.select(0, idx.clone()),
+        None => out,
+    }
+}
+
+/// Repeats each KV head for the query heads that share it (`[b, n_kv, s, d]` to
+/// `[b, n_heads, s, d]`, KV head `j` serving query heads `j * n_rep .. (j + 1) * n_rep`).
+fn repeat_kv<B: Backend>(x: Tensor<B, 4>, n_heads: usize) -> Tensor<B, 4> {
+    let [b, n_kv, s, d] = x.dims();
+    if n_kv == n_heads {
+        return x;
+    }
+    x.unsqueeze_dim::<5>(2)
+        .expand([b, n_kv, n_heads / n_kv, s, d])
+        .reshape([b, n_heads, s, d])
+}
+
+/// Scaled dot-product attention through burn's fused op, with an explicit mask.
+///
+/// # Shapes
+/// - `q`: `[b, h, sq, d]`; `k`, `v`: `[b, h, sk, d]`; `mask`: `[b, h, sq, sk]` (`true` = masked)
+/// - returns `[b, h, sq, d]`
+pub fn sdpa<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: Tensor<B, 4, Bool>,
+) -> Tensor<B, 4> {
+    burn::tensor::module::attention(q, k, v, Some(mask), None, AttentionModuleOptions::default())
+}
+
+/// The plain reference: `softmax(q kᵀ / √d + mask) v`, computed in f32 with matmuls. Tests and
+/// `kiln selftest` hold [`sdpa`] to it.
+///
+/// # Shapes
+/// Same as [`sdpa`].
+pub fn sdpa_reference<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: Tensor<B, 4, Bool>,
+) -> Tensor<B, 4> {
+    let dtype = FloatDType::from(q.dtype());
+    let [.., head_dim] = q.dims();
+    let f32_ = FloatDType::F32;
+    let scores = q
+        .cast(f32_)
+        .matmul(k.cast(f32_).swap_dims(2, 3))
+        .mul_scalar(1.0 / (head_dim as f64).sqrt())
+        .mask_fill(mask, f32::NEG_INFINITY);
+    burn::tensor::activation::softmax(scores, 3)
+        .matmul(v.cast(f32_))
+        .cast(dtype)
+}

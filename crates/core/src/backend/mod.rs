@@ -1,0 +1,218 @@
+//! Backends: which ones kiln knows, whether they can run here, and how to run code generic over
+//! `B: Backend` on the one picked at run time.
+//!
+//! kiln extends burn's own `Backend` trait ([`InferenceBackend`]) instead of shadowing it, so
+//! every burn op stays available and the rest of kiln is generic over `B: InferenceBackend`.
+//! Run-time selection is a `match` over monomorphised backends ([`run_on`]); see
+//! `docs/adr/0001-backend-dispatch.md` for why this beat burn's `Dispatch` backend.
+//!
+//! Every backend is probed before its first tensor is made: burn-cuda panics inside a worker
+//! thread when `libcuda.so` is missing, and burn-wgpu panics when no adapter exists, so kiln asks
+//! the driver and the adapter list itself first and turns "cannot run" into a
+//! [`CoreError::BackendUnavailable`] naming the reason.
+
+#[cfg(feature = "cuda")]
+mod cuda_probe;
+mod impls;
+#[cfg(feature = "wgpu")]
+mod wgpu_probe;
+
+use std::fmt;
+use std::str::FromStr;
+
+use burn::tensor::backend::Backend;
+
+use crate::dtype::Dtype;
+use crate::error::{CoreError, Result};
+
+/// The backends kiln can be built with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BackendKind {
+    /// NVIDIA GPUs through burn-cuda (driver and NVRTC needed at run time).
+    Cuda,
+    /// Any GPU through burn-wgpu (Vulkan, Metal, DX12; Mesa lavapipe runs it on a CPU).
+    Wgpu,
+    /// burn-flex, the fast CPU backend and kiln's default.
+    Cpu,
+    /// burn-ndarray, the legacy CPU backend.
+    Ndarray,
+}
+
+impl BackendKind {
+    /// Every kind, in the order `kiln backends` lists them.
+    pub const ALL: [BackendKind; 4] = [
+        BackendKind::Cuda,
+        BackendKind::Wgpu,
+        BackendKind::Cpu,
+        BackendKind::Ndarray,
+    ];
+
+    /// The name used on the command line and in cargo features.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cuda => "cuda",
+            BackendKind::Wgpu => "wgpu",
+            BackendKind::Cpu => "cpu",
+            BackendKind::Ndarray => "ndarray",
+        }
+    }
+
+    /// Whether this build includes the backend (its cargo feature was on).
+    pub fn is_compiled(self) -> bool {
+        match self {
+            BackendKind::Cuda => cfg!(feature = "cuda"),
+            BackendKind::Wgpu => cfg!(feature = "wgpu"),
+            BackendKind::Cpu => cfg!(feature = "cpu"),
+            BackendKind::Ndarray => cfg!(feature = "ndarray"),
+        }
+    }
+
+    /// The kinds compiled into this build.
+    pub fn compiled() -> Vec<BackendKind> {
+        Self::ALL.into_iter().filter(|k| k.is_compiled()).collect()
+    }
+
+    /// Whether the backend can run here, and on what. Never panics and never initialises the
+    /// backend's runtime.
+    pub fn probe(self) -> Availability {
+        match self {
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => cuda_probe::probe(),
+            #[cfg(feature = "wgpu")]
+            BackendKind::Wgpu => wgpu_probe::probe(),
+            #[cfg(feature = "cpu")]
+            BackendKind::Cpu => Availability::Available {
+                device: cpu_description("burn-flex"),
+            },
+            #[cfg(feature = "ndarray")]
+            BackendKind::Ndarray => Availability::Available {
+                device: cpu_description("burn-ndarray"),
+            },
+            #[allow(unreachable_patterns)]
+            _ => Availability::NotCompiled,
+        }
+    }
+
+    /// `Ok` if the backend can run here, else the error a user should see.
+    ///
+    /// # Errors
+    /// [`CoreError::BackendNotCompiled`] or [`CoreError::BackendUnavailable`].
+    pub fn require(self) -> Result<String> {
+        match self.probe() {
+            Availability::Available { device } => Ok(device),
+            Availability::Unavailable { reason } => {
+                Err(CoreError::BackendUnavailable { kind: self, reason })
+            }
+            Availability::NotCompiled => Err(CoreError::BackendNotCompiled { kind: self }),
+        }
+    }
+}
+
+fn cpu_description(backend: &str) -> String {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    format!("{backend} on the host CPU ({threads} threads)")
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for BackendKind {
+    type Err = CoreError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "cuda" => Ok(BackendKind::Cuda),
+            "wgpu" => Ok(BackendKind::Wgpu),
+            "cpu" | "flex" => Ok(BackendKind::Cpu),
+            "ndarray" => Ok(BackendKind::Ndarray),
+            _ => Err(CoreError::UnknownBackend(s.to_string())),
+        }
+    }
+}
+
+/// What a probe found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Availability {
+    /// The backend can run; `device` describes what it will run on.
+    Available {
+        /// Adapter or driver description, e.g. `llvmpipe (LLVM 15.0.6, 256 bits) (Vulkan, Cpu)`.
+        device: String,
+    },
+    /// Compiled in but unable to run here.
+    Unavailable {
+        /// Why, in words a user can act on.
+        reason: String,
+    },
+    /// Left out of this build by cargo features.
+    NotCompiled,
+}
+
+/// A burn backend kiln can run on: burn's `Backend` plus what kiln needs to pick it at run time.
+pub trait InferenceBackend: Backend {
+    /// Which kind this is.
+    const KIND: BackendKind;
+
+    /// The device kiln runs on for this backend (the first GPU, the host CPU).
+    fn inference_device() -> Self::Device;
+
+    /// Whether tensors of `dtype` can be stored and computed on `device`. Call only after a
+    /// successful probe: it may initialise the backend's runtime.
+    fn supports(device: &Self::Device, dtype: Dtype) -> bool {
+        <Self as Backend>::supports_dtype(device, dtype.burn())
+    }
+
+    /// `Ok` if `dtype` is usable on `device`, else a typed error naming backend and dtype.
+    ///
+    /// # Errors
+    /// [`CoreError::UnsupportedDtype`].
+    fn require_dtype(device: &Self::Device, dtype: Dtype) -> Result<()> {
+        if Self::supports(device, dtype) {
+            Ok(())
+        } else {
+            Err(CoreError::UnsupportedDtype {
+                kind: Self::KIND,
+                dtype,
+            })
+        }
+    }
+}
+
+/// Code generic over the backend, to be run on a kind chosen at run time. Rust has no generic
+/// closures, so a task is a value whose `run` is generic.
+pub trait BackendTask {
+    /// What the task returns.
+    type Output;
+
+    /// Runs the task on backend `B` and its device.
+    fn run<B: InferenceBackend>(self, device: B::Device) -> Self::Output;
+}
+
+/// Probes `kind` and, if it can run here, runs `task` on it.
+///
+/// # Errors
+/// [`CoreError::BackendNotCompiled`] or [`CoreError::BackendUnavailable`]; the task itself is
+/// not run then.
+pub fn run_on<T: BackendTask>(kind: BackendKind, task: T) -> Result<T::Output> {
+    kind.require()?;
+    match kind {
+        #[cfg(feature = "cpu")]
+        BackendKind::Cpu => Ok(run_with::<impls::CpuBackend, T>(task)),
+        #[cfg(feature = "ndarray")]
+        BackendKind::Ndarray => Ok(run_with::<impls::NdarrayBackend, T>(task)),
+        #[cfg(feature = "wgpu")]
+        BackendKind::Wgpu => Ok(run_with::<impls::WgpuBackend, T>(task)),
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => Ok(run_with::<impls::CudaBackend, T>(task)),
+        #[allow(unreachable_patterns)]
+        _ => Err(CoreError::BackendNotCompiled { kind }),
+    }
+}
+
+fn run_with<B: InferenceBackend, T: BackendTask>(task: T) -> T::Output {
+    task.run::<B>(B::inference_device())
+}
+
+pub use impls::*;

@@ -1,0 +1,315 @@
+//! The row-per-sequence caches (static, dynamic, sliding) share this implementation; they differ
+//! in [`Policy`]: how rows and slots are sized and whether slots wrap around.
+
+use std::collections::HashMap;
+
+use burn::tensor::backend::Backend;
+
+use super::plan::{FreshSpan, HistorySpan, Incoming, ReadPlan, StepPlan, WriteRun, incoming};
+use super::{CacheError, CacheKind, CacheUsage, KvLayout, SlotStorage};
+use crate::batch::Batch;
+use crate::dtype::Dtype;
+use crate::ids::{Position, SeqId};
+
+/// How a dense cache sizes itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Policy {
+    /// Fixed rows of `max_len` slots.
+    Static { max_len: usize },
+    /// Rows and slots double when needed.
+    Dynamic,
+    /// Fixed rows, each a ring of `window + max_step - 1` slots.
+    Sliding { window: usize, max_step: usize },
+}
+
+#[derive(Debug, Clone)]
+struct DenseSeq {
+    row: usize,
+    /// Tokens appended so far.
+    len: usize,
+    /// Position stored in each slot of the row.
+    slot_positions: Vec<Option<Position>>,
+}
+
+/// Storage plus the bookkeeping of which sequence owns which row.
+#[derive(Debug)]
+pub(crate) struct DenseCache<B: Backend> {
+    policy: Policy,
+    storage: SlotStorage<B>,
+    /// Free rows, lowest last (popped first).
+    free_rows: Vec<usize>,
+    seqs: HashMap<SeqId, DenseSeq>,
+}
+
+impl<B: Backend> DenseCache<B> {
+    pub fn new(
+        policy: Policy,
+        layout: KvLayout,
+        rows: usize,
+        slots: usize,
+        dtype: Dtype,
+        device: &B::Device,
+    ) -> Self {
+        Self {
+            policy,
+            storage: SlotStorage::new(layout, rows, slots, dtype, device),
+            free_rows: (0..rows).rev().collect(),
+            seqs: HashMap::new(),
+        }
+    }
+
+    pub fn kind(&self) -> CacheKind {
+        match self.policy {
+            Policy::Static { .. } => CacheKind::Static,
+            Policy::Dynamic => CacheKind::Dynamic,
+            Policy::Sliding { .. } => CacheKind::Sliding,
+        }
+    }
+
+    pub fn storage(&self) -> &SlotStorage<B> {
+        &self.storage
+    }
+
+    pub fn storage_mut(&mut self) -> &mut SlotStorage<B> {
+        &mut self.storage
+    }
+
+    pub fn window(&self) -> Option<usize> {
+        match self.policy {
+            Policy::Sliding { window, .. } => Some(window),
+            _ => None,
+        }
+    }
+
+    pub fn seq_len(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.len)
+    }
+
+    pub fn usage(&self) -> CacheUsage {
+        let slots = self.storage.slots();
+        CacheUsage {
+            capacity: self.storage.targets() * slots,
+            used: self.seqs.values().map(|s| s.len.min(slots)).sum(),
+            sequences: self.seqs.len(),
+        }
+    }
+
+    pub fn release(&mut self, seq: SeqId) {
+        if let Some(s) = self.seqs.remove(&seq) {
+            self.free_rows.push(s.row);
+            // Keep the lowest free row on top so rows stay packed towards 0.
+            self.free_rows.sort_unstable_by(|a, b| b.cmp(a));
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.seqs.clear();
+        self.free_rows = (0..self.storage.targets()).rev().collect();
+    }
+
+    pub fn check_append(&self, seq: SeqId, n_new: usize) -> Result<(), CacheError> {
+        let incoming = [Incoming {
+            seq,
+            tokens: 0..n_new,
+            held: self.seq_len(seq),
+        }];
+        self.check(&incoming).map(|_| ())
+    }
+
+    /// Validates a step; returns the rows and slots the storage must have for it.
+    fn check(&self, incoming: &[Incoming]) -> Result<(usize, usize), CacheError> {
+        let new_rows = incoming.iter().filter(|s| s.held == 0).count();
+        let longest = incoming
+            .iter()
+            .map(|s| s.held + s.n_new())
+            .max()
+            .unwrap_or(0);
+        match self.policy {
+            Policy::Static { max_len } => {
+                if let Some(s) = incoming.iter().find(|s| s.held + s.n_new() > max_len) {
+                    return Err(CacheError::SequenceTooLong {
+                        seq: s.seq,
+                        needed: s.held + s.n_new(),
+                        max: max_len,
+                    });
+                }
+            }
+            Policy::Sliding { max_step, .. } => {
+                if let Some(s) = incoming.iter().find(|s| s.held > 0 && s.n_new() > max_step) {
+                    return Err(CacheError::StepTooLarge {
+                        seq: s.seq,
+                        tokens: s.n_new(),
+                        max: max_step,
+                    });
+                }
+            }
+            Policy::Dynamic => {
+                let rows = (self.storage.targets() - self.free_rows.len() + new_rows)
+                    .max(self.storage.targets());
+                return Ok((rows, longest.max(self.storage.slots())));
+            }
+        }
+        if new_rows > self.free_rows.len() {
+            return Err(CacheError::NoFreeSlot {
+                max_sequences: self.storage.targets(),
+            });
+        }
+        Ok((self.storage.targets(), self.storage.slots()))
+    }
+
+    pub fn plan(&mut self, batch: &Batch) -> Result<StepPlan, CacheError> {
+        let incoming = incoming(batch, |seq| self.seq_len(seq));
+        let (rows, slots) = self.check(&incoming)?;
+        self.grow_to(rows, slots);
+
+        let ring = matches!(self.policy, Policy::Sliding { .. });
+        let slots = self.storage.slots();
+        let mut plan = StepPlan {
+            n_tokens: batch.n_tokens(),
+            window: self.window(),
+            writes: Vec::new(),
+            fresh: Vec::new(),
+            history: Vec::new(),
+            read: ReadPlan::None,
+        };
+        let mut read_rows = Vec::new();
+        for s in &incoming {
+            let entry = match self.seqs.get_mut(&s.seq) {
+                Some(entry) => entry,
+                None => {
+                    let row = self.free_rows.pop().expect("checked: a free row exists");
+                    self.seqs.entry(s.seq).or_insert(DenseSeq {
+                        row,
+                        len: 0,
+                        slot_positions: vec![None; slots],
+                    })
+                }
+            };
+            entry.slot_positions.resize(slots, None);
+            // A ring keeps only the last `slots` tokens: older new tokens would be overwritten
+            // within this very step, so they are not written at all.
+            let skip = if ring {
+                s.n_new().saturating_sub(slots)
+            } else {
+                0
+            };
+            let first = entry.len + skip;
+            let written = s.tokens.start + skip..s.tokens.end;
+            for (lap, slot, run) in super::plan::runs_by_chunk(first, written, slots) {
+                debug_assert!(ring || lap == 0, "a static or dynamic row never wraps");
+                for (i, token) in run.clone().enumerate() {
+                    entry.slot_positions[slot + i] = Some(batch.positions()[token]);
+                }
+                plan.writes.push(WriteRun {
+                    target: entry.row,
+                    slot,
+                    tokens: run,
+                });
+            }
+            entry.len += s.n_new();
+            if s.held == 0 {
+                plan.fresh.push(FreshSpan {
+                    seq: s.seq,
+                    tokens: s.tokens.clone(),
+                });
+            } else {
+                read_rows.push(entry.row);
+                plan.history.push(HistorySpan {
+                    seq: s.seq,
+                    tokens: s.tokens.clone(),
+                    key_positions: entry.slot_positions.clone(),
+                });
+            }
+        }
+        if !read_rows.is_empty() {
+            // Read only as far as the fullest row reaches.
+            let keys = plan
+                .history
+                .iter()
+                .map(|h| self.seqs[&h.seq].len.min(slots))
+                .max()
+                .unwrap_or(0);
+            for h in &mut plan.history {
+                h.key_positions.truncate(keys);
+            }
+            plan.read = ReadPlan::Rows {
+                rows: read_rows,
+                keys,
+            };
+        }
+        Ok(plan)
+    }
+
+    /// Grows the storage (dynamic policy only ever asks for more than it has).
+    fn grow_to(&mut self, rows: usize, slots: usize) {
+        let (have_rows, have_slots) = (self.storage.targets(), self.storage.slots());
+        if rows <= have_rows && slots <= have_slots {
+            return;
+        }
+        let rows = if rows > have_rows {
+            rows.next_power_of_two()
+        } else {
+            have_rows
+        };
+        let slots = if slots > have_slots {
+            slots.next_power_of_two()
+        } else {
+            have_slots
+        };
+        self.storage.grow(rows, slots);
+        self.free_rows.extend(have_rows..rows);
+        self.free_rows.sort_unstable_by(|a, b| b.cmp(a));
+    }
+}
+
+/// Implements [`super::CacheBook`] and [`super::KvCache`] for a newtype around [`DenseCache`].
+macro_rules! delegate_dense_cache {
+    ($name:ident) => {
+        impl<B: Backend> $crate::kv_cache::CacheBook for $name<B> {
+            fn kind(&self) -> $crate::kv_cache::CacheKind {
+                self.inner.kind()
+            }
+            fn layout(&self) -> $crate::kv_cache::KvLayout {
+                self.inner.storage().layout()
+            }
+            fn usage(&self) -> $crate::kv_cache::CacheUsage {
+                self.inner.usage()
+            }
+            fn seq_len(&self, seq: $crate::ids::SeqId) -> usize {
+                self.inner.seq_len(seq)
+            }
+            fn window(&self) -> Option<usize> {
+                self.inner.window()
+            }
+            fn check_append(
+                &self,
+                seq: $crate::ids::SeqId,
+                n_new: usize,
+            ) -> Result<(), $crate::kv_cache::CacheError> {
+                self.inner.check_append(seq, n_new)
+            }
+            fn release(&mut self, seq: $crate::ids::SeqId) {
+                self.inner.release(seq)
+            }
+            fn clear(&mut self) {
+                self.inner.clear()
+            }
+        }
+
+        impl<B: Backend> $crate::kv_cache::KvCache<B> for $name<B> {
+            fn plan(
+                &mut self,
+                batch: &$crate::batch::Batch,
+            ) -> Result<$crate::kv_cache::StepPlan, $crate::kv_cache::CacheError> {
+                self.inner.plan(batch)
+            }
+            fn storage(&self) -> &$crate::kv_cache::SlotStorage<B> {
+                self.inner.storage()
+            }
+            fn storage_mut(&mut self) -> &mut $crate::kv_cache::SlotStorage<B> {
+                self.inner.storage_mut()
+            }
+        }
+    };
+}
+pub(crate) use delegate_dense_cache;

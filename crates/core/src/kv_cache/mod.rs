@@ -1,0 +1,253 @@
+//! KV caches: where each layer's keys and values live between forward passes.
+//!
+//! Two views of one cache, as in vLLM:
+//! - what the **scheduler** sees ([`CacheBook`]): capacity, usage, whether a sequence can grow,
+//!   releasing a sequence, and a typed [`CacheError`] when space runs out;
+//! - what **attention** sees ([`KvCache`]): once per forward, [`KvCache::plan`] reserves room for
+//!   the batch's new tokens and returns a [`StepPlan`]; then each layer writes its new K/V
+//!   ([`KvCache::write`]) and reads the K/V to attend over ([`KvCache::read`]).
+//!
+//! All four kinds store K/V the same way ([`SlotStorage`]: per layer a
+//! `[targets, slots, n_kv_heads, head_dim]` tensor written in place) and differ only in how they
+//! map a sequence's tokens to `(target, slot)`:
+//!
+//! | kind | target | slot | runs out when |
+//! |---|---|---|---|
+//! | [`StaticKvCache`] | one row per sequence, preallocated | the token's index | a sequence passes `max_len` or all rows are taken |
+//! | [`DynamicKvCache`] | one row per sequence | the token's index | never: rows and length double as needed |
+//! | [`SlidingKvCache`] | one row per sequence | token index mod ring size | all rows are taken |
+//! | [`PagedKvCache`] | a block of the pool | index within the block | the pool has no free block |
+//!
+//! The model never asks a cache for positions: they come from the batch, and the cache records
+//! the position of each token it stores so attention can mask by position.
+
+mod dense;
+mod dynamic;
+mod paged;
+mod plan;
+mod sliding;
+mod static_;
+pub(crate) mod storage;
+
+use std::fmt;
+use std::str::FromStr;
+
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+pub use dynamic::DynamicKvCache;
+pub use paged::{BlockPool, DEFAULT_BLOCK_SIZE, PagedKvCache};
+pub use plan::{FreshSpan, HistorySpan, ReadPlan, StepPlan, WriteRun};
+pub use sliding::SlidingKvCache;
+pub use static_::StaticKvCache;
+pub use storage::{ReadIndex, SlotStorage};
+
+use crate::batch::Batch;
+use crate::dtype::Dtype;
+use crate::ids::SeqId;
+
+/// The per-layer shape of the K/V a cache holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Transformer blocks (one K and one V tensor each).
+    pub n_layers: usize,
+    /// Key/value heads.
+    pub n_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    /// Bytes that one token's K and V take across all layers.
+    pub fn bytes_per_token(&self, dtype: Dtype) -> usize {
+        2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype.size_bytes()
+    }
+}
+
+/// The four cache implementations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CacheKind {
+    /// Preallocated to a maximum length, written in place.
+    Static,
+    /// Grows as tokens arrive.
+    Dynamic,
+    /// Keeps the last `window` tokens of each sequence in a ring.
+    Sliding,
+    /// A pool of fixed-size blocks and a block table per sequence.
+    Paged,
+}
+
+impl CacheKind {
+    /// Every kind.
+    pub const ALL: [CacheKind; 4] = [
+        CacheKind::Static,
+        CacheKind::Dynamic,
+        CacheKind::Sliding,
+        CacheKind::Paged,
+    ];
+
+    /// The name used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheKind::Static => "static",
+            CacheKind::Dynamic => "dynamic",
+            CacheKind::Sliding => "sliding",
+            CacheKind::Paged => "paged",
+        }
+    }
+}
+
+impl fmt::Display for CacheKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for CacheKind {
+    type Err = CacheError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        CacheKind::ALL
+            .into_iter()
+            .find(|k| k.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| CacheError::UnknownKind(s.to_string()))
+    }
+}
+
+/// Why a cache refused a step. Every variant is recoverable: nothing was reserved.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CacheError {
+    /// The paged pool has too few free blocks.
+    #[error("KV cache out of blocks: the step needs {needed} more, {free} are free")]
+    OutOfBlocks {
+        /// Blocks the step needs.
+        needed: usize,
+        /// Blocks free now.
+        free: usize,
+    },
+    /// A sequence would outgrow the static cache's rows.
+    #[error(
+        "sequence {seq} would hold {needed} tokens, the cache holds at most {max} per sequence"
+    )]
+    SequenceTooLong {
+        /// The sequence.
+        seq: SeqId,
+        /// Tokens it would hold after the step.
+        needed: usize,
+        /// The per-sequence limit.
+        max: usize,
+    },
+    /// Every row of a static or sliding cache is taken.
+    #[error("KV cache full: all {max_sequences} sequence slots are in use")]
+    NoFreeSlot {
+        /// How many sequences the cache holds at once.
+        max_sequences: usize,
+    },
+    /// A sliding-window step that adds more tokens to a sequence with history than the ring
+    /// can keep visible; split the step into chunks of at most `max`.
+    #[error(
+        "sequence {seq}: {tokens} tokens in one step, the sliding cache takes at most {max} (chunk the prompt)"
+    )]
+    StepTooLarge {
+        /// The sequence.
+        seq: SeqId,
+        /// Tokens asked for.
+        tokens: usize,
+        /// The most one step may add to a sequence with history.
+        max: usize,
+    },
+    /// A configuration value out of range.
+    #[error("invalid cache configuration: {0}")]
+    InvalidConfig(String),
+    /// A cache kind name kiln does not know.
+    #[error("unknown cache kind `{0}` (expected one of: static, dynamic, sliding, paged)")]
+    UnknownKind(String),
+}
+
+/// How full a cache is, in token slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheUsage {
+    /// Slots the cache can hold now (for a dynamic cache: what is allocated).
+    pub capacity: usize,
+    /// Slots holding a token (for a paged cache: whole blocks in use).
+    pub used: usize,
+    /// Sequences with at least one token.
+    pub sequences: usize,
+}
+
+impl CacheUsage {
+    /// Slots not in use.
+    pub fn free(&self) -> usize {
+        self.capacity - self.used
+    }
+}
+
+/// The scheduler's view of a cache: bookkeeping, no tensors.
+pub trait CacheBook {
+    /// Which implementation this is.
+    fn kind(&self) -> CacheKind;
+
+    /// The shape of what it stores.
+    fn layout(&self) -> KvLayout;
+
+    /// Capacity and use, in token slots.
+    fn usage(&self) -> CacheUsage;
+
+    /// Tokens appended to `seq` so far (0 for a sequence the cache does not know).
+    fn seq_len(&self, seq: SeqId) -> usize;
+
+    /// The attention window: keys further back than this are invisible (sliding cache only).
+    fn window(&self) -> Option<usize> {
+        None
+    }
+
+    /// Whether appending `n_new` tokens to `seq` (alone) would succeed now.
+    ///
+    /// # Errors
+    /// The error [`KvCache::plan`] would return.
+    fn check_append(&self, seq: SeqId, n_new: usize) -> Result<(), CacheError>;
+
+    /// Forgets `seq` and frees its space. Unknown sequences are ignored.
+    fn release(&mut self, seq: SeqId);
+
+    /// Forgets every sequence.
+    fn clear(&mut self);
+}
+
+/// Attention's view of a cache.
+pub trait KvCache<B: Backend>: CacheBook {
+    /// Reserves room for every new token of `batch`, records their positions, and says where
+    /// they go and what each sequence attends over. Atomic: on error nothing changes.
+    ///
+    /// A sequence the cache holds no token of is *fresh*: it attends only over its own new
+    /// tokens, which lets a batch of fresh prompts run as one packed sequence.
+    ///
+    /// # Errors
+    /// [`CacheError`] when the step does not fit.
+    fn plan(&mut self, batch: &Batch) -> Result<StepPlan, CacheError>;
+
+    /// The K/V tensors of every layer.
+    fn storage(&self) -> &SlotStorage<B>;
+
+    /// The K/V tensors of every layer, to write.
+    fn storage_mut(&mut self) -> &mut SlotStorage<B>;
+
+    /// Writes one layer's new K/V where the plan says, in place.
+    ///
+    /// # Shapes
+    /// - `k`, `v`: `[n_tokens, n_kv_heads, head_dim]`, packed like the batch.
+    fn write(&mut self, layer: usize, plan: &StepPlan, k: Tensor<B, 3>, v: Tensor<B, 3>) {
+        self.storage_mut().write(layer, &plan.writes, k, v);
+    }
+
+    /// The K/V that the plan's history rows attend over (after this step's write).
+    ///
+    /// # Shapes
+    /// - returns `k`, `v`: `[rows, n_kv_heads, keys, head_dim]`
+    fn read(&self, layer: usize, index: &ReadIndex<B>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        self.storage().read(layer, index)
+    }
+}
+
+#[cfg(test)]
+mod tests;

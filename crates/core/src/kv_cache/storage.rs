@@ -1,0 +1,256 @@
+//! [`SlotStorage`]: the K/V tensors of every layer, shared by all cache kinds.
+
+use std::ops::Range;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use super::KvLayout;
+use super::plan::{ReadPlan, WriteRun};
+use crate::dtype::Dtype;
+
+/// Per layer one K and one V tensor of shape `[targets, slots, n_kv_heads, head_dim]`.
+///
+/// A *target* is a sequence's row (dense caches) or a block (paged cache); a *slot* is a
+/// token's place in it. Token-major slots make a write a plain slice of the packed K/V.
+#[derive(Debug)]
+pub struct SlotStorage<B: Backend> {
+    layout: KvLayout,
+    dtype: Dtype,
+    device: B::Device,
+    targets: usize,
+    slots: usize,
+    k: Vec<Tensor<B, 4>>,
+    v: Vec<Tensor<B, 4>>,
+}
+
+/// The device-side form of a [`ReadPlan`], built once per forward and shared by every layer.
+#[derive(Debug, Clone)]
+pub enum ReadIndex<B: Backend> {
+    /// One row per sequence; the first `keys` slots of each.
+    Rows {
+        /// Row of each sequence. `[rows]`
+        rows: Tensor<B, 1, Int>,
+        /// Slots read from each row.
+        keys: usize,
+    },
+    /// Each sequence's block table, padded to `blocks_per_row`.
+    Blocks {
+        /// Blocks, row-major. `[rows * blocks_per_row]`
+        blocks: Tensor<B, 1, Int>,
+        /// Sequences read.
+        rows: usize,
+        /// Blocks per sequence.
+        blocks_per_row: usize,
+    },
+}
+
+impl<B: Backend> ReadIndex<B> {
+    /// Uploads a read plan; `None` when there is nothing to read.
+    pub fn new(plan: &ReadPlan, device: &B::Device) -> Option<Self> {
+        match plan {
+            ReadPlan::None => None,
+            ReadPlan::Rows { rows, keys } => Some(ReadIndex::Rows {
+                rows: int_tensor(rows.iter().copied(), device),
+                keys: *keys,
+            }),
+            ReadPlan::Blocks {
+                blocks,
+                blocks_per_row,
+            } => Some(ReadIndex::Blocks {
+                blocks: int_tensor(blocks.iter().map(|b| b.index()), device),
+                rows: blocks.len() / blocks_per_row,
+                blocks_per_row: *blocks_per_row,
+            }),
+        }
+    }
+}
+
+/// A 1-D Int tensor from indices, in the device's default int dtype.
+pub(crate) fn int_tensor<B: Backend>(
+    values: impl Iterator<Item = usize>,
+    device: &B::Device,
+) -> Tensor<B, 1, Int> {
+    let values: Vec<i64> = values.map(|v| v as i64).collect();
+    let len = values.len();
+    Tensor::from_data(TensorData::new(values, [len]), device)
+}
+
+impl<B: Backend> SlotStorage<B> {
+    /// Zero-filled storage for `targets` targets of `slots` slots each.
+    pub fn new(
+        layout: KvLayout,
+        targets: usize,
+        slots: usize,
+        dtype: Dtype,
+        device: &B::Device,
+    ) -> Self {
+        let make = || {
+            (0..layout.n_layers)
+                .map(|_| Self::zeros(layout, targets, slots, dtype, device))
+                .collect()
+        };
+        Self {
+            layout,
+            dtype,
+            device: device.clone(),
+            targets,
+            slots,
+            k: make(),
+            v: make(),
+        }
+    }
+
+    fn zeros(
+        layout: KvLayout,
+        targets: usize,
+        slots: usize,
+        dtype: Dtype,
+        device: &B::Device,
+    ) -> Tensor<B, 4> {
+        Tensor::zeros(
+            [targets, slots, layout.n_kv_heads, layout.head_dim],
+            (device, dtype.burn()),
+        )
+    }
+
+    /// The layout stored.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// The precision stored.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// The device the tensors live on.
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+
+    /// Rows or blocks per layer.
+    pub fn targets(&self) -> usize {
+        self.targets
+    }
+
+    /// Slots per target.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Bytes held by the K and V tensors of all layers.
+    pub fn bytes(&self) -> usize {
+        2 * self.layout.n_layers
+            * self.targets
+            * self.slots
+            * self.layout.n_kv_heads
+            * self.layout.head_dim
+            * self.dtype.size_bytes()
+    }
+
+    /// Reallocates to at least `targets` x `slots`, keeping what is stored (the dynamic
+    /// cache's growth; a copy of everything, so callers double their sizes).
+    pub fn grow(&mut self, targets: usize, slots: usize) {
+        let targets = targets.max(self.targets);
+        let slots = slots.max(self.slots);
+        if targets == self.targets && slots == self.slots {
+            return;
+        }
+        let (old_targets, old_slots) = (self.targets, self.slots);
+        let (layout, dtype, device) = (self.layout, self.dtype, self.device.clone());
+        for tensor in self.k.iter_mut().chain(self.v.iter_mut()) {
+            let bigger = Self::zeros(layout, targets, slots, dtype, &device);
+            let old = std::mem::replace(tensor, bigger);
+            tensor.inplace(|t| {
+                t.slice_assign(
+                    [
+                        0..old_targets,
+                        0..old_slots,
+                        0..layout.n_kv_heads,
+                        0..layout.head_dim,
+                    ],
+                    old,
+                )
+            });
+        }
+        self.targets = targets;
+        self.slots = slots;
+    }
+
+    /// Writes the runs of one layer's new K/V, in place.
+    ///
+    /// # Shapes
+    /// - `k`, `v`: `[n_tokens, n_kv_heads, head_dim]`
+    pub fn write(&mut self, layer: usize, runs: &[WriteRun], k: Tensor<B, 3>, v: Tensor<B, 3>) {
+        let (heads, dim) = (self.layout.n_kv_heads, self.layout.head_dim);
+        for (store, new) in [(&mut self.k[layer], k), (&mut self.v[layer], v)] {
+            let new = new.cast(self.dtype.burn_float());
+            for run in runs {
+                let values = new
+                    .clone()
+                    .slice([run.tokens.clone()])
+                    .unsqueeze_dim::<4>(0);
+                let slots: Range<usize> = run.slot..run.slot + run.tokens.len();
+                // `inplace` hands slice_assign the only handle, so backends write in place
+                // instead of copying the whole layer (burn copies when a handle is shared).
+                store.inplace(|s| {
+                    s.slice_assign(
+                        [run.target..run.target + 1, slots, 0..heads, 0..dim],
+                        values,
+                    )
+                });
+            }
+        }
+    }
+
+    /// Reads one layer's K/V for the rows of a step.
+    ///
+    /// # Shapes
+    /// - returns `k`, `v`: `[rows, n_kv_heads, keys, head_dim]`
+    pub fn read(&self, layer: usize, index: &ReadIndex<B>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let read_one = |store: &Tensor<B, 4>| -> Tensor<B, 4> {
+            match index {
+                ReadIndex::Rows { rows, keys } => store
+                    .clone()
+                    .slice([0..self.targets, 0..*keys])
+                    .select(0, rows.clone())
+                    .swap_dims(1, 2),
+                ReadIndex::Blocks {
+                    blocks,
+                    rows,
+                    blocks_per_row,
+                } => store
+                    .clone()
+                    .select(0, blocks.clone())
+                    .reshape([
+                        *rows as i32,
+                        (*blocks_per_row * self.slots) as i32,
+                        self.layout.n_kv_heads as i32,
+                        self.layout.head_dim as i32,
+                    ])
+                    .swap_dims(1, 2),
+            }
+        };
+        (read_one(&self.k[layer]), read_one(&self.v[layer]))
+    }
+
+    /// Copies every layer's K/V to the host, for snapshots and tests.
+    ///
+    /// # Shapes
+    /// - returns per layer `(k, v)`, each `[targets, slots, n_kv_heads, head_dim]` as f32
+    pub fn to_host(&self) -> Vec<(Vec<f32>, Vec<f32>)> {
+        let host = |t: &Tensor<B, 4>| -> Vec<f32> {
+            t.clone()
+                .cast(burn::tensor::FloatDType::F32)
+                .into_data()
+                .iter::<f32>()
+                .collect()
+        };
+        self.k
+            .iter()
+            .zip(&self.v)
+            .map(|(k, v)| (host(k), host(v)))
+            .collect()
+    }
+}

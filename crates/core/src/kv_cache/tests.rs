@@ -1,0 +1,307 @@
+//! The conformance suite every cache kind passes, on every backend compiled in: the same
+//! appends must give the same attention as a plain host computation over each sequence's full
+//! history (windowed for the sliding cache), through packed prefill, batched decode, chunks
+//! on sequences with history, and sequences freed and re-added.
+
+use std::collections::HashMap;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::*;
+use crate::attention::{AttentionPlan, attend};
+use crate::batch::Batch;
+use crate::dtype::Dtype;
+use crate::ids::{Position, SeqId, TokenId};
+
+const LAYOUT: KvLayout = KvLayout {
+    n_layers: 2,
+    n_kv_heads: 2,
+    head_dim: 4,
+};
+const N_HEADS: usize = 4;
+
+/// One step of the scenario: `(sequence, new tokens)`; `None` releases the sequence.
+type Step = Vec<(u64, Option<usize>)>;
+
+fn scenario() -> Vec<Step> {
+    vec![
+        vec![(0, Some(5)), (1, Some(3))], // packed prefill of two prompts
+        vec![(0, Some(1)), (1, Some(1))], // batched decode
+        vec![(2, Some(4)), (0, Some(2)), (1, Some(1))], // fresh + chunk + decode, mixed
+        vec![(1, None)],                  // free a sequence...
+        vec![(3, Some(6)), (0, Some(1)), (2, Some(1))], // ...and reuse its space
+        vec![(0, Some(1)), (2, Some(2)), (3, Some(1))],
+        vec![(3, Some(1))],
+        vec![(0, Some(1)), (2, Some(1)), (3, Some(1))],
+    ]
+}
+
+/// Host reference: every K/V each sequence has seen, per layer.
+#[derive(Default)]
+struct Reference {
+    /// seq -> layer -> (position, k, v) per token
+    history: HashMap<u64, Vec<Vec<(u32, Vec<f32>, Vec<f32>)>>>,
+}
+
+struct Rand(ChaCha8Rng);
+
+impl Rand {
+    fn values(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.0.random::<f32>() * 2.0 - 1.0).collect()
+    }
+}
+
+fn tensor3<B: Backend>(values: Vec<f32>, shape: [usize; 3], device: &B::Device) -> Tensor<B, 3> {
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// Plain attention of one query over keys, in f64.
+fn attend_host(q: &[f32], keys: &[(&[f32], &[f32])]) -> Vec<f32> {
+    let d = q.len();
+    let scale = 1.0 / (d as f64).sqrt();
+    let scores: Vec<f64> = keys
+        .iter()
+        .map(|(k, _)| {
+            q.iter()
+                .zip(*k)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum::<f64>()
+                * scale
+        })
+        .collect();
+    let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+    let sum: f64 = exps.iter().sum();
+    (0..d)
+        .map(|j| {
+            keys.iter()
+                .zip(&exps)
+                .map(|((_, v), e)| e / sum * f64::from(v[j]))
+                .sum::<f64>() as f32
+        })
+        .collect()
+}
+
+/// Runs the scenario through `cache` and checks every attention output against the host.
+fn run_conformance<B: Backend>(cache: &mut dyn KvCache<B>, device: &B::Device) {
+    let window = cache.window();
+    let (hkv, d) = (LAYOUT.n_kv_heads, LAYOUT.head_dim);
+    let n_rep = N_HEADS / hkv;
+    let mut rand = Rand(ChaCha8Rng::seed_from_u64(3));
+    let mut reference = Reference::default();
+    for (step_index, step) in scenario().into_iter().enumerate() {
+        let mut batch = Batch::new();
+        for (seq, n) in &step {
+            match n {
+                None => {
+                    cache.release(SeqId(*seq));
+                    reference.history.remove(seq);
+                    assert_eq!(cache.seq_len(SeqId(*seq)), 0);
+                }
+                Some(n) => {
+                    let start = reference.history.get(seq).map_or(0, |h| h[0].len()) as u32;
+                    assert_eq!(cache.seq_len(SeqId(*seq)), start as usize);
+                    let tokens: Vec<TokenId> = (0..*n as u32).map(TokenId).collect();
+                    batch.push(SeqId(*seq), &tokens, Position(start)).unwrap();
+                }
+            }
+        }
+        if batch.is_empty() {
+            continue;
+        }
+        let t = batch.n_tokens();
+        let plan = cache.plan(&batch).unwrap();
+        let plan = AttentionPlan::new(&batch, plan, N_HEADS, hkv, device);
+        for layer in 0..LAYOUT.n_layers {
+            let q = rand.values(t * N_HEADS * d);
+            let k = rand.values(t * hkv * d);
+            let v = rand.values(t * hkv * d);
+            let out = attend(
+                cache,
+                layer,
+                &plan,
+                tensor3::<B>(q.clone(), [t, N_HEADS, d], device),
+                tensor3::<B>(k.clone(), [t, hkv, d], device),
+                tensor3::<B>(v.clone(), [t, hkv, d], device),
+            );
+            let out: Vec<f32> = out.into_data().iter::<f32>().collect();
+
+            // Record the new K/V, then check every token's output.
+            for (seq, range) in batch.ranges() {
+                let entry = reference
+                    .history
+                    .entry(seq.0)
+                    .or_insert_with(|| vec![Vec::new(); LAYOUT.n_layers]);
+                for i in range {
+                    let pos = batch.positions()[i].0;
+                    entry[layer].push((
+                        pos,
+                        k[i * hkv * d..(i + 1) * hkv * d].to_vec(),
+                        v[i * hkv * d..(i + 1) * hkv * d].to_vec(),
+                    ));
+                }
+            }
+            for (seq, range) in batch.ranges() {
+                let hist = &reference.history[&seq.0][layer];
+                for i in range {
+                    let q_pos = batch.positions()[i].0;
+                    for h in 0..N_HEADS {
+                        let kv = h / n_rep;
+                        let keys: Vec<(&[f32], &[f32])> = hist
+                            .iter()
+                            .filter(|(p, _, _)| {
+                                *p <= q_pos && window.is_none_or(|w| ((q_pos - p) as usize) < w)
+                            })
+                            .map(|(_, k, v)| (&k[kv * d..(kv + 1) * d], &v[kv * d..(kv + 1) * d]))
+                            .collect();
+                        let expected = attend_host(&q[(i * N_HEADS + h) * d..][..d], &keys);
+                        let got = &out[i * N_HEADS * d + h * d..][..d];
+                        for (g, e) in got.iter().zip(&expected) {
+                            assert!(
+                                (g - e).abs() < 1e-4,
+                                "{} cache, step {step_index}, layer {layer}, seq {seq}, token {i}, head {h}: {got:?} vs {expected:?}",
+                                cache.kind()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let live = reference.history.len();
+    assert_eq!(cache.usage().sequences, live);
+    cache.clear();
+    assert_eq!(cache.usage().sequences, 0);
+    assert_eq!(cache.usage().used, 0);
+}
+
+fn all_kinds<B: Backend>(device: &B::Device) -> Vec<Box<dyn KvCache<B>>> {
+    vec![
+        Box::new(StaticKvCache::new(LAYOUT, 4, 32, Dtype::F32, device).unwrap()),
+        Box::new(DynamicKvCache::new(LAYOUT, Dtype::F32, device)),
+        // A window longer than any sequence: must equal the others.
+        Box::new(SlidingKvCache::new(LAYOUT, 4, 64, 8, Dtype::F32, device).unwrap()),
+        // A window shorter than the sequences: the ring wraps, old keys drop out.
+        Box::new(SlidingKvCache::new(LAYOUT, 4, 3, 2, Dtype::F32, device).unwrap()),
+        Box::new(PagedKvCache::new(LAYOUT, 16, 4, Dtype::F32, device).unwrap()),
+        Box::new(PagedKvCache::new(LAYOUT, 64, 1, Dtype::F32, device).unwrap()),
+    ]
+}
+
+fn conformance_on<B: Backend>(device: &B::Device) {
+    for mut cache in all_kinds::<B>(device) {
+        run_conformance(cache.as_mut(), device);
+    }
+}
+
+fn one(seq: u64, n: usize, start: u32) -> Batch {
+    let tokens: Vec<TokenId> = (0..n as u32).map(TokenId).collect();
+    Batch::single(SeqId(seq), &tokens, Position(start)).unwrap()
+}
+
+/// Out-of-space errors are typed and leave the cache usable.
+fn limits_on<B: Backend>(device: &B::Device) {
+    let mut cache = StaticKvCache::<B>::new(LAYOUT, 1, 4, Dtype::F32, device).unwrap();
+    cache.plan(&one(0, 3, 0)).unwrap();
+    assert_eq!(
+        cache.plan(&one(0, 2, 3)).unwrap_err(),
+        CacheError::SequenceTooLong {
+            seq: SeqId(0),
+            needed: 5,
+            max: 4
+        }
+    );
+    assert_eq!(
+        cache.plan(&one(1, 1, 0)).unwrap_err(),
+        CacheError::NoFreeSlot { max_sequences: 1 }
+    );
+    assert_eq!(
+        cache.seq_len(SeqId(0)),
+        3,
+        "a refused step reserves nothing"
+    );
+    cache.plan(&one(0, 1, 3)).unwrap();
+    cache.release(SeqId(0));
+    cache.plan(&one(1, 4, 0)).unwrap();
+
+    let mut paged = PagedKvCache::<B>::new(LAYOUT, 3, 2, Dtype::F32, device).unwrap();
+    paged.plan(&one(0, 3, 0)).unwrap();
+    // Seq 0's 4th token fits its second block; seq 1's 3 tokens need 2 blocks, 1 is free.
+    let mut two = one(1, 3, 0);
+    two.push(SeqId(0), &[TokenId(1)], Position(3)).unwrap();
+    assert_eq!(
+        paged.plan(&two).unwrap_err(),
+        CacheError::OutOfBlocks { needed: 2, free: 1 }
+    );
+    assert_eq!(
+        paged.pool().free_count(),
+        1,
+        "a refused step reserves nothing"
+    );
+    assert!(paged.check_append(SeqId(0), 1).is_ok());
+    paged.release(SeqId(0));
+    assert_eq!(paged.pool().free_count(), 3);
+    paged.plan(&one(1, 6, 0)).unwrap();
+    assert_eq!(paged.block_table(SeqId(1)).len(), 3);
+
+    let mut sliding = SlidingKvCache::<B>::new(LAYOUT, 1, 4, 2, Dtype::F32, device).unwrap();
+    sliding.plan(&one(0, 10, 0)).unwrap();
+    assert_eq!(
+        sliding.plan(&one(0, 3, 10)).unwrap_err(),
+        CacheError::StepTooLarge {
+            seq: SeqId(0),
+            tokens: 3,
+            max: 2
+        }
+    );
+
+    let mut dynamic = DynamicKvCache::<B>::new(LAYOUT, Dtype::F32, device);
+    dynamic.plan(&one(0, 100, 0)).unwrap();
+    dynamic.plan(&one(1, 3, 0)).unwrap();
+    assert!(dynamic.usage().capacity >= 2 * 100);
+}
+
+mod flex {
+    use super::*;
+    type B = burn::backend::Flex;
+
+    #[test]
+    fn conformance() {
+        conformance_on::<B>(&Default::default());
+    }
+
+    #[test]
+    fn limits() {
+        limits_on::<B>(&Default::default());
+    }
+}
+
+#[cfg(feature = "ndarray")]
+mod ndarray {
+    use super::*;
+    type B = burn::backend::NdArray;
+
+    #[test]
+    fn conformance() {
+        conformance_on::<B>(&Default::default());
+    }
+}
+
+#[cfg(feature = "wgpu")]
+mod wgpu {
+    use super::*;
+    type B = burn::backend::Wgpu;
+
+    #[test]
+    fn conformance() {
+        conformance_on::<B>(&Default::default());
+    }
+
+    #[test]
+    fn limits() {
+        limits_on::<B>(&Default::default());
+    }
+}

@@ -1,0 +1,77 @@
+//! The contract between the engine and any model: [`CausalLm`].
+
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+use crate::batch::Batch;
+use crate::dtype::Dtype;
+use crate::error::Result;
+use crate::kv_cache::{KvCache, KvLayout};
+
+/// The dimensions of a decoder-only model that the engine and the caches need.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelShape {
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads (`n_heads` without grouped-query attention).
+    pub n_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Vocabulary size: the width of the logits.
+    pub vocab: usize,
+    /// Largest position the model accepts plus one (its context length).
+    pub max_positions: usize,
+}
+
+impl ModelShape {
+    /// The per-layer K/V shape a cache for this model must hold.
+    pub fn kv_layout(&self) -> KvLayout {
+        KvLayout {
+            n_layers: self.n_layers,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+}
+
+/// Which positions of a batch a forward returns logits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// Every token: `[n_tokens, vocab]` (tests, scoring).
+    All,
+    /// The last token of each sequence, in packing order: `[n_sequences, vocab]` (generation).
+    LastOfEachSequence,
+}
+
+/// A causal language model the engine can drive.
+///
+/// The model never owns the cache: each forward appends the batch's K/V to `cache` and attends
+/// over what the cache holds for each sequence. Positions come from the batch.
+pub trait CausalLm<B: Backend> {
+    /// The model's dimensions.
+    fn shape(&self) -> ModelShape;
+
+    /// The precision the model computes in.
+    fn dtype(&self) -> Dtype;
+
+    /// The device the weights live on.
+    fn device(&self) -> B::Device;
+
+    /// One forward pass over a packed batch.
+    ///
+    /// # Shapes
+    /// - returns `[n_tokens, vocab]` for [`LogitsFor::All`], `[n_sequences, vocab]` for
+    ///   [`LogitsFor::LastOfEachSequence`]; always f32.
+    ///
+    /// # Errors
+    /// The cache's refusal (out of space) before any compute, or invalid input (token id
+    /// outside the vocabulary, position past the context).
+    fn forward(
+        &self,
+        batch: &Batch,
+        cache: &mut dyn KvCache<B>,
+        logits: LogitsFor,
+    ) -> Result<Tensor<B, 2>>;
+}

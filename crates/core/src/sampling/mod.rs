@@ -1,0 +1,197 @@
+//! Sampling: from a row of logits to the next token.
+//!
+//! A [`Sampler`] is a chain of [`LogitsProcessor`]s in a fixed order, then a selection:
+//!
+//! 1. penalties: [`RepetitionPenalty`] (Hugging Face semantics, over prompt and generated
+//!    tokens), then [`PresenceFrequencyPenalty`] (OpenAI semantics, over generated tokens);
+//! 2. [`Temperature`];
+//! 3. [`TopK`], 4. [`TopP`], 5. [`MinP`] (each as Hugging Face's warper of the same name);
+//! 6. select: argmax when the temperature is 0, else a draw from the softmax of what remains,
+//!    with the sampler's own seeded RNG (ChaCha8: same seed and logits, same tokens, on every
+//!    platform).
+//!
+//! This is transformers' order (`_get_logits_processor`), and the top-k/top-p/min-p filters
+//! see temperature-scaled logits, as there. Temperature 0 skips temperature, top-k, top-p and
+//! min-p (they cannot change the argmax) but not the penalties, as transformers' greedy search.
+
+mod candidates;
+mod history;
+mod params;
+mod processors;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+pub use candidates::Candidates;
+pub use history::TokenHistory;
+pub use params::{SamplingError, SamplingParams};
+pub use processors::{
+    LogitsProcessor, MinP, PresenceFrequencyPenalty, RepetitionPenalty, Temperature, TopK, TopP,
+};
+
+use crate::ids::TokenId;
+
+/// How the final token is picked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Selection {
+    /// The highest logit (lowest id among ties).
+    Greedy,
+    /// A draw from the softmax of the remaining candidates.
+    Multinomial,
+}
+
+/// Turns logits into tokens for one sequence. Owns its RNG, so sequences sampled in the same
+/// batch stay independent and reproducible.
+#[derive(Debug)]
+pub struct Sampler {
+    processors: Vec<Box<dyn LogitsProcessor>>,
+    selection: Selection,
+    vocab: usize,
+    rng: ChaCha8Rng,
+}
+
+impl Sampler {
+    /// The standard chain for `params` over a vocabulary of `vocab` tokens.
+    ///
+    /// # Errors
+    /// [`SamplingError::Invalid`] naming the first field out of range.
+    pub fn new(params: &SamplingParams, vocab: usize) -> Result<Self, SamplingError> {
+        params.validate()?;
+        let mut processors: Vec<Box<dyn LogitsProcessor>> = Vec::new();
+        if params.repetition_penalty != 1.0 {
+            processors.push(Box::new(RepetitionPenalty(params.repetition_penalty)));
+        }
+        if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+            processors.push(Box::new(PresenceFrequencyPenalty {
+                presence: params.presence_penalty,
+                frequency: params.frequency_penalty,
+            }));
+        }
+        let selection = if params.is_greedy() {
+            Selection::Greedy
+        } else {
+            if params.temperature != 1.0 {
+                processors.push(Box::new(Temperature(params.temperature)));
+            }
+            if params.top_k > 0 && params.top_k < vocab {
+                processors.push(Box::new(TopK(params.top_k)));
+            }
+            if params.top_p < 1.0 {
+                processors.push(Box::new(TopP(params.top_p)));
+            }
+            if params.min_p > 0.0 {
+                processors.push(Box::new(MinP(params.min_p)));
+            }
+            Selection::Multinomial
+        };
+        Ok(Self::with_processors(
+            processors,
+            selection,
+            vocab,
+            params.seed,
+        ))
+    }
+
+    /// A custom chain: `processors` run in the given order, then `selection`.
+    pub fn with_processors(
+        processors: Vec<Box<dyn LogitsProcessor>>,
+        selection: Selection,
+        vocab: usize,
+        seed: Option<u64>,
+    ) -> Self {
+        let seed = seed.unwrap_or_else(random_seed);
+        Self {
+            processors,
+            selection,
+            vocab,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+        }
+    }
+
+    /// Adds a processor at the end of the chain (before selection).
+    pub fn push_processor(&mut self, processor: Box<dyn LogitsProcessor>) {
+        self.processors.push(processor);
+    }
+
+    /// The processors' names, in order.
+    pub fn chain(&self) -> Vec<&'static str> {
+        self.processors.iter().map(|p| p.name()).collect()
+    }
+
+    /// How the token is picked.
+    pub fn selection(&self) -> Selection {
+        self.selection
+    }
+
+    /// The candidates after every processor: what selection chooses from.
+    ///
+    /// # Errors
+    /// [`SamplingError::VocabMismatch`] if `logits` is not one entry per vocabulary token.
+    pub fn candidates(
+        &self,
+        logits: &[f32],
+        history: &TokenHistory,
+    ) -> Result<Candidates, SamplingError> {
+        if logits.len() != self.vocab {
+            return Err(SamplingError::VocabMismatch {
+                got: logits.len(),
+                vocab: self.vocab,
+            });
+        }
+        let mut candidates = Candidates::from_logits(logits);
+        for processor in &self.processors {
+            processor.process(&mut candidates, history);
+        }
+        Ok(candidates)
+    }
+
+    /// Picks the next token.
+    ///
+    /// # Panics
+    /// If `logits` does not have one entry per vocabulary token; use [`Sampler::try_sample`]
+    /// for untrusted input.
+    pub fn sample(&mut self, logits: &[f32], history: &TokenHistory) -> TokenId {
+        self.try_sample(logits, history)
+            .expect("logits must have one entry per vocabulary token")
+    }
+
+    /// Picks the next token.
+    ///
+    /// # Errors
+    /// [`SamplingError::VocabMismatch`].
+    pub fn try_sample(
+        &mut self,
+        logits: &[f32],
+        history: &TokenHistory,
+    ) -> Result<TokenId, SamplingError> {
+        let candidates = self.candidates(logits, history)?;
+        Ok(match self.selection {
+            Selection::Greedy => candidates.ids()[candidates.argmax_index()],
+            Selection::Multinomial => {
+                let probs = candidates.probabilities();
+                let u: f64 = self.rng.random();
+                let mut cumulative = 0.0f64;
+                let mut pick = candidates.len() - 1;
+                for (i, p) in probs.iter().enumerate() {
+                    cumulative += f64::from(*p);
+                    if u < cumulative {
+                        pick = i;
+                        break;
+                    }
+                }
+                candidates.ids()[pick]
+            }
+        })
+    }
+}
+
+/// A seed from the OS's hashing entropy, for samplers created without one.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,198 @@
+//! [`SamplingParams`]: what a user asks for, validated before any token is drawn.
+
+use serde::{Deserialize, Serialize};
+
+/// Sampling settings of one sequence. The defaults change nothing: temperature 1, no
+/// truncation, no penalty, a random seed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// Divides the logits; 0 means greedy (argmax, no randomness).
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens (0 = off). Larger than the vocabulary is
+    /// clamped to it, as Hugging Face does.
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p`
+    /// (1 = off).
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one (0 = off).
+    pub min_p: f32,
+    /// Hugging Face / CTRL repetition penalty over prompt and generated tokens: a seen token's
+    /// logit is divided by it when positive, multiplied when negative (1 = off).
+    pub repetition_penalty: f32,
+    /// OpenAI presence penalty: subtracted once from the logit of every token generated so far
+    /// (0 = off).
+    pub presence_penalty: f32,
+    /// OpenAI frequency penalty: subtracted from a token's logit once per time it was
+    /// generated (0 = off).
+    pub frequency_penalty: f32,
+    /// Seed of this sequence's RNG; `None` draws one. Same seed, same logits: same tokens.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding: temperature 0, nothing else.
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
+    }
+
+    /// Whether decoding is deterministic argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// [`SamplingError::Invalid`] naming the first field out of range.
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        let invalid = |field: &'static str, value: f32, expected: &'static str| {
+            Err(SamplingError::Invalid {
+                field,
+                value: value.to_string(),
+                expected,
+            })
+        };
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return invalid("temperature", self.temperature, "a finite number >= 0");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return invalid("top_p", self.top_p, "a number in (0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return invalid("min_p", self.min_p, "a number in [0, 1]");
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return invalid(
+                "repetition_penalty",
+                self.repetition_penalty,
+                "a finite number > 0",
+            );
+        }
+        for (field, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&value) {
+                return invalid(field, value, "a number in [-2, 2] (OpenAI's range)");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Invalid sampling settings.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SamplingError {
+    /// A field is out of range.
+    #[error("invalid sampling parameter {field} = {value}: expected {expected}")]
+    Invalid {
+        /// The field's name, as on the command line (with `_`).
+        field: &'static str,
+        /// The value given.
+        value: String,
+        /// What is accepted.
+        expected: &'static str,
+    },
+    /// Logits of the wrong width.
+    #[error("logits have {got} entries, the vocabulary has {vocab}")]
+    VocabMismatch {
+        /// Entries given.
+        got: usize,
+        /// The sampler's vocabulary.
+        vocab: usize,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field_of(params: SamplingParams) -> &'static str {
+        match params.validate() {
+            Err(SamplingError::Invalid { field, .. }) => field,
+            other => panic!("expected an invalid field, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn nonsense_values_name_their_field() {
+        let base = SamplingParams::default;
+        assert_eq!(
+            field_of(SamplingParams {
+                temperature: -0.1,
+                ..base()
+            }),
+            "temperature"
+        );
+        assert_eq!(
+            field_of(SamplingParams {
+                temperature: f32::NAN,
+                ..base()
+            }),
+            "temperature"
+        );
+        assert_eq!(
+            field_of(SamplingParams {
+                top_p: 0.0,
+                ..base()
+            }),
+            "top_p"
+        );
+        assert_eq!(
+            field_of(SamplingParams {
+                top_p: 1.5,
+                ..base()
+            }),
+            "top_p"
+        );
+        assert_eq!(
+            field_of(SamplingParams {
+                min_p: -1.0,
+                ..base()
+            }),
+            "min_p"
+        );
+        assert_eq!(
+            field_of(SamplingParams {
+                repetition_penalty: 0.0,
+                ..base()
+            }),
+            "repetition_penalty"
+        );
+        assert_eq!(
+            field_of(SamplingParams {
+                presence_penalty: 3.0,
+                ..base()
+            }),
+            "presence_penalty"
+        );
+        assert_eq!(
+            field_of(SamplingParams {
+                frequency_penalty: f32::NAN,
+                ..base()
+            }),
+            "frequency_penalty"
+        );
+        assert!(base().validate().is_ok());
+        assert!(SamplingParams::greedy().validate().is_ok());
+    }
+}
