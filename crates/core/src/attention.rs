@@ -19,6 +19,8 @@
 //! `h / n_rep`).
 
 use burn::tensor::backend::Backend;
+
+use crate::backend::InferenceBackend;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData};
 
@@ -64,7 +66,7 @@ pub struct AttentionPlan<B: Backend> {
     unpermute: Option<Tensor<B, 1, Int>>,
 }
 
-impl<B: Backend> AttentionPlan<B> {
+impl<B: InferenceBackend> AttentionPlan<B> {
     /// Builds the masks and indices for `batch` from the cache's plan for it.
     ///
     /// # Panics
@@ -207,7 +209,7 @@ fn bool_tensor<B: Backend>(
 /// - `q`: `[n_tokens, n_heads, head_dim]`, RoPE applied
 /// - `k`, `v`: `[n_tokens, n_kv_heads, head_dim]`, RoPE applied to `k`
 /// - returns `[n_tokens, n_heads * head_dim]`, in batch order
-pub fn attend<B: Backend>(
+pub fn attend<B: InferenceBackend>(
     cache: &mut dyn KvCache<B>,
     layer: usize,
     plan: &AttentionPlan<B>,

@@ -1,7 +1,8 @@
 //! The contract between the engine and any model: [`CausalLm`].
 
 use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
+
+use crate::backend::InferenceBackend;
 
 use crate::batch::Batch;
 use crate::dtype::Dtype;
@@ -49,7 +50,7 @@ pub enum LogitsFor {
 ///
 /// The model never owns the cache: each forward appends the batch's K/V to `cache` and attends
 /// over what the cache holds for each sequence. Positions come from the batch.
-pub trait CausalLm<B: Backend> {
+pub trait CausalLm<B: InferenceBackend> {
     /// The model's dimensions.
     fn shape(&self) -> ModelShape;
 

@@ -197,7 +197,7 @@ fn tokens(ids: &[u32]) -> Vec<TokenId> {
 
 /// Two prompts packed into one prefill, then one decode step each, through a paged cache with
 /// grouped-query attention (4 query heads, 2 KV heads).
-fn cached_attention<B: Backend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
+fn cached_attention<B: InferenceBackend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
     let layout = KvLayout {
         n_layers: 1,
         n_kv_heads: 2,
@@ -233,7 +233,7 @@ fn cached_attention<B: Backend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> 
 }
 
 /// Writes two steps into a static cache and reads the row back.
-fn cache_roundtrip<B: Backend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
+fn cache_roundtrip<B: InferenceBackend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
     let layout = KvLayout {
         n_layers: 1,
         n_kv_heads: 2,

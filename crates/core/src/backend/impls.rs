@@ -14,6 +14,83 @@ impl InferenceBackend for burn::backend::Flex {
     fn inference_device() -> Self::Device {
         burn::backend::flex::FlexDevice
     }
+
+    fn write_in_place(
+        target: &mut burn::tensor::Tensor<Self, 4>,
+        ranges: [std::ops::Range<usize>; 4],
+        values: burn::tensor::Tensor<Self, 4>,
+    ) {
+        flex_write::write_in_place(target, ranges, values);
+    }
+}
+
+/// burn-flex 0.21's `slice_assign` always copies the whole destination: `slice_write_impl`
+/// shadows its argument with `tensor.to_contiguous()`, a second handle to the same buffer, so
+/// the copy-on-write in `storage_mut` fires even when the caller held the only one. The KV
+/// cache writes straight into the buffer instead when it is uniquely owned and contiguous.
+#[cfg(feature = "cpu")]
+mod flex_write {
+    use std::ops::Range;
+
+    use burn::backend::Flex;
+    use burn::backend::flex::FlexTensor;
+    use burn::tensor::{DType, Tensor, TensorPrimitive, bf16, f16};
+
+    pub(super) fn write_in_place(
+        target: &mut Tensor<Flex, 4>,
+        ranges: [Range<usize>; 4],
+        values: Tensor<Flex, 4>,
+    ) {
+        let device = target.device();
+        let owned = std::mem::replace(target, Tensor::empty([0; 4], &device));
+        let (TensorPrimitive::Float(mut dst), TensorPrimitive::Float(src)) =
+            (owned.into_primitive(), values.clone().into_primitive())
+        else {
+            unreachable!("float tensors have float primitives");
+        };
+        let written = match dst.dtype() {
+            DType::F32 => copy_block::<f32>(&mut dst, &ranges, &src),
+            DType::F16 => copy_block::<f16>(&mut dst, &ranges, &src),
+            DType::BF16 => copy_block::<bf16>(&mut dst, &ranges, &src),
+            _ => false,
+        };
+        *target = Tensor::from_primitive(TensorPrimitive::Float(dst));
+        if !written {
+            target.inplace(|t| t.slice_assign(ranges, values));
+        }
+    }
+
+    /// Copies `src` into the block `ranges` of `dst` when that block is one contiguous run
+    /// (full inner dims, one outer index) and `dst` is uniquely owned; returns whether it did.
+    fn copy_block<E: burn::tensor::Element + bytemuck::Pod>(
+        dst: &mut FlexTensor,
+        ranges: &[Range<usize>; 4],
+        src: &FlexTensor,
+    ) -> bool {
+        let shape = dst.layout().shape().clone();
+        let dims: Vec<usize> = shape.iter().copied().collect();
+        let contiguous = dst.is_contiguous() && dst.layout().start_offset() == 0;
+        let one_run =
+            ranges[0].len() == 1 && ranges[2] == (0..dims[2]) && ranges[3] == (0..dims[3]);
+        if !contiguous || !one_run || src.dtype() != dst.dtype() {
+            return false;
+        }
+        let src = src.to_contiguous();
+        let values: &[E] = &src.storage::<E>()[src.layout().start_offset()..];
+        let row = dims[2] * dims[3];
+        let start = (ranges[0].start * dims[1] + ranges[1].start) * row;
+        let len = ranges[1].len() * row;
+        if values.len() < len {
+            return false;
+        }
+        match dst.try_storage_mut::<E>() {
+            Some(storage) if storage.len() >= start + len => {
+                storage[start..start + len].copy_from_slice(&values[..len]);
+                true
+            }
+            _ => false,
+        }
+    }
 }
 
 /// burn-ndarray, kiln's `ndarray` backend.

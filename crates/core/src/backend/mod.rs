@@ -20,6 +20,9 @@ mod wgpu_probe;
 use std::fmt;
 use std::str::FromStr;
 
+use std::ops::Range;
+
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use crate::dtype::Dtype;
@@ -177,6 +180,21 @@ pub trait InferenceBackend: Backend {
                 dtype,
             })
         }
+    }
+
+    /// Writes `values` into `target[ranges]` without copying the rest of `target` (the KV
+    /// caches' append). The default hands `slice_assign` the only handle through
+    /// `Tensor::inplace`, which cubecl and ndarray honour; backends whose `slice_assign` copies
+    /// anyway override it.
+    ///
+    /// # Shapes
+    /// - `values`: the shape of the ranges
+    fn write_in_place(
+        target: &mut Tensor<Self, 4>,
+        ranges: [Range<usize>; 4],
+        values: Tensor<Self, 4>,
+    ) {
+        target.inplace(|t| t.slice_assign(ranges, values));
     }
 }
 

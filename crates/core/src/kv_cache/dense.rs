@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use burn::tensor::backend::Backend;
+use crate::backend::InferenceBackend;
 
 use super::plan::{FreshSpan, HistorySpan, Incoming, ReadPlan, StepPlan, WriteRun, incoming};
 use super::{CacheError, CacheKind, CacheUsage, KvLayout, SlotStorage};
@@ -33,7 +33,7 @@ struct DenseSeq {
 
 /// Storage plus the bookkeeping of which sequence owns which row.
 #[derive(Debug)]
-pub(crate) struct DenseCache<B: Backend> {
+pub(crate) struct DenseCache<B: InferenceBackend> {
     policy: Policy,
     storage: SlotStorage<B>,
     /// Free rows, lowest last (popped first).
@@ -41,7 +41,7 @@ pub(crate) struct DenseCache<B: Backend> {
     seqs: HashMap<SeqId, DenseSeq>,
 }
 
-impl<B: Backend> DenseCache<B> {
+impl<B: InferenceBackend> DenseCache<B> {
     pub fn new(
         policy: Policy,
         layout: KvLayout,
@@ -265,7 +265,7 @@ impl<B: Backend> DenseCache<B> {
 /// Implements [`super::CacheBook`] and [`super::KvCache`] for a newtype around [`DenseCache`].
 macro_rules! delegate_dense_cache {
     ($name:ident) => {
-        impl<B: Backend> $crate::kv_cache::CacheBook for $name<B> {
+        impl<B: InferenceBackend> $crate::kv_cache::CacheBook for $name<B> {
             fn kind(&self) -> $crate::kv_cache::CacheKind {
                 self.inner.kind()
             }
@@ -296,7 +296,7 @@ macro_rules! delegate_dense_cache {
             }
         }
 
-        impl<B: Backend> $crate::kv_cache::KvCache<B> for $name<B> {
+        impl<B: InferenceBackend> $crate::kv_cache::KvCache<B> for $name<B> {
             fn plan(
                 &mut self,
                 batch: &$crate::batch::Batch,

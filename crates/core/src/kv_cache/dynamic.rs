@@ -1,6 +1,6 @@
 //! [`DynamicKvCache`]: grows as tokens and sequences arrive.
 
-use burn::tensor::backend::Backend;
+use crate::backend::InferenceBackend;
 
 use super::KvLayout;
 use super::dense::{DenseCache, Policy, delegate_dense_cache};
@@ -10,11 +10,11 @@ use crate::dtype::Dtype;
 /// holds (amortised O(1) per token, like `Vec`). It never refuses a step; its memory is bounded
 /// only by the device.
 #[derive(Debug)]
-pub struct DynamicKvCache<B: Backend> {
+pub struct DynamicKvCache<B: InferenceBackend> {
     inner: DenseCache<B>,
 }
 
-impl<B: Backend> DynamicKvCache<B> {
+impl<B: InferenceBackend> DynamicKvCache<B> {
     /// Rows and slots allocated before the first step.
     pub const INITIAL_ROWS: usize = 1;
     /// Slots per row allocated before the first step.

@@ -33,7 +33,8 @@ use std::fmt;
 use std::str::FromStr;
 
 use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
+
+use crate::backend::InferenceBackend;
 
 pub use dynamic::DynamicKvCache;
 pub use paged::{BlockPool, DEFAULT_BLOCK_SIZE, PagedKvCache};
@@ -215,7 +216,7 @@ pub trait CacheBook {
 }
 
 /// Attention's view of a cache.
-pub trait KvCache<B: Backend>: CacheBook {
+pub trait KvCache<B: InferenceBackend>: CacheBook {
     /// Reserves room for every new token of `batch`, records their positions, and says where
     /// they go and what each sequence attends over. Atomic: on error nothing changes.
     ///

@@ -1,6 +1,6 @@
 //! [`SlidingKvCache`]: keeps the last `window` tokens of each sequence.
 
-use burn::tensor::backend::Backend;
+use crate::backend::InferenceBackend;
 
 use super::dense::{DenseCache, Policy, delegate_dense_cache};
 use super::{CacheError, KvLayout};
@@ -17,11 +17,11 @@ use crate::dtype::Dtype;
 /// ([`CacheError::StepTooLarge`] asks the caller to chunk); a fresh prompt of any length runs in
 /// one step, since it attends over its own new K/V directly.
 #[derive(Debug)]
-pub struct SlidingKvCache<B: Backend> {
+pub struct SlidingKvCache<B: InferenceBackend> {
     inner: DenseCache<B>,
 }
 
-impl<B: Backend> SlidingKvCache<B> {
+impl<B: InferenceBackend> SlidingKvCache<B> {
     /// A cache of `max_sequences` rings for attention window `window`, accepting up to
     /// `max_step` new tokens per step for a sequence with history.
     ///

@@ -1,6 +1,6 @@
 //! [`StaticKvCache`]: preallocated to a maximum length, written in place (gpt-fast's cache).
 
-use burn::tensor::backend::Backend;
+use crate::backend::InferenceBackend;
 
 use super::dense::{DenseCache, Policy, delegate_dense_cache};
 use super::{CacheError, KvLayout};
@@ -9,11 +9,11 @@ use crate::dtype::Dtype;
 /// `max_sequences` rows of `max_len` slots per layer, allocated once. A token at index `i` of
 /// its sequence goes to slot `i` of the sequence's row; nothing is ever copied or moved.
 #[derive(Debug)]
-pub struct StaticKvCache<B: Backend> {
+pub struct StaticKvCache<B: InferenceBackend> {
     inner: DenseCache<B>,
 }
 
-impl<B: Backend> StaticKvCache<B> {
+impl<B: InferenceBackend> StaticKvCache<B> {
     /// Allocates `max_sequences x max_len` token slots per layer.
     ///
     /// # Errors

@@ -3,6 +3,8 @@
 use std::ops::Range;
 
 use burn::tensor::backend::Backend;
+
+use crate::backend::InferenceBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use super::KvLayout;
@@ -14,7 +16,7 @@ use crate::dtype::Dtype;
 /// A *target* is a sequence's row (dense caches) or a block (paged cache); a *slot* is a
 /// token's place in it. Token-major slots make a write a plain slice of the packed K/V.
 #[derive(Debug)]
-pub struct SlotStorage<B: Backend> {
+pub struct SlotStorage<B: InferenceBackend> {
     layout: KvLayout,
     dtype: Dtype,
     device: B::Device,
@@ -45,7 +47,7 @@ pub enum ReadIndex<B: Backend> {
     },
 }
 
-impl<B: Backend> ReadIndex<B> {
+impl<B: InferenceBackend> ReadIndex<B> {
     /// Uploads a read plan; `None` when there is nothing to read.
     pub fn new(plan: &ReadPlan, device: &B::Device) -> Option<Self> {
         match plan {
@@ -76,7 +78,7 @@ pub(crate) fn int_tensor<B: Backend>(
     Tensor::from_data(TensorData::new(values, [len]), device)
 }
 
-impl<B: Backend> SlotStorage<B> {
+impl<B: InferenceBackend> SlotStorage<B> {
     /// Zero-filled storage for `targets` targets of `slots` slots each.
     pub fn new(
         layout: KvLayout,
@@ -162,17 +164,13 @@ impl<B: Backend> SlotStorage<B> {
         for tensor in self.k.iter_mut().chain(self.v.iter_mut()) {
             let bigger = Self::zeros(layout, targets, slots, dtype, &device);
             let old = std::mem::replace(tensor, bigger);
-            tensor.inplace(|t| {
-                t.slice_assign(
-                    [
-                        0..old_targets,
-                        0..old_slots,
-                        0..layout.n_kv_heads,
-                        0..layout.head_dim,
-                    ],
-                    old,
-                )
-            });
+            let ranges = [
+                0..old_targets,
+                0..old_slots,
+                0..layout.n_kv_heads,
+                0..layout.head_dim,
+            ];
+            B::write_in_place(tensor, ranges, old);
         }
         self.targets = targets;
         self.slots = slots;
@@ -192,14 +190,11 @@ impl<B: Backend> SlotStorage<B> {
                     .slice([run.tokens.clone()])
                     .unsqueeze_dim::<4>(0);
                 let slots: Range<usize> = run.slot..run.slot + run.tokens.len();
-                // `inplace` hands slice_assign the only handle, so backends write in place
-                // instead of copying the whole layer (burn copies when a handle is shared).
-                store.inplace(|s| {
-                    s.slice_assign(
-                        [run.target..run.target + 1, slots, 0..heads, 0..dim],
-                        values,
-                    )
-                });
+                B::write_in_place(
+                    store,
+                    [run.target..run.target + 1, slots, 0..heads, 0..dim],
+                    values,
+                );
             }
         }
     }

@@ -6,6 +6,8 @@
 use std::collections::HashMap;
 
 use burn::tensor::backend::Backend;
+
+use crate::backend::InferenceBackend;
 use burn::tensor::{Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -86,7 +88,7 @@ fn attend_host(q: &[f32], keys: &[(&[f32], &[f32])]) -> Vec<f32> {
 }
 
 /// Runs the scenario through `cache` and checks every attention output against the host.
-fn run_conformance<B: Backend>(cache: &mut dyn KvCache<B>, device: &B::Device) {
+fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::Device) {
     let window = cache.window();
     let (hkv, d) = (LAYOUT.n_kv_heads, LAYOUT.head_dim);
     let n_rep = N_HEADS / hkv;
@@ -178,7 +180,7 @@ fn run_conformance<B: Backend>(cache: &mut dyn KvCache<B>, device: &B::Device) {
     assert_eq!(cache.usage().used, 0);
 }
 
-fn all_kinds<B: Backend>(device: &B::Device) -> Vec<Box<dyn KvCache<B>>> {
+fn all_kinds<B: InferenceBackend>(device: &B::Device) -> Vec<Box<dyn KvCache<B>>> {
     vec![
         Box::new(StaticKvCache::new(LAYOUT, 4, 32, Dtype::F32, device).unwrap()),
         Box::new(DynamicKvCache::new(LAYOUT, Dtype::F32, device)),
@@ -191,7 +193,7 @@ fn all_kinds<B: Backend>(device: &B::Device) -> Vec<Box<dyn KvCache<B>>> {
     ]
 }
 
-fn conformance_on<B: Backend>(device: &B::Device) {
+fn conformance_on<B: InferenceBackend>(device: &B::Device) {
     for mut cache in all_kinds::<B>(device) {
         run_conformance(cache.as_mut(), device);
     }
@@ -203,7 +205,7 @@ fn one(seq: u64, n: usize, start: u32) -> Batch {
 }
 
 /// Out-of-space errors are typed and leave the cache usable.
-fn limits_on<B: Backend>(device: &B::Device) {
+fn limits_on<B: InferenceBackend>(device: &B::Device) {
     let mut cache = StaticKvCache::<B>::new(LAYOUT, 1, 4, Dtype::F32, device).unwrap();
     cache.plan(&one(0, 3, 0)).unwrap();
     assert_eq!(

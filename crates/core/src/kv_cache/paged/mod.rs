@@ -5,7 +5,7 @@ mod block_pool;
 
 use std::collections::HashMap;
 
-use burn::tensor::backend::Backend;
+use crate::backend::InferenceBackend;
 
 pub use block_pool::BlockPool;
 
@@ -29,13 +29,13 @@ struct PagedSeq {
 /// one and many short ones fit in the same pool. Running out of blocks is a recoverable
 /// [`CacheError::OutOfBlocks`]: the scheduler preempts a sequence and retries.
 #[derive(Debug)]
-pub struct PagedKvCache<B: Backend> {
+pub struct PagedKvCache<B: InferenceBackend> {
     storage: SlotStorage<B>,
     pool: BlockPool,
     seqs: HashMap<SeqId, PagedSeq>,
 }
 
-impl<B: Backend> PagedKvCache<B> {
+impl<B: InferenceBackend> PagedKvCache<B> {
     /// A pool of `n_blocks` blocks of `block_size` tokens.
     ///
     /// # Errors
@@ -82,7 +82,7 @@ impl<B: Backend> PagedKvCache<B> {
     }
 }
 
-impl<B: Backend> CacheBook for PagedKvCache<B> {
+impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
     fn kind(&self) -> CacheKind {
         CacheKind::Paged
     }
@@ -126,7 +126,7 @@ impl<B: Backend> CacheBook for PagedKvCache<B> {
     }
 }
 
-impl<B: Backend> KvCache<B> for PagedKvCache<B> {
+impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
     fn plan(&mut self, batch: &Batch) -> Result<StepPlan, CacheError> {
         let incoming = incoming(batch, |seq| self.seq_len(seq));
         let needed: usize = incoming

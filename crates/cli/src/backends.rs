@@ -1,0 +1,19 @@
+//! `kiln backends`: every backend kiln knows, whether it is compiled in and can run here.
+
+use kiln_core::backend::{Availability, BackendKind};
+
+pub fn run() -> anyhow::Result<()> {
+    println!("{:<8} {:<12} details", "backend", "status");
+    for kind in BackendKind::ALL {
+        let (status, details) = match kind.probe() {
+            Availability::Available { device } => ("available", device),
+            Availability::Unavailable { reason } => ("unavailable", reason),
+            Availability::NotCompiled => (
+                "not built",
+                format!("rebuild with the cargo feature `{kind}`"),
+            ),
+        };
+        println!("{:<8} {:<12} {details}", kind.name(), status);
+    }
+    Ok(())
+}
