@@ -25,6 +25,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    quiet_headless_vulkan();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(err) => {
@@ -38,4 +39,14 @@ fn main() -> ExitCode {
         Command::Selftest(args) => selftest::run(&args),
     };
     exit::report(result)
+}
+
+/// Mesa's Vulkan drivers look for a Wayland display while probing and print
+/// "XDG_RUNTIME_DIR is invalid or not set" twice on headless machines; pointing the variable at
+/// an existing directory silences them and changes nothing else.
+fn quiet_headless_vulkan() {
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        // SAFETY: called first thing in main, before any other thread exists.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
+    }
 }
