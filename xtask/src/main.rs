@@ -1,1 +1,79 @@
-fn main() {}
+//! `cargo xtask <task>`: kiln's chores, in Rust so they run wherever cargo does.
+//!
+//! - `test`: the README's test command. Makes sure a Vulkan driver is there for the wgpu tests
+//!   (installs Mesa's lavapipe with apt-get when run as root on Debian/Ubuntu), then runs the
+//!   whole workspace's tests in release mode (numeric tests crawl without optimisation).
+//! - `references`: regenerates the expected values that come from Hugging Face transformers
+//!   (needs `python3` with `torch` and `transformers`).
+
+mod system;
+
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+const USAGE: &str = "usage: cargo xtask <test|references> [args passed on to cargo test]";
+
+fn main() -> Result<()> {
+    let mut args = std::env::args().skip(1);
+    let task = args.next().unwrap_or_default();
+    let rest: Vec<String> = args.collect();
+    match task.as_str() {
+        "test" => test(&rest),
+        "references" => references(),
+        "" | "help" | "--help" | "-h" => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        other => bail!("unknown task `{other}`\n{USAGE}"),
+    }
+}
+
+fn test(extra: &[String]) -> Result<()> {
+    system::ensure_vulkan_driver()?;
+    run(Command::new(cargo())
+        .args(["test", "--workspace", "--release", "--locked"])
+        .args(extra))
+}
+
+fn references() -> Result<()> {
+    let root = workspace_root();
+    let script = root.join("scripts/reference/sampling_reference.py");
+    let out = root.join("crates/core/tests/fixtures/sampling_hf.json");
+    let output = Command::new("python3")
+        .arg(&script)
+        .output()
+        .context("running python3 (install it with torch and transformers)")?;
+    if !output.status.success() {
+        bail!(
+            "{} failed:\n{}",
+            script.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    std::fs::write(&out, output.stdout).with_context(|| format!("writing {}", out.display()))?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+fn cargo() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+}
+
+fn workspace_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace root")
+        .to_path_buf()
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd
+        .current_dir(workspace_root())
+        .status()
+        .with_context(|| format!("starting {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed with {status}");
+    }
+    Ok(())
+}

@@ -1,5 +1,7 @@
 //! The `kiln` binary as a user runs it.
 
+#![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
+
 use std::process::{Command, Output};
 
 fn kiln(args: &[&str]) -> Output {

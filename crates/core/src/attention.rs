@@ -80,7 +80,7 @@ impl<B: InferenceBackend> AttentionPlan<B> {
         device: &B::Device,
     ) -> Self {
         assert!(
-            n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+            n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
             "n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})"
         );
         let n_rep = n_heads / n_kv_heads;

@@ -6,6 +6,8 @@
 //! A counting global allocator is used, so this runs on the CPU backends, whose tensors live
 //! on the heap; `benches/kv_cache.rs` shows the same on every backend as time per append.
 
+#![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 

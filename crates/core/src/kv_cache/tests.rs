@@ -41,11 +41,14 @@ fn scenario() -> Vec<Step> {
     ]
 }
 
+/// One stored token on the host: its position, K and V (all KV heads).
+type HostToken = (u32, Vec<f32>, Vec<f32>);
+
 /// Host reference: every K/V each sequence has seen, per layer.
 #[derive(Default)]
 struct Reference {
-    /// seq -> layer -> (position, k, v) per token
-    history: HashMap<u64, Vec<Vec<(u32, Vec<f32>, Vec<f32>)>>>,
+    /// seq -> layer -> tokens
+    history: HashMap<u64, Vec<Vec<HostToken>>>,
 }
 
 struct Rand(ChaCha8Rng);
