@@ -32,6 +32,7 @@ pub mod ids;
 pub mod kv_cache;
 pub mod model;
 pub mod sampling;
+#[cfg(feature = "cpu")]
 pub mod selftest;
 
 pub use backend::{BackendKind, InferenceBackend};

@@ -36,11 +36,9 @@ impl Check {
 }
 
 /// The reference backend every other backend is compared with.
-#[cfg(feature = "cpu")]
 pub type Reference = burn::backend::Flex;
 
 /// Runs every check on `B`, comparing with [`Reference`].
-#[cfg(feature = "cpu")]
 pub fn run<B: InferenceBackend>(device: &B::Device) -> Vec<Check> {
     let reference = <Reference as InferenceBackend>::inference_device();
     vec![

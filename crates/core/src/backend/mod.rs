@@ -111,6 +111,7 @@ impl BackendKind {
     }
 }
 
+#[cfg(any(feature = "cpu", feature = "ndarray"))]
 fn cpu_description(backend: &str) -> String {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     format!("{backend} on the host CPU ({threads} threads)")
@@ -225,12 +226,22 @@ pub fn run_on<T: BackendTask>(kind: BackendKind, task: T) -> Result<T::Output> {
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => Ok(run_with::<impls::CudaBackend, T>(task)),
         #[allow(unreachable_patterns)]
-        _ => Err(CoreError::BackendNotCompiled { kind }),
+        _ => {
+            drop(task);
+            Err(CoreError::BackendNotCompiled { kind })
+        }
     }
 }
 
+#[cfg(any(
+    feature = "cpu",
+    feature = "ndarray",
+    feature = "wgpu",
+    feature = "cuda"
+))]
 fn run_with<B: InferenceBackend, T: BackendTask>(task: T) -> T::Output {
     task.run::<B>(B::inference_device())
 }
 
+#[allow(unused_imports)] // empty when no backend feature is on
 pub use impls::*;

@@ -1,0 +1,189 @@
+//! [`TransformerConfig`]: the validated run-time description of a model, shared by GPT-2 and
+//! Llama. The files' own formats (HF `config.json`, Meta `params.json`, GGUF metadata) are
+//! parsed in their modules and converted into this.
+
+use kiln_core::{ModelShape, TokenId};
+
+/// Which family a model belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// GPT-2: learned positions, LayerNorm, GELU (tanh), fused QKV with biases.
+    Gpt2,
+    /// Llama 3 / 3.1 / 3.2: RoPE, RMSNorm, SwiGLU, grouped-query attention.
+    Llama,
+}
+
+impl Architecture {
+    /// The name shown to users.
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::Gpt2 => "gpt2",
+            Architecture::Llama => "llama",
+        }
+    }
+}
+
+/// The normalisation layers use.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum NormKind {
+    /// Mean and variance, with a bias (GPT-2).
+    LayerNorm,
+    /// Root mean square, no bias (Llama).
+    RmsNorm,
+}
+
+/// How positions enter the model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PositionKind {
+    /// A learned embedding per position, added to the token embedding (GPT-2).
+    Learned,
+    /// Rotary embeddings on queries and keys (Llama).
+    Rope(RopeConfig),
+}
+
+/// Rotary position embedding parameters, in Hugging Face's rotate-half layout.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeConfig {
+    /// The base of the frequencies (`rope_theta`).
+    pub theta: f32,
+    /// Llama 3.1's frequency scaling, if any.
+    pub llama3_scaling: Option<Llama3Scaling>,
+}
+
+/// The `llama3` `rope_type` of Llama 3.1 and 3.2.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3Scaling {
+    /// How much low frequencies are slowed (8 for 3.1, 32 for 3.2 1B/3B).
+    pub factor: f32,
+    /// Wavelengths above `original / low_freq_factor` are fully scaled.
+    pub low_freq_factor: f32,
+    /// Wavelengths below `original / high_freq_factor` are kept.
+    pub high_freq_factor: f32,
+    /// The context length the model was pre-trained with.
+    pub original_max_positions: usize,
+}
+
+/// The feed-forward block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlpKind {
+    /// `down(gelu_tanh(up(x)))` (GPT-2's `gelu_new`).
+    GeluTanh,
+    /// `down(silu(gate(x)) * up(x))` (Llama).
+    SwiGlu,
+}
+
+/// Everything the shared transformer needs to know about a model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransformerConfig {
+    /// The family.
+    pub architecture: Architecture,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Hidden width.
+    pub d_model: usize,
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads.
+    pub n_kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// Width of the feed-forward hidden layer.
+    pub d_ff: usize,
+    /// Context length: positions must be below it.
+    pub max_positions: usize,
+    /// Normalisation.
+    pub norm: NormKind,
+    /// Normalisation epsilon.
+    pub norm_eps: f64,
+    /// Position encoding.
+    pub positions: PositionKind,
+    /// Feed-forward block.
+    pub mlp: MlpKind,
+    /// Whether Q, K, V and the output projection have biases.
+    pub attention_bias: bool,
+    /// Whether the feed-forward projections have biases.
+    pub mlp_bias: bool,
+    /// Whether the output head reuses the token embedding.
+    pub tied_head: bool,
+    /// Beginning-of-sequence token, if the model has one.
+    pub bos: Option<TokenId>,
+    /// End-of-sequence tokens (Llama-3 instruct has several).
+    pub eos: Vec<TokenId>,
+}
+
+impl TransformerConfig {
+    /// What the engine and caches need.
+    pub fn shape(&self) -> ModelShape {
+        ModelShape {
+            n_layers: self.n_layers,
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            vocab: self.vocab,
+            max_positions: self.max_positions,
+        }
+    }
+
+    /// Checks the dimensions agree with each other.
+    ///
+    /// # Errors
+    /// A description of the first inconsistency.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("vocab", self.vocab),
+            ("d_model", self.d_model),
+            ("n_layers", self.n_layers),
+            ("n_heads", self.n_heads),
+            ("n_kv_heads", self.n_kv_heads),
+            ("head_dim", self.head_dim),
+            ("d_ff", self.d_ff),
+            ("max_positions", self.max_positions),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("{name} must be positive"));
+        }
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return Err(format!(
+                "n_heads ({}) must be a multiple of n_kv_heads ({})",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if matches!(self.positions, PositionKind::Rope(_)) && self.head_dim % 2 != 0 {
+            return Err(format!(
+                "RoPE needs an even head_dim, got {}",
+                self.head_dim
+            ));
+        }
+        if let Some(bad) = self
+            .eos
+            .iter()
+            .chain(&self.bos)
+            .find(|t| t.0 as usize >= self.vocab)
+        {
+            return Err(format!(
+                "special token {bad} is outside the vocabulary of {}",
+                self.vocab
+            ));
+        }
+        Ok(())
+    }
+
+    /// Parameter count (embeddings included once when tied).
+    pub fn parameters(&self) -> usize {
+        let attn = self.d_model * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+            + self.n_heads * self.head_dim * self.d_model;
+        let mlp = match self.mlp {
+            MlpKind::GeluTanh => 2 * self.d_model * self.d_ff,
+            MlpKind::SwiGlu => 3 * self.d_model * self.d_ff,
+        };
+        let embed = self.vocab * self.d_model;
+        let head = if self.tied_head { 0 } else { embed };
+        let positions = match self.positions {
+            PositionKind::Learned => self.max_positions * self.d_model,
+            PositionKind::Rope(_) => 0,
+        };
+        embed + head + positions + self.n_layers * (attn + mlp)
+    }
+}

@@ -1,0 +1,81 @@
+//! Self-attention: projections, RoPE where configured, then kiln-core's cached attention.
+
+use burn::tensor::Tensor;
+use kiln_core::InferenceBackend;
+use kiln_core::attention::{AttentionPlan, attend};
+use kiln_core::kv_cache::KvCache;
+
+use super::linear::Linear;
+use super::rope::RopeTables;
+
+/// The Q, K and V projections: fused (GPT-2's `c_attn`) or separate (Llama).
+#[derive(Debug, Clone)]
+pub enum QkvProjection<B: InferenceBackend> {
+    /// One `[d_model, (n_heads + 2 n_kv_heads) head_dim]` matrix, split after.
+    Fused(Linear<B>),
+    /// Three matrices.
+    Split {
+        /// `[d_model, n_heads head_dim]`
+        q: Linear<B>,
+        /// `[d_model, n_kv_heads head_dim]`
+        k: Linear<B>,
+        /// `[d_model, n_kv_heads head_dim]`
+        v: Linear<B>,
+    },
+}
+
+/// One attention layer.
+#[derive(Debug, Clone)]
+pub struct Attention<B: InferenceBackend> {
+    /// Q, K, V.
+    pub qkv: QkvProjection<B>,
+    /// `[n_heads head_dim, d_model]`
+    pub out: Linear<B>,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads.
+    pub n_kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+}
+
+impl<B: InferenceBackend> Attention<B> {
+    /// # Shapes
+    /// - `x`: `[n_tokens, d_model]` → `[n_tokens, d_model]`
+    pub fn forward(
+        &self,
+        x: Tensor<B, 2>,
+        layer: usize,
+        cache: &mut dyn KvCache<B>,
+        plan: &AttentionPlan<B>,
+        rope: Option<&RopeTables<B>>,
+    ) -> Tensor<B, 2> {
+        let n = x.dims()[0];
+        let (hd, q_width, kv_width) = (
+            self.head_dim,
+            self.n_heads * self.head_dim,
+            self.n_kv_heads * self.head_dim,
+        );
+        let (q, k, v) = match &self.qkv {
+            QkvProjection::Fused(proj) => {
+                let qkv = proj.forward(x);
+                (
+                    qkv.clone().slice([0..n, 0..q_width]),
+                    qkv.clone().slice([0..n, q_width..q_width + kv_width]),
+                    qkv.slice([0..n, q_width + kv_width..q_width + 2 * kv_width]),
+                )
+            }
+            QkvProjection::Split { q, k, v } => {
+                (q.forward(x.clone()), k.forward(x.clone()), v.forward(x))
+            }
+        };
+        let q = q.reshape([n, self.n_heads, hd]);
+        let k = k.reshape([n, self.n_kv_heads, hd]);
+        let v = v.reshape([n, self.n_kv_heads, hd]);
+        let (q, k) = match rope {
+            Some(rope) => (rope.apply(q), rope.apply(k)),
+            None => (q, k),
+        };
+        self.out.forward(attend(cache, layer, plan, q, k, v))
+    }
+}

@@ -1,0 +1,41 @@
+//! The feed-forward block: GELU (tanh) for GPT-2, SwiGLU for Llama.
+
+use burn::tensor::Tensor;
+use burn::tensor::activation::{gelu_approximate, silu};
+use burn::tensor::backend::Backend;
+
+use super::linear::Linear;
+
+/// A feed-forward block.
+#[derive(Debug, Clone)]
+pub enum Mlp<B: Backend> {
+    /// `down(gelu_tanh(up(x)))`
+    GeluTanh {
+        /// `[d_model, d_ff]`
+        up: Linear<B>,
+        /// `[d_ff, d_model]`
+        down: Linear<B>,
+    },
+    /// `down(silu(gate(x)) * up(x))`
+    SwiGlu {
+        /// `[d_model, d_ff]`
+        gate: Linear<B>,
+        /// `[d_model, d_ff]`
+        up: Linear<B>,
+        /// `[d_ff, d_model]`
+        down: Linear<B>,
+    },
+}
+
+impl<B: Backend> Mlp<B> {
+    /// # Shapes
+    /// - `x`: `[n, d_model]` → `[n, d_model]`
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        match self {
+            Mlp::GeluTanh { up, down } => down.forward(gelu_approximate(up.forward(x))),
+            Mlp::SwiGlu { gate, up, down } => {
+                down.forward(silu(gate.forward(x.clone())) * up.forward(x))
+            }
+        }
+    }
+}

@@ -1,0 +1,59 @@
+//! LayerNorm and RMSNorm, computed in f32 whatever the model's dtype (as transformers does for
+//! RMSNorm, and as PyTorch's CPU kernels accumulate LayerNorm).
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, Tensor};
+
+use crate::config::NormKind;
+
+/// A normalisation layer.
+#[derive(Debug, Clone)]
+pub struct Norm<B: Backend> {
+    /// Which normalisation.
+    pub kind: NormKind,
+    /// Scale. `[d_model]`
+    pub gamma: Tensor<B, 1>,
+    /// Shift (LayerNorm only). `[d_model]`
+    pub beta: Option<Tensor<B, 1>>,
+    /// Added to the variance.
+    pub eps: f64,
+}
+
+impl<B: Backend> Norm<B> {
+    /// # Shapes
+    /// - `x`: `[n, d_model]` → `[n, d_model]`, in `x`'s dtype
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let dtype = FloatDType::from(x.dtype());
+        let x32 = x.cast(FloatDType::F32);
+        let normed = match self.kind {
+            NormKind::RmsNorm => {
+                let rms = x32
+                    .clone()
+                    .powi_scalar(2)
+                    .mean_dim(1)
+                    .add_scalar(self.eps)
+                    .sqrt();
+                x32 / rms
+            }
+            NormKind::LayerNorm => {
+                let mean = x32.clone().mean_dim(1);
+                let centered = x32 - mean;
+                let var = centered.clone().powi_scalar(2).mean_dim(1);
+                centered / var.add_scalar(self.eps).sqrt()
+            }
+        };
+        // transformers' RMSNorm casts back before scaling: weight * hidden.to(input_dtype).
+        let scaled = match self.kind {
+            NormKind::RmsNorm => normed.cast(dtype) * self.gamma.clone().unsqueeze_dim(0),
+            NormKind::LayerNorm => {
+                let y = normed * self.gamma.clone().cast(FloatDType::F32).unsqueeze_dim(0);
+                let y = match &self.beta {
+                    Some(b) => y + b.clone().cast(FloatDType::F32).unsqueeze_dim(0),
+                    None => y,
+                };
+                y.cast(dtype)
+            }
+        };
+        scaled
+    }
+}

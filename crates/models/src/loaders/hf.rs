@@ -1,0 +1,179 @@
+//! Hugging Face folders: `config.json`, `model.safetensors` or shards with
+//! `model.safetensors.index.json`, `tokenizer.json` (or GPT-2's `vocab.json` + `merges.txt`),
+//! `generation_config.json` (EOS ids), `tokenizer_config.json` (BOS handling, chat template).
+
+use std::path::Path;
+
+use kiln_core::InferenceBackend;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use super::{GenerationSettings, LoadOptions, LoadedModel, ModelFormat};
+use crate::config::{Architecture, TransformerConfig};
+use crate::error::{ModelError, Result};
+use crate::gpt2::Gpt2HfConfig;
+use crate::llama::{LlamaHfConfig, LlamaNames, token_ids};
+use crate::tokenizer::TextTokenizer;
+use crate::weights::{SafetensorsSource, TensorSource, read_text};
+use crate::{gpt2, llama};
+
+fn read_json(path: &Path) -> Result<Value> {
+    serde_json::from_str(&read_text(path)?)
+        .map_err(|e| ModelError::config(path, format!("invalid JSON: {e}")))
+}
+
+fn parse<T: DeserializeOwned>(value: Value, path: &Path) -> Result<T> {
+    serde_json::from_value(value).map_err(|e| ModelError::config(path, e.to_string()))
+}
+
+/// Reads and validates `config.json`.
+pub(super) fn read_config(dir: &Path) -> Result<TransformerConfig> {
+    let path = dir.join("config.json");
+    let value = read_json(&path)?;
+    let model_type = value
+        .get("model_type")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    let architecture = value
+        .get("architectures")
+        .and_then(|a| a.get(0))
+        .and_then(Value::as_str)
+        .unwrap_or(model_type)
+        .to_string();
+    match model_type {
+        "gpt2" => parse::<Gpt2HfConfig>(value, &path)?.to_config(&path),
+        "llama" => parse::<LlamaHfConfig>(value, &path)?.to_config(&path),
+        _ => Err(ModelError::UnsupportedArchitecture {
+            path,
+            architecture: if architecture.is_empty() {
+                "(no model_type)".into()
+            } else {
+                architecture
+            },
+        }),
+    }
+}
+
+fn weights(dir: &Path) -> Result<SafetensorsSource> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        return SafetensorsSource::open_index(&index);
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return SafetensorsSource::open(&single);
+    }
+    Err(ModelError::MissingFile {
+        path: single,
+        what: "weights (model.safetensors or model.safetensors.index.json)",
+    })
+}
+
+fn tokenizer(dir: &Path) -> Result<Option<TextTokenizer>> {
+    let json = dir.join("tokenizer.json");
+    if json.exists() {
+        return TextTokenizer::from_tokenizer_json(&json).map(Some);
+    }
+    let (vocab, merges) = (dir.join("vocab.json"), dir.join("merges.txt"));
+    if vocab.exists() && merges.exists() {
+        return TextTokenizer::from_vocab_merges(&vocab, &merges).map(Some);
+    }
+    Ok(None)
+}
+
+/// EOS ids: `generation_config.json` wins over `config.json` (instruct models list several
+/// there); BOS and whether to add it from `tokenizer_config.json`.
+fn generation_settings(
+    dir: &Path,
+    config: &TransformerConfig,
+    tokenizer: Option<&TextTokenizer>,
+) -> Result<(GenerationSettings, Option<String>)> {
+    let mut settings = GenerationSettings {
+        bos: config.bos,
+        eos: config.eos.clone(),
+        add_bos: false,
+    };
+    let generation = dir.join("generation_config.json");
+    if generation.exists() {
+        let value = read_json(&generation)?;
+        let eos = token_ids(value.get("eos_token_id"));
+        if !eos.is_empty() {
+            settings.eos = eos;
+        }
+        if let Some(bos) = token_ids(value.get("bos_token_id")).first() {
+            settings.bos = Some(*bos);
+        }
+    }
+    let mut chat_template = None;
+    let tokenizer_config = dir.join("tokenizer_config.json");
+    if tokenizer_config.exists() {
+        let value = read_json(&tokenizer_config)?;
+        chat_template = value
+            .get("chat_template")
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        let bos_text = value.get("bos_token").and_then(|b| {
+            b.as_str()
+                .or_else(|| b.get("content").and_then(Value::as_str))
+        });
+        if let (Some(text), Some(tok)) = (bos_text, tokenizer)
+            && let Some(id) = tok.token_id(text)
+        {
+            settings.bos = Some(id);
+        }
+        settings.add_bos = value
+            .get("add_bos_token")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+    }
+    // The tokenizer's own post-processor is what adds BOS; report what it really does.
+    if let (Some(tok), Some(bos)) = (tokenizer, settings.bos) {
+        settings.add_bos = tok.encode("a", true)?.first() == Some(&bos);
+    }
+    Ok((settings, chat_template))
+}
+
+pub(super) fn load<B: InferenceBackend>(
+    dir: &Path,
+    options: &LoadOptions,
+    device: &B::Device,
+) -> Result<LoadedModel<B>> {
+    let config = read_config(dir)?;
+    let source = weights(dir)?;
+    let model = match config.architecture {
+        Architecture::Gpt2 => gpt2::load(config.clone(), &source, options.dtype, device)?,
+        Architecture::Llama => {
+            let config = untie_if_head_present(config, &source);
+            llama::load(
+                config,
+                LlamaNames::HuggingFace,
+                &source,
+                options.dtype,
+                device,
+            )?
+        }
+    };
+    let tokenizer = tokenizer(dir)?;
+    let (generation, chat_template) = generation_settings(dir, model.config(), tokenizer.as_ref())?;
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        generation,
+        chat_template,
+        format: ModelFormat::HuggingFace,
+        path: dir.to_path_buf(),
+    })
+}
+
+/// A config that says "tied" while the file carries its own `lm_head.weight` is trusted to
+/// the file (some exports keep both); an untied config without the head fails later with a
+/// missing-tensor error naming it.
+fn untie_if_head_present(
+    mut config: TransformerConfig,
+    source: &dyn TensorSource,
+) -> TransformerConfig {
+    if config.tied_head && source.contains("lm_head.weight") {
+        config.tied_head = false;
+    }
+    config
+}

@@ -1,0 +1,124 @@
+//! Loading a model and its tokenizer from a path: a Hugging Face folder (`config.json`) or a
+//! Meta original folder (`params.json`). [`load`] detects which.
+
+mod hf;
+mod meta;
+
+use std::path::{Path, PathBuf};
+
+use kiln_core::{Dtype, InferenceBackend, TokenId};
+
+use crate::config::TransformerConfig;
+use crate::error::{ModelError, Result};
+use crate::tokenizer::TextTokenizer;
+use crate::transformer::Transformer;
+
+/// The formats kiln reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelFormat {
+    /// `config.json` + safetensors (single or sharded).
+    HuggingFace,
+    /// `params.json` + `consolidated.00.pth` + `tokenizer.model`.
+    MetaOriginal,
+}
+
+impl ModelFormat {
+    /// The name shown to users.
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelFormat::HuggingFace => "huggingface",
+            ModelFormat::MetaOriginal => "meta",
+        }
+    }
+}
+
+/// How to load.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// Precision of weights and activations (weights are cast at load).
+    pub dtype: Dtype,
+    /// Meta folders only: the llama3 RoPE scaling factor when `params.json` does not say
+    /// (8 for Llama 3.1, the default; 32 for Llama 3.2 1B and 3B).
+    pub rope_scaling_factor: Option<f32>,
+}
+
+/// What generation needs to know beyond the weights.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct GenerationSettings {
+    /// Beginning-of-sequence token.
+    pub bos: Option<TokenId>,
+    /// Every token that ends a sequence.
+    pub eos: Vec<TokenId>,
+    /// Whether encoding a prompt adds BOS (done by the tokenizer's post-processor).
+    pub add_bos: bool,
+}
+
+/// A model with what came with it.
+#[derive(Debug)]
+pub struct LoadedModel<B: InferenceBackend> {
+    /// The weights on the device.
+    pub model: Transformer<B>,
+    /// The tokenizer, when the folder has one.
+    pub tokenizer: Option<TextTokenizer>,
+    /// BOS / EOS.
+    pub generation: GenerationSettings,
+    /// The Jinja chat template (HF `tokenizer_config.json`), if any.
+    pub chat_template: Option<String>,
+    /// The format read.
+    pub format: ModelFormat,
+    /// The path read.
+    pub path: PathBuf,
+}
+
+/// The format of `path`.
+///
+/// # Errors
+/// [`ModelError::UnknownFormat`] or a missing path.
+pub fn detect_format(path: &Path) -> Result<ModelFormat> {
+    if !path.exists() {
+        return Err(ModelError::MissingFile {
+            path: path.to_path_buf(),
+            what: "model",
+        });
+    }
+    if path.is_dir() {
+        if path.join("config.json").exists() {
+            return Ok(ModelFormat::HuggingFace);
+        }
+        if path.join("params.json").exists() {
+            return Ok(ModelFormat::MetaOriginal);
+        }
+    }
+    Err(ModelError::UnknownFormat {
+        path: path.to_path_buf(),
+        reason: "expected a Hugging Face folder (config.json) or a Meta folder (params.json)"
+            .into(),
+    })
+}
+
+/// Reads the configuration only (for `kiln info` and sizing caches before loading).
+///
+/// # Errors
+/// As [`load`], for the configuration files.
+pub fn read_config(path: &Path, options: &LoadOptions) -> Result<TransformerConfig> {
+    match detect_format(path)? {
+        ModelFormat::HuggingFace => hf::read_config(path),
+        ModelFormat::MetaOriginal => meta::read_config(path, options),
+    }
+}
+
+/// Loads the model at `path` onto `device`.
+///
+/// # Errors
+/// A [`ModelError`] naming the file (and tensor) at fault; never panics on bad input.
+pub fn load<B: InferenceBackend>(
+    path: &Path,
+    options: &LoadOptions,
+    device: &B::Device,
+) -> Result<LoadedModel<B>> {
+    B::require_dtype(device, options.dtype)?;
+    match detect_format(path)? {
+        ModelFormat::HuggingFace => hf::load(path, options, device),
+        ModelFormat::MetaOriginal => meta::load(path, options, device),
+    }
+}

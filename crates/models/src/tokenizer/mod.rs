@@ -1,0 +1,136 @@
+//! [`TextTokenizer`]: text to token ids and back, from any of the files checkpoints ship:
+//! `tokenizer.json`, GPT-2's `vocab.json` + `merges.txt`, or Llama-3's tiktoken
+//! `tokenizer.model`. All become a Hugging Face `tokenizers::Tokenizer`: the latter two are
+//! converted into the `tokenizer.json` document transformers' converters would write.
+
+mod byte_level;
+mod tiktoken;
+
+use std::path::Path;
+
+use kiln_core::TokenId;
+use serde_json::{Value, json};
+
+pub use tiktoken::{LLAMA3_PATTERN, llama3_special_tokens};
+
+use crate::error::{ModelError, Result};
+use crate::weights::read_text;
+
+/// A tokenizer with kiln's id type.
+#[derive(Debug, Clone)]
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    source: String,
+}
+
+impl TextTokenizer {
+    /// Reads a Hugging Face `tokenizer.json`.
+    ///
+    /// # Errors
+    /// Missing or invalid file.
+    pub fn from_tokenizer_json(path: &Path) -> Result<Self> {
+        let text = read_text(path)?;
+        Self::from_json_str(&text, &path.display().to_string())
+    }
+
+    /// GPT-2's `vocab.json` + `merges.txt`: byte-level BPE with GPT-2's pre-tokenizer regex,
+    /// `<|endoftext|>` special when the vocabulary has it.
+    ///
+    /// # Errors
+    /// Missing or invalid files.
+    pub fn from_vocab_merges(vocab_path: &Path, merges_path: &Path) -> Result<Self> {
+        let vocab: Value = serde_json::from_str(&read_text(vocab_path)?)
+            .map_err(|e| ModelError::config(vocab_path, format!("invalid JSON: {e}")))?;
+        let vocab = vocab
+            .as_object()
+            .ok_or_else(|| ModelError::config(vocab_path, "expected a token → id object"))?;
+        let merges: Vec<String> = read_text(merges_path)?
+            .lines()
+            .filter(|l| !l.starts_with("#version") && !l.trim().is_empty())
+            .map(str::to_string)
+            .collect();
+        let added: Vec<(String, u32)> = vocab
+            .get("<|endoftext|>")
+            .and_then(Value::as_u64)
+            .map(|id| ("<|endoftext|>".to_string(), id as u32))
+            .into_iter()
+            .collect();
+        let document = byte_level::tokenizer_json(
+            Value::Object(vocab.clone()),
+            merges,
+            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}),
+            false,
+            &added,
+            None,
+        );
+        Self::from_json_str(&document.to_string(), &vocab_path.display().to_string())
+    }
+
+    /// Llama-3's tiktoken `tokenizer.model` (base64 token and rank per line) plus the 256
+    /// special tokens after the base vocabulary, with `<|begin_of_text|>` added by
+    /// `encode(.., true)` as transformers' Llama-3 tokenizer does.
+    ///
+    /// # Errors
+    /// Missing or malformed file.
+    pub fn from_tiktoken(path: &Path) -> Result<Self> {
+        let document = tiktoken::tokenizer_json(path)?;
+        Self::from_json_str(&document.to_string(), &path.display().to_string())
+    }
+
+    fn from_json_str(text: &str, source: &str) -> Result<Self> {
+        let inner: tokenizers::Tokenizer = text.parse().map_err(|e| ModelError::Tokenizer {
+            source_name: source.to_string(),
+            reason: format!("{e}"),
+        })?;
+        Ok(Self {
+            inner,
+            source: source.to_string(),
+        })
+    }
+
+    /// Token ids of `text`. With `add_special_tokens`, the tokenizer's post-processor adds what
+    /// it is configured to (a BOS token for Llama-3). Special tokens written in the text
+    /// (`<|eot_id|>`) are recognised as such.
+    ///
+    /// # Errors
+    /// [`ModelError::Tokenizer`].
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<TokenId>> {
+        let encoding =
+            self.inner
+                .encode(text, add_special_tokens)
+                .map_err(|e| ModelError::Tokenizer {
+                    source_name: self.source.clone(),
+                    reason: format!("encoding failed: {e}"),
+                })?;
+        Ok(encoding.get_ids().iter().copied().map(TokenId).collect())
+    }
+
+    /// The text of `ids`.
+    ///
+    /// # Errors
+    /// [`ModelError::Tokenizer`].
+    pub fn decode(&self, ids: &[TokenId], skip_special_tokens: bool) -> Result<String> {
+        let ids: Vec<u32> = ids.iter().map(|t| t.0).collect();
+        self.inner
+            .decode(&ids, skip_special_tokens)
+            .map_err(|e| ModelError::Tokenizer {
+                source_name: self.source.clone(),
+                reason: format!("decoding failed: {e}"),
+            })
+    }
+
+    /// The id of a token written out (`<|eot_id|>`).
+    pub fn token_id(&self, token: &str) -> Option<TokenId> {
+        self.inner.token_to_id(token).map(TokenId)
+    }
+
+    /// Vocabulary size, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The underlying Hugging Face tokenizer (for streaming decoders).
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}

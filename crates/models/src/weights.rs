@@ -1,0 +1,281 @@
+//! Where tensors come from: [`TensorSource`] over safetensors files (single or sharded) and
+//! PyTorch `.pth` zips. Every read converts to f32 on the host and names its file in errors.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype as StDtype, SafeTensors};
+
+use crate::error::{ModelError, Result};
+use crate::host::HostTensor;
+
+/// A set of named tensors in one or more files.
+pub trait TensorSource {
+    /// The file or files, for error messages.
+    fn describe(&self) -> String;
+
+    /// Whether a tensor of this name exists.
+    fn contains(&self, name: &str) -> bool;
+
+    /// Reads one tensor as f32.
+    ///
+    /// # Errors
+    /// [`ModelError::MissingTensor`], or a corrupt or unsupported tensor.
+    fn read(&self, name: &str) -> Result<HostTensor>;
+
+    /// All tensor names.
+    fn names(&self) -> Vec<String>;
+}
+
+/// One memory-mapped safetensors file.
+struct SafetensorsFile {
+    path: PathBuf,
+    mmap: Mmap,
+}
+
+impl SafetensorsFile {
+    fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        // SAFETY: the mapping is read-only; kiln does not modify checkpoint files while
+        // loading, and a file truncated underneath would be a user error caught by the header
+        // checks below for every read.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        SafeTensors::deserialize(&mmap)
+            .map_err(|e| ModelError::corrupt(path, format!("not a valid safetensors file: {e}")))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            mmap,
+        })
+    }
+
+    fn tensors(&self) -> SafeTensors<'_> {
+        SafeTensors::deserialize(&self.mmap).expect("validated when opened")
+    }
+}
+
+/// Safetensors weights: `model.safetensors`, or the shards listed in
+/// `model.safetensors.index.json`.
+pub struct SafetensorsSource {
+    files: Vec<SafetensorsFile>,
+    /// Tensor name to index in `files`.
+    index: HashMap<String, usize>,
+}
+
+impl SafetensorsSource {
+    /// Opens a single file.
+    ///
+    /// # Errors
+    /// Missing or corrupt file.
+    pub fn open(path: &Path) -> Result<Self> {
+        Self::open_files(&[path.to_path_buf()])
+    }
+
+    /// Opens every shard named by a `model.safetensors.index.json`.
+    ///
+    /// # Errors
+    /// Missing or corrupt index or shard, or a tensor the index lists but its shard lacks.
+    pub fn open_index(index_path: &Path) -> Result<Self> {
+        let text = read_text(index_path)?;
+        let index: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::config(index_path, format!("invalid JSON: {e}")))?;
+        let map = index
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| ModelError::config(index_path, "no `weight_map` object"))?;
+        let dir = index_path.parent().unwrap_or(Path::new("."));
+        let mut shards: Vec<PathBuf> = map
+            .values()
+            .filter_map(|v| v.as_str())
+            .map(|f| dir.join(f))
+            .collect();
+        shards.sort();
+        shards.dedup();
+        let source = Self::open_files(&shards)?;
+        for (tensor, shard) in map {
+            if !source.index.contains_key(tensor) {
+                return Err(ModelError::MissingTensor {
+                    file: shard.as_str().unwrap_or("?").to_string(),
+                    tensor: tensor.clone(),
+                });
+            }
+        }
+        Ok(source)
+    }
+
+    fn open_files(paths: &[PathBuf]) -> Result<Self> {
+        let mut files = Vec::new();
+        let mut index = HashMap::new();
+        for path in paths {
+            if !path.exists() {
+                return Err(ModelError::MissingFile {
+                    path: path.clone(),
+                    what: "model weights",
+                });
+            }
+            let file = SafetensorsFile::open(path)?;
+            for name in file.tensors().names() {
+                index.insert(name.to_string(), files.len());
+            }
+            files.push(file);
+        }
+        Ok(Self { files, index })
+    }
+}
+
+impl TensorSource for SafetensorsSource {
+    fn describe(&self) -> String {
+        let names: Vec<String> = self
+            .files
+            .iter()
+            .map(|f| f.path.display().to_string())
+            .collect();
+        names.join(", ")
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    fn read(&self, name: &str) -> Result<HostTensor> {
+        let file = self
+            .index
+            .get(name)
+            .map(|&i| &self.files[i])
+            .ok_or_else(|| ModelError::MissingTensor {
+                file: self.describe(),
+                tensor: name.to_string(),
+            })?;
+        let file_name = file.path.display().to_string();
+        let view = file
+            .tensors()
+            .tensor(name)
+            .map_err(|e| ModelError::corrupt(&file.path, format!("tensor `{name}`: {e}")))?;
+        let data = to_f32(view.dtype(), view.data()).ok_or_else(|| {
+            ModelError::UnsupportedTensorDtype {
+                file: file_name.clone(),
+                tensor: name.to_string(),
+                dtype: format!("{:?}", view.dtype()),
+            }
+        })?;
+        Ok(HostTensor {
+            name: name.to_string(),
+            file: file_name,
+            shape: view.shape().to_vec(),
+            data,
+        })
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.index.keys().cloned().collect()
+    }
+}
+
+fn to_f32(dtype: StDtype, bytes: &[u8]) -> Option<Vec<f32>> {
+    let chunks = |n: usize| bytes.chunks_exact(n);
+    Some(match dtype {
+        StDtype::F32 => chunks(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        StDtype::F16 => chunks(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        StDtype::BF16 => chunks(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        StDtype::F64 => chunks(8)
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
+            .collect(),
+        _ => return None,
+    })
+}
+
+/// A PyTorch `torch.save` zip (Meta's `consolidated.00.pth`), read with burn-store's pickle
+/// reader; tensors are materialised on demand.
+pub struct PthSource {
+    path: PathBuf,
+    tensors: HashMap<String, burn_store::TensorSnapshot>,
+}
+
+impl PthSource {
+    /// Reads the archive's index (not its data).
+    ///
+    /// # Errors
+    /// Missing file, or not a PyTorch archive.
+    pub fn open(path: &Path) -> Result<Self> {
+        if !path.exists() {
+            return Err(ModelError::MissingFile {
+                path: path.to_path_buf(),
+                what: "model weights",
+            });
+        }
+        let reader = burn_store::pytorch::PytorchReader::new(path)
+            .map_err(|e| ModelError::corrupt(path, format!("not a readable PyTorch file: {e}")))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            tensors: reader.into_tensors(),
+        })
+    }
+}
+
+impl TensorSource for PthSource {
+    fn describe(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    fn read(&self, name: &str) -> Result<HostTensor> {
+        let snapshot = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                file: self.describe(),
+                tensor: name.to_string(),
+            })?;
+        let data = snapshot
+            .to_data()
+            .map_err(|e| ModelError::corrupt(&self.path, format!("tensor `{name}`: {e:?}")))?;
+        let shape = data.shape.to_vec();
+        let values: Vec<f32> = data
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| ModelError::corrupt(&self.path, format!("tensor `{name}`: {e:?}")))?;
+        Ok(HostTensor {
+            name: name.to_string(),
+            file: self.describe(),
+            shape,
+            data: values,
+        })
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.tensors.keys().cloned().collect()
+    }
+}
+
+/// Reads a text file, mapping errors to [`ModelError::Io`] / [`ModelError::MissingFile`].
+pub(crate) fn read_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|source| {
+        if source.kind() == std::io::ErrorKind::NotFound {
+            ModelError::MissingFile {
+                path: path.to_path_buf(),
+                what: "required file",
+            }
+        } else {
+            ModelError::Io {
+                path: path.to_path_buf(),
+                source,
+            }
+        }
+    })
+}

@@ -1,0 +1,152 @@
+//! Shared by the golden tests: fixture paths, the reference files, a greedy loop.
+
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::path::PathBuf;
+
+use burn::tensor::Tensor;
+use kiln_core::kv_cache::DynamicKvCache;
+use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, SeqId, TokenId};
+use serde_json::Value;
+
+pub const FIXTURES: [&str; 5] = [
+    "gpt2-tiny",
+    "gpt2-tiny-legacy",
+    "llama-tiny",
+    "llama-tiny-meta",
+    "llama-tiny-tied",
+];
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+pub struct Case {
+    pub prompt: Vec<TokenId>,
+    pub greedy: Vec<TokenId>,
+    /// `[prompt_len, vocab]`, row-major.
+    pub logits: Vec<f32>,
+}
+
+fn ids(value: &Value) -> Vec<TokenId> {
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| TokenId(v.as_u64().unwrap() as u32))
+        .collect()
+}
+
+pub fn reference(name: &str) -> (Value, Vec<Case>) {
+    let dir = fixture(name);
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let bytes = std::fs::read(dir.join("logits.safetensors")).unwrap();
+    let logits = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let cases = json["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let view = logits.tensor(&format!("prompt_{i}")).unwrap();
+            Case {
+                prompt: ids(&c["prompt_ids"]),
+                greedy: ids(&c["greedy"]),
+                logits: view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            }
+        })
+        .collect();
+    (json, cases)
+}
+
+pub fn host(t: Tensor<impl burn::tensor::backend::Backend, 2>) -> Vec<f32> {
+    t.into_data().iter::<f32>().collect()
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn argmax(row: &[f32]) -> TokenId {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    TokenId(best as u32)
+}
+
+/// Logits of every prompt position, from a fresh cache.
+pub fn all_logits<B: InferenceBackend>(model: &impl CausalLm<B>, prompt: &[TokenId]) -> Vec<f32> {
+    let shape = model.shape();
+    let mut cache = DynamicKvCache::<B>::new(shape.kv_layout(), model.dtype(), &model.device());
+    let batch = Batch::single(SeqId(0), prompt, Position(0)).unwrap();
+    host(model.forward(&batch, &mut cache, LogitsFor::All).unwrap())
+}
+
+/// Greedy continuation with the KV cache: prefill once, then one token per step.
+pub fn greedy_cached<B: InferenceBackend>(
+    model: &impl CausalLm<B>,
+    prompt: &[TokenId],
+    n: usize,
+) -> Vec<TokenId> {
+    let shape = model.shape();
+    let mut cache = DynamicKvCache::<B>::new(shape.kv_layout(), model.dtype(), &model.device());
+    let mut out = Vec::new();
+    let mut batch = Batch::single(SeqId(0), prompt, Position(0)).unwrap();
+    let mut pos = prompt.len() as u32;
+    for _ in 0..n {
+        let logits = host(
+            model
+                .forward(&batch, &mut cache, LogitsFor::LastOfEachSequence)
+                .unwrap(),
+        );
+        let next = argmax(&logits);
+        out.push(next);
+        batch = Batch::single(SeqId(0), &[next], Position(pos)).unwrap();
+        pos += 1;
+    }
+    out
+}
+
+/// Greedy continuation recomputing the whole sequence every step (the slow, obvious reference).
+pub fn greedy_recompute<B: InferenceBackend>(
+    model: &impl CausalLm<B>,
+    prompt: &[TokenId],
+    n: usize,
+) -> Vec<TokenId> {
+    let mut seq = prompt.to_vec();
+    for _ in 0..n {
+        let shape = model.shape();
+        let mut cache = DynamicKvCache::<B>::new(shape.kv_layout(), model.dtype(), &model.device());
+        let batch = Batch::single(SeqId(0), &seq, Position(0)).unwrap();
+        let logits = host(
+            model
+                .forward(&batch, &mut cache, LogitsFor::LastOfEachSequence)
+                .unwrap(),
+        );
+        seq.push(argmax(&logits));
+    }
+    seq[prompt.len()..].to_vec()
+}
+
+pub fn load<B: InferenceBackend>(name: &str, dtype: Dtype) -> kiln_models::LoadedModel<B> {
+    let options = kiln_models::LoadOptions {
+        dtype,
+        ..Default::default()
+    };
+    kiln_models::load::<B>(&fixture(name), &options, &B::inference_device()).unwrap()
+}

@@ -1,0 +1,388 @@
+#!/usr/bin/env python3
+"""Tiny random GPT-2 and Llama checkpoints with Hugging Face transformers' outputs for them.
+
+Writes crates/models/tests/fixtures/<name>/ for:
+  gpt2-tiny          HF folder, vocab.json + merges.txt only (no tokenizer.json), f32
+  gpt2-tiny-legacy   the same weights with keys lacking `transformer.` and old `attn.bias` buffers
+  llama-tiny         Llama-3.1 style: GQA (4 heads, 2 KV), llama3 rope scaling, untied head,
+                     sharded safetensors + index, tokenizer.json, transformers-5 config keys
+  llama-tiny-meta    the same weights as Meta's original format: params.json,
+                     consolidated.00.pth (wq/wk in Meta's interleaved RoPE order), tokenizer.model
+  llama-tiny-tied    Llama-3.2 style: tied head, bf16 weights, transformers-4 config keys
+and in each, reference.json (prompts, greedy continuations, versions) and logits.safetensors
+(transformers' full f32 logits per prompt). Run from the repository root:
+
+    python3 scripts/reference/make_model_fixtures.py
+"""
+import base64
+import json
+import os
+import shutil
+import sys
+
+import tiktoken
+import tokenizers
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "crates", "models", "tests", "fixtures")
+SEED = 20261121
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps; the fox runs away.",
+    "Once upon a time there was a little kiln that baked bread and pots for the whole town.",
+    "def add(a, b):\n    return a + b\n\nprint(add(12, 345))  # 357\n",
+    "In 2024 the model read 1234567 tokens, then 89 more, then 0.5 of a token.",
+    "Hello, world! How are you today? I'm fine, thanks; we'll see what they've done.",
+    "Tell me a story about a dragon who learned to code in Rust and burn.",
+    "Les enfants jouent dans le jardin. Über den Wolken muss die Freiheit grenzenlos sein.",
+    "emoji: 🙂🚀 and symbols: <>, {}, [], (), ==, !=, ->, =>",
+] * 20
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time there was",
+    "def add(a, b):\n    return",
+    "In 2024 the model read 1234567",
+    "Tell me a story about a dragon",
+]
+LLAMA3_SPECIALS_NAMED = {
+    0: "<|begin_of_text|>",
+    1: "<|end_of_text|>",
+    4: "<|finetune_right_pad_id|>",
+    5: "<|step_id|>",
+    6: "<|start_header_id|>",
+    7: "<|end_header_id|>",
+    8: "<|eom_id|>",
+    9: "<|eot_id|>",
+    10: "<|python_tag|>",
+}
+LLAMA3_CHAT_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+def llama3_special_tokens():
+    """Meta's 256 Llama-3.1 special tokens, in id order after the base vocabulary."""
+    names, reserved = [], 0
+    for i in range(256):
+        if i in LLAMA3_SPECIALS_NAMED:
+            names.append(LLAMA3_SPECIALS_NAMED[i])
+        else:
+            names.append(f"<|reserved_special_token_{reserved}|>")
+            reserved += 1
+    return names
+
+
+def train_bpe(vocab_size, pre_tokenizer, specials):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=specials,
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    return tok
+
+
+def byte_decoder():
+    """GPT-2's bytes_to_unicode, inverted: byte-level characters back to bytes."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def write_json(path, value):
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+
+
+@torch.no_grad()
+def reference(model, tokenizer_ids, out_dir, note, extra=None):
+    """Full logits for each prompt and a 20-token greedy continuation with the KV cache."""
+    model.eval()
+    logits, cases = {}, []
+    for i, ids in enumerate(tokenizer_ids):
+        input_ids = torch.tensor([ids])
+        full = model(input_ids).logits[0].float()
+        logits[f"prompt_{i}"] = full.contiguous()
+        out = model(input_ids, use_cache=True)
+        past, generated, margins = out.past_key_values, [], []
+        next_logits = out.logits[0, -1]
+        for _ in range(20):
+            top2 = torch.topk(next_logits.float(), 2).values
+            margins.append(float(top2[0] - top2[1]))
+            token = int(torch.argmax(next_logits))
+            generated.append(token)
+            out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            past, next_logits = out.past_key_values, out.logits[0, -1]
+        cases.append({"prompt_ids": ids, "greedy": generated, "min_greedy_margin": min(margins)})
+    save_file(logits, os.path.join(out_dir, "logits.safetensors"))
+    write_json(
+        os.path.join(out_dir, "reference.json"),
+        {
+            "generator": "scripts/reference/make_model_fixtures.py",
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "tokenizers": tokenizers.__version__,
+            "note": note,
+            "cases": cases,
+            **(extra or {}),
+        },
+    )
+    return min(c["min_greedy_margin"] for c in cases)
+
+
+def fresh_dir(name):
+    path = os.path.join(ROOT, name)
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+def gpt2():
+    torch.manual_seed(SEED)
+    tok = train_bpe(
+        384,
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ["<|endoftext|>"],
+    )
+    eot = tok.token_to_id("<|endoftext|>")
+    config = GPT2Config(
+        vocab_size=tok.get_vocab_size(),
+        n_positions=64,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        initializer_range=0.15,
+        bos_token_id=eot,
+        eos_token_id=eot,
+    )
+    model = GPT2LMHeadModel(config)
+    out = fresh_dir("gpt2-tiny")
+    model.save_pretrained(out, safe_serialization=True)
+    tok.model.save(out)  # vocab.json + merges.txt
+    ids = [tok.encode(p).ids for p in PROMPTS]
+    margin = reference(model, ids, out, "GPT-2, vocab.json + merges.txt, f32, tied head")
+
+    legacy = fresh_dir("gpt2-tiny-legacy")
+    state = load_file(os.path.join(out, "model.safetensors"))
+    old = {k.removeprefix("transformer."): v for k, v in state.items()}
+    for layer in range(config.n_layer):
+        old[f"h.{layer}.attn.bias"] = torch.tril(torch.ones(64, 64)).view(1, 1, 64, 64)
+    save_file(old, os.path.join(legacy, "model.safetensors"))
+    shutil.copy(os.path.join(out, "config.json"), legacy)
+    tok.save(os.path.join(legacy, "tokenizer.json"))
+    for f in ("reference.json", "logits.safetensors"):
+        shutil.copy(os.path.join(out, f), legacy)
+    return margin
+
+
+def llama_tokenizer():
+    pre = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ]
+    )
+    tok = train_bpe(384, pre, [])
+    base = tok.get_vocab_size()
+    specials = llama3_special_tokens()
+    tok.add_special_tokens(specials)
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B", special_tokens=[("<|begin_of_text|>", bos)]
+    )
+    return tok, base, specials
+
+
+def llama_config(tok, tied, legacy_keys):
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0 if not tied else 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    return LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope,
+        tie_word_embeddings=tied,
+        initializer_range=0.15,
+        bos_token_id=tok.token_to_id("<|begin_of_text|>"),
+        eos_token_id=[tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")],
+    )
+
+
+def write_tokenizer_files(out, tok):
+    tok.save(os.path.join(out, "tokenizer.json"))
+    write_json(
+        os.path.join(out, "tokenizer_config.json"),
+        {
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|eot_id|>",
+            "add_bos_token": True,
+            "chat_template": LLAMA3_CHAT_TEMPLATE,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        },
+    )
+
+
+def to_legacy_config(out):
+    """Rewrites config.json as transformers 4.x wrote it (what checkpoints on the hub hold)."""
+    path = os.path.join(out, "config.json")
+    config = json.load(open(path))
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    config["torch_dtype"] = config.pop("dtype", "bfloat16")
+    config["transformers_version"] = "4.45.0"
+    write_json(path, config)
+
+
+def meta_permute(w, n_heads):
+    """HF rotate-half row order back to Meta's interleaved order (inverse of HF's converter)."""
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def write_meta(model, config, tok, base, specials, out):
+    sd = model.state_dict()
+    meta = {
+        "tok_embeddings.weight": sd["model.embed_tokens.weight"],
+        "norm.weight": sd["model.norm.weight"],
+        "output.weight": sd["lm_head.weight"],
+    }
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        meta[f"layers.{i}.attention.wq.weight"] = meta_permute(sd[p + "self_attn.q_proj.weight"], config.num_attention_heads)
+        meta[f"layers.{i}.attention.wk.weight"] = meta_permute(sd[p + "self_attn.k_proj.weight"], config.num_key_value_heads)
+        meta[f"layers.{i}.attention.wv.weight"] = sd[p + "self_attn.v_proj.weight"]
+        meta[f"layers.{i}.attention.wo.weight"] = sd[p + "self_attn.o_proj.weight"]
+        meta[f"layers.{i}.feed_forward.w1.weight"] = sd[p + "mlp.gate_proj.weight"]
+        meta[f"layers.{i}.feed_forward.w2.weight"] = sd[p + "mlp.down_proj.weight"]
+        meta[f"layers.{i}.feed_forward.w3.weight"] = sd[p + "mlp.up_proj.weight"]
+        meta[f"layers.{i}.attention_norm.weight"] = sd[p + "input_layernorm.weight"]
+        meta[f"layers.{i}.ffn_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+    torch.save({k: v.clone().contiguous() for k, v in meta.items()}, os.path.join(out, "consolidated.00.pth"))
+    rope = config.rope_parameters
+    write_json(
+        os.path.join(out, "params.json"),
+        {
+            "dim": config.hidden_size,
+            "n_layers": config.num_hidden_layers,
+            "n_heads": config.num_attention_heads,
+            "n_kv_heads": config.num_key_value_heads,
+            "vocab_size": config.vocab_size,
+            "ffn_dim_multiplier": 1.0,
+            "multiple_of": 128,
+            "norm_eps": config.rms_norm_eps,
+            "rope_theta": rope["rope_theta"],
+            "use_scaled_rope": True,
+            "rope_scaling_factor": rope["factor"],
+            "original_max_position_embeddings": rope["original_max_position_embeddings"],
+            "max_seq_len": config.max_position_embeddings,
+        },
+    )
+    # tiktoken format: base64 of the token's bytes, then its rank (= id), one per line.
+    decode = byte_decoder()
+    vocab = tok.get_vocab()
+    ranks = {}
+    with open(os.path.join(out, "tokenizer.model"), "w") as f:
+        for token, rank in sorted(vocab.items(), key=lambda kv: kv[1]):
+            if rank >= base:
+                continue
+            raw = bytes(decode[c] for c in token)
+            ranks[raw] = rank
+            f.write(f"{base64.b64encode(raw).decode()} {rank}\n")
+    enc = tiktoken.Encoding(
+        name="kiln-tiny",
+        pat_str=LLAMA3_PATTERN,
+        mergeable_ranks=ranks,
+        special_tokens={s: base + i for i, s in enumerate(specials)},
+    )
+    return enc
+
+
+def llama():
+    tok, base, specials = llama_tokenizer()
+    results = []
+    for name, tied in (("llama-tiny", False), ("llama-tiny-tied", True)):
+        torch.manual_seed(SEED + (1 if tied else 0))
+        config = llama_config(tok, tied, legacy_keys=tied)
+        model = LlamaForCausalLM(config)
+        if tied:
+            model = model.to(torch.bfloat16)
+        out = fresh_dir(name)
+        if tied:
+            model.save_pretrained(out, safe_serialization=True)
+            to_legacy_config(out)
+        else:
+            model.save_pretrained(out, safe_serialization=True, max_shard_size="200KB")
+        write_tokenizer_files(out, tok)
+        write_json(
+            os.path.join(out, "generation_config.json"),
+            {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id},
+        )
+        # The reference is computed in f32 from the weights as saved (bf16 for the tied model).
+        reloaded = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+        ids = [tok.encode(p).ids for p in PROMPTS]
+        chat = tok.encode(
+            "<|start_header_id|>user<|end_header_id|>\n\nTell me a story<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        ).ids
+        ids.append(chat)
+        note = ("Llama-3.2 style, tied head, bf16 weights, transformers-4 config keys" if tied else
+                "Llama-3.1 style, GQA 4/2, llama3 rope scaling, untied head, sharded safetensors")
+        tricky = ["a  1", "1234567", "  leading", "naïve café 🙂", "<|eot_id|>x", "x\n\n\ny", "I'm we'll", ""]
+        extra = {"tokenizer_cases": [{"text": t, "ids": tok.encode(t).ids} for t in tricky]}
+        results.append(reference(reloaded, ids, out, note, extra))
+        if not tied:
+            meta = fresh_dir("llama-tiny-meta")
+            enc = write_meta(reloaded, config, tok, base, specials, meta)
+            for f in ("reference.json", "logits.safetensors"):
+                shutil.copy(os.path.join(out, f), meta)
+            # Meta's tokenizer is tiktoken: its ids are the reference for tokenizer.model.
+            cases = [{"text": t, "ids": enc.encode(t, allowed_special="all")} for t in PROMPTS + tricky]
+            write_json(os.path.join(meta, "tiktoken_reference.json"), {"tiktoken": tiktoken.__version__, "cases": cases})
+    return min(results)
+
+
+def main():
+    torch.set_grad_enabled(False)
+    m1 = gpt2()
+    m2 = llama()
+    print(f"smallest top-1/top-2 logit margin on the greedy paths: gpt2 {m1:.4f}, llama {m2:.4f}", file=sys.stderr)
+    for name in sorted(os.listdir(ROOT)):
+        size = sum(os.path.getsize(os.path.join(ROOT, name, f)) for f in os.listdir(os.path.join(ROOT, name)))
+        print(f"{name}: {size / 1024:.0f} KiB", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
