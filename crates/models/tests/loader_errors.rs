@@ -1,0 +1,171 @@
+//! Bad input gives an error that names the file and the tensor; never a panic.
+
+#![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
+
+mod common;
+
+use std::path::Path;
+
+use common::fixture;
+use kiln_core::{Dtype, InferenceBackend};
+use kiln_models::{LoadOptions, ModelError};
+use serde_json::Value;
+
+type B = burn::backend::Flex;
+
+fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    dir
+}
+
+fn load_err(path: &Path) -> ModelError {
+    kiln_models::load::<B>(path, &LoadOptions::default(), &B::inference_device()).unwrap_err()
+}
+
+fn edit_json(path: &Path, edit: impl FnOnce(&mut Value)) {
+    let mut value: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    edit(&mut value);
+    std::fs::write(path, value.to_string()).unwrap();
+}
+
+#[test]
+fn missing_path_and_unknown_folder() {
+    let err = load_err(Path::new("/nonexistent/model"));
+    assert!(err.to_string().contains("/nonexistent/model"), "{err}");
+    let empty = tempfile::tempdir().unwrap();
+    assert!(matches!(
+        load_err(empty.path()),
+        ModelError::UnknownFormat { .. }
+    ));
+}
+
+#[test]
+fn missing_weights_file_is_named() {
+    let dir = copy_fixture("gpt2-tiny");
+    std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+    let err = load_err(dir.path());
+    assert!(matches!(err, ModelError::MissingFile { .. }), "{err}");
+    assert!(err.to_string().contains("model.safetensors"), "{err}");
+}
+
+#[test]
+fn missing_shard_is_named() {
+    let dir = copy_fixture("llama-tiny");
+    std::fs::remove_file(dir.path().join("model-00002-of-00004.safetensors")).unwrap();
+    let err = load_err(dir.path());
+    assert!(
+        err.to_string().contains("model-00002-of-00004.safetensors"),
+        "{err}"
+    );
+}
+
+#[test]
+fn config_that_disagrees_with_the_weights_names_file_and_tensor() {
+    let dir = copy_fixture("llama-tiny");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c["intermediate_size"] = 96.into()
+    });
+    let err = load_err(dir.path());
+    let ModelError::ShapeMismatch {
+        file,
+        tensor,
+        expected,
+        got,
+    } = &err
+    else {
+        panic!("expected a shape mismatch, got {err}");
+    };
+    assert!(file.contains(".safetensors"), "{err}");
+    assert!(tensor.contains("mlp."), "{err}");
+    assert_ne!(expected, got);
+}
+
+#[test]
+fn unknown_architecture_is_named() {
+    let dir = copy_fixture("gpt2-tiny");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c["model_type"] = "mamba".into();
+        c["architectures"] = serde_json::json!(["MambaForCausalLM"]);
+    });
+    let err = load_err(dir.path());
+    assert!(
+        matches!(err, ModelError::UnsupportedArchitecture { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("MambaForCausalLM"), "{err}");
+}
+
+#[test]
+fn corrupt_safetensors_is_an_error() {
+    let dir = copy_fixture("gpt2-tiny");
+    std::fs::write(
+        dir.path().join("model.safetensors"),
+        b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage",
+    )
+    .unwrap();
+    let err = load_err(dir.path());
+    assert!(matches!(err, ModelError::Corrupt { .. }), "{err}");
+}
+
+#[test]
+fn untied_config_without_head_names_the_tensor() {
+    let dir = copy_fixture("llama-tiny-tied");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c["tie_word_embeddings"] = false.into()
+    });
+    let err = load_err(dir.path());
+    assert!(err.to_string().contains("lm_head.weight"), "{err}");
+}
+
+#[test]
+fn unsupported_rope_type_is_named() {
+    let dir = copy_fixture("llama-tiny-tied");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c["rope_scaling"]["rope_type"] = "yarn".into()
+    });
+    let err = load_err(dir.path());
+    assert!(
+        err.to_string().contains("yarn") && err.to_string().contains("config.json"),
+        "{err}"
+    );
+}
+
+#[test]
+fn truncated_meta_checkpoint_is_an_error() {
+    let dir = copy_fixture("llama-tiny-meta");
+    let path = dir.path().join("consolidated.00.pth");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 3]).unwrap();
+    let err = load_err(dir.path());
+    assert!(err.to_string().contains("consolidated.00.pth"), "{err}");
+}
+
+#[test]
+fn out_of_range_input_is_an_error_not_a_panic() {
+    use kiln_core::kv_cache::DynamicKvCache;
+    use kiln_core::{Batch, CausalLm, LogitsFor, Position, SeqId, TokenId};
+    let loaded = common::load::<B>("gpt2-tiny", Dtype::F32);
+    let shape = loaded.model.shape();
+    let mut cache = DynamicKvCache::<B>::new(shape.kv_layout(), Dtype::F32, &B::inference_device());
+    let bad_token = Batch::single(SeqId(0), &[TokenId(shape.vocab as u32)], Position(0)).unwrap();
+    let err = loaded
+        .model
+        .forward(&bad_token, &mut cache, LogitsFor::All)
+        .unwrap_err();
+    assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+    let too_far = Batch::single(
+        SeqId(1),
+        &[TokenId(1)],
+        Position(shape.max_positions as u32),
+    )
+    .unwrap();
+    let err = loaded
+        .model
+        .forward(&too_far, &mut cache, LogitsFor::All)
+        .unwrap_err();
+    assert!(err.to_string().contains("context"), "{err}");
+}

@@ -1,0 +1,85 @@
+//! Tokenizers from every source a checkpoint ships, against the reference tokenizers:
+//! transformers' (`tokenizer.json`, GPT-2's vocab + merges) and tiktoken (Meta's
+//! `tokenizer.model`).
+
+#![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
+
+mod common;
+
+use common::*;
+use kiln_core::TokenId;
+use kiln_models::TextTokenizer;
+use serde_json::Value;
+
+fn ids(value: &Value) -> Vec<TokenId> {
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| TokenId(v.as_u64().unwrap() as u32))
+        .collect()
+}
+
+#[test]
+fn gpt2_vocab_and_merges_encode_the_prompts_as_transformers() {
+    let dir = fixture("gpt2-tiny");
+    let tok =
+        TextTokenizer::from_vocab_merges(&dir.join("vocab.json"), &dir.join("merges.txt")).unwrap();
+    let (json, cases) = reference("gpt2-tiny");
+    assert!(json["cases"].as_array().unwrap().len() >= 5);
+    let prompts = [
+        "The quick brown fox",
+        "Once upon a time there was",
+        "def add(a, b):\n    return",
+        "In 2024 the model read 1234567",
+        "Tell me a story about a dragon",
+    ];
+    for (prompt, case) in prompts.iter().zip(&cases) {
+        assert_eq!(
+            tok.encode(prompt, false).unwrap(),
+            case.prompt,
+            "{prompt:?}"
+        );
+        assert_eq!(tok.decode(&case.prompt, false).unwrap(), *prompt);
+    }
+    assert!(tok.token_id("<|endoftext|>").is_some());
+}
+
+#[test]
+fn llama_tokenizer_json_matches_transformers_on_tricky_strings() {
+    let tok =
+        TextTokenizer::from_tokenizer_json(&fixture("llama-tiny").join("tokenizer.json")).unwrap();
+    let (json, _) = reference("llama-tiny");
+    for case in json["tokenizer_cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        // transformers' tokenizer.encode adds <|begin_of_text|>, as ours does with specials.
+        assert_eq!(
+            tok.encode(text, true).unwrap(),
+            ids(&case["ids"]),
+            "{text:?}"
+        );
+    }
+}
+
+#[test]
+fn meta_tokenizer_model_matches_tiktoken() {
+    let dir = fixture("llama-tiny-meta");
+    let tok = TextTokenizer::from_tiktoken(&dir.join("tokenizer.model")).unwrap();
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("tiktoken_reference.json")).unwrap(),
+    )
+    .unwrap();
+    for case in reference["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        assert_eq!(
+            tok.encode(text, false).unwrap(),
+            ids(&case["ids"]),
+            "{text:?}"
+        );
+    }
+    // 384 base tokens, then Meta's 256 specials in order.
+    assert_eq!(tok.token_id("<|begin_of_text|>"), Some(TokenId(384)));
+    assert_eq!(tok.token_id("<|eot_id|>"), Some(TokenId(393)));
+    assert_eq!(tok.vocab_size(), 640);
+    assert_eq!(tok.encode("hi", true).unwrap()[0], TokenId(384));
+}
