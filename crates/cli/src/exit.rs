@@ -21,6 +21,8 @@ impl std::error::Error for UsageError {}
 fn is_usage(err: &anyhow::Error) -> bool {
     err.chain().any(|cause| {
         cause.is::<UsageError>()
+            || cause.is::<kiln_models::ModelError>()
+            || cause.is::<kiln_core::SamplingError>()
             || matches!(
                 cause.downcast_ref::<CoreError>(),
                 Some(
@@ -30,6 +32,7 @@ fn is_usage(err: &anyhow::Error) -> bool {
                         | CoreError::UnknownDtype(_)
                         | CoreError::UnsupportedDtype { .. }
                         | CoreError::Sampling(_)
+                        | CoreError::ModelInput(_)
                 )
             )
     })

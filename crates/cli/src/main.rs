@@ -2,6 +2,7 @@
 
 mod backends;
 mod exit;
+mod generate;
 mod selftest;
 
 use std::process::ExitCode;
@@ -22,6 +23,8 @@ enum Command {
     Backends,
     /// Run the operations kiln relies on, on one backend, and compare them with the cpu backend.
     Selftest(selftest::Args),
+    /// Continue a prompt, streaming the new text to stdout.
+    Generate(generate::Args),
 }
 
 fn main() -> ExitCode {
@@ -37,6 +40,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Backends => backends::run(),
         Command::Selftest(args) => selftest::run(&args),
+        Command::Generate(args) => generate::run(args),
     };
     exit::report(result)
 }

@@ -82,3 +82,135 @@ fn an_unknown_backend_is_a_usage_error() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("unknown backend `tpu`"));
 }
+
+fn fixture(name: &str) -> String {
+    format!(
+        "{}/../models/tests/fixtures/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+fn reference_case(name: &str, index: usize) -> serde_json::Value {
+    let text = std::fs::read_to_string(format!("{}/reference.json", fixture(name))).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json["cases"][index].clone()
+}
+
+fn generate_json(args: &[&str]) -> serde_json::Value {
+    let out = kiln(
+        &[
+            &["generate", "--json", "--quiet", "--temperature", "0"],
+            args,
+        ]
+        .concat(),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    serde_json::from_str(&text(&out.stdout)).unwrap()
+}
+
+/// `generate` end to end: text in, greedy tokens out, equal to transformers' continuation.
+#[test]
+fn generate_text_prompt_matches_transformers_greedy() {
+    let case = reference_case("llama-tiny", 1);
+    let out = generate_json(&[
+        "Once upon a time there was",
+        "--model",
+        &fixture("llama-tiny"),
+        "--ignore-eos",
+        "-n",
+        "20",
+    ]);
+    assert_eq!(
+        out["prompt_tokens"], case["prompt_ids"],
+        "BOS added, same ids"
+    );
+    assert_eq!(out["tokens"], case["greedy"]);
+    assert_eq!(out["finish_reason"], "length");
+    assert!(out["text"].is_string());
+    assert!(out["timings"]["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+}
+
+/// `--token-ids` on a Meta checkpoint, on wgpu.
+#[cfg(feature = "wgpu")]
+#[test]
+fn generate_token_ids_on_meta_checkpoint_with_wgpu() {
+    let case = reference_case("llama-tiny-meta", 0);
+    let ids: Vec<String> = case["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    let out = generate_json(&[
+        "--token-ids",
+        &ids.join(","),
+        "--model",
+        &fixture("llama-tiny-meta"),
+        "--backend",
+        "wgpu",
+        "--ignore-eos",
+        "-n",
+        "20",
+    ]);
+    assert_eq!(out["tokens"], case["greedy"]);
+}
+
+/// A folder without tokenizer files runs with `--token-ids`; `text` is then null.
+#[test]
+fn generate_without_tokenizer_needs_token_ids() {
+    let dir = std::env::temp_dir().join(format!("kiln-no-tokenizer-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(format!("{}/{file}", fixture("gpt2-tiny")), dir.join(file)).unwrap();
+    }
+    let model = dir.to_string_lossy().to_string();
+    let out = kiln(&["generate", "hello", "--model", &model]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("--token-ids"),
+        "{}",
+        text(&out.stderr)
+    );
+    let case = reference_case("gpt2-tiny", 0);
+    let ids: Vec<String> = case["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    let out = generate_json(&[
+        "--token-ids",
+        &ids.join(","),
+        "--model",
+        &model,
+        "-n",
+        "20",
+        "--ignore-eos",
+    ]);
+    assert!(out["text"].is_null());
+    assert_eq!(out["tokens"], case["greedy"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_input_exits_2_with_one_line() {
+    for args in [
+        vec!["generate", "hi", "--model", "/nonexistent/model"],
+        vec!["generate", "hi", "--model", "/tmp", "--top-p", "2"],
+        vec!["generate", "hi", "--model", "/tmp"],
+    ] {
+        let out = kiln(&args);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        assert_eq!(
+            text(&out.stderr).lines().count(),
+            1,
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+}
