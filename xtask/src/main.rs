@@ -3,8 +3,9 @@
 //! - `test`: the README's test command. Makes sure a Vulkan driver is there for the wgpu tests
 //!   (installs Mesa's lavapipe with apt-get when run as root on Debian/Ubuntu), then runs the
 //!   whole workspace's tests in release mode (numeric tests crawl without optimisation).
-//! - `references`: regenerates the expected values that come from Hugging Face transformers
-//!   (needs `python3` with `torch` and `transformers`).
+//! - `references`: regenerates the expected values that come from Hugging Face transformers:
+//!   the sampling distributions and the model fixtures (needs `python3` with `torch`,
+//!   `transformers` and `tiktoken`).
 
 mod system;
 
@@ -38,6 +39,7 @@ fn test(extra: &[String]) -> Result<()> {
 
 fn references() -> Result<()> {
     let root = workspace_root();
+    run(Command::new("python3").arg(root.join("scripts/reference/make_model_fixtures.py")))?;
     let script = root.join("scripts/reference/sampling_reference.py");
     let out = root.join("crates/core/tests/fixtures/sampling_hf.json");
     let output = Command::new("python3")

@@ -150,7 +150,7 @@ impl TransformerConfig {
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if matches!(self.positions, PositionKind::Rope(_)) && self.head_dim % 2 != 0 {
+        if matches!(self.positions, PositionKind::Rope(_)) && !self.head_dim.is_multiple_of(2) {
             return Err(format!(
                 "RoPE needs an even head_dim, got {}",
                 self.head_dim

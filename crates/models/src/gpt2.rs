@@ -61,7 +61,7 @@ impl Gpt2HfConfig {
                 ),
             ));
         }
-        if self.n_head == 0 || self.n_embd % self.n_head != 0 {
+        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
             return Err(ModelError::config(
                 path,
                 format!(

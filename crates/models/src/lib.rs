@@ -7,6 +7,7 @@
 //!
 //! It knows nothing of scheduling, sampling or the command line.
 
+pub mod chat;
 pub mod config;
 pub mod error;
 pub mod gpt2;

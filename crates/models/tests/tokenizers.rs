@@ -83,3 +83,21 @@ fn meta_tokenizer_model_matches_tiktoken() {
     assert_eq!(tok.vocab_size(), 640);
     assert_eq!(tok.encode("hi", true).unwrap()[0], TokenId(384));
 }
+
+/// The chat-templated prompt transformers was given (case 5 of the Llama fixtures) is what
+/// kiln's Llama-3 chat format produces, through the Meta tokenizer.
+#[test]
+fn llama3_chat_format_matches_the_reference_prompt() {
+    use kiln_models::chat::{ChatMessage, Role, format_llama3};
+    let dir = fixture("llama-tiny-meta");
+    let tok = TextTokenizer::from_tiktoken(&dir.join("tokenizer.model")).unwrap();
+    let text = format_llama3(
+        &[ChatMessage {
+            role: Role::User,
+            content: "Tell me a story".into(),
+        }],
+        true,
+    );
+    let (_, cases) = reference("llama-tiny-meta");
+    assert_eq!(tok.encode(&text, false).unwrap(), cases[5].prompt);
+}

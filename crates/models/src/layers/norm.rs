@@ -43,7 +43,7 @@ impl<B: Backend> Norm<B> {
             }
         };
         // transformers' RMSNorm casts back before scaling: weight * hidden.to(input_dtype).
-        let scaled = match self.kind {
+        match self.kind {
             NormKind::RmsNorm => normed.cast(dtype) * self.gamma.clone().unsqueeze_dim(0),
             NormKind::LayerNorm => {
                 let y = normed * self.gamma.clone().cast(FloatDType::F32).unsqueeze_dim(0);
@@ -53,7 +53,6 @@ impl<B: Backend> Norm<B> {
                 };
                 y.cast(dtype)
             }
-        };
-        scaled
+        }
     }
 }
