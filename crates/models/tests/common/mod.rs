@@ -107,8 +107,7 @@ pub fn greedy_cached<B: InferenceBackend>(
     let mut cache = DynamicKvCache::<B>::new(shape.kv_layout(), model.dtype(), &model.device());
     let mut out = Vec::new();
     let mut batch = Batch::single(SeqId(0), prompt, Position(0)).unwrap();
-    let mut pos = prompt.len() as u32;
-    for _ in 0..n {
+    for pos in (prompt.len() as u32..).take(n) {
         let logits = host(
             model
                 .forward(&batch, &mut cache, LogitsFor::LastOfEachSequence)
@@ -117,7 +116,6 @@ pub fn greedy_cached<B: InferenceBackend>(
         let next = argmax(&logits);
         out.push(next);
         batch = Batch::single(SeqId(0), &[next], Position(pos)).unwrap();
-        pos += 1;
     }
     out
 }
