@@ -7,7 +7,7 @@
 
 use burn::tensor::Tensor;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use kiln_core::kv_cache::{CacheBook, KvCache, KvLayout, PagedKvCache, StaticKvCache};
+use kiln_core::kv_cache::{KvCache, KvLayout, PagedKvCache, StaticKvCache};
 use kiln_core::{Batch, Dtype, InferenceBackend, Position, SeqId, TokenId};
 
 /// SmolLM2-135M's per-layer K/V shape.
@@ -25,36 +25,35 @@ fn append_one<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::Devic
     B::sync(device).expect("device sync");
 }
 
+/// Appends one token per iteration, clearing the cache whenever it is full.
+fn bench_appends<B: InferenceBackend>(
+    b: &mut criterion::Bencher,
+    mut cache: Box<dyn KvCache<B>>,
+    slots: usize,
+    device: &B::Device,
+) {
+    let mut step = 0;
+    b.iter(|| {
+        if step as usize == slots {
+            cache.clear();
+            step = 0;
+        }
+        append_one(cache.as_mut(), device, step);
+        step += 1;
+    });
+}
+
 fn bench_backend<B: InferenceBackend>(c: &mut Criterion, name: &str) {
     let device = B::inference_device();
     let mut group = c.benchmark_group(format!("kv_append/{name}"));
     for slots in [1024usize, 16384] {
         group.bench_with_input(BenchmarkId::new("static", slots), &slots, |b, &slots| {
-            let mut cache =
-                StaticKvCache::<B>::new(LAYOUT, 4, slots, Dtype::F32, &device).expect("cache");
-            let mut step = 0;
-            b.iter(|| {
-                if step as usize == slots {
-                    cache.clear();
-                    step = 0;
-                }
-                append_one(&mut cache, &device, step);
-                step += 1;
-            });
+            let cache = StaticKvCache::<B>::new(LAYOUT, 4, slots, Dtype::F32, &device);
+            bench_appends(b, Box::new(cache.expect("cache")), slots, &device);
         });
         group.bench_with_input(BenchmarkId::new("paged", slots), &slots, |b, &slots| {
-            let blocks = 4 * slots / 16;
-            let mut cache =
-                PagedKvCache::<B>::new(LAYOUT, blocks, 16, Dtype::F32, &device).expect("cache");
-            let mut step = 0;
-            b.iter(|| {
-                if step as usize == slots {
-                    cache.clear();
-                    step = 0;
-                }
-                append_one(&mut cache, &device, step);
-                step += 1;
-            });
+            let cache = PagedKvCache::<B>::new(LAYOUT, 4 * slots / 16, 16, Dtype::F32, &device);
+            bench_appends(b, Box::new(cache.expect("cache")), slots, &device);
         });
     }
     group.finish();

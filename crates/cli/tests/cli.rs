@@ -35,21 +35,22 @@ fn backends_lists_every_kind_and_cpu_is_available() {
     );
 }
 
-#[test]
-fn selftest_passes_on_cpu() {
-    let out = kiln(&["selftest", "--backend", "cpu"]);
+fn assert_selftest_passes(backend: &str) {
+    let out = kiln(&["selftest", "--backend", backend]);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
     assert!(stdout.contains("7 passed, 0 failed"), "{stdout}");
 }
 
+#[test]
+fn selftest_passes_on_cpu() {
+    assert_selftest_passes("cpu");
+}
+
 #[cfg(feature = "wgpu")]
 #[test]
 fn selftest_passes_on_wgpu() {
-    let out = kiln(&["selftest", "--backend", "wgpu"]);
-    let stdout = text(&out.stdout);
-    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
-    assert!(stdout.contains("7 passed, 0 failed"), "{stdout}");
+    assert_selftest_passes("wgpu");
 }
 
 /// Without an NVIDIA driver, asking for cuda is one line naming the backend and the reason,

@@ -11,15 +11,6 @@ use kiln_core::TokenId;
 use kiln_models::TextTokenizer;
 use serde_json::Value;
 
-fn ids(value: &Value) -> Vec<TokenId> {
-    value
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| TokenId(v.as_u64().unwrap() as u32))
-        .collect()
-}
-
 #[test]
 fn gpt2_vocab_and_merges_encode_the_prompts_as_transformers() {
     let dir = fixture("gpt2-tiny");

@@ -30,7 +30,7 @@ pub struct Case {
     pub logits: Vec<f32>,
 }
 
-fn ids(value: &Value) -> Vec<TokenId> {
+pub fn ids(value: &Value) -> Vec<TokenId> {
     value
         .as_array()
         .unwrap()
