@@ -97,6 +97,17 @@ fn reference_case(name: &str, index: usize) -> serde_json::Value {
     json["cases"][index].clone()
 }
 
+/// The reference prompt as a `--token-ids` value.
+fn token_ids_arg(case: &serde_json::Value) -> String {
+    let ids: Vec<String> = case["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    ids.join(",")
+}
+
 fn generate_json(args: &[&str]) -> serde_json::Value {
     let out = kiln(
         &[
@@ -136,15 +147,9 @@ fn generate_text_prompt_matches_transformers_greedy() {
 #[test]
 fn generate_token_ids_on_meta_checkpoint_with_wgpu() {
     let case = reference_case("llama-tiny-meta", 0);
-    let ids: Vec<String> = case["prompt_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_string())
-        .collect();
     let out = generate_json(&[
         "--token-ids",
-        &ids.join(","),
+        &token_ids_arg(&case),
         "--model",
         &fixture("llama-tiny-meta"),
         "--backend",
@@ -173,15 +178,9 @@ fn generate_without_tokenizer_needs_token_ids() {
         text(&out.stderr)
     );
     let case = reference_case("gpt2-tiny", 0);
-    let ids: Vec<String> = case["prompt_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_string())
-        .collect();
     let out = generate_json(&[
         "--token-ids",
-        &ids.join(","),
+        &token_ids_arg(&case),
         "--model",
         &model,
         "-n",

@@ -26,8 +26,8 @@ use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData};
 
 use crate::batch::Batch;
 use crate::ids::Position;
-use crate::kv_cache::storage::int_tensor;
 use crate::kv_cache::{KvCache, ReadIndex, StepPlan};
+use crate::tensor::int_tensor;
 
 /// The fresh group: packed prompts, block-causal.
 #[derive(Debug, Clone)]
@@ -154,8 +154,8 @@ impl<B: InferenceBackend> AttentionPlan<B> {
                 rows,
                 max_new,
                 keys,
-                gather: int_tensor(gather.into_iter(), device),
-                keep: int_tensor(keep.into_iter(), device),
+                gather: int_tensor(gather, device),
+                keep: int_tensor(keep, device),
                 mask: bool_tensor(mask, [rows, 1, q_rows, keys], device),
                 read,
             }
@@ -171,7 +171,7 @@ impl<B: InferenceBackend> AttentionPlan<B> {
             for (i, &t) in order.iter().enumerate() {
                 inverse[t] = i;
             }
-            int_tensor(inverse.into_iter(), device)
+            int_tensor(inverse, device)
         });
 
         Self {

@@ -34,6 +34,7 @@ pub mod model;
 pub mod sampling;
 #[cfg(feature = "cpu")]
 pub mod selftest;
+pub mod tensor;
 
 pub use backend::{BackendKind, InferenceBackend};
 pub use batch::{Batch, SeqSpan};

@@ -1,9 +1,10 @@
 //! [`Transformer`]: the decoder both GPT-2 and Llama are, configured by
 //! [`TransformerConfig`]. Implements [`CausalLm`].
 
-use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor};
 use kiln_core::attention::AttentionPlan;
 use kiln_core::kv_cache::KvCache;
+use kiln_core::tensor::int_tensor;
 use kiln_core::{Batch, CausalLm, CoreError, Dtype, InferenceBackend, LogitsFor, ModelShape};
 
 use crate::config::{PositionKind, TransformerConfig};
@@ -111,11 +112,6 @@ impl<B: InferenceBackend> Transformer<B> {
     }
 }
 
-fn int_tensor<B: InferenceBackend>(values: &[usize], device: &B::Device) -> Tensor<B, 1, Int> {
-    let v: Vec<i64> = values.iter().map(|&x| x as i64).collect();
-    Tensor::from_data(TensorData::new(v, [values.len()]), device)
-}
-
 impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
     fn shape(&self) -> ModelShape {
         self.config.shape()
@@ -145,11 +141,11 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
         let mut x = self
             .embed
             .clone()
-            .select(0, int_tensor::<B>(&tokens, device));
+            .select(0, int_tensor::<B>(tokens, device));
         let rope = match (&self.position_embed, &self.inv_freq) {
             (Some(table), _) => {
                 let positions: Vec<usize> = batch.positions().iter().map(|p| p.index()).collect();
-                x = x + table.clone().select(0, int_tensor::<B>(&positions, device));
+                x = x + table.clone().select(0, int_tensor::<B>(positions, device));
                 None
             }
             (None, Some(inv_freq)) => Some(RopeTables::new(
@@ -169,7 +165,7 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
         let x = match logits {
             LogitsFor::All => x,
             LogitsFor::LastOfEachSequence => {
-                x.select(0, int_tensor::<B>(&batch.last_indices(), device))
+                x.select(0, int_tensor::<B>(batch.last_indices(), device))
             }
         };
         let x = self.final_norm.forward(x);

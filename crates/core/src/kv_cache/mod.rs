@@ -27,7 +27,7 @@ mod paged;
 mod plan;
 mod sliding;
 mod static_;
-pub(crate) mod storage;
+mod storage;
 
 use std::fmt;
 use std::str::FromStr;

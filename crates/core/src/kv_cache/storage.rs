@@ -5,7 +5,9 @@ use std::ops::Range;
 use burn::tensor::backend::Backend;
 
 use crate::backend::InferenceBackend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor};
+
+use crate::tensor::int_tensor;
 
 use super::KvLayout;
 use super::plan::{ReadPlan, WriteRun};
@@ -66,16 +68,6 @@ impl<B: InferenceBackend> ReadIndex<B> {
             }),
         }
     }
-}
-
-/// A 1-D Int tensor from indices, in the device's default int dtype.
-pub(crate) fn int_tensor<B: Backend>(
-    values: impl Iterator<Item = usize>,
-    device: &B::Device,
-) -> Tensor<B, 1, Int> {
-    let values: Vec<i64> = values.map(|v| v as i64).collect();
-    let len = values.len();
-    Tensor::from_data(TensorData::new(values, [len]), device)
 }
 
 impl<B: InferenceBackend> SlotStorage<B> {
