@@ -33,7 +33,7 @@ pub enum NormKind {
 }
 
 /// How positions enter the model.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum PositionKind {
     /// A learned embedding per position, added to the token embedding (GPT-2).
     Learned,
@@ -42,12 +42,15 @@ pub enum PositionKind {
 }
 
 /// Rotary position embedding parameters, in Hugging Face's rotate-half layout.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RopeConfig {
     /// The base of the frequencies (`rope_theta`).
     pub theta: f32,
     /// Llama 3.1's frequency scaling, if any.
     pub llama3_scaling: Option<Llama3Scaling>,
+    /// One divisor per frequency, as GGUF stores scaled RoPE (`rope_freqs.weight`, llama3
+    /// scaling precomputed by llama.cpp's converter); applied after `llama3_scaling`.
+    pub frequency_divisors: Option<Vec<f32>>,
 }
 
 /// The `llama3` `rope_type` of Llama 3.1 and 3.2.

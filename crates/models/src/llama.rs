@@ -151,6 +151,7 @@ impl LlamaHfConfig {
             positions: PositionKind::Rope(RopeConfig {
                 theta,
                 llama3_scaling: scaling,
+                frequency_divisors: None,
             }),
             mlp: MlpKind::SwiGlu,
             attention_bias: self.attention_bias,
@@ -239,6 +240,7 @@ impl MetaParams {
             positions: PositionKind::Rope(RopeConfig {
                 theta: self.rope_theta,
                 llama3_scaling: scaling,
+                frequency_divisors: None,
             }),
             mlp: MlpKind::SwiGlu,
             attention_bias: false,
@@ -259,6 +261,8 @@ pub enum LlamaNames {
     HuggingFace,
     /// Meta's `layers.N.attention.wq.weight`... (Q/K rows interleaved)
     Meta,
+    /// llama.cpp's `blk.N.attn_q.weight`... (Q/K rows interleaved)
+    Gguf,
 }
 
 impl LlamaNames {
@@ -266,6 +270,7 @@ impl LlamaNames {
         match self {
             Self::HuggingFace => "model.embed_tokens.weight",
             Self::Meta => "tok_embeddings.weight",
+            Self::Gguf => "token_embd.weight",
         }
     }
 
@@ -273,13 +278,14 @@ impl LlamaNames {
         match self {
             Self::HuggingFace => "model.norm.weight",
             Self::Meta => "norm.weight",
+            Self::Gguf => "output_norm.weight",
         }
     }
 
     fn head(self) -> &'static str {
         match self {
             Self::HuggingFace => "lm_head.weight",
-            Self::Meta => "output.weight",
+            Self::Meta | Self::Gguf => "output.weight",
         }
     }
 
@@ -314,12 +320,26 @@ impl LlamaNames {
                 };
                 format!("layers.{i}.{p}")
             }
+            Self::Gguf => {
+                let p = match part {
+                    "q" => "attn_q",
+                    "k" => "attn_k",
+                    "v" => "attn_v",
+                    "o" => "attn_output",
+                    "gate" => "ffn_gate",
+                    "up" => "ffn_up",
+                    "down" => "ffn_down",
+                    "attn_norm" => "attn_norm",
+                    _ => "ffn_norm",
+                };
+                format!("blk.{i}.{p}")
+            }
         }
     }
 
     /// Whether Q/K rows must be permuted from interleaved to rotate-half order.
     fn interleaved(self) -> bool {
-        self == Self::Meta
+        matches!(self, Self::Meta | Self::Gguf)
     }
 }
 

@@ -62,8 +62,8 @@ impl<B: InferenceBackend> Transformer<B> {
         head: Option<Tensor<B, 2>>,
     ) -> Self {
         let head = head.unwrap_or_else(|| embed.clone().transpose());
-        let inv_freq = match config.positions {
-            PositionKind::Rope(rope) => Some(inverse_frequencies(&rope, config.head_dim)),
+        let inv_freq = match &config.positions {
+            PositionKind::Rope(rope) => Some(inverse_frequencies(rope, config.head_dim)),
             PositionKind::Learned => None,
         };
         Self {

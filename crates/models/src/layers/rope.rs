@@ -16,9 +16,13 @@ pub fn inverse_frequencies(config: &RopeConfig, head_dim: usize) -> Vec<f32> {
     let base: Vec<f32> = (0..head_dim / 2)
         .map(|i| 1.0 / config.theta.powf((2 * i) as f32 / head_dim as f32))
         .collect();
-    match config.llama3_scaling {
+    let scaled: Vec<f32> = match config.llama3_scaling {
         None => base,
         Some(s) => base.into_iter().map(|f| llama3_scale(f, &s)).collect(),
+    };
+    match &config.frequency_divisors {
+        None => scaled,
+        Some(divisors) => scaled.iter().zip(divisors).map(|(f, d)| f / d).collect(),
     }
 }
 
@@ -105,12 +109,14 @@ mod tests {
                 high_freq_factor: 4.0,
                 original_max_positions: 32,
             }),
+            frequency_divisors: None,
         };
         let f = inverse_frequencies(&config, 16);
         let plain = inverse_frequencies(
             &RopeConfig {
                 theta: 10000.0,
                 llama3_scaling: None,
+                frequency_divisors: None,
             },
             16,
         );

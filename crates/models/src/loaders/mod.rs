@@ -1,8 +1,11 @@
-//! Loading a model and its tokenizer from a path: a Hugging Face folder (`config.json`) or a
-//! Meta original folder (`params.json`). [`load`] detects which.
+//! Loading a model and its tokenizer from a path: a Hugging Face folder (`config.json`), a
+//! Meta original folder (`params.json`) or a llama.cpp GGUF file. [`load`] detects which.
 
+mod gguf;
 mod hf;
 mod meta;
+
+pub use meta::LLAMA3_CHAT_TEMPLATE;
 
 use std::path::{Path, PathBuf};
 
@@ -20,6 +23,8 @@ pub enum ModelFormat {
     HuggingFace,
     /// `params.json` + `consolidated.00.pth` + `tokenizer.model`.
     MetaOriginal,
+    /// One llama.cpp `.gguf` file (weights, tokenizer and chat template).
+    Gguf,
 }
 
 impl ModelFormat {
@@ -28,6 +33,7 @@ impl ModelFormat {
         match self {
             ModelFormat::HuggingFace => "huggingface",
             ModelFormat::MetaOriginal => "meta",
+            ModelFormat::Gguf => "gguf",
         }
     }
 }
@@ -62,7 +68,7 @@ pub struct LoadedModel<B: InferenceBackend> {
     pub tokenizer: Option<TextTokenizer>,
     /// BOS / EOS.
     pub generation: GenerationSettings,
-    /// The Jinja chat template (HF `tokenizer_config.json`), if any.
+    /// The Jinja chat template (HF `tokenizer_config.json`, GGUF `tokenizer.chat_template`).
     pub chat_template: Option<String>,
     /// The format read.
     pub format: ModelFormat,
@@ -81,6 +87,9 @@ pub fn detect_format(path: &Path) -> Result<ModelFormat> {
             what: "model",
         });
     }
+    if gguf::is_gguf(path) {
+        return Ok(ModelFormat::Gguf);
+    }
     if path.is_dir() {
         if path.join("config.json").exists() {
             return Ok(ModelFormat::HuggingFace);
@@ -91,7 +100,8 @@ pub fn detect_format(path: &Path) -> Result<ModelFormat> {
     }
     Err(ModelError::UnknownFormat {
         path: path.to_path_buf(),
-        reason: "expected a Hugging Face folder (config.json) or a Meta folder (params.json)"
+        reason: "expected a Hugging Face folder (config.json), a Meta folder (params.json) or a \
+                 GGUF file"
             .into(),
     })
 }
@@ -104,6 +114,7 @@ pub fn read_config(path: &Path, options: &LoadOptions) -> Result<TransformerConf
     match detect_format(path)? {
         ModelFormat::HuggingFace => hf::read_config(path),
         ModelFormat::MetaOriginal => meta::read_config(path, options),
+        ModelFormat::Gguf => gguf::read_config(path),
     }
 }
 
@@ -120,5 +131,6 @@ pub fn load<B: InferenceBackend>(
     match detect_format(path)? {
         ModelFormat::HuggingFace => hf::load(path, options, device),
         ModelFormat::MetaOriginal => meta::load(path, options, device),
+        ModelFormat::Gguf => gguf::load(path, options, device),
     }
 }

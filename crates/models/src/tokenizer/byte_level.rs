@@ -3,6 +3,47 @@
 
 use serde_json::{Value, json};
 
+use super::tiktoken::LLAMA3_PATTERN;
+
+/// How text is split into words before byte-level BPE, one per regex family llama.cpp and
+/// Hugging Face use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreTokenizer {
+    /// GPT-2's regex (`'s|'t|...| ?\p{L}+| ?\p{N}+|...`).
+    Gpt2,
+    /// GPT-2's regex after isolating every digit (SmolLM, StarCoder): `"2024"` is four words.
+    Gpt2IndividualDigits,
+    /// Llama-3's regex (numbers in groups of up to three), with whole-word vocabulary hits
+    /// taking precedence over merges (`ignore_merges`), as in Llama-3's `tokenizer.json`.
+    Llama3,
+}
+
+impl PreTokenizer {
+    /// The `pre_tokenizer` object of `tokenizer.json`.
+    pub fn json(self) -> Value {
+        let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+        match self {
+            Self::Gpt2 => byte_level(true),
+            Self::Gpt2IndividualDigits => json!({
+                "type": "Sequence",
+                "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level(true)]
+            }),
+            Self::Llama3 => json!({
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated", "invert": false},
+                    byte_level(false)
+                ]
+            }),
+        }
+    }
+
+    /// Whether a word found whole in the vocabulary skips the merges.
+    pub fn ignores_merges(self) -> bool {
+        self == Self::Llama3
+    }
+}
+
 /// GPT-2's `bytes_to_unicode`: printable bytes map to themselves, the others to code points
 /// from 256 on, so every byte sequence is a printable string.
 pub fn byte_to_char() -> [char; 256] {
@@ -30,20 +71,42 @@ pub fn encode_bytes(bytes: &[u8], map: &[char; 256]) -> String {
     bytes.iter().map(|&b| map[b as usize]).collect()
 }
 
+/// A token matched whole in the text before the BPE runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddedToken {
+    /// Its text (`<|im_start|>`).
+    pub content: String,
+    /// Its id.
+    pub id: u32,
+    /// Special tokens are dropped by `decode(.., skip_special_tokens = true)`.
+    pub special: bool,
+}
+
+impl AddedToken {
+    /// A special token.
+    pub fn special(content: impl Into<String>, id: u32) -> Self {
+        Self {
+            content: content.into(),
+            id,
+            special: true,
+        }
+    }
+}
+
 /// The `tokenizer.json` of a byte-level BPE.
 pub fn tokenizer_json(
     vocab: Value,
     merges: Vec<String>,
     pre_tokenizer: Value,
     ignore_merges: bool,
-    added: &[(String, u32)],
+    added: &[AddedToken],
     bos: Option<(&str, u32)>,
 ) -> Value {
     let added_tokens: Vec<Value> = added
         .iter()
-        .map(|(content, id)| {
-            json!({"id": id, "content": content, "single_word": false, "lstrip": false,
-                   "rstrip": false, "normalized": false, "special": true})
+        .map(|t| {
+            json!({"id": t.id, "content": t.content, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": t.special})
         })
         .collect();
     let post_processor = match bos {

@@ -4,13 +4,15 @@
 //! converted into the `tokenizer.json` document transformers' converters would write.
 
 mod byte_level;
+pub(crate) mod gguf;
 mod tiktoken;
 
 use std::path::Path;
 
 use kiln_core::TokenId;
-use serde_json::{Value, json};
+use serde_json::Value;
 
+pub use byte_level::{AddedToken, PreTokenizer};
 pub use tiktoken::{LLAMA3_PATTERN, llama3_special_tokens};
 
 use crate::error::{ModelError, Result};
@@ -49,17 +51,17 @@ impl TextTokenizer {
             .filter(|l| !l.starts_with("#version") && !l.trim().is_empty())
             .map(str::to_string)
             .collect();
-        let added: Vec<(String, u32)> = vocab
+        let added: Vec<AddedToken> = vocab
             .get("<|endoftext|>")
             .and_then(Value::as_u64)
-            .map(|id| ("<|endoftext|>".to_string(), id as u32))
+            .map(|id| AddedToken::special("<|endoftext|>", id as u32))
             .into_iter()
             .collect();
         let document = byte_level::tokenizer_json(
             Value::Object(vocab.clone()),
             merges,
-            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}),
-            false,
+            PreTokenizer::Gpt2.json(),
+            PreTokenizer::Gpt2.ignores_merges(),
             &added,
             None,
         );
@@ -75,6 +77,18 @@ impl TextTokenizer {
     pub fn from_tiktoken(path: &Path) -> Result<Self> {
         let document = tiktoken::tokenizer_json(path)?;
         Self::from_json_str(&document.to_string(), &path.display().to_string())
+    }
+
+    /// The byte-level BPE a GGUF file describes in its `tokenizer.ggml.*` metadata, with the
+    /// pre-tokenizer `tokenizer.ggml.pre` names (see [`PreTokenizer`]), control tokens as
+    /// special tokens, user-defined ones as plain added tokens, and BOS added by
+    /// `encode(.., true)` only when `tokenizer.ggml.add_bos_token` says so.
+    ///
+    /// # Errors
+    /// A vocabulary kind or pre-tokenizer kiln does not implement, or malformed metadata.
+    pub fn from_gguf(file: &crate::gguf::GgufFile) -> Result<Self> {
+        let document = gguf::tokenizer_json(file)?;
+        Self::from_json_str(&document.to_string(), &file.path().display().to_string())
     }
 
     fn from_json_str(text: &str, source: &str) -> Result<Self> {

@@ -8,7 +8,7 @@ use std::path::Path;
 use base64::Engine;
 use serde_json::{Map, Value, json};
 
-use super::byte_level::{self, byte_to_char, encode_bytes};
+use super::byte_level::{self, AddedToken, PreTokenizer, byte_to_char, encode_bytes};
 use crate::error::{ModelError, Result};
 use crate::weights::read_text;
 
@@ -84,23 +84,16 @@ pub fn tokenizer_json(path: &Path) -> Result<Value> {
         }
     }
     merges.sort();
-    let specials: Vec<(String, u32)> = llama3_special_tokens()
+    let specials: Vec<AddedToken> = llama3_special_tokens()
         .into_iter()
         .enumerate()
-        .map(|(i, name)| (name, base + i as u32))
+        .map(|(i, name)| AddedToken::special(name, base + i as u32))
         .collect();
-    let pre_tokenizer = json!({
-        "type": "Sequence",
-        "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated", "invert": false},
-            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
-        ]
-    });
     Ok(byte_level::tokenizer_json(
         Value::Object(vocab),
         merges.into_iter().map(|m| m.3).collect(),
-        pre_tokenizer,
-        true,
+        PreTokenizer::Llama3.json(),
+        PreTokenizer::Llama3.ignores_merges(),
         &specials,
         Some(("<|begin_of_text|>", base)),
     ))

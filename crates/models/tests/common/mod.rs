@@ -148,3 +148,34 @@ pub fn load<B: InferenceBackend>(name: &str, dtype: Dtype) -> kiln_models::Loade
     };
     kiln_models::load::<B>(&fixture(name), &options, &B::inference_device()).unwrap()
 }
+
+/// Greedy continuations of several prompts at once: one packed prefill of every prompt, then
+/// one batched forward per step, as the engine runs them (the dynamic cache grows per sequence).
+pub fn greedy_batched<B: InferenceBackend>(
+    model: &impl CausalLm<B>,
+    prompts: &[Vec<TokenId>],
+    n: usize,
+) -> Vec<Vec<TokenId>> {
+    let shape = model.shape();
+    let mut cache = DynamicKvCache::<B>::new(shape.kv_layout(), model.dtype(), &model.device());
+    let mut out: Vec<Vec<TokenId>> = vec![Vec::new(); prompts.len()];
+    let mut batch = Batch::new();
+    for (i, prompt) in prompts.iter().enumerate() {
+        batch.push(SeqId(i as u64), prompt, Position(0)).unwrap();
+    }
+    for step in 0..n {
+        let logits = host(
+            model
+                .forward(&batch, &mut cache, LogitsFor::LastOfEachSequence)
+                .unwrap(),
+        );
+        batch = Batch::new();
+        for (i, row) in logits.chunks_exact(shape.vocab).enumerate() {
+            let next = argmax(row);
+            out[i].push(next);
+            let position = Position((prompts[i].len() + step) as u32);
+            batch.push(SeqId(i as u64), &[next], position).unwrap();
+        }
+    }
+    out
+}

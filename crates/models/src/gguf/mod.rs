@@ -1,0 +1,228 @@
+//! llama.cpp's GGUF files: the container ([`parse`]), metadata values ([`MetaValue`]) and
+//! dequantization of the ggml tensor types ([`quant`]). [`GgufFile`] maps a file and serves its
+//! tensors as f32 through [`TensorSource`].
+
+pub mod parse;
+pub mod quant;
+mod value;
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+pub use parse::{Header, ParseError, TensorInfo};
+pub use quant::{GgmlType, dequantize};
+pub use value::MetaValue;
+
+use crate::error::{ModelError, Result};
+use crate::host::HostTensor;
+use crate::weights::TensorSource;
+
+/// A memory-mapped GGUF file with its parsed header.
+pub struct GgufFile {
+    path: PathBuf,
+    mmap: Mmap,
+    header: Header,
+    by_name: HashMap<String, usize>,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("version", &self.header.version)
+            .field("tensors", &self.header.tensors.len())
+            .finish()
+    }
+}
+
+impl GgufFile {
+    /// Maps and parses `path`.
+    ///
+    /// # Errors
+    /// [`ModelError::MissingFile`], [`ModelError::Io`], or [`ModelError::Corrupt`] with the
+    /// byte offset of the first bad field.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::NotFound {
+                ModelError::MissingFile {
+                    path: path.to_path_buf(),
+                    what: "GGUF model",
+                }
+            } else {
+                ModelError::Io {
+                    path: path.to_path_buf(),
+                    source,
+                }
+            }
+        })?;
+        // SAFETY: read-only mapping of a file kiln does not modify; every tensor range was
+        // checked against the mapping's length when the header was parsed.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let header = parse::parse(&mmap)
+            .map_err(|e| ModelError::corrupt(path, format!("invalid GGUF {e}")))?;
+        let mut by_name = HashMap::with_capacity(header.tensors.len());
+        for (i, t) in header.tensors.iter().enumerate() {
+            if by_name.insert(t.name.clone(), i).is_some() {
+                return Err(ModelError::corrupt(
+                    path,
+                    format!("invalid GGUF: tensor `{}` appears twice", t.name),
+                ));
+            }
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            mmap,
+            header,
+            by_name,
+        })
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The format version (2 or 3).
+    pub fn version(&self) -> u32 {
+        self.header.version
+    }
+
+    /// Every metadata key and value.
+    pub fn metadata(&self) -> &BTreeMap<String, MetaValue> {
+        &self.header.metadata
+    }
+
+    /// Tensor descriptions in file order.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.header.tensors
+    }
+
+    /// One tensor's description.
+    pub fn tensor_info(&self, name: &str) -> Option<&TensorInfo> {
+        self.by_name.get(name).map(|&i| &self.header.tensors[i])
+    }
+
+    /// The value of `key`, if present.
+    pub fn get(&self, key: &str) -> Option<&MetaValue> {
+        self.header.metadata.get(key)
+    }
+
+    /// `key` as a string, failing when absent or of another type.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] naming the key.
+    pub fn string(&self, key: &str) -> Result<&str> {
+        self.required(key)?
+            .as_str()
+            .ok_or_else(|| self.wrong_type(key, "a string"))
+    }
+
+    /// `key` as an unsigned integer, failing when absent or of another type.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] naming the key.
+    pub fn unsigned(&self, key: &str) -> Result<u64> {
+        self.required(key)?
+            .as_u64()
+            .ok_or_else(|| self.wrong_type(key, "a non-negative integer"))
+    }
+
+    /// `key` as an unsigned integer when present.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] when present with another type.
+    pub fn unsigned_opt(&self, key: &str) -> Result<Option<u64>> {
+        self.get(key)
+            .map(|v| {
+                v.as_u64()
+                    .ok_or_else(|| self.wrong_type(key, "a non-negative integer"))
+            })
+            .transpose()
+    }
+
+    /// `key` as a float when present.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] when present with another type.
+    pub fn float_opt(&self, key: &str) -> Result<Option<f64>> {
+        self.get(key)
+            .map(|v| v.as_f64().ok_or_else(|| self.wrong_type(key, "a number")))
+            .transpose()
+    }
+
+    /// `key` as a boolean when present.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] when present with another type.
+    pub fn bool_opt(&self, key: &str) -> Result<Option<bool>> {
+        self.get(key)
+            .map(|v| v.as_bool().ok_or_else(|| self.wrong_type(key, "a boolean")))
+            .transpose()
+    }
+
+    /// `key` as an array, failing when absent or of another type.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] naming the key.
+    pub fn array(&self, key: &str) -> Result<&[MetaValue]> {
+        self.required(key)?
+            .as_array()
+            .ok_or_else(|| self.wrong_type(key, "an array"))
+    }
+
+    fn required(&self, key: &str) -> Result<&MetaValue> {
+        self.get(key)
+            .ok_or_else(|| ModelError::config(&self.path, format!("metadata lacks `{key}`")))
+    }
+
+    fn wrong_type(&self, key: &str, expected: &str) -> ModelError {
+        let found = self.get(key).map_or("nothing", MetaValue::type_name);
+        ModelError::config(
+            &self.path,
+            format!("metadata `{key}` is a {found}, expected {expected}"),
+        )
+    }
+
+    /// The raw bytes of a tensor.
+    pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
+        &self.mmap[info.data.clone()]
+    }
+}
+
+impl TensorSource for GgufFile {
+    fn describe(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.by_name.contains_key(name)
+    }
+
+    /// Dequantizes one tensor to f32.
+    fn read(&self, name: &str) -> Result<HostTensor> {
+        let info = self
+            .tensor_info(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                file: self.describe(),
+                tensor: name.to_string(),
+            })?;
+        let mut data = vec![0f32; info.len()];
+        dequantize(info.ggml_type, self.tensor_bytes(info), &mut data);
+        Ok(HostTensor {
+            name: name.to_string(),
+            file: self.describe(),
+            shape: info.shape.clone(),
+            data,
+        })
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.header.tensors.iter().map(|t| t.name.clone()).collect()
+    }
+}

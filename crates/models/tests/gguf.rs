@@ -1,0 +1,261 @@
+//! GGUF: dequantization against the python `gguf` package, the container's handling of
+//! corrupt and truncated files, and a tiny Llama GGUF against transformers loading the same
+//! file (`scripts/reference/make_gguf_fixtures.py`).
+
+#![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
+
+mod common;
+
+use common::*;
+use kiln_core::{Dtype, TokenId};
+use kiln_models::gguf::{GgmlType, GgufFile, dequantize, parse};
+use kiln_models::{ModelError, ModelFormat, TextTokenizer};
+use proptest::prelude::*;
+use serde_json::Value;
+
+fn tiny_path() -> std::path::PathBuf {
+    fixture("gguf/tiny-llama.gguf")
+}
+
+fn tiny_bytes() -> Vec<u8> {
+    std::fs::read(tiny_path()).unwrap()
+}
+
+fn json(path: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture(path)).unwrap()).unwrap()
+}
+
+fn hex(text: &str) -> Vec<u8> {
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// Every type's sample blocks dequantize to `gguf.quants.dequantize`'s values. The tolerance is
+/// one part in 10^6: gguf-py multiplies in numpy's order and a compiler may fuse a multiply-add.
+#[test]
+fn dequantization_matches_gguf_py() {
+    let samples = json("gguf/quants.json");
+    let samples = samples["samples"].as_array().unwrap();
+    assert_eq!(samples.len(), GgmlType::ALL.len());
+    for sample in samples {
+        let name = sample["type"].as_str().unwrap();
+        let ty = GgmlType::from_id(sample["ggml_type"].as_u64().unwrap() as u32).unwrap();
+        assert_eq!(ty.name(), name);
+        assert_eq!(
+            ty.block_size() as u64,
+            sample["block_size"].as_u64().unwrap()
+        );
+        assert_eq!(ty.type_size() as u64, sample["type_size"].as_u64().unwrap());
+        let bytes = hex(sample["hex"].as_str().unwrap());
+        let expected: Vec<f32> = sample["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let mut ours = vec![0f32; expected.len()];
+        dequantize(ty, &bytes, &mut ours);
+        for (i, (a, b)) in ours.iter().zip(&expected).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs().max(1e-3),
+                "{name} value {i}: kiln {a}, gguf-py {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_tiny_file_parses_as_v3_and_v2() {
+    let bytes = tiny_bytes();
+    let v3 = parse::parse(&bytes).unwrap();
+    assert_eq!(v3.version, 3);
+    let reference = json("gguf/tiny-llama.reference.json");
+    let types = reference["tensor_types"].as_object().unwrap();
+    assert_eq!(v3.tensors.len(), types.len());
+    for tensor in &v3.tensors {
+        assert_eq!(
+            tensor.ggml_type.name(),
+            types[&tensor.name].as_str().unwrap(),
+            "{}",
+            tensor.name
+        );
+    }
+    // v2 differs from v3 only in allowing big-endian files; the layout is the same.
+    let mut v2 = bytes.clone();
+    v2[4..8].copy_from_slice(&2u32.to_le_bytes());
+    let parsed = parse::parse(&v2).unwrap();
+    assert_eq!((parsed.version, parsed.tensors), (2, v3.tensors));
+}
+
+fn parse_error(bytes: &[u8]) -> String {
+    parse::parse(bytes).unwrap_err().to_string()
+}
+
+#[test]
+fn unsupported_versions_and_byte_orders_are_named() {
+    let bytes = tiny_bytes();
+    let mut v1 = bytes.clone();
+    v1[4..8].copy_from_slice(&1u32.to_le_bytes());
+    assert!(parse_error(&v1).contains("version 1 is not supported"));
+    let mut big = bytes.clone();
+    big[4..8].copy_from_slice(&3u32.to_be_bytes());
+    assert!(parse_error(&big).contains("big-endian"));
+    assert!(parse_error(b"PK\x03\x04 not gguf").contains("not a GGUF file"));
+}
+
+/// A file cut anywhere before the end of its last tensor is an error naming a byte offset.
+#[test]
+fn every_truncation_is_an_error_with_an_offset() {
+    let bytes = tiny_bytes();
+    let header = parse::parse(&bytes).unwrap();
+    let data_end = header.tensors.iter().map(|t| t.data.end).max().unwrap();
+    let cuts = (0..header.data_offset + 64).chain((header.data_offset..data_end).step_by(997));
+    for len in cuts {
+        let err = parse::parse(&bytes[..len]).unwrap_err();
+        assert!(
+            err.offset <= len,
+            "cut at {len}: offset {} past the end",
+            err.offset
+        );
+        assert!(!err.reason.is_empty());
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    /// Random bytes overwritten anywhere in the header never panic or read out of bounds;
+    /// what parses has every tensor inside the file.
+    #[test]
+    fn mutated_headers_never_panic(edits in prop::collection::vec((0usize..4096, any::<u8>()), 1..8)) {
+        let mut bytes = tiny_bytes();
+        let header_len = parse::parse(&bytes).unwrap().data_offset;
+        for (at, value) in edits {
+            let at = at % header_len;
+            bytes[at] = value;
+        }
+        if let Ok(header) = parse::parse(&bytes) {
+            for t in &header.tensors {
+                prop_assert!(t.data.end <= bytes.len());
+                prop_assert_eq!(t.ggml_type.bytes_for(t.len()), Some(t.data.len()));
+            }
+        }
+    }
+}
+
+/// Writes `bytes` to a temporary `.gguf` and loads it on cpu.
+fn load_bytes(bytes: &[u8]) -> Result<(), ModelError> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    kiln_models::load::<burn::backend::Flex>(&path, &Default::default(), &Default::default())
+        .map(|_| ())
+}
+
+fn replace(bytes: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
+    assert_eq!(from.len(), to.len());
+    let at = bytes.windows(from.len()).position(|w| w == from).unwrap();
+    let mut out = bytes.to_vec();
+    out[at..at + to.len()].copy_from_slice(to);
+    out
+}
+
+#[test]
+fn unsupported_architectures_pre_tokenizers_and_types_are_named() {
+    let bytes = tiny_bytes();
+    let arch = load_bytes(&replace(
+        &bytes,
+        b"\x05\0\0\0\0\0\0\0llama",
+        b"\x05\0\0\0\0\0\0\0mamba",
+    ))
+    .unwrap_err();
+    assert!(
+        matches!(arch, ModelError::UnsupportedArchitecture { .. }),
+        "{arch}"
+    );
+    assert!(arch.to_string().contains("`mamba`"), "{arch}");
+
+    let pre = load_bytes(&replace(&bytes, b"llama-bpe", b"llama-xyz")).unwrap_err();
+    assert!(
+        pre.to_string().contains("`llama-xyz` is not supported"),
+        "{pre}"
+    );
+
+    // The type field follows the name, the rank and two dimensions; 10 is Q2_K.
+    let name = b"blk.0.attn_v.weight";
+    let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len() + 4 + 16;
+    let mut q2k = bytes.clone();
+    q2k[at..at + 4].copy_from_slice(&10u32.to_le_bytes());
+    let err = load_bytes(&q2k).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("`blk.0.attn_v.weight` is stored as Q2_K"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_missing_tensor_is_named() {
+    let bytes = tiny_bytes();
+    let err = load_bytes(&replace(
+        &bytes,
+        b"blk.1.ffn_up.weight",
+        b"blk.1.ffn_UP.weight",
+    ))
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("no tensor `blk.1.ffn_up.weight`"),
+        "{err}"
+    );
+}
+
+/// The tiny GGUF's tokenizer gives the prompt ids transformers gives.
+#[test]
+fn tiny_tokenizer_matches_transformers() {
+    let file = GgufFile::open(&tiny_path()).unwrap();
+    let tokenizer = TextTokenizer::from_gguf(&file).unwrap();
+    for case in json("gguf/tiny-llama.reference.json")["cases"]
+        .as_array()
+        .unwrap()
+    {
+        let text = case["prompt_text"].as_str().unwrap();
+        assert_eq!(
+            tokenizer.encode(text, true).unwrap(),
+            ids(&case["prompt_ids"]),
+            "{text:?}"
+        );
+    }
+}
+
+/// kiln on the tiny GGUF equals transformers on the same file: last-position logits within
+/// 1e-4 and 20 greedy tokens, which also checks the Q/K permutation and `rope_freqs`.
+#[test]
+fn tiny_llama_matches_transformers_on_cpu() {
+    let loaded = load::<burn::backend::Flex>("gguf/tiny-llama.gguf", Dtype::F32);
+    assert_eq!(loaded.format, ModelFormat::Gguf);
+    let reference = json("gguf/tiny-llama.reference.json");
+    assert_eq!(loaded.generation.eos, vec![TokenId(393)]);
+    assert!(loaded.generation.add_bos);
+    for (i, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
+        let prompt = ids(&case["prompt_ids"]);
+        let logits = all_logits(&loaded.model, &prompt);
+        let vocab = loaded.model.config().vocab;
+        let last = &logits[logits.len() - vocab..];
+        let expected: Vec<f32> = case["last_logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let diff = max_abs_diff(last, &expected);
+        assert!(diff <= 1e-4, "case {i}: max |diff| {diff}");
+        let greedy = ids(&case["greedy"]);
+        assert_eq!(
+            greedy_cached(&loaded.model, &prompt, greedy.len()),
+            greedy,
+            "case {i}"
+        );
+    }
+}
