@@ -4,8 +4,9 @@
 //!   (installs Mesa's lavapipe with apt-get when run as root on Debian/Ubuntu), then runs the
 //!   whole workspace's tests in release mode (numeric tests crawl without optimisation).
 //! - `references`: regenerates the expected values that come from Hugging Face transformers:
-//!   the sampling distributions and the model fixtures (needs `python3` with `torch`,
-//!   `transformers` and `tiktoken`).
+//!   the sampling distributions, the model fixtures and the GGUF fixtures (needs `python3` with
+//!   `torch`, `transformers`, `tiktoken`, `gguf` and `accelerate`, and SmolLM2 in kiln's model
+//!   cache).
 
 mod system;
 
@@ -40,6 +41,8 @@ fn test(extra: &[String]) -> Result<()> {
 fn references() -> Result<()> {
     let root = workspace_root();
     run(Command::new("python3").arg(root.join("scripts/reference/make_model_fixtures.py")))?;
+    // SmolLM2 comes from kiln's model cache; `kiln generate` without --model fills it.
+    run(Command::new("python3").arg(root.join("scripts/reference/make_gguf_fixtures.py")))?;
     let script = root.join("scripts/reference/sampling_reference.py");
     let out = root.join("crates/core/tests/fixtures/sampling_hf.json");
     let output = Command::new("python3")

@@ -92,6 +92,22 @@ pub enum ModelError {
         /// What failed.
         reason: String,
     },
+    /// A chat template that does not parse or fails to render.
+    #[error("chat template: {reason}")]
+    ChatTemplate {
+        /// What failed, with the template line where known.
+        reason: String,
+    },
+    /// The default model is not cached and could not be fetched.
+    #[error("cannot get the default model {model}: {reason}. {manual}")]
+    Fetch {
+        /// The model's name.
+        model: String,
+        /// What failed.
+        reason: String,
+        /// How to get the file by hand.
+        manual: String,
+    },
     /// The backend refused the request (for example a dtype it lacks).
     #[error(transparent)]
     Core(#[from] kiln_core::CoreError),

@@ -76,19 +76,18 @@ fn meta_tokenizer_model_matches_tiktoken() {
 }
 
 /// The chat-templated prompt transformers was given (case 5 of the Llama fixtures) is what
-/// kiln's Llama-3 chat format produces, through the Meta tokenizer.
+/// kiln's Llama-3 chat template renders, through the Meta tokenizer.
 #[test]
 fn llama3_chat_format_matches_the_reference_prompt() {
-    use kiln_models::chat::{ChatMessage, Role, format_llama3};
+    use kiln_models::chat::{ChatMessage, ChatTemplate, Role};
+    use kiln_models::loaders::LLAMA3_CHAT_TEMPLATE;
     let dir = fixture("llama-tiny-meta");
     let tok = TextTokenizer::from_tiktoken(&dir.join("tokenizer.model")).unwrap();
-    let text = format_llama3(
-        &[ChatMessage {
-            role: Role::User,
-            content: "Tell me a story".into(),
-        }],
-        true,
-    );
+    let template =
+        ChatTemplate::new(LLAMA3_CHAT_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>").unwrap();
+    let text = template
+        .render(&[ChatMessage::new(Role::User, "Tell me a story")], true)
+        .unwrap();
     let (_, cases) = reference("llama-tiny-meta");
     assert_eq!(tok.encode(&text, false).unwrap(), cases[5].prompt);
 }
