@@ -4,6 +4,7 @@
 use std::process::ExitCode;
 
 use kiln_core::CoreError;
+use kiln_models::ModelError;
 
 /// An error caused by what the user asked for, not by kiln failing.
 #[derive(Debug)]
@@ -21,7 +22,9 @@ impl std::error::Error for UsageError {}
 fn is_usage(err: &anyhow::Error) -> bool {
     err.chain().any(|cause| {
         cause.is::<UsageError>()
-            || cause.is::<kiln_models::ModelError>()
+            || cause
+                .downcast_ref::<kiln_models::ModelError>()
+                .is_some_and(|e| !matches!(e, ModelError::Fetch { .. } | ModelError::Io { .. }))
             || cause.is::<kiln_core::SamplingError>()
             || matches!(
                 cause.downcast_ref::<CoreError>(),

@@ -2,18 +2,17 @@
 
 use std::io::Write;
 use std::ops::ControlFlow;
-use std::path::PathBuf;
 
-use anyhow::{Context, Result, bail};
-use kiln_core::backend::{BackendKind, BackendTask, run_on};
+use anyhow::{Result, bail};
+use kiln_core::backend::{BackendTask, run_on};
 use kiln_core::kv_cache::StaticKvCache;
-use kiln_core::sampling::SamplingParams;
-use kiln_core::{CausalLm, Dtype, InferenceBackend, TokenId};
+use kiln_core::{CausalLm, InferenceBackend, TokenId};
 use kiln_engine::{GenerateRequest, Generation, generate};
-use kiln_models::{LoadOptions, LoadedModel};
+use kiln_models::LoadedModel;
 use serde_json::json;
 
 use crate::exit::UsageError;
+use crate::model_args::{ModelArgs, SamplingArgs};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
@@ -23,49 +22,16 @@ pub struct Args {
     /// The prompt as token ids, e.g. `1,2,3` (nothing added, nothing templated).
     #[arg(long, value_delimiter = ',', conflicts_with = "prompt")]
     token_ids: Option<Vec<u32>>,
-    /// Model: a Hugging Face folder (config.json + safetensors) or a Meta folder (params.json).
-    #[arg(long, short)]
-    model: PathBuf,
-    /// Backend: cuda, wgpu, cpu or ndarray.
-    #[arg(long, short, default_value = "cpu")]
-    backend: BackendKind,
-    /// Precision of weights, activations and KV cache: f32, f16 or bf16.
-    #[arg(long, default_value = "f32")]
-    dtype: Dtype,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Most new tokens.
     #[arg(long, short = 'n', default_value_t = 128)]
     max_tokens: usize,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.8)]
-    temperature: f32,
-    /// Keep the K most likely tokens (0 = off).
-    #[arg(long, default_value_t = 40)]
-    top_k: usize,
-    /// Nucleus sampling: keep tokens until their probability reaches P (1 = off).
-    #[arg(long, default_value_t = 0.95)]
-    top_p: f32,
-    /// Drop tokens less likely than M times the best (0 = off).
-    #[arg(long, default_value_t = 0.05)]
-    min_p: f32,
-    /// Repetition penalty over prompt and output, Hugging Face semantics (1 = off).
-    #[arg(long, default_value_t = 1.0)]
-    repetition_penalty: f32,
-    /// OpenAI presence penalty over the output (0 = off).
-    #[arg(long, default_value_t = 0.0)]
-    presence_penalty: f32,
-    /// OpenAI frequency penalty over the output (0 = off).
-    #[arg(long, default_value_t = 0.0)]
-    frequency_penalty: f32,
-    /// Seed for sampling; same seed, same output.
-    #[arg(long)]
-    seed: Option<u64>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
-    /// Meta folders: the llama3 RoPE scaling factor when params.json lacks it (8 for Llama
-    /// 3.1, 32 for 3.2 1B/3B).
-    #[arg(long)]
-    rope_scaling_factor: Option<f32>,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -74,27 +40,12 @@ pub struct Args {
     quiet: bool,
 }
 
-impl Args {
-    fn sampling(&self) -> SamplingParams {
-        SamplingParams {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            repetition_penalty: self.repetition_penalty,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            seed: self.seed,
-        }
-    }
-}
-
 pub fn run(args: Args) -> Result<()> {
-    args.sampling().validate()?;
+    args.sampling.params()?;
     if args.prompt.is_none() && args.token_ids.is_none() {
         return Err(UsageError("give a prompt or --token-ids".into()).into());
     }
-    let backend = args.backend;
+    let backend = args.model.backend;
     run_on(backend, Task(args))?
 }
 
@@ -105,22 +56,18 @@ impl BackendTask for Task {
 
     fn run<B: InferenceBackend>(self, device: B::Device) -> Result<()> {
         let args = self.0;
-        let options = LoadOptions {
-            dtype: args.dtype,
-            rope_scaling_factor: args.rope_scaling_factor,
-        };
-        let loaded: LoadedModel<B> =
-            kiln_models::load(&args.model, &options, &device).context("loading the model")?;
+        let loaded: LoadedModel<B> = args.model.load(&device)?;
         let prompt = prompt_ids(&args, &loaded)?;
         let shape = loaded.model.shape();
         let room = (prompt.len() + args.max_tokens)
             .min(shape.max_positions)
             .max(1);
-        let mut cache = StaticKvCache::<B>::new(shape.kv_layout(), 1, room, args.dtype, &device)?;
+        let mut cache =
+            StaticKvCache::<B>::new(shape.kv_layout(), 1, room, args.model.dtype, &device)?;
         let request = GenerateRequest {
             prompt: prompt.clone(),
             max_tokens: args.max_tokens,
-            sampling: args.sampling(),
+            sampling: args.sampling.params()?,
             eos: if args.ignore_eos {
                 Vec::new()
             } else {
@@ -168,7 +115,7 @@ fn prompt_ids<B: InferenceBackend>(args: &Args, loaded: &LoadedModel<B>) -> Resu
     let Some(tokenizer) = &loaded.tokenizer else {
         bail!(UsageError(format!(
             "{} has no tokenizer files: give the prompt with --token-ids",
-            args.model.display()
+            loaded.path.display()
         )));
     };
     Ok(tokenizer.encode(text, true)?)

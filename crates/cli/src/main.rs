@@ -1,8 +1,10 @@
 //! `kiln`: LLM inference from the command line, on a backend chosen at run time.
 
 mod backends;
+mod chat;
 mod exit;
 mod generate;
+mod model_args;
 mod selftest;
 
 use std::process::ExitCode;
@@ -23,8 +25,11 @@ enum Command {
     Backends,
     /// Run the operations kiln relies on, on one backend, and compare them with the cpu backend.
     Selftest(selftest::Args),
-    /// Continue a prompt, streaming the new text to stdout.
+    /// Continue a prompt, streaming the new text to stdout (no chat template).
     Generate(generate::Args),
+    /// Talk with a model: each line you type is a user turn, rendered with the model's chat
+    /// template.
+    Chat(chat::Args),
 }
 
 fn main() -> ExitCode {
@@ -41,6 +46,7 @@ fn main() -> ExitCode {
         Command::Backends => backends::run(),
         Command::Selftest(args) => selftest::run(&args),
         Command::Generate(args) => generate::run(args),
+        Command::Chat(args) => chat::run(args),
     };
     exit::report(result)
 }

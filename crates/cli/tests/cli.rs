@@ -214,3 +214,69 @@ fn bad_input_exits_2_with_one_line() {
         );
     }
 }
+
+fn smollm2_case(index: usize) -> serde_json::Value {
+    let text = std::fs::read_to_string(format!("{}/reference.json", fixture("smollm2"))).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json["greedy_cases"][index].clone()
+}
+
+/// The README's main job: no `--model` means SmolLM2-135M-Instruct from kiln's model cache
+/// (fetched with pip on first use). The prompt is fed as it is, without BOS (the GGUF says not
+/// to add one), and greedy decoding gives transformers' tokens.
+#[test]
+fn generate_on_the_default_model_matches_transformers() {
+    let case = smollm2_case(0);
+    let prompt = case["prompt"].as_str().unwrap();
+    let out = generate_json(&[prompt, "--ignore-eos", "-n", "32"]);
+    assert_eq!(out["prompt_tokens"], case["prompt_ids"]);
+    assert_eq!(out["tokens"], case["greedy"]);
+}
+
+/// `kiln chat` with piped stdin renders SmolLM2's template (its default system prompt
+/// included), streams the greedy reply and stops at `<|im_end|>`.
+#[test]
+fn chat_on_the_default_model_answers_from_stdin() {
+    use std::io::Write;
+    let case = smollm2_case(3);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["chat", "--temperature", "0", "-n", "64"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"What is 2+2?\n/exit\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let expected = case["greedy_text"].as_str().unwrap();
+    let expected = &expected[..expected.find("<|im_end|>").unwrap()];
+    assert_eq!(text(&out.stdout).trim_end(), expected);
+}
+
+/// Without Python on PATH and an empty cache, the default model cannot be fetched: one line
+/// saying so and how to get the file by hand, exit code 1.
+#[test]
+fn a_failed_default_model_fetch_says_how_to_install_it() {
+    let home = std::env::temp_dir().join(format!("kiln-home-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["generate", "hello"])
+        .env("KILN_HOME", &home)
+        .env("PATH", "")
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let error = stderr.lines().last().unwrap();
+    assert!(error.starts_with("error: "), "{stderr}");
+    assert!(error.contains("Python (python3) was not found"), "{stderr}");
+    assert!(error.contains("To install it by hand"), "{stderr}");
+    let target = home.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(error.contains(&target.display().to_string()), "{stderr}");
+    let _ = std::fs::remove_dir_all(&home);
+}
