@@ -60,6 +60,13 @@ pub trait CausalLm<B: InferenceBackend> {
     /// The device the weights live on.
     fn device(&self) -> B::Device;
 
+    /// A string that differs between models that would give different outputs: cache
+    /// snapshots made by one model are refused by another. The default is the shape; models
+    /// with weights should add a digest of them.
+    fn fingerprint(&self) -> String {
+        format!("{:?}", self.shape())
+    }
+
     /// One forward pass over a packed batch.
     ///
     /// # Shapes

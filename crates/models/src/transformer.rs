@@ -46,6 +46,8 @@ pub struct Transformer<B: InferenceBackend> {
     head: Tensor<B, 2>,
     /// RoPE inverse frequencies (rotary models only).
     inv_freq: Option<Vec<f32>>,
+    /// Configuration, dtype and a digest of some weights (see [`CausalLm::fingerprint`]).
+    fingerprint: String,
 }
 
 impl<B: InferenceBackend> Transformer<B> {
@@ -62,6 +64,7 @@ impl<B: InferenceBackend> Transformer<B> {
         head: Option<Tensor<B, 2>>,
     ) -> Self {
         let head = head.unwrap_or_else(|| embed.clone().transpose());
+        let fingerprint = fingerprint(&config, dtype, &embed, &head);
         let inv_freq = match &config.positions {
             PositionKind::Rope(rope) => Some(inverse_frequencies(rope, config.head_dim)),
             PositionKind::Learned => None,
@@ -76,6 +79,7 @@ impl<B: InferenceBackend> Transformer<B> {
             final_norm,
             head,
             inv_freq,
+            fingerprint,
         }
     }
 
@@ -119,6 +123,10 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
 
     fn dtype(&self) -> Dtype {
         self.dtype
+    }
+
+    fn fingerprint(&self) -> String {
+        self.fingerprint.clone()
     }
 
     fn device(&self) -> B::Device {
@@ -171,6 +179,40 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
         let x = self.final_norm.forward(x);
         Ok(x.matmul(self.head.clone()).cast(FloatDType::F32))
     }
+}
+
+/// The architecture, dtype and an FNV-1a digest of the first row of the embedding and the
+/// first column of the head: two checkpoints of one architecture differ there.
+fn fingerprint<B: InferenceBackend>(
+    config: &TransformerConfig,
+    dtype: Dtype,
+    embed: &Tensor<B, 2>,
+    head: &Tensor<B, 2>,
+) -> String {
+    let [_, d] = embed.dims();
+    let [_, vocab] = head.dims();
+    let rows = [
+        embed.clone().slice([0..1, 0..d]).cast(FloatDType::F32),
+        head.clone()
+            .slice([0..1, 0..vocab.min(4096)])
+            .cast(FloatDType::F32),
+    ];
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for row in rows {
+        for x in row.into_data().iter::<f32>() {
+            for byte in x.to_bits().to_le_bytes() {
+                hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+    }
+    format!(
+        "{:?} {}x{} vocab {} {} weights {hash:016x}",
+        config.architecture,
+        config.n_layers,
+        config.d_model,
+        config.vocab,
+        dtype.name()
+    )
 }
 
 /// Reads tensors from a [`TensorSource`], checks their shapes against the configuration, and

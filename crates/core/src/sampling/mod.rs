@@ -169,17 +169,26 @@ impl Sampler {
             Selection::Greedy => candidates.ids()[candidates.argmax_index()],
             Selection::Multinomial => {
                 let probs = candidates.probabilities();
+                let ids = candidates.ids();
+                // Walk the distribution in token-id order, as torch.multinomial does: then a
+                // perturbation of the logits (a batched matmul rounds differently from a
+                // single one) moves each boundary of the CDF by about as much, whereas an order
+                // by probability would swap near-equal tokens and pick the neighbour.
+                let mut order: Vec<usize> = (0..ids.len()).collect();
+                if !ids.is_sorted() {
+                    order.sort_unstable_by_key(|&i| ids[i]);
+                }
                 let u: f64 = self.rng.random();
                 let mut cumulative = 0.0f64;
-                let mut pick = candidates.len() - 1;
-                for (i, p) in probs.iter().enumerate() {
-                    cumulative += f64::from(*p);
+                let mut pick = order[order.len() - 1];
+                for &i in &order {
+                    cumulative += f64::from(probs[i]);
                     if u < cumulative {
                         pick = i;
                         break;
                     }
                 }
-                candidates.ids()[pick]
+                ids[pick]
             }
         })
     }
