@@ -1,0 +1,336 @@
+//! [`Engine`]: many requests at once over one KV cache. Each [`Engine::step`] is one forward:
+//! every running sequence that has a sampled token feeds it (decode), sequences still reading
+//! their prompt feed their next chunk (prefill), fresh prompts run packed with a block-causal
+//! mask, and new requests are admitted while there is room. When the cache runs out, the newest
+//! running sequence is preempted and later recomputed.
+
+use std::collections::VecDeque;
+
+use kiln_core::kv_cache::{CacheError, KvCache};
+use kiln_core::sampling::Sampler;
+use kiln_core::{Batch, CausalLm, CoreError, InferenceBackend, LogitsFor};
+
+use crate::detok::Detokenizer;
+use crate::error::EngineError;
+use crate::generate::FinishReason;
+use crate::request::{Completion, Event, Request, RequestId};
+use crate::sequence::Sequence;
+
+/// Scheduling limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Most sequences running at once.
+    pub max_batch: usize,
+    /// Most prompt tokens fed in one step, over all sequences; longer prompts are prefilled
+    /// in chunks (decode tokens always run).
+    pub max_step_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_batch: 8,
+            max_step_tokens: 512,
+        }
+    }
+}
+
+/// Serves requests on one model and one cache.
+pub struct Engine<'a, B: InferenceBackend> {
+    model: &'a dyn CausalLm<B>,
+    cache: Box<dyn KvCache<B>>,
+    detok: Option<&'a dyn Detokenizer>,
+    config: EngineConfig,
+    waiting: VecDeque<Sequence>,
+    /// In admission order: the last is preempted first.
+    running: Vec<Sequence>,
+    next_id: u64,
+}
+
+impl<'a, B: InferenceBackend> Engine<'a, B> {
+    /// An engine over `model` and `cache` (which must be empty).
+    ///
+    /// # Errors
+    /// [`EngineError::InvalidConfig`] for zero limits.
+    pub fn new(
+        model: &'a dyn CausalLm<B>,
+        cache: Box<dyn KvCache<B>>,
+        config: EngineConfig,
+    ) -> Result<Self, EngineError> {
+        if config.max_batch == 0 || config.max_step_tokens == 0 {
+            return Err(EngineError::InvalidConfig(
+                "max_batch and max_step_tokens must be positive".into(),
+            ));
+        }
+        Ok(Self {
+            model,
+            cache,
+            detok: None,
+            config,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 0,
+        })
+    }
+
+    /// Decodes text for streaming and stop strings.
+    pub fn with_detokenizer(mut self, detok: &'a dyn Detokenizer) -> Self {
+        self.detok = Some(detok);
+        self
+    }
+
+    /// The cache (to inspect its use).
+    pub fn cache(&self) -> &dyn KvCache<B> {
+        self.cache.as_ref()
+    }
+
+    /// The model.
+    pub fn model(&self) -> &'a dyn CausalLm<B> {
+        self.model
+    }
+
+    /// Whether nothing is waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// Sequences running, and waiting.
+    pub fn load(&self) -> (usize, usize) {
+        (self.running.len(), self.waiting.len())
+    }
+
+    fn check(&self, request: &Request) -> Result<Sampler, EngineError> {
+        let shape = self.model.shape();
+        let invalid = |m: String| Err(EngineError::InvalidRequest(m));
+        if request.prompt.is_empty() {
+            return invalid("the prompt is empty".into());
+        }
+        if request.prompt.len() >= shape.max_positions {
+            return invalid(format!(
+                "the prompt has {} tokens; the model's context is {} tokens",
+                request.prompt.len(),
+                shape.max_positions
+            ));
+        }
+        if let Some(t) = request.prompt.iter().find(|t| t.0 as usize >= shape.vocab) {
+            return invalid(format!(
+                "token id {t} is outside the vocabulary of {}",
+                shape.vocab
+            ));
+        }
+        if !request.stop.is_empty() && self.detok.is_none() {
+            return invalid("stop strings need a tokenizer to decode text".into());
+        }
+        Ok(Sampler::new(&request.sampling, shape.vocab).map_err(CoreError::from)?)
+    }
+
+    fn sequence(&mut self, request: Request) -> Result<Sequence, EngineError> {
+        let sampler = self.check(&request)?;
+        let budget = request
+            .max_tokens
+            .min(self.model.shape().max_positions - request.prompt.len());
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        Ok(Sequence::new(id, request, budget, sampler))
+    }
+
+    /// Queues a request; it starts at the next step with room.
+    ///
+    /// # Errors
+    /// [`EngineError::InvalidRequest`]: an empty prompt, one that fills the model's context,
+    /// ids outside the vocabulary, invalid sampling values, stop strings without a
+    /// detokenizer.
+    pub fn submit(&mut self, request: Request) -> Result<RequestId, EngineError> {
+        let seq = self.sequence(request)?;
+        let id = seq.id;
+        self.waiting.push_back(seq);
+        Ok(id)
+    }
+
+    /// Starts a request whose prompt is already in `cache` form: `logits` are the prompt's
+    /// last-position logits, and `fill` writes the prompt's K/V into the cache for the given
+    /// sequence (see [`crate::snapshot`]).
+    pub(crate) fn submit_prefilled(
+        &mut self,
+        request: Request,
+        logits: Vec<f32>,
+        fill: impl FnOnce(&mut dyn KvCache<B>, kiln_core::SeqId) -> Result<(), EngineError>,
+    ) -> Result<RequestId, EngineError> {
+        let mut seq = self.sequence(request)?;
+        fill(self.cache.as_mut(), seq.seq())?;
+        seq.in_cache = seq.context_len();
+        seq.pending_logits = Some(logits);
+        let id = seq.id;
+        self.running.push(seq);
+        Ok(id)
+    }
+
+    /// Admits waiting requests while there is a free row and the cache can take their first
+    /// chunk.
+    fn admit(&mut self) {
+        while self.running.len() < self.config.max_batch {
+            let Some(next) = self.waiting.front() else {
+                break;
+            };
+            let chunk = next.pending().min(self.config.max_step_tokens);
+            if self.cache.check_append(next.seq(), chunk).is_err() && !self.running.is_empty() {
+                break;
+            }
+            let seq = self.waiting.pop_front().expect("front exists");
+            self.running.push(seq);
+        }
+    }
+
+    /// Which running sequences feed how many tokens this step: every decode, then prefill
+    /// chunks in admission order within the step's token budget.
+    fn plan_step(&self) -> Vec<(usize, usize)> {
+        let mut fed = Vec::new();
+        let mut budget = self.config.max_step_tokens;
+        for (i, seq) in self.running.iter().enumerate() {
+            if !seq.is_fresh() && seq.pending() == 1 && seq.pending_logits.is_none() {
+                fed.push((i, 1));
+            }
+        }
+        for (i, seq) in self.running.iter().enumerate() {
+            let prefill = seq.pending_logits.is_none() && (seq.is_fresh() || seq.pending() > 1);
+            if prefill && budget > 0 {
+                let n = seq.pending().min(budget);
+                budget -= n;
+                fed.push((i, n));
+            }
+        }
+        fed
+    }
+
+    /// Evicts the newest running sequence: its cache is freed and it waits at the front of
+    /// the queue to be recomputed.
+    fn preempt(&mut self) -> bool {
+        if self.running.len() <= 1 {
+            return false;
+        }
+        let mut seq = self.running.pop().expect("more than one running");
+        self.cache.release(seq.seq());
+        seq.in_cache = 0;
+        seq.preemptions += 1;
+        self.waiting.push_front(seq);
+        true
+    }
+
+    /// One forward over every sequence that can advance.
+    ///
+    /// # Errors
+    /// A model failure, or a request that cannot fit in the cache even alone.
+    pub fn step(&mut self) -> Result<Vec<Event>, EngineError> {
+        let mut events = Vec::new();
+        let mut finished: Vec<(usize, FinishReason)> = Vec::new();
+        // Resumed snapshots sample from their stored logits first.
+        for i in 0..self.running.len() {
+            if let Some(logits) = self.running[i].pending_logits.take()
+                && let Some(reason) = self.sample(i, &logits, &mut events)?
+            {
+                finished.push((i, reason));
+            }
+        }
+        if finished.is_empty() {
+            self.admit();
+            let (fed, logits) = loop {
+                let fed = self.plan_step();
+                if fed.is_empty() {
+                    return Ok(events);
+                }
+                let mut batch = Batch::new();
+                for &(i, n) in &fed {
+                    let seq = &self.running[i];
+                    let (tokens, start) = seq.next_chunk(n);
+                    batch.push(seq.seq(), &tokens, start)?;
+                }
+                match self
+                    .model
+                    .forward(&batch, self.cache.as_mut(), LogitsFor::LastOfEachSequence)
+                {
+                    Ok(logits) => break (fed, logits),
+                    Err(CoreError::Cache(
+                        CacheError::OutOfBlocks { .. } | CacheError::NoFreeSlot { .. },
+                    )) if self.preempt() => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            };
+            let vocab = self.model.shape().vocab;
+            let rows: Vec<f32> = logits.into_data().iter::<f32>().collect();
+            for (row, &(i, n)) in rows.chunks_exact(vocab).zip(&fed) {
+                self.running[i].in_cache += n;
+                if self.running[i].pending() > 0 {
+                    continue;
+                }
+                if let Some(reason) = self.sample(i, row, &mut events)? {
+                    finished.push((i, reason));
+                }
+            }
+        }
+        finished.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
+        for (i, reason) in finished {
+            let seq = self.running.remove(i);
+            self.cache.release(seq.seq());
+            let id = seq.id;
+            let (completion, tail) = seq.finish(reason, self.detok.is_some());
+            if !tail.is_empty() {
+                events.push(Event::Text { id, text: tail });
+            }
+            events.push(Event::Finished(completion));
+        }
+        Ok(events)
+    }
+
+    /// Samples sequence `i`'s next token from `logits`; returns why it ended, if it did.
+    fn sample(
+        &mut self,
+        i: usize,
+        logits: &[f32],
+        events: &mut Vec<Event>,
+    ) -> Result<Option<FinishReason>, EngineError> {
+        let detok = self.detok;
+        let seq = &mut self.running[i];
+        let token = seq
+            .sampler
+            .try_sample(logits, &seq.history)
+            .map_err(CoreError::from)?;
+        if seq.request.eos.contains(&token) {
+            return Ok(Some(FinishReason::Eos));
+        }
+        let (text, stopped) = seq.accept(token, detok);
+        events.push(Event::Token {
+            id: seq.id,
+            token,
+            text,
+        });
+        Ok(if stopped {
+            Some(FinishReason::Stop)
+        } else if seq.generated.len() >= seq.budget {
+            Some(FinishReason::Length)
+        } else {
+            None
+        })
+    }
+
+    /// Steps until every request has finished, passing each event to `on_event`; returns the
+    /// completions in request order.
+    ///
+    /// # Errors
+    /// As [`Engine::step`].
+    pub fn run(
+        &mut self,
+        mut on_event: impl FnMut(&Event),
+    ) -> Result<Vec<Completion>, EngineError> {
+        let mut done = Vec::new();
+        while !self.is_idle() {
+            for event in self.step()? {
+                on_event(&event);
+                if let Event::Finished(c) = event {
+                    done.push(c);
+                }
+            }
+        }
+        done.sort_by_key(|c| c.id);
+        Ok(done)
+    }
+}

@@ -1,0 +1,119 @@
+//! One request's state inside the engine.
+
+use std::time::Instant;
+
+use kiln_core::sampling::{Sampler, TokenHistory};
+use kiln_core::{Position, SeqId, TokenId};
+
+use crate::detok::{Detokenizer, IncrementalDecoder};
+use crate::generate::FinishReason;
+use crate::request::{Completion, Request, RequestId, Timings};
+use crate::stop::StopMatcher;
+
+/// A request being served. Its *context* is the prompt followed by what it generated; the
+/// first `in_cache` tokens of the context are in the KV cache. Each step feeds the next tokens
+/// of the context (a prefill chunk, or the one token sampled last) and samples when the whole
+/// context is in the cache. Preemption sets `in_cache` to 0: the context is recomputed later,
+/// and the sampler's state survives, so the continuation is the same.
+pub(crate) struct Sequence {
+    pub id: RequestId,
+    pub request: Request,
+    pub generated: Vec<TokenId>,
+    pub in_cache: usize,
+    pub budget: usize,
+    pub sampler: Sampler,
+    pub history: TokenHistory,
+    pub decoder: IncrementalDecoder,
+    pub stops: StopMatcher,
+    pub submitted: Instant,
+    pub first_token: Option<Instant>,
+    pub preemptions: usize,
+    /// Logits to sample from before any forward (a resumed snapshot's last position).
+    pub pending_logits: Option<Vec<f32>>,
+}
+
+impl Sequence {
+    pub fn new(id: RequestId, request: Request, budget: usize, sampler: Sampler) -> Self {
+        let history = TokenHistory::with_prompt(&request.prompt);
+        let stops = StopMatcher::new(&request.stop);
+        Self {
+            id,
+            request,
+            generated: Vec::new(),
+            in_cache: 0,
+            budget,
+            sampler,
+            history,
+            decoder: IncrementalDecoder::default(),
+            stops,
+            submitted: Instant::now(),
+            first_token: None,
+            preemptions: 0,
+            pending_logits: None,
+        }
+    }
+
+    /// The cache's name for this sequence.
+    pub fn seq(&self) -> SeqId {
+        SeqId(self.id.0)
+    }
+
+    pub fn context_len(&self) -> usize {
+        self.request.prompt.len() + self.generated.len()
+    }
+
+    /// Context tokens not yet in the cache.
+    pub fn pending(&self) -> usize {
+        self.context_len() - self.in_cache
+    }
+
+    /// Whether it has been fed anything yet in its current cache life.
+    pub fn is_fresh(&self) -> bool {
+        self.in_cache == 0
+    }
+
+    /// The next `n` context tokens to feed, and the position of the first.
+    pub fn next_chunk(&self, n: usize) -> (Vec<TokenId>, Position) {
+        let context = self.request.prompt.iter().chain(&self.generated);
+        let tokens = context.skip(self.in_cache).take(n).copied().collect();
+        (tokens, Position(self.in_cache as u32))
+    }
+
+    /// Records a sampled token: the text it completes (after stop-string hold-back) and
+    /// whether a stop string ended the sequence.
+    pub fn accept(&mut self, token: TokenId, detok: Option<&dyn Detokenizer>) -> (String, bool) {
+        self.first_token.get_or_insert_with(Instant::now);
+        self.generated.push(token);
+        self.history.push(token);
+        let Some(detok) = detok else {
+            return (String::new(), false);
+        };
+        let piece = self.decoder.push(token, detok);
+        let check = self.stops.push(&piece);
+        (check.emit, check.stopped)
+    }
+
+    /// The completion, with any held-back text flushed into `tail`.
+    pub fn finish(mut self, reason: FinishReason, has_text: bool) -> (Completion, String) {
+        let tail = if reason == FinishReason::Stop {
+            String::new()
+        } else {
+            self.stops.flush()
+        };
+        let now = Instant::now();
+        let first = self.first_token.unwrap_or(now);
+        let completion = Completion {
+            id: self.id,
+            prompt_tokens: self.request.prompt.len(),
+            tokens: self.generated,
+            text: has_text.then(|| self.stops.text().to_string()),
+            finish_reason: reason,
+            timings: Timings {
+                time_to_first_token: first.duration_since(self.submitted),
+                decode: now.duration_since(first),
+            },
+            preemptions: self.preemptions,
+        };
+        (completion, tail)
+    }
+}

@@ -1,0 +1,339 @@
+//! The engine's scheduling, stopping and streaming, on a scripted model: no weights, the next
+//! token is a function of the last token and its position, and the cache is planned (so blocks
+//! are really reserved and freed) but never read.
+
+#![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
+
+use burn::tensor::{Tensor, TensorData};
+use kiln_core::kv_cache::{CacheKind, KvCache, KvLayout};
+use kiln_core::sampling::SamplingParams;
+use kiln_core::{Batch, CausalLm, Dtype, LogitsFor, ModelShape, TokenId};
+use kiln_engine::{
+    CacheSpec, Completion, Engine, EngineConfig, EngineError, Event, FinishReason, Request,
+};
+
+type B = burn::backend::Flex;
+
+const VOCAB: usize = 32;
+const EOS: TokenId = TokenId(1);
+
+/// Next token = `script(last token, its position)`, as a one-hot row.
+struct Scripted {
+    script: fn(u32, u32) -> u32,
+}
+
+impl CausalLm<B> for Scripted {
+    fn shape(&self) -> ModelShape {
+        ModelShape {
+            n_layers: 1,
+            n_heads: 1,
+            n_kv_heads: 1,
+            head_dim: 2,
+            vocab: VOCAB,
+            max_positions: 1024,
+        }
+    }
+
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn device(&self) -> <B as burn::tensor::backend::BackendTypes>::Device {
+        Default::default()
+    }
+
+    fn forward(
+        &self,
+        batch: &Batch,
+        cache: &mut dyn KvCache<B>,
+        _logits: LogitsFor,
+    ) -> kiln_core::Result<Tensor<B, 2>> {
+        cache.plan(batch)?;
+        let mut rows = Vec::new();
+        for i in batch.last_indices() {
+            let next = (self.script)(batch.tokens()[i].0, batch.positions()[i].0);
+            let mut row = vec![0f32; VOCAB];
+            row[next as usize] = 10.0;
+            rows.extend(row);
+        }
+        let n = rows.len() / VOCAB;
+        Ok(Tensor::from_data(
+            TensorData::new(rows, [n, VOCAB]),
+            &Default::default(),
+        ))
+    }
+}
+
+/// Counts up from the last token, skipping EOS: 2, 3, ..., 31, 2, ...
+fn count_up(token: u32, _position: u32) -> u32 {
+    if token + 1 >= VOCAB as u32 {
+        2
+    } else {
+        (token + 1).max(2)
+    }
+}
+
+/// EOS once the position reaches 12.
+fn eos_at_12(token: u32, position: u32) -> u32 {
+    if position >= 11 {
+        EOS.0
+    } else {
+        count_up(token, position)
+    }
+}
+
+fn layout() -> KvLayout {
+    KvLayout {
+        n_layers: 1,
+        n_kv_heads: 1,
+        head_dim: 2,
+    }
+}
+
+fn request(prompt: &[u32], max_tokens: usize) -> Request {
+    Request {
+        prompt: prompt.iter().copied().map(TokenId).collect(),
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        eos: vec![EOS],
+        stop: Vec::new(),
+    }
+}
+
+fn paged(blocks: usize, page: usize) -> Box<dyn KvCache<B>> {
+    let spec = CacheSpec {
+        page_size: page,
+        blocks: Some(blocks),
+        ..CacheSpec::paged(4, 64)
+    };
+    spec.build::<B>(layout(), Dtype::F32, &Default::default())
+        .unwrap()
+}
+
+fn tokens(c: &Completion) -> Vec<u32> {
+    c.tokens.iter().map(|t| t.0).collect()
+}
+
+/// What each request gives when it runs by itself.
+fn alone(model: &Scripted, requests: &[Request]) -> Vec<Completion> {
+    requests
+        .iter()
+        .map(|r| {
+            let mut engine = Engine::new(model, paged(64, 4), EngineConfig::default()).unwrap();
+            engine.submit(r.clone()).unwrap();
+            engine.run(|_| {}).unwrap().remove(0)
+        })
+        .collect()
+}
+
+#[test]
+fn length_and_eos_end_sequences_on_their_own() {
+    let model = Scripted { script: eos_at_12 };
+    let mut engine = Engine::new(&model, paged(64, 4), EngineConfig::default()).unwrap();
+    engine.submit(request(&[5, 6, 7], 4)).unwrap();
+    engine.submit(request(&[2; 10], 50)).unwrap();
+    let done = engine.run(|_| {}).unwrap();
+    assert_eq!(tokens(&done[0]), [8, 9, 10, 11]);
+    assert_eq!(done[0].finish_reason, FinishReason::Length);
+    // Positions 9, 10 produce tokens; position 11 produces EOS, which is not output.
+    assert_eq!(tokens(&done[1]), [3, 4]);
+    assert_eq!(done[1].finish_reason, FinishReason::Eos);
+    assert!(engine.is_idle());
+    assert_eq!(engine.cache().usage().used, 0);
+}
+
+#[test]
+fn new_requests_are_admitted_mid_run_up_to_max_batch() {
+    let model = Scripted { script: count_up };
+    let config = EngineConfig {
+        max_batch: 2,
+        max_step_tokens: 64,
+    };
+    let requests = vec![
+        request(&[3, 4], 3),
+        request(&[10, 11, 12], 8),
+        request(&[20], 5),
+        request(&[7, 7, 7, 7], 2),
+    ];
+    let mut engine = Engine::new(&model, paged(64, 4), config).unwrap();
+    let mut done = Vec::new();
+    for r in &requests[..3] {
+        engine.submit(r.clone()).unwrap();
+    }
+    let mut steps = 0;
+    while !engine.is_idle() {
+        if steps == 2 {
+            // Arrives while others run.
+            engine.submit(requests[3].clone()).unwrap();
+        }
+        for event in engine.step().unwrap() {
+            if let Event::Finished(c) = event {
+                done.push(c);
+            }
+        }
+        let (running, _) = engine.load();
+        assert!(running <= 2, "step {steps}: {running} running");
+        steps += 1;
+    }
+    done.sort_by_key(|c| c.id);
+    let expected = alone(&model, &requests);
+    for (ours, theirs) in done.iter().zip(&expected) {
+        assert_eq!(tokens(ours), tokens(theirs));
+    }
+    assert_eq!(engine.cache().usage().used, 0);
+}
+
+/// A pool too small for every sequence's growth: the newest is preempted, recomputed later,
+/// and still gives what it gives alone; no block leaks.
+#[test]
+fn running_out_of_blocks_preempts_instead_of_failing() {
+    let model = Scripted { script: count_up };
+    let requests: Vec<Request> = (0..4)
+        .map(|i| request(&[2 + i, 3 + i, 4 + i, 5 + i], 12))
+        .collect();
+    // 4 sequences of up to 16 tokens need 16 blocks of 4; give 7.
+    let mut engine = Engine::new(&model, paged(7, 4), EngineConfig::default()).unwrap();
+    for r in &requests {
+        engine.submit(r.clone()).unwrap();
+    }
+    let done = engine.run(|_| {}).unwrap();
+    assert!(
+        done.iter().any(|c| c.preemptions > 0),
+        "no preemption happened"
+    );
+    for (ours, theirs) in done.iter().zip(&alone(&model, &requests)) {
+        assert_eq!(tokens(ours), tokens(theirs));
+        assert_eq!(ours.finish_reason, FinishReason::Length);
+    }
+    assert_eq!(engine.cache().usage().used, 0);
+}
+
+/// Long prompts are prefilled in chunks of `max_step_tokens` and give the same output.
+#[test]
+fn chunked_prefill_gives_the_same_tokens() {
+    let model = Scripted { script: count_up };
+    let prompt: Vec<u32> = (0..50).map(|i| 2 + i % 29).collect();
+    let requests = vec![request(&prompt, 6), request(&[9], 6)];
+    let config = EngineConfig {
+        max_batch: 4,
+        max_step_tokens: 7,
+    };
+    for kind in CacheKind::ALL {
+        let spec = CacheSpec {
+            kind,
+            window: 512,
+            max_step: 7,
+            ..CacheSpec::paged(4, 128)
+        };
+        let cache = spec
+            .build::<B>(layout(), Dtype::F32, &Default::default())
+            .unwrap();
+        let mut engine = Engine::new(&model, cache, config).unwrap();
+        for r in &requests {
+            engine.submit(r.clone()).unwrap();
+        }
+        let done = engine.run(|_| {}).unwrap();
+        for (ours, theirs) in done.iter().zip(&alone(&model, &requests)) {
+            assert_eq!(tokens(ours), tokens(theirs), "{kind}");
+        }
+        assert_eq!(engine.cache().usage().sequences, 0, "{kind}");
+    }
+}
+
+/// Token 2 is "ab", 3 is "c#", 4 is "##d", 5 is "é" split over two tokens (5 and 6).
+fn pieces(ids: &[TokenId]) -> Option<String> {
+    let mut bytes = Vec::new();
+    for t in ids {
+        bytes.extend_from_slice(match t.0 {
+            2 => b"ab".as_slice(),
+            3 => b"c#",
+            4 => b"##d",
+            5 => &[0xC3],
+            6 => &[0xA9],
+            _ => b"x",
+        });
+    }
+    Some(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+fn stream(engine: &mut Engine<'_, B>) -> (String, Vec<Completion>) {
+    let mut streamed = String::new();
+    let done = engine
+        .run(|event| match event {
+            Event::Token { text, .. } | Event::Text { text, .. } => streamed.push_str(text),
+            Event::Finished(_) => {}
+        })
+        .unwrap();
+    (streamed, done)
+}
+
+#[test]
+fn stop_strings_across_token_boundaries_end_the_sequence_and_are_not_output() {
+    let model = Scripted { script: count_up };
+    let mut engine = Engine::new(&model, paged(64, 4), EngineConfig::default())
+        .unwrap()
+        .with_detokenizer(&pieces);
+    // Generates 2 "ab", 3 "c#", 4 "##d": "abc###d" holds the stop "###" across 3 and 4.
+    let mut r = request(&[31], 10);
+    r.stop = vec!["###".into()];
+    engine.submit(r).unwrap();
+    let (streamed, done) = stream(&mut engine);
+    assert_eq!(done[0].finish_reason, FinishReason::Stop);
+    assert_eq!(done[0].text.as_deref(), Some("abc"));
+    assert_eq!(streamed, "abc");
+    assert_eq!(tokens(&done[0]), [2, 3, 4]);
+}
+
+#[test]
+fn streamed_text_never_splits_a_character_and_ends_complete() {
+    let model = Scripted { script: count_up };
+    let mut engine = Engine::new(&model, paged(64, 4), EngineConfig::default())
+        .unwrap()
+        .with_detokenizer(&pieces);
+    let mut r = request(&[4], 3);
+    r.stop = vec!["é!".into()];
+    engine.submit(r).unwrap();
+    let mut events = Vec::new();
+    let done = engine.run(|e| events.push(e.clone())).unwrap();
+    let texts: Vec<&str> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Token { text, .. } | Event::Text { text, .. } => Some(text.as_str()),
+            Event::Finished(_) => None,
+        })
+        .collect();
+    // Tokens 5, 6, 7: "é" is held back, first as half a character, then as a possible "é!".
+    assert_eq!(texts, ["", "", "éx"]);
+    assert_eq!(texts.concat(), "éx");
+    assert!(texts.iter().all(|t| !t.contains('\u{FFFD}')));
+    assert_eq!(done[0].text.as_deref(), Some("éx"));
+}
+
+#[test]
+fn bad_requests_are_refused_with_a_reason() {
+    let model = Scripted { script: count_up };
+    let mut engine = Engine::new(&model, paged(8, 4), EngineConfig::default()).unwrap();
+    let cases = [
+        (request(&[], 4), "empty"),
+        (request(&vec![2; 1024], 4), "context"),
+        (request(&[99], 4), "vocabulary"),
+    ];
+    for (r, needle) in cases {
+        let err = engine.submit(r).unwrap_err();
+        assert!(matches!(err, EngineError::InvalidRequest(_)), "{err}");
+        assert!(err.to_string().contains(needle), "{err}");
+    }
+    let mut r = request(&[2], 4);
+    r.stop = vec!["x".into()];
+    assert!(
+        engine
+            .submit(r)
+            .unwrap_err()
+            .to_string()
+            .contains("tokenizer")
+    );
+    let mut r = request(&[2], 4);
+    r.sampling.temperature = -1.0;
+    assert!(engine.submit(r).is_err());
+    assert!(engine.is_idle());
+}
