@@ -1,13 +1,14 @@
-//! `kiln generate`: continue a prompt.
+//! `kiln generate`: continue one prompt, or many (`--prompts-file`) served together by the
+//! engine: packed prefill, batched decode, the paged cache by default.
 
 use std::io::Write;
-use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use kiln_core::backend::{BackendTask, run_on};
-use kiln_core::kv_cache::StaticKvCache;
+use kiln_core::kv_cache::{CacheKind, DEFAULT_BLOCK_SIZE};
 use kiln_core::{CausalLm, InferenceBackend, TokenId};
-use kiln_engine::{GenerateRequest, Generation, generate};
+use kiln_engine::{CacheSpec, Completion, Engine, EngineConfig, Event, Request};
 use kiln_models::LoadedModel;
 use serde_json::json;
 
@@ -22,17 +23,36 @@ pub struct Args {
     /// The prompt as token ids, e.g. `1,2,3` (nothing added, nothing templated).
     #[arg(long, value_delimiter = ',', conflicts_with = "prompt")]
     token_ids: Option<Vec<u32>>,
+    /// Many prompts, served together: one per line (blank lines skipped), or a `.jsonl` file
+    /// of objects with a "prompt" field (for prompts with newlines).
+    #[arg(long, conflicts_with_all = ["prompt", "token_ids"])]
+    prompts_file: Option<PathBuf>,
     #[command(flatten)]
     model: ModelArgs,
-    /// Most new tokens.
+    /// Most new tokens per prompt.
     #[arg(long, short = 'n', default_value_t = 128)]
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+    /// End a sequence where this text appears (not included in the output); repeatable.
+    #[arg(long)]
+    stop: Vec<String>,
     /// Keep generating past end-of-sequence tokens.
     #[arg(long)]
     ignore_eos: bool,
-    /// Print one JSON object instead of streaming text.
+    /// KV cache: paged, static, dynamic or sliding.
+    #[arg(long, default_value = "paged")]
+    cache: CacheKind,
+    /// Sliding cache: attend over the last N tokens only.
+    #[arg(long, default_value_t = 4096)]
+    window: usize,
+    /// Paged cache: tokens per block.
+    #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
+    page_size: usize,
+    /// Most sequences decoded together.
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Print JSON instead of streaming text: one object per prompt, in input order.
     #[arg(long)]
     json: bool,
     /// No summary line on stderr.
@@ -42,83 +62,207 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<()> {
     args.sampling.params()?;
-    if args.prompt.is_none() && args.token_ids.is_none() {
-        return Err(UsageError("give a prompt or --token-ids".into()).into());
+    if args.prompt.is_none() && args.token_ids.is_none() && args.prompts_file.is_none() {
+        return Err(UsageError("give a prompt, --token-ids or --prompts-file".into()).into());
     }
+    for (name, value) in [
+        ("--window", args.window),
+        ("--page-size", args.page_size),
+        ("--max-batch", args.max_batch),
+    ] {
+        if value == 0 {
+            return Err(UsageError(format!("{name} must be positive")).into());
+        }
+    }
+    let texts = match &args.prompts_file {
+        Some(path) => Some(read_prompts(path)?),
+        None => None,
+    };
     let backend = args.model.backend;
-    run_on(backend, Task(args))?
+    run_on(backend, Task { args, texts })?
 }
 
-struct Task(Args);
+/// One prompt per line, or `{"prompt": ...}` per line of a `.jsonl` file.
+fn read_prompts(path: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| UsageError(format!("{}: {e}", path.display())))?;
+    let jsonl = path.extension().is_some_and(|e| e == "jsonl");
+    let mut prompts = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        if jsonl {
+            let value: serde_json::Value = serde_json::from_str(line)
+                .map_err(|e| UsageError(format!("{} line {}: {e}", path.display(), i + 1)))?;
+            let prompt = value
+                .get("prompt")
+                .and_then(|p| p.as_str())
+                .ok_or_else(|| {
+                    UsageError(format!(
+                        "{} line {}: no \"prompt\" string",
+                        path.display(),
+                        i + 1
+                    ))
+                })?;
+            prompts.push(prompt.to_string());
+        } else {
+            prompts.push(line.to_string());
+        }
+    }
+    if prompts.is_empty() {
+        bail!(UsageError(format!("{} holds no prompts", path.display())));
+    }
+    Ok(prompts)
+}
+
+struct Task {
+    args: Args,
+    texts: Option<Vec<String>>,
+}
+
+impl Task {
+    fn prompts<B: InferenceBackend>(&self, loaded: &LoadedModel<B>) -> Result<Vec<Vec<TokenId>>> {
+        if let Some(ids) = &self.args.token_ids {
+            return Ok(vec![ids.iter().copied().map(TokenId).collect()]);
+        }
+        let Some(tokenizer) = &loaded.tokenizer else {
+            bail!(UsageError(format!(
+                "{} has no tokenizer files: give the prompt with --token-ids",
+                loaded.path.display()
+            )));
+        };
+        let texts = match &self.texts {
+            Some(texts) => texts.clone(),
+            None => vec![self.args.prompt.clone().unwrap_or_default()],
+        };
+        texts
+            .iter()
+            .map(|t| Ok(tokenizer.encode(t, true)?))
+            .collect()
+    }
+}
 
 impl BackendTask for Task {
     type Output = Result<()>;
 
     fn run<B: InferenceBackend>(self, device: B::Device) -> Result<()> {
-        let args = self.0;
+        let args = &self.args;
         let loaded: LoadedModel<B> = args.model.load(&device)?;
-        let prompt = prompt_ids(&args, &loaded)?;
+        let prompts = self.prompts(&loaded)?;
         let shape = loaded.model.shape();
-        let room = (prompt.len() + args.max_tokens)
-            .min(shape.max_positions)
-            .max(1);
-        let mut cache =
-            StaticKvCache::<B>::new(shape.kv_layout(), 1, room, args.model.dtype, &device)?;
-        let request = GenerateRequest {
-            prompt: prompt.clone(),
-            max_tokens: args.max_tokens,
-            sampling: args.sampling.params()?,
-            eos: if args.ignore_eos {
-                Vec::new()
-            } else {
-                loaded.generation.eos.clone()
-            },
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
+        let max_len = (longest + args.max_tokens).min(shape.max_positions).max(1);
+        let config = EngineConfig {
+            max_batch: args.max_batch.min(prompts.len()),
+            ..EngineConfig::default()
         };
+        let spec = CacheSpec {
+            kind: args.cache,
+            max_sequences: config.max_batch,
+            max_len,
+            window: args.window,
+            max_step: config.max_step_tokens,
+            page_size: args.page_size,
+            blocks: None,
+        };
+        let cache = spec.build::<B>(shape.kv_layout(), args.model.dtype, &device)?;
         let tokenizer = loaded.tokenizer.as_ref();
-        let mut stdout = std::io::stdout().lock();
-        let mut stream = tokenizer.map(|t| t.inner().decode_stream(false));
-        let generation = generate(&loaded.model, &mut cache, &request, |token| {
-            if !args.json {
-                let piece = match stream.as_mut() {
-                    Some(stream) => stream.step(token.0).ok().flatten(),
-                    None => Some(format!("{token} ")),
-                };
-                if let Some(piece) = piece
-                    && (stdout.write_all(piece.as_bytes()).is_err() || stdout.flush().is_err())
-                {
-                    return ControlFlow::Break(());
-                }
-            }
-            ControlFlow::Continue(())
-        })?;
-        let text = tokenizer
-            .map(|t| t.decode(&generation.tokens, false))
-            .transpose()?;
-        if args.json {
-            let value = report_json(&prompt, &generation, text);
-            writeln!(stdout, "{value}")?;
+        let detok = tokenizer.map(|t| move |ids: &[TokenId]| t.decode(ids, false).ok());
+        let mut engine = Engine::new(&loaded.model, cache, config)?;
+        if let Some(detok) = &detok {
+            engine = engine.with_detokenizer(detok);
+        }
+        let sampling = args.sampling.params()?;
+        let eos = if args.ignore_eos {
+            Vec::new()
         } else {
+            loaded.generation.eos.clone()
+        };
+        for prompt in &prompts {
+            engine
+                .submit(Request {
+                    prompt: prompt.clone(),
+                    max_tokens: args.max_tokens,
+                    sampling: sampling.clone(),
+                    eos: eos.clone(),
+                    stop: args.stop.clone(),
+                })
+                .context("submitting the prompt")?;
+        }
+
+        let started = std::time::Instant::now();
+        let mut stdout = std::io::stdout().lock();
+        let stream = !args.json && prompts.len() == 1;
+        let mut printer = OrderedPrinter::new(prompts.len());
+        let mut write_error = None;
+        let completions = engine.run(|event| {
+            let result = match event {
+                Event::Token { text, .. } | Event::Text { text, .. } if stream => match tokenizer {
+                    Some(_) => stdout.write_all(text.as_bytes()),
+                    None => Ok(()),
+                }
+                .and_then(|()| stdout.flush()),
+                Event::Token { token, .. } if stream && tokenizer.is_none() => {
+                    write!(stdout, "{token} ").and_then(|()| stdout.flush())
+                }
+                Event::Finished(c) if !stream => {
+                    printer.finished(c, &prompts, args.json, &mut stdout)
+                }
+                _ => Ok(()),
+            };
+            if let Err(e) = result {
+                write_error.get_or_insert(e);
+            }
+        })?;
+        if let Some(e) = write_error {
+            return Err(e).context("writing to stdout");
+        }
+        if stream {
             writeln!(stdout)?;
         }
         if !args.quiet {
-            eprintln!("{}", summary(prompt.len(), &generation));
+            eprintln!("{}", summary(&completions, started.elapsed()));
         }
         Ok(())
     }
 }
 
-fn prompt_ids<B: InferenceBackend>(args: &Args, loaded: &LoadedModel<B>) -> Result<Vec<TokenId>> {
-    if let Some(ids) = &args.token_ids {
-        return Ok(ids.iter().copied().map(TokenId).collect());
+/// Prints completions in input order as soon as every earlier one is done.
+struct OrderedPrinter {
+    done: Vec<Option<Completion>>,
+    next: usize,
+}
+
+impl OrderedPrinter {
+    fn new(n: usize) -> Self {
+        Self {
+            done: vec![None; n],
+            next: 0,
+        }
     }
-    let text = args.prompt.as_deref().unwrap_or_default();
-    let Some(tokenizer) = &loaded.tokenizer else {
-        bail!(UsageError(format!(
-            "{} has no tokenizer files: give the prompt with --token-ids",
-            loaded.path.display()
-        )));
-    };
-    Ok(tokenizer.encode(text, true)?)
+
+    fn finished(
+        &mut self,
+        completion: &Completion,
+        prompts: &[Vec<TokenId>],
+        json: bool,
+        out: &mut impl Write,
+    ) -> std::io::Result<()> {
+        let index = completion.id.0 as usize;
+        self.done[index] = Some(completion.clone());
+        while let Some(Some(c)) = self.done.get(self.next) {
+            let i = self.next;
+            if json {
+                writeln!(out, "{}", report_json(i, &prompts[i], c, prompts.len() > 1))?;
+            } else {
+                writeln!(out, "[{i}] {}", c.text.as_deref().unwrap_or_default())?;
+            }
+            self.done[i] = None;
+            self.next += 1;
+        }
+        out.flush()
+    }
 }
 
 fn per_second(tokens: usize, seconds: f64) -> f64 {
@@ -129,30 +273,57 @@ fn per_second(tokens: usize, seconds: f64) -> f64 {
     }
 }
 
-fn report_json(prompt: &[TokenId], g: &Generation, text: Option<String>) -> serde_json::Value {
-    let decoded = g.tokens.len().saturating_sub(1);
-    json!({
+fn report_json(
+    index: usize,
+    prompt: &[TokenId],
+    c: &Completion,
+    with_index: bool,
+) -> serde_json::Value {
+    let ttft = c.timings.time_to_first_token.as_secs_f64();
+    let decode = c.timings.decode.as_secs_f64();
+    let mut value = json!({
         "prompt_tokens": prompt,
-        "tokens": g.tokens,
-        "text": text,
-        "finish_reason": g.finish_reason,
+        "tokens": c.tokens,
+        "text": c.text,
+        "finish_reason": c.finish_reason,
         "timings": {
-            "prefill_ms": g.prefill.as_secs_f64() * 1e3,
-            "decode_ms": g.decode.as_secs_f64() * 1e3,
-            "prefill_tokens_per_s": per_second(prompt.len(), g.prefill.as_secs_f64()),
-            "decode_tokens_per_s": per_second(decoded, g.decode.as_secs_f64()),
-        }
-    })
+            "time_to_first_token_ms": ttft * 1e3,
+            "decode_ms": decode * 1e3,
+            "prefill_tokens_per_s": per_second(prompt.len(), ttft),
+            "decode_tokens_per_s": per_second(c.tokens.len().saturating_sub(1), decode),
+        },
+        "preemptions": c.preemptions,
+    });
+    if with_index {
+        value["index"] = json!(index);
+    }
+    value
 }
 
-fn summary(prompt: usize, g: &Generation) -> String {
-    let decoded = g.tokens.len().saturating_sub(1);
+/// One line: prompts, tokens in and out, and rates over the whole run.
+fn summary(completions: &[Completion], elapsed: std::time::Duration) -> String {
+    let prompt: usize = completions.iter().map(|c| c.prompt_tokens).sum();
+    let generated: usize = completions.iter().map(|c| c.tokens.len()).sum();
+    let ttft = completions
+        .iter()
+        .map(|c| c.timings.time_to_first_token)
+        .max()
+        .unwrap_or_default();
+    let decode = elapsed.saturating_sub(ttft).as_secs_f64();
+    let decoded = generated.saturating_sub(completions.len());
+    let reasons: Vec<String> = completions
+        .iter()
+        .map(|c| format!("{:?}", c.finish_reason).to_lowercase())
+        .collect();
+    let reasons = if completions.len() == 1 {
+        reasons[0].clone()
+    } else {
+        format!("{} prompts", completions.len())
+    };
     format!(
-        "prompt {prompt} tokens, generated {} tokens ({:?}); prefill {:.1} tok/s, decode {:.1} tok/s, time to first token {:.0} ms",
-        g.tokens.len(),
-        g.finish_reason,
-        per_second(prompt, g.prefill.as_secs_f64()),
-        per_second(decoded, g.decode.as_secs_f64()),
-        g.prefill.as_secs_f64() * 1e3
+        "prompt {prompt} tokens, generated {generated} tokens ({reasons}); prefill {:.1} tok/s, decode {:.1} tok/s, time to first token {:.0} ms",
+        per_second(prompt, ttft.as_secs_f64()),
+        per_second(decoded, decode),
+        ttft.as_secs_f64() * 1e3
     )
 }

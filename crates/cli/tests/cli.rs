@@ -280,3 +280,94 @@ fn a_failed_default_model_fetch_says_how_to_install_it() {
     assert!(error.contains(&target.display().to_string()), "{stderr}");
     let _ = std::fs::remove_dir_all(&home);
 }
+
+fn generate_lines(args: &[&str]) -> Vec<serde_json::Value> {
+    let out = kiln(
+        &[
+            &["generate", "--json", "--quiet", "--temperature", "0"],
+            args,
+        ]
+        .concat(),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// `--prompts-file`: every prompt served together, one JSON line each in input order, each
+/// equal to running that prompt alone, with every cache kind; `.jsonl` carries prompts with
+/// newlines.
+#[test]
+fn prompts_file_serves_each_prompt_as_if_alone_with_every_cache() {
+    let dir = tempfile_dir("prompts");
+    let prompts = [
+        "Once upon a time there was",
+        "The",
+        "a b c d e f g h i j k l m n o p",
+    ];
+    let txt = dir.join("prompts.txt");
+    std::fs::write(&txt, prompts.join("\n\n")).unwrap();
+    let jsonl = dir.join("prompts.jsonl");
+    let lines: Vec<String> = prompts
+        .iter()
+        .map(|p| serde_json::json!({ "prompt": p }).to_string())
+        .chain([serde_json::json!({"prompt": "line one\nline two"}).to_string()])
+        .collect();
+    std::fs::write(&jsonl, lines.join("\n")).unwrap();
+    let model = fixture("llama-tiny");
+    let common = ["--model", &model, "--ignore-eos", "-n", "12"];
+    let alone: Vec<serde_json::Value> = prompts
+        .iter()
+        .chain(["line one\nline two"].iter())
+        .map(|p| generate_json(&[&[*p], common.as_slice()].concat()))
+        .collect();
+    for cache in ["paged", "static", "dynamic", "sliding"] {
+        let out = generate_lines(
+            &[
+                common.as_slice(),
+                &[
+                    "--prompts-file",
+                    txt.to_str().unwrap(),
+                    "--cache",
+                    cache,
+                    "--max-batch",
+                    "2",
+                ],
+            ]
+            .concat(),
+        );
+        assert_eq!(out.len(), 3, "{cache}");
+        for (i, line) in out.iter().enumerate() {
+            assert_eq!(line["index"], i, "{cache}");
+            assert_eq!(line["tokens"], alone[i]["tokens"], "{cache} prompt {i}");
+        }
+    }
+    let out = generate_lines(
+        &[
+            common.as_slice(),
+            &["--prompts-file", jsonl.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    assert_eq!(out.len(), 4);
+    assert_eq!(out[3]["tokens"], alone[3]["tokens"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn tempfile_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `--stop` ends the sequence where the text appears, and the text is not in the output.
+#[test]
+fn stop_strings_end_generation_on_the_default_model() {
+    let case = smollm2_case(0);
+    let prompt = case["prompt"].as_str().unwrap();
+    let out = generate_json(&[prompt, "-n", "32", "--stop", "answer"]);
+    assert_eq!(out["finish_reason"], "stop");
+    assert_eq!(out["text"], " Paris.\n\nThe ");
+}
