@@ -4,6 +4,7 @@
 use std::process::ExitCode;
 
 use kiln_core::CoreError;
+use kiln_engine::EngineError;
 use kiln_models::ModelError;
 
 /// An error caused by what the user asked for, not by kiln failing.
@@ -23,22 +24,34 @@ fn is_usage(err: &anyhow::Error) -> bool {
     err.chain().any(|cause| {
         cause.is::<UsageError>()
             || cause
-                .downcast_ref::<kiln_models::ModelError>()
+                .downcast_ref::<ModelError>()
                 .is_some_and(|e| !matches!(e, ModelError::Fetch { .. } | ModelError::Io { .. }))
             || cause.is::<kiln_core::SamplingError>()
-            || matches!(
-                cause.downcast_ref::<CoreError>(),
-                Some(
-                    CoreError::BackendUnavailable { .. }
-                        | CoreError::BackendNotCompiled { .. }
-                        | CoreError::UnknownBackend(_)
-                        | CoreError::UnknownDtype(_)
-                        | CoreError::UnsupportedDtype { .. }
-                        | CoreError::Sampling(_)
-                        | CoreError::ModelInput(_)
-                )
-            )
+            || cause.downcast_ref::<CoreError>().is_some_and(core_is_usage)
+            || cause
+                .downcast_ref::<EngineError>()
+                .is_some_and(|e| match e {
+                    EngineError::Core(core) => core_is_usage(core),
+                    EngineError::InvalidRequest(_)
+                    | EngineError::InvalidConfig(_)
+                    | EngineError::Snapshot { .. } => true,
+                })
     })
+}
+
+/// Core errors caused by what was asked for: a backend or dtype that is not there, bad
+/// sampling values, input the model cannot take.
+fn core_is_usage(err: &CoreError) -> bool {
+    matches!(
+        err,
+        CoreError::BackendUnavailable { .. }
+            | CoreError::BackendNotCompiled { .. }
+            | CoreError::UnknownBackend(_)
+            | CoreError::UnknownDtype(_)
+            | CoreError::UnsupportedDtype { .. }
+            | CoreError::Sampling(_)
+            | CoreError::ModelInput(_)
+    )
 }
 
 /// Prints `result`'s error, if any, as one line and picks the exit code.

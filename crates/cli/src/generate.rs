@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use kiln_core::backend::{BackendTask, run_on};
 use kiln_core::kv_cache::{CacheKind, DEFAULT_BLOCK_SIZE};
 use kiln_core::{CausalLm, InferenceBackend, TokenId};
-use kiln_engine::{CacheSpec, Completion, Engine, EngineConfig, Event, Request};
+use kiln_engine::{CacheSpec, Completion, Engine, EngineConfig, Event, Request, Snapshot};
 use kiln_models::LoadedModel;
 use serde_json::json;
 
@@ -52,6 +52,13 @@ pub struct Args {
     /// Most sequences decoded together.
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
+    /// Prefill the prompt, save its KV cache to FILE, then generate as usual.
+    #[arg(long, value_name = "FILE", conflicts_with = "prompts_file")]
+    save_snapshot: Option<PathBuf>,
+    /// Start from a KV-cache snapshot (saved with --save-snapshot by the same model and
+    /// dtype) instead of a prompt: no prefill runs.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "token_ids", "prompts_file", "save_snapshot"])]
+    from_snapshot: Option<PathBuf>,
     /// Print JSON instead of streaming text: one object per prompt, in input order.
     #[arg(long)]
     json: bool,
@@ -62,8 +69,15 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<()> {
     args.sampling.params()?;
-    if args.prompt.is_none() && args.token_ids.is_none() && args.prompts_file.is_none() {
-        return Err(UsageError("give a prompt, --token-ids or --prompts-file".into()).into());
+    if args.prompt.is_none()
+        && args.token_ids.is_none()
+        && args.prompts_file.is_none()
+        && args.from_snapshot.is_none()
+    {
+        return Err(UsageError(
+            "give a prompt, --token-ids, --prompts-file or --from-snapshot".into(),
+        )
+        .into());
     }
     for (name, value) in [
         ("--window", args.window),
@@ -149,7 +163,17 @@ impl BackendTask for Task {
     fn run<B: InferenceBackend>(self, device: B::Device) -> Result<()> {
         let args = &self.args;
         let loaded: LoadedModel<B> = args.model.load(&device)?;
-        let prompts = self.prompts(&loaded)?;
+        let snapshot = match &args.from_snapshot {
+            Some(path) => Some(Snapshot::load(path)?),
+            None => None,
+        };
+        let prompts = match &snapshot {
+            Some(snapshot) => vec![snapshot.tokens.clone()],
+            None => self.prompts(&loaded)?,
+        };
+        if let Some(path) = &args.save_snapshot {
+            Snapshot::prefill(&loaded.model, &prompts[0])?.save(path)?;
+        }
         let shape = loaded.model.shape();
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
         let max_len = (longest + args.max_tokens).min(shape.max_positions).max(1);
@@ -180,15 +204,18 @@ impl BackendTask for Task {
             loaded.generation.eos.clone()
         };
         for prompt in &prompts {
-            engine
-                .submit(Request {
-                    prompt: prompt.clone(),
-                    max_tokens: args.max_tokens,
-                    sampling: sampling.clone(),
-                    eos: eos.clone(),
-                    stop: args.stop.clone(),
-                })
-                .context("submitting the prompt")?;
+            let request = Request {
+                prompt: prompt.clone(),
+                max_tokens: args.max_tokens,
+                sampling: sampling.clone(),
+                eos: eos.clone(),
+                stop: args.stop.clone(),
+            };
+            match &snapshot {
+                Some(snapshot) => engine.submit_snapshot(snapshot, request),
+                None => engine.submit(request),
+            }
+            .context("submitting the prompt")?;
         }
 
         let started = std::time::Instant::now();

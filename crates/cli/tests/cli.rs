@@ -371,3 +371,49 @@ fn stop_strings_end_generation_on_the_default_model() {
     assert_eq!(out["finish_reason"], "stop");
     assert_eq!(out["text"], " Paris.\n\nThe ");
 }
+
+/// `--save-snapshot` then `--from-snapshot`: the resumed run continues exactly as the plain
+/// one; a snapshot is refused by another model (exit 2, one line).
+#[test]
+fn snapshots_save_and_resume_from_the_command_line() {
+    let dir = tempfile_dir("snapshot");
+    let file = dir.join("prompt.kv");
+    let model = fixture("llama-tiny");
+    let common = ["--model", &model, "--ignore-eos", "-n", "10"];
+    let plain = generate_json(&[&["Once upon a time there was"], common.as_slice()].concat());
+    let saved = generate_json(
+        &[
+            &[
+                "Once upon a time there was",
+                "--save-snapshot",
+                file.to_str().unwrap(),
+            ],
+            common.as_slice(),
+        ]
+        .concat(),
+    );
+    assert_eq!(saved["tokens"], plain["tokens"]);
+    let resumed = generate_json(
+        &[
+            &["--from-snapshot", file.to_str().unwrap()],
+            common.as_slice(),
+        ]
+        .concat(),
+    );
+    assert_eq!(resumed["tokens"], plain["tokens"]);
+    assert_eq!(resumed["prompt_tokens"], plain["prompt_tokens"]);
+    let out = kiln(&[
+        "generate",
+        "--from-snapshot",
+        file.to_str().unwrap(),
+        "--model",
+        &fixture("llama-tiny-tied"),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("another model"),
+        "{}",
+        text(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

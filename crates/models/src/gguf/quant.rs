@@ -253,6 +253,14 @@ fn scale_min_k4(j: usize, s: &[u8]) -> (f32, f32) {
     (f32::from(sc), f32::from(m))
 }
 
+/// The (scale, minimum) of the two 32-value sub-blocks of K-quant group `group` (64 values).
+fn group_scales(group: usize, d: f32, dmin: f32, scales: &[u8]) -> [(f32, f32); 2] {
+    [2 * group, 2 * group + 1].map(|j| {
+        let (sc, m) = scale_min_k4(j, scales);
+        (d * sc, dmin * m)
+    })
+}
+
 /// `d, dmin: f16, scales: [u8; 12], qs: [u8; 128]`: four 64-value groups, each the low then
 /// the high nibbles of 32 bytes, with its own pair of sub-block scales.
 fn q4_k(b: &[u8], y: &mut [f32]) {
@@ -263,9 +271,7 @@ fn q4_k(b: &[u8], y: &mut [f32]) {
         .zip(y.chunks_exact_mut(64))
         .enumerate()
     {
-        let (sc1, m1) = scale_min_k4(2 * group, scales);
-        let (sc2, m2) = scale_min_k4(2 * group + 1, scales);
-        let (d1, m1, d2, m2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
+        let [(d1, m1), (d2, m2)] = group_scales(group, d, dmin, scales);
         for (l, &q) in qs.iter().enumerate() {
             y[l] = d1 * f32::from(q & 0xF) - m1;
             y[l + 32] = d2 * f32::from(q >> 4) - m2;
@@ -284,9 +290,7 @@ fn q5_k(b: &[u8], y: &mut [f32]) {
         .zip(y.chunks_exact_mut(64))
         .enumerate()
     {
-        let (sc1, m1) = scale_min_k4(2 * group, scales);
-        let (sc2, m2) = scale_min_k4(2 * group + 1, scales);
-        let (d1, m1, d2, m2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
+        let [(d1, m1), (d2, m2)] = group_scales(group, d, dmin, scales);
         let (u1, u2) = (1u8 << (2 * group), 2u8 << (2 * group));
         for (l, &q) in ql.iter().enumerate() {
             let h1 = if qh[l] & u1 != 0 { 16 } else { 0 };
