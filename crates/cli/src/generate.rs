@@ -225,14 +225,13 @@ impl BackendTask for Task {
         let mut write_error = None;
         let completions = engine.run(|event| {
             let result = match event {
-                Event::Token { text, .. } | Event::Text { text, .. } if stream => match tokenizer {
-                    Some(_) => stdout.write_all(text.as_bytes()),
-                    None => Ok(()),
-                }
-                .and_then(|()| stdout.flush()),
+                // Without a tokenizer there is no text: stream the ids.
                 Event::Token { token, .. } if stream && tokenizer.is_none() => {
                     write!(stdout, "{token} ").and_then(|()| stdout.flush())
                 }
+                Event::Token { text, .. } | Event::Text { text, .. } if stream => stdout
+                    .write_all(text.as_bytes())
+                    .and_then(|()| stdout.flush()),
                 Event::Finished(c) if !stream => {
                     printer.finished(c, &prompts, args.json, &mut stdout)
                 }

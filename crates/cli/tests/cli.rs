@@ -189,6 +189,27 @@ fn generate_without_tokenizer_needs_token_ids() {
     ]);
     assert!(out["text"].is_null());
     assert_eq!(out["tokens"], case["greedy"]);
+    // Streaming without a tokenizer prints the ids.
+    let ids = token_ids_arg(&case);
+    let out = kiln(&[
+        "generate",
+        "--token-ids",
+        &ids,
+        "--model",
+        &model,
+        "-n",
+        "20",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--quiet",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let streamed: Vec<serde_json::Value> = text(&out.stdout)
+        .split_whitespace()
+        .map(|t| serde_json::Value::from(t.parse::<u64>().unwrap()))
+        .collect();
+    assert_eq!(serde_json::Value::from(streamed), case["greedy"]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
