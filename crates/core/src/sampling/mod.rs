@@ -174,24 +174,33 @@ impl Sampler {
                 // perturbation of the logits (a batched matmul rounds differently from a
                 // single one) moves each boundary of the CDF by about as much, whereas an order
                 // by probability would swap near-equal tokens and pick the neighbour.
-                let mut order: Vec<usize> = (0..ids.len()).collect();
-                if !ids.is_sorted() {
-                    order.sort_unstable_by_key(|&i| ids[i]);
-                }
                 let u: f64 = self.rng.random();
-                let mut cumulative = 0.0f64;
-                let mut pick = order[order.len() - 1];
-                for &i in &order {
-                    cumulative += f64::from(probs[i]);
-                    if u < cumulative {
-                        pick = i;
-                        break;
-                    }
-                }
+                let pick = if ids.is_sorted() {
+                    inverse_cdf(0..ids.len(), &probs, u)
+                } else {
+                    let mut by_id: Vec<usize> = (0..ids.len()).collect();
+                    by_id.sort_unstable_by_key(|&i| ids[i]);
+                    inverse_cdf(by_id, &probs, u)
+                };
                 ids[pick]
             }
         })
     }
+}
+
+/// The first index in `order` at which the running sum of `probs` exceeds `u` (the last
+/// index when rounding leaves the sum just short of it).
+fn inverse_cdf(order: impl IntoIterator<Item = usize>, probs: &[f32], u: f64) -> usize {
+    let mut cumulative = 0.0f64;
+    let mut last = 0;
+    for i in order {
+        cumulative += f64::from(probs[i]);
+        last = i;
+        if u < cumulative {
+            return i;
+        }
+    }
+    last
 }
 
 /// A seed from the OS's hashing entropy, for samplers created without one.
