@@ -49,7 +49,8 @@ pub struct Generation {
 }
 
 /// Generates one continuation of `request.prompt`, calling `on_token` with each new token
-/// (return `ControlFlow::Break` to stop). The cache must not hold this sequence already.
+/// (return `ControlFlow::Break` to stop). The cache must not hold this sequence already; it
+/// is released at the end.
 ///
 /// # Errors
 /// An empty prompt, a prompt that leaves no room in the model's context, invalid sampling
@@ -58,6 +59,27 @@ pub fn generate<B: InferenceBackend>(
     model: &dyn CausalLm<B>,
     cache: &mut dyn KvCache<B>,
     request: &GenerateRequest,
+    on_token: impl FnMut(TokenId) -> ControlFlow<()>,
+) -> Result<Generation, CoreError> {
+    let seq = SeqId(0);
+    let generation = continue_sequence(model, cache, seq, request, 0, on_token);
+    cache.release(seq);
+    generation
+}
+
+/// Most prompt tokens fed in one forward when the sequence already has history (a sliding
+/// cache refuses larger steps; the engine's default `max_step_tokens` is the same).
+pub(crate) const HISTORY_CHUNK: usize = 512;
+
+/// Generates a continuation of `request.prompt` on `seq`, whose cache already holds the first
+/// `held` prompt tokens: only the rest is computed. On return the cache holds the prompt and
+/// every generated token but the last sampled one (which was never fed), less an EOS.
+pub(crate) fn continue_sequence<B: InferenceBackend>(
+    model: &dyn CausalLm<B>,
+    cache: &mut dyn KvCache<B>,
+    seq: SeqId,
+    request: &GenerateRequest,
+    held: usize,
     mut on_token: impl FnMut(TokenId) -> ControlFlow<()>,
 ) -> Result<Generation, CoreError> {
     let shape = model.shape();
@@ -72,14 +94,26 @@ pub fn generate<B: InferenceBackend>(
             shape.max_positions
         )));
     }
+    debug_assert!(held < prompt.len(), "at least one prompt token must be fed");
     let mut sampler = Sampler::new(&request.sampling, shape.vocab)?;
     let mut history = TokenHistory::with_prompt(prompt);
     let budget = request.max_tokens.min(shape.max_positions - prompt.len());
-    let seq = SeqId(0);
     let start = Instant::now();
     let mut prefill = Duration::ZERO;
-    let mut batch = Batch::single(seq, prompt, Position(0))?;
     let mut finish_reason = FinishReason::Length;
+    // A fresh sequence runs its whole prompt at once; history is extended in chunks.
+    let chunk = if held == 0 {
+        prompt.len()
+    } else {
+        HISTORY_CHUNK
+    };
+    let mut fed = held;
+    while prompt.len() - fed > chunk {
+        let batch = Batch::single(seq, &prompt[fed..fed + chunk], Position(fed as u32))?;
+        model.forward(&batch, cache, LogitsFor::LastOfEachSequence)?;
+        fed += chunk;
+    }
+    let mut batch = Batch::single(seq, &prompt[fed..], Position(fed as u32))?;
     for step in 0..budget {
         let logits = model.forward(&batch, cache, LogitsFor::LastOfEachSequence)?;
         let row: Vec<f32> = logits.into_data().iter::<f32>().collect();
@@ -99,7 +133,6 @@ pub fn generate<B: InferenceBackend>(
         let position = Position((prompt.len() + history.generated().len() - 1) as u32);
         batch = Batch::single(seq, &[token], position)?;
     }
-    cache.release(seq);
     Ok(Generation {
         tokens: history.generated().to_vec(),
         finish_reason,

@@ -13,7 +13,8 @@ use kiln_core::kv_cache::{CacheKind, DynamicKvCache, SlidingKvCache, StaticKvCac
 use kiln_core::sampling::SamplingParams;
 use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, SeqId, TokenId};
 use kiln_engine::{
-    CacheSpec, Engine, EngineConfig, EngineError, GenerateRequest, Request, Snapshot, generate,
+    CacheSpec, Engine, EngineConfig, EngineError, GenerateRequest, Request, Session, Snapshot,
+    generate,
 };
 use kiln_models::default_model::{SMOLLM2_135M_INSTRUCT, kiln_home};
 use kiln_models::{LoadOptions, LoadedModel};
@@ -199,6 +200,69 @@ fn mixed_batch_matches_alone<B: InferenceBackend>() {
     }
 }
 
+/// A chat session keeps its cache between turns: turn 2 extends what turn 1 left, turn 3
+/// diverges inside the cached tokens and rolls the cache back. Every turn gives exactly the
+/// tokens of a full recompute of its context, with every cache kind.
+fn session_reuses_its_cache_exactly<B: InferenceBackend>() {
+    let loaded = load::<B>(&smollm2(), Dtype::F32);
+    let model = &loaded.model;
+    let tokenizer = loaded.tokenizer.as_ref().unwrap();
+    let encode = |text: &str| tokenizer.encode(text, false).unwrap();
+    let n = 10;
+    let request = |prompt: Vec<TokenId>| GenerateRequest {
+        prompt,
+        max_tokens: n,
+        sampling: SamplingParams::greedy(),
+        eos: Vec::new(),
+    };
+    for kind in CacheKind::ALL {
+        let spec = CacheSpec {
+            kind,
+            window: 512,
+            max_step: 512,
+            ..CacheSpec::paged(1, 512)
+        };
+        let cache = spec
+            .build::<B>(model.shape().kv_layout(), model.dtype(), &model.device())
+            .unwrap();
+        let mut session = Session::new(model, cache);
+        let mut turn = |context: Vec<TokenId>| {
+            let reply = session
+                .reply(&request(context.clone()), |_| ControlFlow::Continue(()))
+                .unwrap();
+            let expected = alone(model, &context, n, &SamplingParams::greedy());
+            assert_eq!(reply.generation.tokens, expected, "{kind}");
+            reply
+        };
+        let first = encode(
+            "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+        );
+        let reply = turn(first.clone());
+        assert_eq!((reply.reused, reply.prefilled), (0, first.len()), "{kind}");
+
+        let mut second = first.clone();
+        second.extend(&reply.generation.tokens);
+        second.extend(encode(
+            "<|im_end|>\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n",
+        ));
+        let reply = turn(second.clone());
+        // The last token of turn 1 was sampled but never fed.
+        let held = first.len() + n - 1;
+        assert_eq!((reply.reused, reply.prefilled), (held, second.len() - held));
+
+        let keep = second.len() - 6;
+        let mut third = second[..keep].to_vec();
+        third.extend(encode(" Germany?<|im_end|>\n<|im_start|>assistant\n"));
+        let reply = turn(third.clone());
+        assert_eq!(
+            reply.reused, keep,
+            "{kind}: rolled back to the shared prefix"
+        );
+        assert_eq!(session.cached().len(), third.len() + n - 1);
+        assert_eq!(session.cache().seq_len(SeqId(0)), session.cached().len());
+    }
+}
+
 /// Prefill once, save, load, resume: the same tokens as generating alone; another model or
 /// dtype refuses the snapshot.
 fn snapshots_resume_exactly<B: InferenceBackend>() {
@@ -311,6 +375,11 @@ mod cpu {
     #[test]
     fn mixed_batch_matches_alone() {
         super::mixed_batch_matches_alone::<B>();
+    }
+
+    #[test]
+    fn session_reuses_its_cache_exactly() {
+        super::session_reuses_its_cache_exactly::<B>();
     }
 
     #[test]

@@ -102,6 +102,37 @@ impl<B: InferenceBackend> DenseCache<B> {
         }
     }
 
+    pub fn truncate(&mut self, seq: SeqId, keep: usize) -> Result<(), CacheError> {
+        let len = self.seq_len(seq);
+        if keep > len {
+            return Err(CacheError::TruncateBeyondEnd { seq, keep, len });
+        }
+        if keep == 0 {
+            self.release(seq);
+            return Ok(());
+        }
+        // A ring holds `window + max_step - 1` tokens; the token after the kept ones needs the
+        // `window - 1` before it, so at most `max_step` may be dropped.
+        if let Policy::Sliding { max_step, .. } = self.policy
+            && len - keep > max_step
+        {
+            return Err(CacheError::TruncateTooFar {
+                seq,
+                dropped: len - keep,
+                max: max_step,
+            });
+        }
+        let Some(entry) = self.seqs.get_mut(&seq) else {
+            return Ok(());
+        };
+        let slots = entry.slot_positions.len();
+        for token in keep..len {
+            entry.slot_positions[token % slots] = None;
+        }
+        entry.len = keep;
+        Ok(())
+    }
+
     pub fn clear(&mut self) {
         self.seqs.clear();
         self.free_rows = (0..self.storage.targets()).rev().collect();
@@ -290,6 +321,13 @@ macro_rules! delegate_dense_cache {
             }
             fn release(&mut self, seq: $crate::ids::SeqId) {
                 self.inner.release(seq)
+            }
+            fn truncate(
+                &mut self,
+                seq: $crate::ids::SeqId,
+                keep: usize,
+            ) -> Result<(), $crate::kv_cache::CacheError> {
+                self.inner.truncate(seq, keep)
             }
             fn clear(&mut self) {
                 self.inner.clear()

@@ -157,6 +157,29 @@ pub enum CacheError {
         /// The most one step may add to a sequence with history.
         max: usize,
     },
+    /// [`CacheBook::truncate`] asked to keep more tokens than the sequence holds.
+    #[error("sequence {seq} holds {len} tokens; cannot keep {keep}")]
+    TruncateBeyondEnd {
+        /// The sequence.
+        seq: SeqId,
+        /// Tokens asked to keep.
+        keep: usize,
+        /// Tokens it holds.
+        len: usize,
+    },
+    /// [`CacheBook::truncate`] on a sliding cache would need keys the ring has already
+    /// overwritten; the caller must release the sequence and recompute it.
+    #[error(
+        "sequence {seq}: rolling back {dropped} tokens needs keys the sliding window dropped (at most {max})"
+    )]
+    TruncateTooFar {
+        /// The sequence.
+        seq: SeqId,
+        /// Tokens the truncation would drop.
+        dropped: usize,
+        /// The most this cache can drop.
+        max: usize,
+    },
     /// A configuration value out of range.
     #[error("invalid cache configuration: {0}")]
     InvalidConfig(String),
@@ -210,6 +233,16 @@ pub trait CacheBook {
 
     /// Forgets `seq` and frees its space. Unknown sequences are ignored.
     fn release(&mut self, seq: SeqId);
+
+    /// Keeps the first `keep` tokens of `seq` and forgets the rest, so a caller can roll a
+    /// sequence back to a shared prefix (a chat whose re-rendered prompt diverges from what the
+    /// cache holds) and append from there. `keep == 0` releases the sequence.
+    ///
+    /// # Errors
+    /// [`CacheError::TruncateBeyondEnd`] if `keep` exceeds the sequence's length;
+    /// [`CacheError::TruncateTooFar`] if a sliding cache no longer holds the keys the kept
+    /// tokens' successors would attend over. Nothing changes on error.
+    fn truncate(&mut self, seq: SeqId, keep: usize) -> Result<(), CacheError>;
 
     /// Forgets every sequence.
     fn clear(&mut self);

@@ -25,19 +25,35 @@ const LAYOUT: KvLayout = KvLayout {
 };
 const N_HEADS: usize = 4;
 
-/// One step of the scenario: `(sequence, new tokens)`; `None` releases the sequence.
-type Step = Vec<(u64, Option<usize>)>;
+/// What one step does to one sequence.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    /// Appends this many tokens.
+    Append(usize),
+    /// Releases the sequence.
+    Release,
+    /// Keeps only the first this many tokens.
+    Truncate(usize),
+}
+
+/// One step of the scenario: `(sequence, what happens to it)`.
+type Step = Vec<(u64, Op)>;
 
 fn scenario() -> Vec<Step> {
+    use Op::{Append, Release, Truncate};
     vec![
-        vec![(0, Some(5)), (1, Some(3))], // packed prefill of two prompts
-        vec![(0, Some(1)), (1, Some(1))], // batched decode
-        vec![(2, Some(4)), (0, Some(2)), (1, Some(1))], // fresh + chunk + decode, mixed
-        vec![(1, None)],                  // free a sequence...
-        vec![(3, Some(6)), (0, Some(1)), (2, Some(1))], // ...and reuse its space
-        vec![(0, Some(1)), (2, Some(2)), (3, Some(1))],
-        vec![(3, Some(1))],
-        vec![(0, Some(1)), (2, Some(1)), (3, Some(1))],
+        vec![(0, Append(5)), (1, Append(3))], // packed prefill of two prompts
+        vec![(0, Append(1)), (1, Append(1))], // batched decode
+        vec![(2, Append(4)), (0, Append(2)), (1, Append(1))], // fresh + chunk + decode, mixed
+        vec![(1, Release)],                   // free a sequence...
+        vec![(3, Append(6)), (0, Append(1)), (2, Append(1))], // ...and reuse its space
+        vec![(0, Append(1)), (2, Append(2)), (3, Append(1))],
+        vec![(3, Append(1))],
+        // Roll two sequences back (as a chat does when a re-rendered prompt diverges), then
+        // append over the dropped slots.
+        vec![(0, Truncate(9)), (3, Truncate(6))],
+        vec![(0, Append(1)), (2, Append(1)), (3, Append(2))],
+        vec![(0, Append(1)), (3, Append(1))],
     ]
 }
 
@@ -99,17 +115,24 @@ fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::
     let mut reference = Reference::default();
     for (step_index, step) in scenario().into_iter().enumerate() {
         let mut batch = Batch::new();
-        for (seq, n) in &step {
-            match n {
-                None => {
+        for (seq, op) in &step {
+            match *op {
+                Op::Release => {
                     cache.release(SeqId(*seq));
                     reference.history.remove(seq);
                     assert_eq!(cache.seq_len(SeqId(*seq)), 0);
                 }
-                Some(n) => {
+                Op::Truncate(keep) => {
+                    cache.truncate(SeqId(*seq), keep).unwrap();
+                    for layer in reference.history.get_mut(seq).into_iter().flatten() {
+                        layer.truncate(keep);
+                    }
+                    assert_eq!(cache.seq_len(SeqId(*seq)), keep);
+                }
+                Op::Append(n) => {
                     let start = reference.history.get(seq).map_or(0, |h| h[0].len()) as u32;
                     assert_eq!(cache.seq_len(SeqId(*seq)), start as usize);
-                    let tokens: Vec<TokenId> = (0..*n as u32).map(TokenId).collect();
+                    let tokens: Vec<TokenId> = (0..n as u32).map(TokenId).collect();
                     batch.push(SeqId(*seq), &tokens, Position(start)).unwrap();
                 }
             }
@@ -261,6 +284,48 @@ fn limits_on<B: InferenceBackend>(device: &B::Device) {
             tokens: 3,
             max: 2
         }
+    );
+
+    // The ring of window 4 + step 2 holds 5 tokens: rolling back 3 would need a dropped key.
+    assert_eq!(
+        sliding.truncate(SeqId(0), 7).unwrap_err(),
+        CacheError::TruncateTooFar {
+            seq: SeqId(0),
+            dropped: 3,
+            max: 2
+        }
+    );
+    assert_eq!(
+        sliding.seq_len(SeqId(0)),
+        10,
+        "a refused truncation changes nothing"
+    );
+    sliding.truncate(SeqId(0), 8).unwrap();
+    sliding.truncate(SeqId(0), 0).unwrap();
+    assert_eq!(
+        sliding.usage().sequences,
+        0,
+        "truncating to nothing releases"
+    );
+    assert_eq!(
+        paged.truncate(SeqId(1), 7).unwrap_err(),
+        CacheError::TruncateBeyondEnd {
+            seq: SeqId(1),
+            keep: 7,
+            len: 6
+        }
+    );
+    paged.truncate(SeqId(1), 5).unwrap();
+    assert_eq!(
+        paged.block_table(SeqId(1)).len(),
+        3,
+        "block 3 still holds token 4"
+    );
+    paged.truncate(SeqId(1), 4).unwrap();
+    assert_eq!(
+        paged.pool().free_count(),
+        1,
+        "an emptied block goes back to the pool"
     );
 
     let mut dynamic = DynamicKvCache::<B>::new(LAYOUT, Dtype::F32, device);

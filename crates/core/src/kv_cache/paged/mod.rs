@@ -120,6 +120,24 @@ impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
         }
     }
 
+    fn truncate(&mut self, seq: SeqId, keep: usize) -> Result<(), CacheError> {
+        let len = self.seq_len(seq);
+        if keep > len {
+            return Err(CacheError::TruncateBeyondEnd { seq, keep, len });
+        }
+        if keep == 0 {
+            self.release(seq);
+            return Ok(());
+        }
+        let blocks_kept = keep.div_ceil(self.block_size());
+        if let Some(entry) = self.seqs.get_mut(&seq) {
+            entry.positions.truncate(keep);
+            let dropped = entry.blocks.split_off(blocks_kept);
+            self.pool.free(&dropped);
+        }
+        Ok(())
+    }
+
     fn clear(&mut self) {
         self.seqs.clear();
         self.pool.reset();
