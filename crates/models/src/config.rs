@@ -173,20 +173,34 @@ impl TransformerConfig {
         Ok(())
     }
 
-    /// Parameter count (embeddings included once when tied).
+    /// Parameter count, as `transformers`' `num_parameters()` counts it: every weight, bias
+    /// and norm, the embedding once when the head is tied.
     pub fn parameters(&self) -> usize {
-        let attn = self.d_model * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-            + self.n_heads * self.head_dim * self.d_model;
-        let mlp = match self.mlp {
-            MlpKind::GeluTanh => 2 * self.d_model * self.d_ff,
-            MlpKind::SwiGlu => 3 * self.d_model * self.d_ff,
+        let (d, q, kv) = (
+            self.d_model,
+            self.n_heads * self.head_dim,
+            self.n_kv_heads * self.head_dim,
+        );
+        let attn_bias = if self.attention_bias {
+            q + 2 * kv + d
+        } else {
+            0
         };
-        let embed = self.vocab * self.d_model;
+        let attn = d * (q + 2 * kv) + q * d + attn_bias;
+        let mlp = match self.mlp {
+            MlpKind::GeluTanh => 2 * d * self.d_ff + usize::from(self.mlp_bias) * (self.d_ff + d),
+            MlpKind::SwiGlu => 3 * d * self.d_ff + usize::from(self.mlp_bias) * (2 * self.d_ff + d),
+        };
+        let norm = match self.norm {
+            NormKind::LayerNorm => 2 * d,
+            NormKind::RmsNorm => d,
+        };
+        let embed = self.vocab * d;
         let head = if self.tied_head { 0 } else { embed };
         let positions = match self.positions {
-            PositionKind::Learned => self.max_positions * self.d_model,
+            PositionKind::Learned => self.max_positions * d,
             PositionKind::Rope(_) => 0,
         };
-        embed + head + positions + self.n_layers * (attn + mlp)
+        embed + positions + self.n_layers * (attn + mlp + 2 * norm) + norm + head
     }
 }

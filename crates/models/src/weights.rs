@@ -27,6 +27,91 @@ pub trait TensorSource {
 
     /// All tensor names.
     fn names(&self) -> Vec<String>;
+
+    /// How many elements are stored in each storage type (`F32`, `BF16`, `Q4_1`…), most
+    /// first.
+    fn stored_types(&self) -> Vec<(String, usize)>;
+}
+
+/// Adds up `(type, elements)` pairs into [`TensorSource::stored_types`]'s order.
+pub(crate) fn tally(items: impl IntoIterator<Item = (String, usize)>) -> Vec<(String, usize)> {
+    let mut totals: HashMap<String, usize> = HashMap::new();
+    for (ty, n) in items {
+        *totals.entry(ty).or_default() += n;
+    }
+    let mut totals: Vec<(String, usize)> = totals.into_iter().collect();
+    totals.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    totals
+}
+
+/// How far loading has come: tensors read (and uploaded) so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadProgress {
+    /// Tensors read so far.
+    pub tensors_done: usize,
+    /// Tensors in the files (a few, such as rotary tables, may never be read).
+    pub tensors_total: usize,
+}
+
+/// A [`TensorSource`] that reports each read, for progress bars.
+pub(crate) struct Reporting<'a> {
+    inner: &'a dyn TensorSource,
+    total: usize,
+    done: std::cell::Cell<usize>,
+    report: std::cell::RefCell<&'a mut dyn FnMut(LoadProgress)>,
+}
+
+impl<'a> Reporting<'a> {
+    pub fn new(inner: &'a dyn TensorSource, report: &'a mut dyn FnMut(LoadProgress)) -> Self {
+        let total = inner.names().len();
+        report(LoadProgress {
+            tensors_done: 0,
+            tensors_total: total,
+        });
+        Self {
+            inner,
+            total,
+            done: std::cell::Cell::new(0),
+            report: std::cell::RefCell::new(report),
+        }
+    }
+
+    /// Reports the end, whether or not every tensor in the files was read.
+    pub fn finish(&self) {
+        (self.report.borrow_mut())(LoadProgress {
+            tensors_done: self.total,
+            tensors_total: self.total,
+        });
+    }
+}
+
+impl TensorSource for Reporting<'_> {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.inner.contains(name)
+    }
+
+    fn read(&self, name: &str) -> Result<HostTensor> {
+        let tensor = self.inner.read(name)?;
+        let done = (self.done.get() + 1).min(self.total);
+        self.done.set(done);
+        (self.report.borrow_mut())(LoadProgress {
+            tensors_done: done,
+            tensors_total: self.total,
+        });
+        Ok(tensor)
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.inner.names()
+    }
+
+    fn stored_types(&self) -> Vec<(String, usize)> {
+        self.inner.stored_types()
+    }
 }
 
 /// One memory-mapped safetensors file.
@@ -110,6 +195,11 @@ impl SafetensorsSource {
         Ok(source)
     }
 
+    /// The files read.
+    pub fn files(&self) -> Vec<PathBuf> {
+        self.files.iter().map(|f| f.path.clone()).collect()
+    }
+
     fn open_files(paths: &[PathBuf]) -> Result<Self> {
         let mut files = Vec::new();
         let mut index = HashMap::new();
@@ -175,6 +265,19 @@ impl TensorSource for SafetensorsSource {
 
     fn names(&self) -> Vec<String> {
         self.index.keys().cloned().collect()
+    }
+
+    fn stored_types(&self) -> Vec<(String, usize)> {
+        tally(self.files.iter().flat_map(|file| {
+            file.tensors()
+                .tensors()
+                .into_iter()
+                .map(|(_, view)| {
+                    let n = view.shape().iter().product();
+                    (format!("{:?}", view.dtype()), n)
+                })
+                .collect::<Vec<_>>()
+        }))
     }
 }
 
@@ -260,6 +363,13 @@ impl TensorSource for PthSource {
 
     fn names(&self) -> Vec<String> {
         self.tensors.keys().cloned().collect()
+    }
+
+    fn stored_types(&self) -> Vec<(String, usize)> {
+        tally(self.tensors.values().map(|t| {
+            let n = t.shape.iter().product();
+            (format!("{:?}", t.dtype).to_uppercase(), n)
+        }))
     }
 }
 

@@ -259,3 +259,44 @@ fn tiny_llama_matches_transformers_on_cpu() {
         );
     }
 }
+
+/// `inspect` reads what a model is without loading it: the configuration's parameter count
+/// equals the elements stored in the weight files (which transformers wrote with every
+/// parameter once), in every format.
+#[test]
+fn inspect_counts_what_the_files_hold() {
+    let options = kiln_models::LoadOptions::default();
+    for name in [
+        "llama-tiny",
+        "llama-tiny-tied",
+        "gpt2-tiny",
+        "llama-tiny-meta",
+        "gguf/tiny-llama.gguf",
+    ] {
+        let info = kiln_models::inspect(&fixture(name), &options).unwrap();
+        let stored: usize = info
+            .stored_types
+            .iter()
+            .map(|(_, n)| n)
+            .sum::<usize>()
+            // GGUF's precomputed RoPE divisors are not a parameter.
+            - GgufFile::open(&fixture(name))
+                .ok()
+                .and_then(|f| f.tensor_info("rope_freqs.weight").map(|t| t.len()))
+                .unwrap_or(0);
+        assert_eq!(info.config.parameters(), stored, "{name}");
+        assert!(info.file_bytes > 0, "{name}");
+        assert!(info.tokenizer.is_some(), "{name}");
+    }
+    let gguf = kiln_models::inspect(&tiny_path(), &options).unwrap();
+    assert_eq!(gguf.format, ModelFormat::Gguf);
+    let reference = json("gguf/tiny-llama.reference.json");
+    let types: Vec<&str> = gguf.stored_types.iter().map(|(t, _)| t.as_str()).collect();
+    for ty in reference["tensor_types"].as_object().unwrap().values() {
+        assert!(
+            types.contains(&ty.as_str().unwrap()),
+            "{ty} missing from {types:?}"
+        );
+    }
+    assert!(kiln_models::inspect(&fixture("no-such-model"), &options).is_err());
+}

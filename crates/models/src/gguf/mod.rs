@@ -225,4 +225,13 @@ impl TensorSource for GgufFile {
     fn names(&self) -> Vec<String> {
         self.header.tensors.iter().map(|t| t.name.clone()).collect()
     }
+
+    fn stored_types(&self) -> Vec<(String, usize)> {
+        crate::weights::tally(
+            self.header
+                .tensors
+                .iter()
+                .map(|t| (t.ggml_type.name().to_string(), t.len())),
+        )
+    }
 }

@@ -17,7 +17,7 @@ use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::llama::{self, LlamaNames};
 use crate::tokenizer::TextTokenizer;
-use crate::weights::TensorSource;
+use crate::weights::{LoadProgress, Reporting, TensorSource};
 
 /// Whether `path` is a GGUF file (by its first four bytes).
 pub(super) fn is_gguf(path: &Path) -> bool {
@@ -147,6 +147,7 @@ pub(super) fn load<B: InferenceBackend>(
     path: &Path,
     options: &LoadOptions,
     device: &B::Device,
+    progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<LoadedModel<B>> {
     let file = GgufFile::open(path)?;
     let config = config(&file)?;
@@ -161,7 +162,9 @@ pub(super) fn load<B: InferenceBackend>(
         .get("tokenizer.chat_template")
         .and_then(|v| v.as_str())
         .map(str::to_string);
-    let model = llama::load(config, LlamaNames::Gguf, &file, options.dtype, device)?;
+    let reporting = Reporting::new(&file, progress);
+    let model = llama::load(config, LlamaNames::Gguf, &reporting, options.dtype, device)?;
+    reporting.finish();
     Ok(LoadedModel {
         model,
         tokenizer: Some(tokenizer),

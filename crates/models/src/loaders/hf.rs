@@ -14,7 +14,7 @@ use crate::error::{ModelError, Result};
 use crate::gpt2::Gpt2HfConfig;
 use crate::llama::{LlamaHfConfig, LlamaNames, token_ids};
 use crate::tokenizer::TextTokenizer;
-use crate::weights::{SafetensorsSource, TensorSource, read_text};
+use crate::weights::{LoadProgress, Reporting, SafetensorsSource, TensorSource, read_text};
 use crate::{gpt2, llama};
 
 fn read_json(path: &Path) -> Result<Value> {
@@ -137,9 +137,11 @@ pub(super) fn load<B: InferenceBackend>(
     dir: &Path,
     options: &LoadOptions,
     device: &B::Device,
+    progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<LoadedModel<B>> {
     let config = read_config(dir)?;
-    let source = weights(dir)?;
+    let files = weights(dir)?;
+    let source = Reporting::new(&files, progress);
     let model = match config.architecture {
         Architecture::Gpt2 => gpt2::load(config.clone(), &source, options.dtype, device)?,
         Architecture::Llama => {
@@ -153,6 +155,7 @@ pub(super) fn load<B: InferenceBackend>(
             )?
         }
     };
+    source.finish();
     let tokenizer = tokenizer(dir)?;
     let (generation, chat_template) = generation_settings(dir, model.config(), tokenizer.as_ref())?;
     Ok(LoadedModel {

@@ -11,7 +11,7 @@ use crate::config::TransformerConfig;
 use crate::error::{ModelError, Result};
 use crate::llama::{self, LlamaNames, MetaParams};
 use crate::tokenizer::TextTokenizer;
-use crate::weights::{PthSource, TensorSource, read_text};
+use crate::weights::{LoadProgress, PthSource, Reporting, TensorSource, read_text};
 
 fn params(dir: &Path) -> Result<MetaParams> {
     let path = dir.join("params.json");
@@ -49,6 +49,7 @@ pub(super) fn load<B: InferenceBackend>(
     dir: &Path,
     options: &LoadOptions,
     device: &B::Device,
+    progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<LoadedModel<B>> {
     let params = params(dir)?;
     let source = checkpoint(dir)?;
@@ -76,7 +77,9 @@ pub(super) fn load<B: InferenceBackend>(
     };
     config.bos = generation.bos;
     config.eos = generation.eos.clone();
-    let model = llama::load(config, LlamaNames::Meta, &source, options.dtype, device)?;
+    let reporting = Reporting::new(&source, progress);
+    let model = llama::load(config, LlamaNames::Meta, &reporting, options.dtype, device)?;
+    reporting.finish();
     Ok(LoadedModel {
         model,
         tokenizer,

@@ -15,6 +15,7 @@ use crate::config::TransformerConfig;
 use crate::error::{ModelError, Result};
 use crate::tokenizer::TextTokenizer;
 use crate::transformer::Transformer;
+use crate::weights::LoadProgress;
 
 /// The formats kiln reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,10 +128,24 @@ pub fn load<B: InferenceBackend>(
     options: &LoadOptions,
     device: &B::Device,
 ) -> Result<LoadedModel<B>> {
+    load_with_progress(path, options, device, &mut |_| {})
+}
+
+/// [`load`], calling `progress` as tensors are read, dequantized and uploaded (for a progress
+/// bar; the library itself never prints).
+///
+/// # Errors
+/// As [`load`].
+pub fn load_with_progress<B: InferenceBackend>(
+    path: &Path,
+    options: &LoadOptions,
+    device: &B::Device,
+    progress: &mut dyn FnMut(LoadProgress),
+) -> Result<LoadedModel<B>> {
     B::require_dtype(device, options.dtype)?;
     match detect_format(path)? {
-        ModelFormat::HuggingFace => hf::load(path, options, device),
-        ModelFormat::MetaOriginal => meta::load(path, options, device),
-        ModelFormat::Gguf => gguf::load(path, options, device),
+        ModelFormat::HuggingFace => hf::load(path, options, device, progress),
+        ModelFormat::MetaOriginal => meta::load(path, options, device, progress),
+        ModelFormat::Gguf => gguf::load(path, options, device, progress),
     }
 }
