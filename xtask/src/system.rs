@@ -5,9 +5,18 @@ use std::process::Command;
 
 use anyhow::{Result, bail};
 
-/// The wgpu tests need a Vulkan driver; on a machine without a GPU that is Mesa's lavapipe.
-pub fn ensure_vulkan_driver() -> Result<()> {
-    if has_vulkan_icd() {
+/// What the tests need from the system: a Vulkan driver for the wgpu tests (on a machine
+/// without a GPU, Mesa's lavapipe) and tmux for the terminal test of `kiln chat`. Installs
+/// what is missing with apt-get when run as root on Debian/Ubuntu.
+pub fn ensure_test_packages() -> Result<()> {
+    let mut missing = Vec::new();
+    if !has_vulkan_icd() {
+        missing.extend(["mesa-vulkan-drivers", "libvulkan1"]);
+    }
+    if !on_path("tmux") {
+        missing.push("tmux");
+    }
+    if missing.is_empty() {
         return Ok(());
     }
     let is_root = Command::new("id")
@@ -16,11 +25,12 @@ pub fn ensure_vulkan_driver() -> Result<()> {
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
     if !is_root || !Path::new("/usr/bin/apt-get").exists() {
         bail!(
-            "no Vulkan driver found for the wgpu tests: install Mesa's lavapipe \
-             (Debian/Ubuntu: `sudo apt-get install mesa-vulkan-drivers`)"
+            "the tests need {}: install them (Debian/Ubuntu: `sudo apt-get install {}`)",
+            missing.join(", "),
+            missing.join(" ")
         );
     }
-    eprintln!("installing Mesa's Vulkan drivers (lavapipe) for the wgpu tests...");
+    eprintln!("installing {} for the tests...", missing.join(", "));
     let apt = |args: &[&str]| {
         Command::new("apt-get")
             .args(args)
@@ -28,12 +38,17 @@ pub fn ensure_vulkan_driver() -> Result<()> {
             .status()
             .is_ok_and(|s| s.success())
     };
-    if !(apt(&["update", "-qq"])
-        && apt(&["install", "-y", "-qq", "mesa-vulkan-drivers", "libvulkan1"]))
-    {
-        bail!("apt-get could not install mesa-vulkan-drivers");
+    let mut install = vec!["install", "-y", "-qq", "--no-install-recommends"];
+    install.extend(&missing);
+    if !(apt(&["update", "-qq"]) && apt(&install)) {
+        bail!("apt-get could not install {}", missing.join(" "));
     }
     Ok(())
+}
+
+fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
 }
 
 fn has_vulkan_icd() -> bool {

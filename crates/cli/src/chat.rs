@@ -1,15 +1,19 @@
-//! `kiln chat`: a conversation on stdin. Each line is a user turn; the whole conversation is
-//! rendered with the model's chat template and the reply streams to stdout. Lines starting
-//! with `/` are commands: `/system TEXT`, `/clear`, `/exit`.
+//! `kiln chat`: a conversation at the terminal (or on piped stdin). Each line is a user turn;
+//! the conversation is rendered with the model's chat template and the reply streams to
+//! stdout. The KV cache is kept between turns ([`kiln_engine::Session`]), so a turn computes
+//! only its new tokens. Lines starting with `/` are commands (`/help` lists them); Ctrl-C stops
+//! the reply being written, not the program.
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Result, anyhow};
 use kiln_core::backend::{BackendTask, run_on};
-use kiln_core::kv_cache::StaticKvCache;
+use kiln_core::kv_cache::CacheKind;
+use kiln_core::sampling::SamplingParams;
 use kiln_core::{CausalLm, InferenceBackend, TokenId};
-use kiln_engine::{GenerateRequest, generate};
+use kiln_engine::{CacheSpec, GenerateRequest, Reply, Session};
 use kiln_models::LoadedModel;
 use kiln_models::chat::{ChatMessage, ChatTemplate, Role};
 
@@ -23,26 +27,69 @@ pub struct Args {
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Most new tokens per reply.
-    #[arg(long, short = 'n', default_value_t = 512)]
+    #[arg(
+        long,
+        short = 'n',
+        value_name = "N",
+        default_value_t = 512,
+        help_heading = "Generation"
+    )]
     max_tokens: usize,
-    /// A system message to start the conversation with.
-    #[arg(long)]
+    /// A system message to start the conversation with (the template's default otherwise).
+    #[arg(long, value_name = "TEXT", help_heading = "Generation")]
     system: Option<String>,
+    /// KV cache kept between turns: dynamic (grows as the conversation does), static (the
+    /// model's whole context up front), paged or sliding.
+    #[arg(
+        long,
+        value_name = "KIND",
+        default_value = "dynamic",
+        help_heading = "KV cache"
+    )]
+    cache: CacheKind,
+    /// Sliding cache: attend over the last N tokens only.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 4096,
+        help_heading = "KV cache"
+    )]
+    window: usize,
 }
 
 pub fn run(args: Args) -> Result<()> {
     args.sampling.params()?;
+    if args.window == 0 {
+        return Err(UsageError("--window must be positive".into()).into());
+    }
     let backend = args.model.backend;
     run_on(backend, Task(args))?
 }
 
 struct Task(Args);
 
+const HELP: &str = "\
+commands:
+  /system TEXT        start over with this system message (/system alone: the default)
+  /clear              start over, keeping the system message
+  /temperature X      and /top-k N, /top-p P, /min-p M, /repetition-penalty R,
+                      /presence-penalty P, /frequency-penalty F, /seed N (or none),
+                      /max-tokens N: change how replies are sampled
+  /settings           show the sampling settings
+  /stats              speed of the last reply and size of the conversation
+  /help               this list
+  /exit               quit (so does Ctrl-D); Ctrl-C stops a reply";
+
 /// What a line of input asks for.
+#[derive(Debug, PartialEq)]
 enum Input<'a> {
     Say(&'a str),
     System(&'a str),
     Clear,
+    Set(&'a str, &'a str),
+    Settings,
+    Stats,
+    Help,
     Exit,
     Unknown(&'a str),
 }
@@ -53,12 +100,129 @@ fn parse(line: &str) -> Input<'_> {
         return Input::Say(line);
     };
     let (name, rest) = command.split_once(' ').unwrap_or((command, ""));
+    let rest = rest.trim();
     match name {
         "exit" | "quit" => Input::Exit,
         "clear" => Input::Clear,
-        "system" => Input::System(rest.trim()),
+        "system" => Input::System(rest),
+        "settings" => Input::Settings,
+        "stats" => Input::Stats,
+        "help" | "?" => Input::Help,
+        knob if Knob::parse(knob).is_some() => Input::Set(knob, rest),
         _ => Input::Unknown(name),
     }
+}
+
+/// The settings `/NAME VALUE` changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Knob {
+    Temperature,
+    TopK,
+    TopP,
+    MinP,
+    RepetitionPenalty,
+    PresencePenalty,
+    FrequencyPenalty,
+    Seed,
+    MaxTokens,
+}
+
+impl Knob {
+    fn parse(name: &str) -> Option<Self> {
+        Some(match name.replace('_', "-").as_str() {
+            "temperature" | "temp" => Knob::Temperature,
+            "top-k" => Knob::TopK,
+            "top-p" => Knob::TopP,
+            "min-p" => Knob::MinP,
+            "repetition-penalty" => Knob::RepetitionPenalty,
+            "presence-penalty" => Knob::PresencePenalty,
+            "frequency-penalty" => Knob::FrequencyPenalty,
+            "seed" => Knob::Seed,
+            "max-tokens" => Knob::MaxTokens,
+            _ => return None,
+        })
+    }
+}
+
+/// How replies are made; changed by `/temperature` and friends.
+#[derive(Debug, Clone)]
+struct Settings {
+    sampling: SamplingParams,
+    max_tokens: usize,
+}
+
+impl Settings {
+    /// Applies `/name value`, or says why not (the settings are unchanged then).
+    fn set(&mut self, name: &str, value: &str) -> Result<String, String> {
+        let knob = Knob::parse(name).ok_or_else(|| format!("unknown setting {name}"))?;
+        let float = || {
+            value
+                .parse::<f32>()
+                .map_err(|_| format!("/{name} takes a number, got `{value}`"))
+        };
+        let count = || {
+            value
+                .parse::<usize>()
+                .map_err(|_| format!("/{name} takes a whole number, got `{value}`"))
+        };
+        let mut next = self.clone();
+        let s = &mut next.sampling;
+        match knob {
+            Knob::Temperature => s.temperature = float()?,
+            Knob::TopK => s.top_k = count()?,
+            Knob::TopP => s.top_p = float()?,
+            Knob::MinP => s.min_p = float()?,
+            Knob::RepetitionPenalty => s.repetition_penalty = float()?,
+            Knob::PresencePenalty => s.presence_penalty = float()?,
+            Knob::FrequencyPenalty => s.frequency_penalty = float()?,
+            Knob::Seed => {
+                s.seed = match value {
+                    "none" | "off" => None,
+                    _ => Some(value.parse().map_err(|_| {
+                        format!("/seed takes a whole number or `none`, got `{value}`")
+                    })?),
+                }
+            }
+            Knob::MaxTokens => match count()? {
+                0 => return Err("/max-tokens must be positive".into()),
+                n => next.max_tokens = n,
+            },
+        }
+        next.sampling.validate().map_err(|e| e.to_string())?;
+        *self = next;
+        Ok(self.describe())
+    }
+
+    fn describe(&self) -> String {
+        let s = &self.sampling;
+        let seed = s.seed.map_or("none".to_string(), |seed| seed.to_string());
+        format!(
+            "temperature {}, top-k {}, top-p {}, min-p {}, repetition-penalty {}, presence-penalty {}, frequency-penalty {}, seed {seed}, max-tokens {}",
+            s.temperature,
+            s.top_k,
+            s.top_p,
+            s.min_p,
+            s.repetition_penalty,
+            s.presence_penalty,
+            s.frequency_penalty,
+            self.max_tokens
+        )
+    }
+}
+
+/// Ctrl-C while a reply is being written stops it; at the prompt it only says how to quit.
+static REPLYING: AtomicBool = AtomicBool::new(false);
+static STOP_REPLY: AtomicBool = AtomicBool::new(false);
+
+fn install_ctrl_c(interactive: bool) {
+    // Without a handler (it failed to install) Ctrl-C ends the program, as it would anyway.
+    let _ = ctrlc::set_handler(move || {
+        if REPLYING.load(Ordering::SeqCst) {
+            STOP_REPLY.store(true, Ordering::SeqCst);
+        } else if interactive {
+            eprint!("\n(Ctrl-C stops a reply; /exit or Ctrl-D quits)\n> ");
+        }
+    });
 }
 
 /// The text a template inserts for token `id`, or "".
@@ -67,6 +231,51 @@ fn token_text<B: InferenceBackend>(loaded: &LoadedModel<B>, id: Option<TokenId>)
         (Some(t), Some(id)) => t.inner().id_to_token(id.0).unwrap_or_default(),
         _ => String::new(),
     }
+}
+
+fn per_second(tokens: usize, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        tokens as f64 / seconds
+    } else {
+        0.0
+    }
+}
+
+/// `/stats`: the last reply's speed and what the cache holds.
+fn stats<B: InferenceBackend>(
+    last: Option<&Reply>,
+    session: &Session<'_, B>,
+    turns: usize,
+) -> String {
+    let mut out = String::new();
+    if let Some(reply) = last {
+        let g = &reply.generation;
+        let ttft = g.prefill.as_secs_f64();
+        out += &format!(
+            "last reply: {} tokens ({}); prompt {} tokens: {} reused from the cache, {} computed\n\
+             time to first token {:.0} ms, prefill {:.1} tok/s, decode {:.1} tok/s\n",
+            g.tokens.len(),
+            format!("{:?}", g.finish_reason).to_lowercase(),
+            reply.reused + reply.prefilled,
+            reply.reused,
+            reply.prefilled,
+            ttft * 1e3,
+            per_second(reply.prefilled, ttft),
+            per_second(g.tokens.len().saturating_sub(1), g.decode.as_secs_f64()),
+        );
+    } else {
+        out += "no reply yet\n";
+    }
+    let cache = session.cache();
+    let usage = cache.usage();
+    out += &format!(
+        "conversation: {turns} turns, {} tokens in the {} cache ({} of {} slots in use)",
+        session.cached().len(),
+        cache.kind(),
+        usage.used,
+        usage.capacity
+    );
+    out
 }
 
 impl BackendTask for Task {
@@ -93,12 +302,33 @@ impl BackendTask for Task {
             &token_text(&loaded, loaded.generation.bos),
             &eos_text,
         )?;
-        let sampling = args.sampling.params()?;
         let shape = loaded.model.shape();
+        let spec = CacheSpec {
+            kind: args.cache,
+            max_sequences: 1,
+            max_len: shape.max_positions,
+            window: args.window,
+            max_step: kiln_engine::EngineConfig::default().max_step_tokens,
+            ..CacheSpec::paged(1, shape.max_positions)
+        };
+        let cache = spec.build::<B>(shape.kv_layout(), args.model.dtype, &device)?;
+        let mut session = Session::new(&loaded.model, cache);
+        let mut settings = Settings {
+            sampling: args.sampling.params()?,
+            max_tokens: args.max_tokens,
+        };
 
         let interactive = std::io::stdin().is_terminal();
+        install_ctrl_c(interactive);
+        if interactive {
+            eprintln!(
+                "kiln chat with {} (/help for commands)",
+                loaded.path.display()
+            );
+        }
         let mut system = args.system.clone();
         let mut turns: Vec<ChatMessage> = Vec::new();
+        let mut last: Option<Reply> = None;
         let mut stdout = std::io::stdout();
         let mut lines = std::io::stdin().lock().lines();
         loop {
@@ -111,15 +341,36 @@ impl BackendTask for Task {
                 Input::Exit => break,
                 Input::Clear => {
                     turns.clear();
+                    session.reset();
                     continue;
                 }
                 Input::System(text) => {
                     system = (!text.is_empty()).then(|| text.to_string());
                     turns.clear();
+                    session.reset();
+                    continue;
+                }
+                Input::Set(name, value) => {
+                    match settings.set(name, value) {
+                        Ok(now) => eprintln!("{now}"),
+                        Err(why) => eprintln!("{why}"),
+                    }
+                    continue;
+                }
+                Input::Settings => {
+                    eprintln!("{}", settings.describe());
+                    continue;
+                }
+                Input::Stats => {
+                    eprintln!("{}", stats(last.as_ref(), &session, turns.len() / 2));
+                    continue;
+                }
+                Input::Help => {
+                    eprintln!("{HELP}");
                     continue;
                 }
                 Input::Unknown(name) => {
-                    eprintln!("unknown command /{name} (commands: /system TEXT, /clear, /exit)");
+                    eprintln!("unknown command /{name} (/help lists them)");
                     continue;
                 }
                 Input::Say("") => continue,
@@ -131,20 +382,19 @@ impl BackendTask for Task {
                 .map(|s| ChatMessage::new(Role::System, s.clone()))
                 .chain(turns.iter().cloned())
                 .collect();
-            let prompt = tokenizer.encode(&template.render(&messages, true)?, false)?;
-            let room = (prompt.len() + args.max_tokens)
-                .min(shape.max_positions)
-                .max(1);
-            let mut cache =
-                StaticKvCache::<B>::new(shape.kv_layout(), 1, room, args.model.dtype, &device)?;
             let request = GenerateRequest {
-                prompt,
-                max_tokens: args.max_tokens,
-                sampling: sampling.clone(),
+                prompt: tokenizer.encode(&template.render(&messages, true)?, false)?,
+                max_tokens: settings.max_tokens,
+                sampling: settings.sampling.clone(),
                 eos: loaded.generation.eos.clone(),
             };
             let mut stream = tokenizer.inner().decode_stream(true);
-            let result = generate(&loaded.model, &mut cache, &request, |token| {
+            STOP_REPLY.store(false, Ordering::SeqCst);
+            REPLYING.store(true, Ordering::SeqCst);
+            let result = session.reply(&request, |token| {
+                if STOP_REPLY.load(Ordering::SeqCst) {
+                    return ControlFlow::Break(());
+                }
                 if let Ok(Some(piece)) = stream.step(token.0)
                     && (stdout.write_all(piece.as_bytes()).is_err() || stdout.flush().is_err())
                 {
@@ -152,11 +402,16 @@ impl BackendTask for Task {
                 }
                 ControlFlow::Continue(())
             });
+            REPLYING.store(false, Ordering::SeqCst);
             writeln!(stdout)?;
             match result {
-                Ok(generation) => {
-                    let reply = tokenizer.decode(&generation.tokens, true)?;
-                    turns.push(ChatMessage::new(Role::Assistant, reply));
+                Ok(reply) => {
+                    if STOP_REPLY.load(Ordering::SeqCst) {
+                        eprintln!("(stopped)");
+                    }
+                    let text = tokenizer.decode(&reply.generation.tokens, true)?;
+                    turns.push(ChatMessage::new(Role::Assistant, text));
+                    last = Some(reply);
                 }
                 Err(e) => {
                     turns.pop();
@@ -165,5 +420,40 @@ impl BackendTask for Task {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_parse_into_commands() {
+        assert_eq!(parse("  hello "), Input::Say("hello"));
+        assert_eq!(parse("/exit"), Input::Exit);
+        assert_eq!(parse("/system Be brief. "), Input::System("Be brief."));
+        assert_eq!(parse("/temperature 0.2"), Input::Set("temperature", "0.2"));
+        assert_eq!(parse("/top_k 5"), Input::Set("top_k", "5"));
+        assert_eq!(parse("/nonsense"), Input::Unknown("nonsense"));
+    }
+
+    #[test]
+    fn settings_change_only_when_valid() {
+        let mut settings = Settings {
+            sampling: SamplingParams::default(),
+            max_tokens: 10,
+        };
+        assert!(settings.set("temperature", "0.5").is_ok());
+        assert_eq!(settings.sampling.temperature, 0.5);
+        assert!(settings.set("temperature", "-1").is_err());
+        assert!(settings.set("top-p", "abc").is_err());
+        assert!(settings.set("max-tokens", "0").is_err());
+        assert_eq!(settings.sampling.temperature, 0.5);
+        assert!(settings.set("seed", "7").is_ok());
+        assert_eq!(settings.sampling.seed, Some(7));
+        assert!(settings.set("seed", "none").is_ok());
+        assert_eq!(settings.sampling.seed, None);
+        assert!(settings.set("max-tokens", "3").is_ok());
+        assert_eq!(settings.max_tokens, 3);
     }
 }

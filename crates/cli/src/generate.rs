@@ -1,7 +1,7 @@
 //! `kiln generate`: continue one prompt, or many (`--prompts-file`) served together by the
 //! engine: packed prefill, batched decode, the paged cache by default.
 
-use std::io::Write;
+use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
@@ -17,67 +17,94 @@ use crate::model_args::{ModelArgs, SamplingArgs};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
-    /// The prompt. Fed as it is (no chat template); BOS is added where the model's tokenizer
-    /// adds it.
+    /// The prompt, fed as it is (no chat template; BOS is added where the model's tokenizer
+    /// adds it). `-` reads it from stdin, as does giving none while stdin is a pipe.
     prompt: Option<String>,
+    /// The prompt, as an option rather than an argument (`--prompt -` reads stdin).
+    #[arg(long = "prompt", value_name = "TEXT", conflicts_with = "prompt")]
+    prompt_option: Option<String>,
     /// The prompt as token ids, e.g. `1,2,3` (nothing added, nothing templated).
-    #[arg(long, value_delimiter = ',', conflicts_with = "prompt")]
+    #[arg(long, value_name = "IDS", value_delimiter = ',', conflicts_with_all = ["prompt", "prompt_option"])]
     token_ids: Option<Vec<u32>>,
     /// Many prompts, served together: one per line (blank lines skipped), or a `.jsonl` file
     /// of objects with a "prompt" field (for prompts with newlines).
-    #[arg(long, conflicts_with_all = ["prompt", "token_ids"])]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_option", "token_ids"])]
     prompts_file: Option<PathBuf>,
     #[command(flatten)]
     model: ModelArgs,
     /// Most new tokens per prompt.
-    #[arg(long, short = 'n', default_value_t = 128)]
+    #[arg(
+        long,
+        short = 'n',
+        value_name = "N",
+        default_value_t = 128,
+        help_heading = "Generation"
+    )]
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// End a sequence where this text appears (not included in the output); repeatable.
-    #[arg(long)]
+    #[arg(long, value_name = "TEXT", help_heading = "Generation")]
     stop: Vec<String>,
     /// Keep generating past end-of-sequence tokens.
-    #[arg(long)]
+    #[arg(long, help_heading = "Generation")]
     ignore_eos: bool,
     /// KV cache: paged, static, dynamic or sliding.
-    #[arg(long, default_value = "paged")]
+    #[arg(
+        long,
+        value_name = "KIND",
+        default_value = "paged",
+        help_heading = "KV cache and batching"
+    )]
     cache: CacheKind,
     /// Sliding cache: attend over the last N tokens only.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 4096,
+        help_heading = "KV cache and batching"
+    )]
     window: usize,
     /// Paged cache: tokens per block.
-    #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_BLOCK_SIZE, help_heading = "KV cache and batching")]
     page_size: usize,
     /// Most sequences decoded together.
-    #[arg(long, default_value_t = 8)]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 8,
+        help_heading = "KV cache and batching"
+    )]
     max_batch: usize,
     /// Prefill the prompt, save its KV cache to FILE, then generate as usual.
-    #[arg(long, value_name = "FILE", conflicts_with = "prompts_file")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        conflicts_with = "prompts_file",
+        help_heading = "KV cache and batching"
+    )]
     save_snapshot: Option<PathBuf>,
     /// Start from a KV-cache snapshot (saved with --save-snapshot by the same model and
     /// dtype) instead of a prompt: no prefill runs.
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "token_ids", "prompts_file", "save_snapshot"])]
+    #[arg(long, value_name = "FILE", help_heading = "KV cache and batching", conflicts_with_all = ["prompt", "prompt_option", "token_ids", "prompts_file", "save_snapshot"])]
     from_snapshot: Option<PathBuf>,
     /// Print JSON instead of streaming text: one object per prompt, in input order.
-    #[arg(long)]
+    #[arg(long, help_heading = "Output")]
     json: bool,
     /// No summary line on stderr.
-    #[arg(long, short)]
+    #[arg(long, short, help_heading = "Output")]
     quiet: bool,
 }
 
-pub fn run(args: Args) -> Result<()> {
+pub fn run(mut args: Args) -> Result<()> {
     args.sampling.params()?;
+    args.prompt = prompt_text(&args)?;
     if args.prompt.is_none()
         && args.token_ids.is_none()
         && args.prompts_file.is_none()
         && args.from_snapshot.is_none()
     {
-        return Err(UsageError(
-            "give a prompt, --token-ids, --prompts-file or --from-snapshot".into(),
-        )
-        .into());
+        return Err(UsageError(NO_PROMPT.into()).into());
     }
     for (name, value) in [
         ("--window", args.window),
@@ -94,6 +121,44 @@ pub fn run(args: Args) -> Result<()> {
     };
     let backend = args.model.backend;
     run_on(backend, Task { args, texts })?
+}
+
+const NO_PROMPT: &str = "no prompt: give one as an argument, `-` to read stdin, --token-ids, --prompts-file or --from-snapshot";
+
+/// The prompt text: the argument or `--prompt`, with `-` (or nothing, on a pipe) meaning
+/// stdin. One trailing newline (as `echo` adds) is dropped.
+fn prompt_text(args: &Args) -> Result<Option<String>> {
+    let given = args.prompt.as_deref().or(args.prompt_option.as_deref());
+    let from_stdin = match given {
+        Some("-") => true,
+        Some(text) => return Ok(Some(text.to_string())),
+        None => {
+            args.token_ids.is_none()
+                && args.prompts_file.is_none()
+                && args.from_snapshot.is_none()
+                && !std::io::stdin().is_terminal()
+        }
+    };
+    if !from_stdin {
+        return Ok(None);
+    }
+    let mut text = String::new();
+    std::io::stdin()
+        .read_to_string(&mut text)
+        .map_err(|e| UsageError(format!("reading the prompt from stdin: {e}")))?;
+    let text = text
+        .strip_suffix('\n')
+        .map(|t| t.strip_suffix('\r').unwrap_or(t))
+        .unwrap_or(&text);
+    if text.is_empty() {
+        let why = if given.is_some() {
+            "the prompt read from stdin is empty"
+        } else {
+            NO_PROMPT
+        };
+        return Err(UsageError(why.into()).into());
+    }
+    Ok(Some(text.to_string()))
 }
 
 /// One prompt per line, or `{"prompt": ...}` per line of a `.jsonl` file.

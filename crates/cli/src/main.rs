@@ -1,10 +1,15 @@
 //! `kiln`: LLM inference from the command line, on a backend chosen at run time.
 
 mod backends;
+mod bandwidth;
+mod bench;
 mod chat;
 mod exit;
 mod generate;
+mod info;
+mod memory;
 mod model_args;
+mod progress;
 mod selftest;
 
 use std::process::ExitCode;
@@ -12,8 +17,26 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 /// kiln: LLM inference in Rust on burn, on CUDA, wgpu or the CPU.
+///
+/// Runs GPT-2 and Llama 3 models from GGUF files, Hugging Face folders or Meta checkpoints.
+/// Without --model, the embedded default SmolLM2-135M-Instruct is fetched once into
+/// $KILN_HOME/models (~/.cache/kiln/models).
 #[derive(Debug, Parser)]
-#[command(name = "kiln", version, about, long_about = None)]
+#[command(
+    name = "kiln",
+    version,
+    about,
+    after_help = "Examples:
+  kiln generate \"Tell me a story\"                       continue a prompt on the default model
+  echo \"Once upon a time\" | kiln generate -n 64         the prompt from stdin
+  kiln chat --temperature 0.7                           talk with the default model
+  kiln generate -m model.gguf -b wgpu --dtype f16 \"Hi\"  another model, backend and precision
+  kiln info -m model.gguf                               what a model is, without loading it
+  kiln backends                                         which backends can run here
+  kiln bench --backend wgpu --quick                     a quick speed check
+
+Exit codes: 0 success, 2 bad arguments or input, 1 failure at run time."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -25,11 +48,16 @@ enum Command {
     Backends,
     /// Run the operations kiln relies on, on one backend, and compare them with the cpu backend.
     Selftest(selftest::Args),
-    /// Continue a prompt, streaming the new text to stdout (no chat template).
+    /// Continue a prompt (or many), streaming the new text to stdout; no chat template.
     Generate(generate::Args),
-    /// Talk with a model: each line you type is a user turn, rendered with the model's chat
-    /// template.
+    /// Talk with a model: each line is a user turn, rendered with the model's chat template;
+    /// the conversation stays in the KV cache between turns.
     Chat(chat::Args),
+    /// Describe a model (architecture, sizes, storage, tokenizer) without loading its weights.
+    Info(info::Args),
+    /// Measure prefill and decode speed, latency and memory over a matrix of prompt lengths
+    /// and batch sizes (`cargo xtask bench` runs it).
+    Bench(bench::Args),
 }
 
 fn main() -> ExitCode {
@@ -47,6 +75,8 @@ fn main() -> ExitCode {
         Command::Selftest(args) => selftest::run(&args),
         Command::Generate(args) => generate::run(args),
         Command::Chat(args) => chat::run(args),
+        Command::Info(args) => info::run(&args),
+        Command::Bench(args) => bench::run(args),
     };
     exit::report(result)
 }

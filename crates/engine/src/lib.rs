@@ -5,11 +5,46 @@
 //!   prefill of fresh prompts, batched decode, chunked prefill, admission of new requests
 //!   whenever there is room, preemption when the cache runs out, EOS / stop strings / length,
 //!   streaming text ([`Event`]).
-//! - [`generate`]: one sequence, the plain loop the engine is tested against.
+//! - [`generate()`]: one sequence, the plain loop the engine is tested against.
+//! - [`Session`]: one conversation whose KV cache is kept between replies, so each turn
+//!   computes only what is new.
+//! - [`bench`]: one cell of the benchmark matrix (`kiln bench`), prefill and decode timed apart.
 //! - [`snapshot`]: a prefilled prompt's KV cache saved to a file and resumed later.
 //!
 //! The engine knows models only through `CausalLm`, and text only through a [`Detokenizer`].
+//!
+//! Two prompts served together on a paged cache:
+//!
+//! ```
+//! use kiln_core::sampling::SamplingParams;
+//! use kiln_core::{CausalLm, TokenId};
+//! use kiln_engine::{CacheSpec, Engine, EngineConfig, FinishReason, Request};
+//!
+//! type B = burn::backend::Flex; // the cpu backend
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let path = std::path::Path::new("../models/tests/fixtures/llama-tiny");
+//! let loaded = kiln_models::load::<B>(path, &Default::default(), &Default::default())?;
+//! let model = &loaded.model;
+//!
+//! let cache = CacheSpec::paged(2, 64).build::<B>(model.shape().kv_layout(), model.dtype(), &model.device())?;
+//! let mut engine = Engine::new(model, cache, EngineConfig::default())?;
+//! for prompt in [vec![1, 2, 3], vec![4, 5]] {
+//!     engine.submit(Request {
+//!         prompt: prompt.into_iter().map(TokenId).collect(),
+//!         max_tokens: 5,
+//!         sampling: SamplingParams::greedy(),
+//!         ..Request::default()
+//!     })?;
+//! }
+//! let done = engine.run(|_event| {})?; // events stream tokens and text as they come
+//! assert_eq!(done.len(), 2);
+//! assert!(done.iter().all(|c| c.tokens.len() == 5 && c.finish_reason == FinishReason::Length));
+//! # Ok(())
+//! # }
+//! ```
 
+pub mod bench;
 pub mod cache;
 pub mod detok;
 pub mod engine;
@@ -17,6 +52,7 @@ pub mod error;
 pub mod generate;
 pub mod request;
 mod sequence;
+pub mod session;
 pub mod snapshot;
 pub mod stop;
 
@@ -26,4 +62,5 @@ pub use engine::{Engine, EngineConfig};
 pub use error::EngineError;
 pub use generate::{FinishReason, GenerateRequest, Generation, generate};
 pub use request::{Completion, Event, Request, RequestId, Timings};
+pub use session::{Reply, Session};
 pub use snapshot::Snapshot;

@@ -1,0 +1,50 @@
+//! Memory bandwidth, for the decode bound in `kiln bench`: decoding one token at batch 1 reads
+//! every weight once, so tokens/s can be at most bandwidth / weight bytes.
+
+use std::time::Instant;
+
+use burn::tensor::Tensor;
+use kiln_core::InferenceBackend;
+
+/// Host memory read bandwidth in bytes/s: the best of 3 passes summing a 1 GiB buffer, split
+/// over every core.
+pub fn host() -> f64 {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let words = (1usize << 30) / 8;
+    let buffer: Vec<u64> = (0..words as u64).collect();
+    let chunk = words.div_ceil(threads);
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let start = Instant::now();
+        let total: u64 = std::thread::scope(|scope| {
+            let parts: Vec<_> = buffer
+                .chunks(chunk)
+                .map(|part| scope.spawn(|| part.iter().fold(0u64, |a, &x| a.wrapping_add(x))))
+                .collect();
+            parts
+                .into_iter()
+                .map(|p| p.join().unwrap_or(0))
+                .fold(0, u64::wrapping_add)
+        });
+        std::hint::black_box(total);
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    (words * 8) as f64 / best
+}
+
+/// Device memory bandwidth in bytes/s: the best of 3 element-wise passes over a 1 GiB f32
+/// tensor (each reads and writes it once).
+pub fn device<B: InferenceBackend>(device: &B::Device) -> f64 {
+    let n = (1usize << 30) / 4;
+    let x = Tensor::<B, 1>::ones([n], device);
+    let mut best = f64::INFINITY;
+    for _ in 0..4 {
+        let _ = B::sync(device);
+        let start = Instant::now();
+        let y = x.clone().mul_scalar(2.0);
+        let _ = B::sync(device);
+        best = best.min(start.elapsed().as_secs_f64());
+        drop(y);
+    }
+    (2 * n * 4) as f64 / best
+}

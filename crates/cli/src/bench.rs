@@ -1,0 +1,252 @@
+//! `kiln bench`: the benchmark matrix on one backend (`cargo xtask bench` runs it): for each
+//! prompt length and batch size, prefill and decode rates, time to first token, inter-token
+//! latency and peak memory, each the median of several runs after a warm-up.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use kiln_core::backend::BackendKind;
+use kiln_core::backend::{BackendTask, run_on};
+use kiln_core::kv_cache::CacheKind;
+use kiln_core::{CausalLm, InferenceBackend};
+use kiln_engine::CacheSpec;
+use kiln_engine::bench::{Cell, CellTimings, quantile, run_cell};
+use kiln_models::random::{KnownShape, random_model};
+use serde_json::json;
+
+use crate::exit::UsageError;
+use crate::model_args::ModelArgs;
+use crate::{bandwidth, memory, progress};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Random weights in the shape of a published model instead of a file: llama-3.2-1b,
+    /// llama-3.1-8b, gpt2 or gpt2-xl.
+    #[arg(long, value_name = "NAME", conflicts_with = "model")]
+    shape: Option<KnownShape>,
+    /// Prompt lengths, in tokens.
+    #[arg(long, value_name = "N,..", value_delimiter = ',', default_values_t = [128, 512])]
+    prompt_lens: Vec<usize>,
+    /// Batch sizes: prompts run together.
+    #[arg(long, value_name = "N,..", value_delimiter = ',', default_values_t = [1, 8, 32])]
+    batch_sizes: Vec<usize>,
+    /// Tokens generated per prompt (greedy, no EOS).
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    new_tokens: usize,
+    /// Timed runs per cell (the median is reported), after one warm-up run.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    repeats: usize,
+    /// One small cell (prompt 128, batch 1, 32 new tokens, one timed run): checks the command
+    /// works in well under a minute.
+    #[arg(long)]
+    quick: bool,
+    /// Also write the results as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+pub fn run(mut args: Args) -> Result<()> {
+    if args.quick {
+        args.prompt_lens = vec![128];
+        args.batch_sizes = vec![1];
+        args.new_tokens = 32;
+        args.repeats = 1;
+    }
+    let sizes = args.prompt_lens.iter().chain(&args.batch_sizes);
+    if args.new_tokens == 0 || args.repeats == 0 || sizes.clone().any(|&n| n == 0) {
+        bail!(UsageError(
+            "prompt lengths, batch sizes, --new-tokens and --repeats must be positive".into()
+        ));
+    }
+    let backend = args.model.backend;
+    run_on(backend, Task(args))?
+}
+
+struct Task(Args);
+
+/// Medians over the timed runs of one cell.
+#[derive(Debug, Clone)]
+struct CellReport {
+    cell: Cell,
+    prefill_tokens_per_s: f64,
+    decode_tokens_per_s: f64,
+    time_to_first_token_ms: f64,
+    itl_p50_ms: f64,
+    itl_p99_ms: f64,
+    peak_memory_bytes: Option<u64>,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn median(values: impl IntoIterator<Item = f64>) -> f64 {
+    quantile(&values.into_iter().collect::<Vec<_>>(), 0.5)
+}
+
+fn report(cell: Cell, runs: &[CellTimings], peak_memory_bytes: Option<u64>) -> CellReport {
+    let itl = |q: f64| {
+        median(runs.iter().map(|r| {
+            let steps: Vec<f64> = r.decode_steps.iter().copied().map(ms).collect();
+            quantile(&steps, q)
+        }))
+    };
+    CellReport {
+        cell,
+        prefill_tokens_per_s: median(runs.iter().map(|r| r.prefill_tokens_per_s(&cell))),
+        decode_tokens_per_s: median(runs.iter().map(|r| r.decode_tokens_per_s(&cell))),
+        time_to_first_token_ms: median(runs.iter().map(|r| {
+            let ttft: Vec<f64> = r.time_to_first_token.iter().copied().map(ms).collect();
+            quantile(&ttft, 0.5)
+        })),
+        itl_p50_ms: itl(0.5),
+        itl_p99_ms: itl(0.99),
+        peak_memory_bytes,
+    }
+}
+
+impl BackendTask for Task {
+    type Output = Result<()>;
+
+    fn run<B: InferenceBackend>(self, device: B::Device) -> Result<()> {
+        let args = self.0;
+        let dtype = args.model.dtype;
+        let (model, name) = match args.shape {
+            Some(shape) => (
+                random_model::<B>(shape, dtype, 0, &device)?,
+                format!("{} (random weights)", shape.name()),
+            ),
+            None => {
+                let loaded = args.model.load::<B>(&device)?;
+                let name = loaded.path.display().to_string();
+                (loaded.model, name)
+            }
+        };
+        let shape = model.shape();
+        let longest = args.prompt_lens.iter().max().copied().unwrap_or(0) + args.new_tokens;
+        if longest > shape.max_positions {
+            bail!(UsageError(format!(
+                "prompt + new tokens ({longest}) exceed the model's context ({})",
+                shape.max_positions
+            )));
+        }
+        let memory_kind = "RSS";
+        eprintln!(
+            "kiln bench: {name} on {} ({}), {dtype}, {} new tokens, median of {} runs after a warm-up",
+            args.model.backend,
+            args.model.backend.require().unwrap_or_default(),
+            args.new_tokens,
+            args.repeats
+        );
+        let weight_bytes = model.config().parameters() * dtype.size_bytes();
+        let (bandwidth, where_) = match args.model.backend {
+            BackendKind::Cpu | BackendKind::Ndarray => (bandwidth::host(), "host"),
+            BackendKind::Wgpu | BackendKind::Cuda => (bandwidth::device::<B>(&device), "device"),
+        };
+        let bound = bandwidth / weight_bytes as f64;
+        eprintln!(
+            "memory bandwidth ({where_}, measured): {:.1} GB/s; weights {:.0} MB in {dtype}; decode bound at batch 1: {bound:.1} tok/s",
+            bandwidth / 1e9,
+            weight_bytes as f64 / 1e6
+        );
+        println!(
+            "{:>6} {:>5} {:>14} {:>13} {:>9} {:>11} {:>11} {:>12}",
+            "prompt",
+            "batch",
+            "prefill tok/s",
+            "decode tok/s",
+            "TTFT ms",
+            "ITL p50 ms",
+            "ITL p99 ms",
+            format!("peak {memory_kind} MB")
+        );
+        let cells: Vec<Cell> = args
+            .prompt_lens
+            .iter()
+            .flat_map(|&prompt_len| {
+                args.batch_sizes.iter().map(move |&batch| Cell {
+                    prompt_len,
+                    batch,
+                    new_tokens: args.new_tokens,
+                    max_step_tokens: 512,
+                })
+            })
+            .collect();
+        let bar = progress::bar(
+            (cells.len() * (args.repeats + 1)) as u64,
+            "benchmarking".into(),
+            "runs",
+        );
+        let mut reports = Vec::new();
+        for cell in cells {
+            let spec = CacheSpec {
+                kind: CacheKind::Paged,
+                ..CacheSpec::paged(cell.batch, cell.prompt_len + cell.new_tokens)
+            };
+            let mut cache = spec.build::<B>(shape.kv_layout(), dtype, &device)?;
+            memory::reset_peak();
+            let mut runs = Vec::with_capacity(args.repeats);
+            for run in 0..=args.repeats {
+                let timings = run_cell(&model, cache.as_mut(), &cell)
+                    .with_context(|| format!("prompt {}, batch {}", cell.prompt_len, cell.batch))?;
+                bar.inc(1);
+                if run > 0 {
+                    runs.push(timings);
+                }
+            }
+            let peak = memory::peak_rss();
+            let r = report(cell, &runs, peak);
+            bar.suspend(|| {
+                println!(
+                    "{:>6} {:>5} {:>14.1} {:>13.1} {:>9.1} {:>11.2} {:>11.2} {:>12}",
+                    cell.prompt_len,
+                    cell.batch,
+                    r.prefill_tokens_per_s,
+                    r.decode_tokens_per_s,
+                    r.time_to_first_token_ms,
+                    r.itl_p50_ms,
+                    r.itl_p99_ms,
+                    r.peak_memory_bytes
+                        .map_or("n/a".into(), |b| format!("{:.0}", b as f64 / 1e6))
+                );
+            });
+            reports.push(r);
+        }
+        bar.finish_and_clear();
+        if let Some(path) = &args.json {
+            let value = json!({
+                "model": name,
+                "backend": args.model.backend.name(),
+                "device": args.model.backend.require().unwrap_or_default(),
+                "dtype": dtype.name(),
+                "parameters": model.config().parameters(),
+                "new_tokens": args.new_tokens,
+                "repeats": args.repeats,
+                "memory": memory_kind,
+                "bandwidth_bytes_per_s": bandwidth,
+                "bandwidth_measured_on": where_,
+                "weight_bytes": weight_bytes,
+                "decode_bound_batch_1_tokens_per_s": bound,
+                "cells": reports.iter().map(|r| json!({
+                    "prompt_len": r.cell.prompt_len,
+                    "batch": r.cell.batch,
+                    "prefill_tokens_per_s": r.prefill_tokens_per_s,
+                    "decode_tokens_per_s": r.decode_tokens_per_s,
+                    "time_to_first_token_ms": r.time_to_first_token_ms,
+                    "itl_p50_ms": r.itl_p50_ms,
+                    "itl_p99_ms": r.itl_p99_ms,
+                    "peak_memory_bytes": r.peak_memory_bytes,
+                })).collect::<Vec<_>>(),
+            });
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            std::fs::write(path, serde_json::to_string_pretty(&value)?)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,162 @@
+//! `kiln info`: what a model is, read from its files without loading the weights.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use kiln_core::Dtype;
+use kiln_core::backend::BackendKind;
+use kiln_models::ModelInfo;
+use kiln_models::config::{Architecture, PositionKind};
+use serde_json::json;
+
+use crate::model_args::ModelArgs;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Model: a GGUF file, a Hugging Face folder or a Meta folder. Default: the embedded
+    /// SmolLM2-135M-Instruct (fetched once).
+    #[arg(long, short)]
+    model: Option<PathBuf>,
+    /// Meta folders: the llama3 RoPE scaling factor when params.json lacks it.
+    #[arg(long)]
+    rope_scaling_factor: Option<f32>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: &Args) -> Result<()> {
+    let model = ModelArgs {
+        model: args.model.clone(),
+        backend: BackendKind::Cpu,
+        dtype: Dtype::default(),
+        rope_scaling_factor: args.rope_scaling_factor,
+    };
+    let path = model.path()?;
+    let info = kiln_models::inspect(&path, &model.options())
+        .with_context(|| format!("reading {}", path.display()))?;
+    if args.json {
+        println!("{}", report_json(&info));
+    } else {
+        for (name, value) in rows(&info) {
+            println!("{name:<14}{value}");
+        }
+    }
+    Ok(())
+}
+
+/// `1234567` as `1.23 M`.
+fn short_count(n: usize) -> String {
+    match n {
+        n if n >= 1_000_000_000 => format!("{:.2} B", n as f64 / 1e9),
+        n if n >= 1_000_000 => format!("{:.2} M", n as f64 / 1e6),
+        n if n >= 1_000 => format!("{:.1} K", n as f64 / 1e3),
+        n => n.to_string(),
+    }
+}
+
+/// What the weights are stored as: each type's share of the elements.
+fn stored_as(info: &ModelInfo) -> String {
+    let total: usize = info.stored_types.iter().map(|(_, n)| n).sum();
+    let parts: Vec<String> = info
+        .stored_types
+        .iter()
+        .map(|(ty, n)| match *n as f64 * 100.0 / total.max(1) as f64 {
+            share if share < 0.1 => format!("{ty} <0.1%"),
+            share => format!("{ty} {share:.1}%"),
+        })
+        .collect();
+    parts.join(", ")
+}
+
+fn rows(info: &ModelInfo) -> Vec<(&'static str, String)> {
+    let c = &info.config;
+    let heads = if c.n_kv_heads == c.n_heads {
+        format!("{} ({} dims each)", c.n_heads, c.head_dim)
+    } else {
+        format!(
+            "{} query, {} key/value (grouped-query), {} dims each",
+            c.n_heads, c.n_kv_heads, c.head_dim
+        )
+    };
+    let positions = match &c.positions {
+        PositionKind::Learned => "learned".to_string(),
+        PositionKind::Rope(rope) => {
+            let scaling = match (&rope.llama3_scaling, &rope.frequency_divisors) {
+                (Some(s), _) => format!(", llama3 scaling x{}", s.factor),
+                (None, Some(_)) => ", scaled (rope_freqs)".to_string(),
+                (None, None) => String::new(),
+            };
+            format!("RoPE, theta {}{scaling}", rope.theta)
+        }
+    };
+    let architecture = match c.architecture {
+        Architecture::Gpt2 => "gpt2 (GPT-2)",
+        Architecture::Llama => "llama (Llama 3 family)",
+    };
+    vec![
+        ("model", info.path.display().to_string()),
+        (
+            "format",
+            format!(
+                "{} ({:.1} MB)",
+                info.format.name(),
+                info.file_bytes as f64 / 1e6
+            ),
+        ),
+        ("architecture", architecture.to_string()),
+        (
+            "parameters",
+            format!("{} ({})", short_count(c.parameters()), c.parameters()),
+        ),
+        ("layers", c.n_layers.to_string()),
+        ("heads", heads),
+        ("hidden", format!("{} (feed-forward {})", c.d_model, c.d_ff)),
+        ("vocabulary", c.vocab.to_string()),
+        ("context", format!("{} tokens", c.max_positions)),
+        ("positions", positions),
+        (
+            "head",
+            if c.tied_head {
+                "tied to the embedding"
+            } else {
+                "separate"
+            }
+            .to_string(),
+        ),
+        ("stored as", stored_as(info)),
+        (
+            "tokenizer",
+            info.tokenizer
+                .clone()
+                .unwrap_or_else(|| "none (use --token-ids)".into()),
+        ),
+        (
+            "chat template",
+            if info.chat_template { "yes" } else { "no" }.to_string(),
+        ),
+    ]
+}
+
+fn report_json(info: &ModelInfo) -> serde_json::Value {
+    let c = &info.config;
+    json!({
+        "path": info.path,
+        "format": info.format.name(),
+        "file_bytes": info.file_bytes,
+        "architecture": c.architecture.name(),
+        "parameters": c.parameters(),
+        "layers": c.n_layers,
+        "heads": c.n_heads,
+        "kv_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden": c.d_model,
+        "feed_forward": c.d_ff,
+        "vocab": c.vocab,
+        "context": c.max_positions,
+        "tied_head": c.tied_head,
+        "stored_types": info.stored_types.iter().map(|(t, n)| json!({"type": t, "elements": n})).collect::<Vec<_>>(),
+        "tokenizer": info.tokenizer,
+        "chat_template": info.chat_template,
+    })
+}

@@ -1,0 +1,316 @@
+//! Models with random weights in the shape of real ones ([`KnownShape`]), for measuring speed at
+//! sizes whose weights cannot be downloaded here (`kiln bench --shape llama-3.2-1b`). The
+//! weights follow transformers' initialisation (normal, std 0.02; norms 1, biases 0), so the
+//! activations stay in a realistic range; the tokens they produce mean nothing.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+
+use kiln_core::{Dtype, InferenceBackend, TokenId};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::config::{
+    Architecture, Llama3Scaling, MlpKind, NormKind, PositionKind, RopeConfig, TransformerConfig,
+};
+use crate::error::{ModelError, Result};
+use crate::host::HostTensor;
+use crate::llama::LlamaNames;
+use crate::transformer::Transformer;
+use crate::weights::TensorSource;
+use crate::{gpt2, llama};
+
+/// Published model shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KnownShape {
+    /// Llama 3.2 1B (16 layers, width 2048, GQA 32/8, tied head, vocabulary 128256).
+    Llama32_1b,
+    /// Llama 3.1 8B (32 layers, width 4096, GQA 32/8, vocabulary 128256).
+    Llama31_8b,
+    /// GPT-2 small (124M).
+    Gpt2,
+    /// GPT-2 XL (1.5B).
+    Gpt2Xl,
+}
+
+impl KnownShape {
+    /// Every shape, in the order shown to users.
+    pub const ALL: [KnownShape; 4] = [
+        KnownShape::Llama32_1b,
+        KnownShape::Llama31_8b,
+        KnownShape::Gpt2,
+        KnownShape::Gpt2Xl,
+    ];
+
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            KnownShape::Llama32_1b => "llama-3.2-1b",
+            KnownShape::Llama31_8b => "llama-3.1-8b",
+            KnownShape::Gpt2 => "gpt2",
+            KnownShape::Gpt2Xl => "gpt2-xl",
+        }
+    }
+
+    /// The configuration, as in the model's published `config.json`.
+    pub fn config(self) -> TransformerConfig {
+        match self {
+            KnownShape::Llama32_1b => llama3(2048, 16, 32, 8, 64, 8192, 32.0, true),
+            KnownShape::Llama31_8b => llama3(4096, 32, 32, 8, 128, 14336, 8.0, false),
+            KnownShape::Gpt2 => gpt2_config(768, 12, 12),
+            KnownShape::Gpt2Xl => gpt2_config(1600, 48, 25),
+        }
+    }
+}
+
+impl FromStr for KnownShape {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        KnownShape::ALL
+            .into_iter()
+            .find(|k| k.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                let names: Vec<&str> = KnownShape::ALL.iter().map(|k| k.name()).collect();
+                format!(
+                    "unknown shape `{s}` (expected one of: {})",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // one row of a table of published shapes
+fn llama3(
+    d_model: usize,
+    n_layers: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    d_ff: usize,
+    factor: f32,
+    tied_head: bool,
+) -> TransformerConfig {
+    TransformerConfig {
+        architecture: Architecture::Llama,
+        vocab: 128_256,
+        d_model,
+        n_layers,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        d_ff,
+        max_positions: 131_072,
+        norm: NormKind::RmsNorm,
+        norm_eps: 1e-5,
+        positions: PositionKind::Rope(RopeConfig {
+            theta: 500_000.0,
+            llama3_scaling: Some(Llama3Scaling {
+                factor,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_positions: 8192,
+            }),
+            frequency_divisors: None,
+        }),
+        mlp: MlpKind::SwiGlu,
+        attention_bias: false,
+        mlp_bias: false,
+        tied_head,
+        bos: Some(TokenId(128_000)),
+        eos: vec![TokenId(128_001), TokenId(128_008), TokenId(128_009)],
+    }
+}
+
+fn gpt2_config(d_model: usize, n_layers: usize, n_heads: usize) -> TransformerConfig {
+    TransformerConfig {
+        architecture: Architecture::Gpt2,
+        vocab: 50_257,
+        d_model,
+        n_layers,
+        n_heads,
+        n_kv_heads: n_heads,
+        head_dim: d_model / n_heads,
+        d_ff: 4 * d_model,
+        max_positions: 1024,
+        norm: NormKind::LayerNorm,
+        norm_eps: 1e-5,
+        positions: PositionKind::Learned,
+        mlp: MlpKind::GeluTanh,
+        attention_bias: true,
+        mlp_bias: true,
+        tied_head: true,
+        bos: Some(TokenId(50_256)),
+        eos: vec![TokenId(50_256)],
+    }
+}
+
+/// Random tensors named as in a Hugging Face checkpoint of `config`'s architecture, each the
+/// shape the loader expects, generated when read from a seed and the name.
+struct RandomSource {
+    shapes: HashMap<String, Vec<usize>>,
+    seed: u64,
+}
+
+impl RandomSource {
+    fn new(config: &TransformerConfig, seed: u64) -> Self {
+        let (d, v, ff) = (config.d_model, config.vocab, config.d_ff);
+        let (q, kv) = (
+            config.n_heads * config.head_dim,
+            config.n_kv_heads * config.head_dim,
+        );
+        let mut shapes: Vec<(String, Vec<usize>)> = Vec::new();
+        let mut add = |name: String, shape: &[usize]| shapes.push((name, shape.to_vec()));
+        match config.architecture {
+            Architecture::Llama => {
+                add("model.embed_tokens.weight".into(), &[v, d]);
+                add("model.norm.weight".into(), &[d]);
+                if !config.tied_head {
+                    add("lm_head.weight".into(), &[v, d]);
+                }
+                for i in 0..config.n_layers {
+                    let l = format!("model.layers.{i}");
+                    add(format!("{l}.input_layernorm.weight"), &[d]);
+                    add(format!("{l}.post_attention_layernorm.weight"), &[d]);
+                    add(format!("{l}.self_attn.q_proj.weight"), &[q, d]);
+                    add(format!("{l}.self_attn.k_proj.weight"), &[kv, d]);
+                    add(format!("{l}.self_attn.v_proj.weight"), &[kv, d]);
+                    add(format!("{l}.self_attn.o_proj.weight"), &[d, q]);
+                    add(format!("{l}.mlp.gate_proj.weight"), &[ff, d]);
+                    add(format!("{l}.mlp.up_proj.weight"), &[ff, d]);
+                    add(format!("{l}.mlp.down_proj.weight"), &[d, ff]);
+                }
+            }
+            Architecture::Gpt2 => {
+                add("wte.weight".into(), &[v, d]);
+                add("wpe.weight".into(), &[config.max_positions, d]);
+                add("ln_f.weight".into(), &[d]);
+                add("ln_f.bias".into(), &[d]);
+                for i in 0..config.n_layers {
+                    let h = format!("h.{i}");
+                    for norm in ["ln_1", "ln_2"] {
+                        add(format!("{h}.{norm}.weight"), &[d]);
+                        add(format!("{h}.{norm}.bias"), &[d]);
+                    }
+                    add(format!("{h}.attn.c_attn.weight"), &[d, 3 * d]);
+                    add(format!("{h}.attn.c_attn.bias"), &[3 * d]);
+                    add(format!("{h}.attn.c_proj.weight"), &[d, d]);
+                    add(format!("{h}.attn.c_proj.bias"), &[d]);
+                    add(format!("{h}.mlp.c_fc.weight"), &[d, ff]);
+                    add(format!("{h}.mlp.c_fc.bias"), &[ff]);
+                    add(format!("{h}.mlp.c_proj.weight"), &[ff, d]);
+                    add(format!("{h}.mlp.c_proj.bias"), &[d]);
+                }
+            }
+        }
+        Self {
+            shapes: shapes.into_iter().collect(),
+            seed,
+        }
+    }
+}
+
+impl TensorSource for RandomSource {
+    fn describe(&self) -> String {
+        "random weights".into()
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.shapes.contains_key(name)
+    }
+
+    fn read(&self, name: &str) -> Result<HostTensor> {
+        let shape = self
+            .shapes
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                file: self.describe(),
+                tensor: name.to_string(),
+            })?;
+        let n: usize = shape.iter().product();
+        let is_norm = name.contains("norm") || name.contains("ln_");
+        let data = if name.ends_with(".bias") {
+            vec![0.0; n]
+        } else if is_norm {
+            vec![1.0; n]
+        } else {
+            // Uniform with the standard deviation of transformers' normal(0, 0.02) init:
+            // cheaper to draw, and for speed only the scale matters.
+            let digest = name
+                .bytes()
+                .fold(self.seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
+                    (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+                });
+            let mut rng = ChaCha8Rng::seed_from_u64(digest);
+            let half_width = 0.02 * 3f32.sqrt();
+            (0..n)
+                .map(|_| rng.random_range(-half_width..half_width))
+                .collect()
+        };
+        Ok(HostTensor {
+            name: name.to_string(),
+            file: self.describe(),
+            shape: shape.clone(),
+            data,
+        })
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.shapes.keys().cloned().collect()
+    }
+
+    fn stored_types(&self) -> Vec<(String, usize)> {
+        let n = self
+            .shapes
+            .values()
+            .map(|s| s.iter().product::<usize>())
+            .sum();
+        vec![("F32".into(), n)]
+    }
+}
+
+/// A model of `shape` with random weights (the same for the same `seed`), on `device`.
+///
+/// # Errors
+/// An unsupported dtype on this device.
+pub fn random_model<B: InferenceBackend>(
+    shape: KnownShape,
+    dtype: Dtype,
+    seed: u64,
+    device: &B::Device,
+) -> Result<Transformer<B>> {
+    B::require_dtype(device, dtype)?;
+    let config = shape.config();
+    let source = RandomSource::new(&config, seed);
+    match config.architecture {
+        Architecture::Llama => llama::load(config, LlamaNames::HuggingFace, &source, dtype, device),
+        Architecture::Gpt2 => gpt2::load(config, &source, dtype, device),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_shape_parses_by_name_and_counts_its_published_parameters() {
+        for shape in KnownShape::ALL {
+            assert_eq!(shape.name().parse::<KnownShape>(), Ok(shape));
+            let config = shape.config();
+            config.validate().expect("a published shape is valid");
+            let stored: usize = RandomSource::new(&config, 0)
+                .stored_types()
+                .iter()
+                .map(|(_, n)| n)
+                .sum();
+            assert_eq!(config.parameters(), stored, "{}", shape.name());
+        }
+        // transformers' num_parameters() for the same configurations (the SHAPES of
+        // scripts/bench/transformers_bench.py, built on the meta device).
+        assert_eq!(KnownShape::Llama32_1b.config().parameters(), 1_235_814_400);
+        assert_eq!(KnownShape::Llama31_8b.config().parameters(), 8_030_261_248);
+        assert_eq!(KnownShape::Gpt2.config().parameters(), 124_439_808);
+        assert_eq!(KnownShape::Gpt2Xl.config().parameters(), 1_557_611_200);
+        assert!("llama-7b".parse::<KnownShape>().is_err());
+    }
+}
