@@ -1,20 +1,27 @@
 //! `cargo xtask <task>`: kiln's chores, in Rust so they run wherever cargo does.
 //!
-//! - `test`: the README's test command. Makes sure a Vulkan driver is there for the wgpu tests
-//!   (installs Mesa's lavapipe with apt-get when run as root on Debian/Ubuntu), then runs the
-//!   whole workspace's tests in release mode (numeric tests crawl without optimisation).
+//! - `test`: the README's test command. Makes sure the system has what the tests need (a Vulkan
+//!   driver for wgpu, Mesa's lavapipe without a GPU; tmux for the terminal chat test), installing
+//!   it with apt-get when run as root on Debian/Ubuntu; runs the whole workspace's tests in
+//!   release mode (numeric tests crawl without optimisation), then every example. Extra
+//!   arguments go to `cargo test`, and skip the examples.
+//! - `bench`: the benchmark matrix on one backend with `kiln bench`, optionally side by side
+//!   with Hugging Face transformers (see `bench.rs` and `docs/benchmarks.md`).
 //! - `references`: regenerates the expected values that come from Hugging Face transformers:
 //!   the sampling distributions, the model fixtures and the GGUF fixtures (needs `python3` with
 //!   `torch`, `transformers`, `tiktoken`, `gguf` and `accelerate`, and SmolLM2 in kiln's model
 //!   cache).
 
+mod bench;
 mod system;
 
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
-const USAGE: &str = "usage: cargo xtask <test|references> [args passed on to cargo test]";
+const USAGE: &str = "usage: cargo xtask test [args passed on to cargo test]
+       cargo xtask bench --backend KIND [--model PATH | --shape NAME] [--dtype D] [--quick] [--compare transformers]
+       cargo xtask references";
 
 fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
@@ -23,6 +30,7 @@ fn main() -> Result<()> {
     match task.as_str() {
         "test" => test(&rest),
         "references" => references(),
+        "bench" => bench::bench(&rest),
         "" | "help" | "--help" | "-h" => {
             println!("{USAGE}");
             Ok(())
@@ -31,11 +39,29 @@ fn main() -> Result<()> {
     }
 }
 
+/// The examples `cargo test` builds (it compiles examples but does not run them), with their
+/// arguments.
+const EXAMPLES: [(&str, &[&str]); 4] = [
+    ("own_model", &[]),
+    ("generate", &["The capital of France is"]),
+    ("custom_processor", &[]),
+    ("batch", &[]),
+];
+
 fn test(extra: &[String]) -> Result<()> {
-    system::ensure_vulkan_driver()?;
+    system::ensure_test_packages()?;
     run(Command::new(cargo())
         .args(["test", "--workspace", "--release", "--locked"])
-        .args(extra))
+        .args(extra))?;
+    if !extra.is_empty() {
+        return Ok(());
+    }
+    let examples = workspace_root().join("target/release/examples");
+    for (name, args) in EXAMPLES {
+        eprintln!("\n== example {name}");
+        run(Command::new(examples.join(name)).args(args))?;
+    }
+    Ok(())
 }
 
 fn references() -> Result<()> {

@@ -1,0 +1,240 @@
+//! `cargo xtask bench --backend KIND [--model PATH | --shape NAME] [--dtype D] [--quick]
+//! [--compare transformers]`: builds kiln, runs `kiln bench` (the matrix, a table, JSON in
+//! `target/bench/<backend>-<date>.json`), and with `--compare transformers` the same matrix in
+//! Hugging Face transformers (`scripts/bench/transformers_bench.py`), then prints kiln's ratio to
+//! it per cell. Without Python, torch or transformers only the comparison is skipped.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+use crate::{cargo, run, workspace_root};
+
+const USAGE: &str = "usage: cargo xtask bench --backend cuda|wgpu|cpu|ndarray [--model PATH | --shape NAME] [--dtype f32|f16|bf16] [--quick] [--compare transformers] [--repeats N] [--prompt-lens N,..] [--batch-sizes N,..] [--new-tokens N]";
+
+/// What the command line asked for.
+#[derive(Debug, Default)]
+struct Options {
+    backend: String,
+    model: Option<String>,
+    shape: Option<String>,
+    dtype: String,
+    quick: bool,
+    compare: bool,
+    /// Matrix overrides passed to both engines.
+    matrix: Vec<(String, String)>,
+}
+
+fn parse(args: &[String]) -> Result<Options> {
+    let mut options = Options {
+        dtype: "f32".into(),
+        ..Options::default()
+    };
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        let mut value = || {
+            args.next()
+                .cloned()
+                .with_context(|| format!("{arg} needs a value\n{USAGE}"))
+        };
+        match arg.as_str() {
+            "--backend" => options.backend = value()?,
+            "--model" => options.model = Some(value()?),
+            "--shape" => options.shape = Some(value()?),
+            "--dtype" => options.dtype = value()?,
+            "--quick" => options.quick = true,
+            "--compare" => match value()?.as_str() {
+                "transformers" => options.compare = true,
+                other => bail!("--compare takes `transformers`, not `{other}`"),
+            },
+            "--repeats" | "--prompt-lens" | "--batch-sizes" | "--new-tokens" => {
+                options.matrix.push((arg.clone(), value()?));
+            }
+            other => bail!("unknown argument `{other}`\n{USAGE}"),
+        }
+    }
+    if options.backend.is_empty() {
+        bail!("--backend is required\n{USAGE}");
+    }
+    Ok(options)
+}
+
+pub fn bench(args: &[String]) -> Result<()> {
+    let options = parse(args)?;
+    let root = workspace_root();
+    // The same build as `cargo xtask test` (dev-dependencies unify features), so the binary
+    // the tests built is reused rather than rebuilt with another feature set.
+    run(Command::new(cargo()).args(["build", "--workspace", "--release", "--locked", "--tests"]))?;
+    let kiln = root.join("target/release/kiln");
+
+    let out = root
+        .join("target/bench")
+        .join(format!("{}-{}.json", options.backend, today()));
+    let mut command = Command::new(&kiln);
+    command.args([
+        "bench",
+        "--backend",
+        &options.backend,
+        "--dtype",
+        &options.dtype,
+    ]);
+    command.arg("--json").arg(&out);
+    if let Some(model) = &options.model {
+        command.args(["--model", model]);
+    }
+    if let Some(shape) = &options.shape {
+        command.args(["--shape", shape]);
+    }
+    if options.quick {
+        command.arg("--quick");
+    }
+    for (flag, value) in &options.matrix {
+        command.args([flag, value]);
+    }
+    run(&mut command)?;
+    println!("wrote {}", out.display());
+
+    if options.compare {
+        compare(&options, &kiln, &out)?;
+    }
+    Ok(())
+}
+
+/// Runs the transformers twin on the same matrix and prints kiln's ratios to it.
+fn compare(options: &Options, kiln: &Path, out: &Path) -> Result<()> {
+    let probe = Command::new("python3")
+        .args(["-c", "import torch, transformers"])
+        .stderr(Stdio::null())
+        .status();
+    if !probe.is_ok_and(|s| s.success()) {
+        println!(
+            "transformers comparison skipped: python3 with torch and transformers is not available \
+             (pip install torch transformers gguf)"
+        );
+        return Ok(());
+    }
+    let ours: Value = serde_json::from_str(&std::fs::read_to_string(out)?)?;
+    let mut command = Command::new("python3");
+    command.arg(workspace_root().join("scripts/bench/transformers_bench.py"));
+    command.args(["--dtype", &options.dtype]);
+    command.args([
+        "--device",
+        if options.backend == "cuda" {
+            "cuda"
+        } else {
+            "cpu"
+        },
+    ]);
+    match &options.shape {
+        Some(shape) => command.args(["--shape", shape]),
+        None => command.args(["--model", &model_path(options, kiln)?]),
+    };
+    // The matrix kiln ran, read back from its report.
+    let cells = ours["cells"]
+        .as_array()
+        .context("kiln's report has cells")?;
+    let join = |key: &str| {
+        let mut unique: Vec<u64> = Vec::new();
+        for v in cells.iter().filter_map(|c| c[key].as_u64()) {
+            if !unique.contains(&v) {
+                unique.push(v);
+            }
+        }
+        unique
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    command.args(["--prompt-lens", &join("prompt_len")]);
+    command.args(["--batch-sizes", &join("batch")]);
+    command.args(["--new-tokens", &ours["new_tokens"].to_string()]);
+    command.args(["--repeats", &ours["repeats"].to_string()]);
+    let output = command
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running scripts/bench/transformers_bench.py")?;
+    if !output.status.success() {
+        bail!("the transformers benchmark failed");
+    }
+    let theirs: Value = serde_json::from_slice(&output.stdout)
+        .context("reading the transformers benchmark's JSON")?;
+    print_ratios(&ours, &theirs);
+    let mut merged = ours.clone();
+    merged["transformers"] = theirs;
+    std::fs::write(out, serde_json::to_string_pretty(&merged)?)?;
+    println!("wrote {} (with the transformers run)", out.display());
+    Ok(())
+}
+
+/// The model file kiln ran: `--model`, or the default model's cached path (`kiln info`).
+fn model_path(options: &Options, kiln: &Path) -> Result<String> {
+    if let Some(model) = &options.model {
+        return Ok(model.clone());
+    }
+    let output = Command::new(kiln)
+        .args(["info", "--json"])
+        .output()
+        .context("running kiln info")?;
+    let info: Value = serde_json::from_slice(&output.stdout).context("reading kiln info")?;
+    info["path"]
+        .as_str()
+        .map(str::to_string)
+        .context("kiln info gave no path")
+}
+
+fn print_ratios(ours: &Value, theirs: &Value) {
+    println!(
+        "\nkiln / transformers ({}; above 1: kiln is faster or leaner)",
+        theirs["engine"].as_str().unwrap_or("?")
+    );
+    println!(
+        "{:>6} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
+        "prompt", "batch", "prefill", "decode", "TTFT", "ITL p50", "ITL p99", "memory"
+    );
+    let empty = Vec::new();
+    let their_cells = theirs["cells"].as_array().unwrap_or(&empty);
+    for cell in ours["cells"].as_array().unwrap_or(&empty) {
+        let Some(other) = their_cells
+            .iter()
+            .find(|c| c["prompt_len"] == cell["prompt_len"] && c["batch"] == cell["batch"])
+        else {
+            continue;
+        };
+        let f = |c: &Value, key: &str| c[key].as_f64().unwrap_or(f64::NAN);
+        // Rates: ours over theirs. Times and memory: theirs over ours.
+        let faster = |key: &str| f(cell, key) / f(other, key);
+        let shorter = |key: &str| f(other, key) / f(cell, key);
+        println!(
+            "{:>6} {:>5} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
+            cell["prompt_len"],
+            cell["batch"],
+            faster("prefill_tokens_per_s"),
+            faster("decode_tokens_per_s"),
+            shorter("time_to_first_token_ms"),
+            shorter("itl_p50_ms"),
+            shorter("itl_p99_ms"),
+            shorter("peak_memory_bytes"),
+        );
+    }
+}
+
+/// Today's date (UTC) as `YYYY-MM-DD`, from the system clock (Howard Hinnant's
+/// days-to-civil algorithm; no date crate needed for a file name).
+fn today() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let z = (secs / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
+}
