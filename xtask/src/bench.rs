@@ -209,8 +209,8 @@ fn print_ratios(ours: &Value, theirs: &Value) {
         let shorter = |key: &str| f(other, key) / f(cell, key);
         println!(
             "{:>6} {:>5} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
-            cell["prompt_len"],
-            cell["batch"],
+            cell["prompt_len"].as_u64().unwrap_or(0),
+            cell["batch"].as_u64().unwrap_or(0),
             faster("prefill_tokens_per_s"),
             faster("decode_tokens_per_s"),
             shorter("time_to_first_token_ms"),

@@ -32,19 +32,20 @@ pub fn host() -> f64 {
     (words * 8) as f64 / best
 }
 
-/// Device memory bandwidth in bytes/s: the best of 3 element-wise passes over a 1 GiB f32
-/// tensor (each reads and writes it once).
-pub fn device<B: InferenceBackend>(device: &B::Device) -> f64 {
-    let n = (1usize << 30) / 4;
+/// Device memory bandwidth in bytes/s: the best of 3 element-wise passes over a 256 MiB f32
+/// tensor (each reads and writes it once; wgpu's default buffer limit is 256 MiB), or `None`
+/// when the device reports an error.
+pub fn device<B: InferenceBackend>(device: &B::Device) -> Option<f64> {
+    let n = (256usize << 20) / 4;
     let x = Tensor::<B, 1>::ones([n], device);
+    B::sync(device).ok()?;
     let mut best = f64::INFINITY;
     for _ in 0..4 {
-        let _ = B::sync(device);
         let start = Instant::now();
         let y = x.clone().mul_scalar(2.0);
-        let _ = B::sync(device);
+        B::sync(device).ok()?;
         best = best.min(start.elapsed().as_secs_f64());
         drop(y);
     }
-    (2 * n * 4) as f64 / best
+    Some((2 * n * 4) as f64 / best)
 }

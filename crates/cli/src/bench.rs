@@ -143,15 +143,18 @@ impl BackendTask for Task {
         );
         let weight_bytes = model.config().parameters() * dtype.size_bytes();
         let (bandwidth, where_) = match args.model.backend {
-            BackendKind::Cpu | BackendKind::Ndarray => (bandwidth::host(), "host"),
+            BackendKind::Cpu | BackendKind::Ndarray => (Some(bandwidth::host()), "host"),
             BackendKind::Wgpu | BackendKind::Cuda => (bandwidth::device::<B>(&device), "device"),
         };
-        let bound = bandwidth / weight_bytes as f64;
-        eprintln!(
-            "memory bandwidth ({where_}, measured): {:.1} GB/s; weights {:.0} MB in {dtype}; decode bound at batch 1: {bound:.1} tok/s",
-            bandwidth / 1e9,
-            weight_bytes as f64 / 1e6
-        );
+        let bound = bandwidth.map(|b| b / weight_bytes as f64);
+        match (bandwidth, bound) {
+            (Some(bandwidth), Some(bound)) => eprintln!(
+                "memory bandwidth ({where_}, measured): {:.1} GB/s; weights {:.0} MB in {dtype}; decode bound at batch 1: {bound:.1} tok/s",
+                bandwidth / 1e9,
+                weight_bytes as f64 / 1e6
+            ),
+            _ => eprintln!("memory bandwidth ({where_}): could not be measured"),
+        }
         println!(
             "{:>6} {:>5} {:>14} {:>13} {:>9} {:>11} {:>11} {:>12}",
             "prompt",

@@ -258,22 +258,11 @@ fn generate_on_the_default_model_matches_transformers() {
 /// included), streams the greedy reply and stops at `<|im_end|>`.
 #[test]
 fn chat_on_the_default_model_answers_from_stdin() {
-    use std::io::Write;
     let case = smollm2_case(3);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["chat", "--temperature", "0", "-n", "64"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"What is 2+2?\n/exit\n")
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = kiln_with_stdin(
+        &["chat", "--temperature", "0", "-n", "64"],
+        "What is 2+2?\n/exit\n",
+    );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let expected = case["greedy_text"].as_str().unwrap();
     let expected = &expected[..expected.find("<|im_end|>").unwrap()];
@@ -299,7 +288,8 @@ fn kiln_with_stdin(args: &[&str], stdin: &str) -> Output {
 }
 
 /// The prompt can come from stdin (`-`, `--prompt -`, or a pipe and no prompt): the same tokens
-/// as the prompt given as an argument, echo's trailing newline dropped.
+/// as the prompt given as an argument, echo's trailing newline dropped. Loading draws nothing
+/// when stderr is not a terminal.
 #[test]
 fn generate_reads_the_prompt_from_stdin() {
     let given = generate_json(&["The capital of France is", "-n", "4"]);
@@ -311,6 +301,8 @@ fn generate_reads_the_prompt_from_stdin() {
     ] {
         let out = kiln_with_stdin(&[how, &args[..]].concat(), "The capital of France is\n");
         assert!(out.status.success(), "{how:?}: {}", text(&out.stderr));
+        // No progress bar on a pipe, and -q drops the summary: stderr stays empty.
+        assert!(out.stderr.is_empty(), "{how:?}: {}", text(&out.stderr));
         let piped: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(piped["prompt_tokens"], given["prompt_tokens"], "{how:?}");
         assert_eq!(piped["tokens"], given["tokens"], "{how:?}");

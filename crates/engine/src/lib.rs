@@ -8,7 +8,7 @@
 //! - [`generate()`]: one sequence, the plain loop the engine is tested against.
 //! - [`Session`]: one conversation whose KV cache is kept between replies, so each turn
 //!   computes only what is new.
-//! - [`bench`]: one cell of the benchmark matrix (`kiln bench`), prefill and decode timed apart.
+//! - [`bench`](mod@bench): one cell of the benchmark matrix (`kiln bench`), prefill and decode timed apart.
 //! - [`snapshot`]: a prefilled prompt's KV cache saved to a file and resumed later.
 //!
 //! The engine knows models only through `CausalLm`, and text only through a [`Detokenizer`].
