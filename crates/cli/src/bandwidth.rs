@@ -32,11 +32,11 @@ pub fn host() -> f64 {
     (words * 8) as f64 / best
 }
 
-/// Device memory bandwidth in bytes/s: the best of 3 element-wise passes over a 256 MiB f32
-/// tensor (each reads and writes it once; wgpu's default buffer limit is 256 MiB), or `None`
+/// Device memory bandwidth in bytes/s: the best of 4 element-wise passes over a 64 MiB f32
+/// tensor (each reads and writes it once; wgpu refuses buffers of 256 MiB), or `None`
 /// when the device reports an error.
 pub fn device<B: InferenceBackend>(device: &B::Device) -> Option<f64> {
-    let n = (256usize << 20) / 4;
+    let n = (64usize << 20) / 4;
     let x = Tensor::<B, 1>::ones([n], device);
     B::sync(device).ok()?;
     let mut best = f64::INFINITY;
