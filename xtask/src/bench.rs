@@ -69,9 +69,12 @@ pub fn bench(args: &[String]) -> Result<()> {
     run(Command::new(cargo()).args(["build", "--workspace", "--release", "--locked", "--tests"]))?;
     let kiln = root.join("target/release/kiln");
 
-    let out = root
-        .join("target/bench")
-        .join(format!("{}-{}.json", options.backend, today()));
+    let out = root.join("target/bench").join(format!(
+        "{}-{}{}.json",
+        options.backend,
+        today(),
+        if options.quick { "-quick" } else { "" }
+    ));
     let mut command = Command::new(&kiln);
     command.args([
         "bench",
