@@ -134,12 +134,11 @@ impl BackendTask for Task {
             )));
         }
         let memory_kind = "RSS";
+        // `run_on` has already probed the backend; this only names the device.
+        let device_name = args.model.backend.require().unwrap_or_default();
         eprintln!(
-            "kiln bench: {name} on {} ({}), {dtype}, {} new tokens, median of {} runs after a warm-up",
-            args.model.backend,
-            args.model.backend.require().unwrap_or_default(),
-            args.new_tokens,
-            args.repeats
+            "kiln bench: {name} on {} ({device_name}), {dtype}, {} new tokens, median of {} runs after a warm-up",
+            args.model.backend, args.new_tokens, args.repeats
         );
         let weight_bytes = model.config().parameters() * dtype.size_bytes();
         let (bandwidth, where_) = match args.model.backend {
@@ -223,7 +222,7 @@ impl BackendTask for Task {
             let value = json!({
                 "model": name,
                 "backend": args.model.backend.name(),
-                "device": args.model.backend.require().unwrap_or_default(),
+                "device": device_name,
                 "dtype": dtype.name(),
                 "parameters": model.config().parameters(),
                 "new_tokens": args.new_tokens,

@@ -18,6 +18,7 @@ use kiln_models::LoadedModel;
 use kiln_models::chat::{ChatMessage, ChatTemplate, Role};
 
 use crate::exit::UsageError;
+use crate::generate::per_second;
 use crate::model_args::{ModelArgs, SamplingArgs};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -230,14 +231,6 @@ fn token_text<B: InferenceBackend>(loaded: &LoadedModel<B>, id: Option<TokenId>)
     match (&loaded.tokenizer, id) {
         (Some(t), Some(id)) => t.inner().id_to_token(id.0).unwrap_or_default(),
         _ => String::new(),
-    }
-}
-
-fn per_second(tokens: usize, seconds: f64) -> f64 {
-    if seconds > 0.0 {
-        tokens as f64 / seconds
-    } else {
-        0.0
     }
 }
 

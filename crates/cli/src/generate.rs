@@ -98,12 +98,10 @@ pub struct Args {
 
 pub fn run(mut args: Args) -> Result<()> {
     args.sampling.params()?;
-    args.prompt = prompt_text(&args)?;
-    if args.prompt.is_none()
-        && args.token_ids.is_none()
-        && args.prompts_file.is_none()
-        && args.from_snapshot.is_none()
-    {
+    let other_input =
+        args.token_ids.is_some() || args.prompts_file.is_some() || args.from_snapshot.is_some();
+    args.prompt = prompt_text(&args, other_input)?;
+    if args.prompt.is_none() && !other_input {
         return Err(UsageError(NO_PROMPT.into()).into());
     }
     for (name, value) in [
@@ -125,19 +123,15 @@ pub fn run(mut args: Args) -> Result<()> {
 
 const NO_PROMPT: &str = "no prompt: give one as an argument, `-` to read stdin, --token-ids, --prompts-file or --from-snapshot";
 
-/// The prompt text: the argument or `--prompt`, with `-` (or nothing, on a pipe) meaning
-/// stdin. One trailing newline (as `echo` adds) is dropped.
-fn prompt_text(args: &Args) -> Result<Option<String>> {
+/// The prompt text: the argument or `--prompt`, with `-` (or nothing, on a pipe, when no
+/// `other_input` gives the prompt) meaning stdin. One trailing newline (as `echo` adds) is
+/// dropped.
+fn prompt_text(args: &Args, other_input: bool) -> Result<Option<String>> {
     let given = args.prompt.as_deref().or(args.prompt_option.as_deref());
     let from_stdin = match given {
         Some("-") => true,
         Some(text) => return Ok(Some(text.to_string())),
-        None => {
-            args.token_ids.is_none()
-                && args.prompts_file.is_none()
-                && args.from_snapshot.is_none()
-                && !std::io::stdin().is_terminal()
-        }
+        None => !other_input && !std::io::stdin().is_terminal(),
     };
     if !from_stdin {
         return Ok(None);
@@ -356,7 +350,8 @@ impl OrderedPrinter {
     }
 }
 
-fn per_second(tokens: usize, seconds: f64) -> f64 {
+/// `tokens / seconds`, or 0 for no time.
+pub(crate) fn per_second(tokens: usize, seconds: f64) -> f64 {
     if seconds > 0.0 {
         tokens as f64 / seconds
     } else {

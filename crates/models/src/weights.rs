@@ -373,6 +373,16 @@ impl TensorSource for PthSource {
     }
 }
 
+/// A file's size in bytes, mapping errors to [`ModelError::Io`].
+pub(crate) fn file_size(path: &Path) -> Result<u64> {
+    std::fs::metadata(path)
+        .map(|m| m.len())
+        .map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
 /// Reads a text file, mapping errors to [`ModelError::Io`] / [`ModelError::MissingFile`].
 pub(crate) fn read_text(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).map_err(|source| {

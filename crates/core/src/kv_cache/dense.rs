@@ -104,9 +104,7 @@ impl<B: InferenceBackend> DenseCache<B> {
 
     pub fn truncate(&mut self, seq: SeqId, keep: usize) -> Result<(), CacheError> {
         let len = self.seq_len(seq);
-        if keep > len {
-            return Err(CacheError::TruncateBeyondEnd { seq, keep, len });
-        }
+        super::check_truncate(seq, keep, len)?;
         if keep == 0 {
             self.release(seq);
             return Ok(());

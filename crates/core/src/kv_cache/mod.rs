@@ -188,6 +188,15 @@ pub enum CacheError {
     UnknownKind(String),
 }
 
+/// The check every [`CacheBook::truncate`] starts with: `keep` must not exceed the `len` tokens
+/// `seq` holds.
+pub(crate) fn check_truncate(seq: SeqId, keep: usize, len: usize) -> Result<(), CacheError> {
+    if keep > len {
+        return Err(CacheError::TruncateBeyondEnd { seq, keep, len });
+    }
+    Ok(())
+}
+
 /// How full a cache is, in token slots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CacheUsage {

@@ -15,9 +15,10 @@ use super::{GenerationSettings, LoadOptions, LoadedModel, ModelFormat};
 use crate::config::{Architecture, MlpKind, NormKind, PositionKind, RopeConfig, TransformerConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
+use crate::info::ModelInfo;
 use crate::llama::{self, LlamaNames};
 use crate::tokenizer::TextTokenizer;
-use crate::weights::{LoadProgress, Reporting, TensorSource};
+use crate::weights::{LoadProgress, Reporting, TensorSource, file_size};
 
 /// Whether `path` is a GGUF file (by its first four bytes).
 pub(super) fn is_gguf(path: &Path) -> bool {
@@ -139,6 +140,32 @@ fn frequency_divisors(file: &GgufFile, head_dim: usize) -> Result<Vec<f32>> {
     Ok(stored.data)
 }
 
+fn chat_template(file: &GgufFile) -> Option<String> {
+    file.get("tokenizer.chat_template")
+        .and_then(|v| v.as_str())
+        .map(str::to_string)
+}
+
+/// Describes the file from its metadata and tensor headers (one parse).
+pub(super) fn inspect(path: &Path) -> Result<ModelInfo> {
+    let file = GgufFile::open(path)?;
+    let text = |key: &str| file.get(key).and_then(|v| v.as_str());
+    let tokenizer = format!(
+        "GGUF vocabulary: tokenizer.ggml.model `{}`, pre-tokenizer `{}`",
+        text("tokenizer.ggml.model").unwrap_or("?"),
+        text("tokenizer.ggml.pre").unwrap_or("default")
+    );
+    Ok(ModelInfo {
+        path: path.to_path_buf(),
+        format: ModelFormat::Gguf,
+        config: config(&file)?,
+        stored_types: file.stored_types(),
+        file_bytes: file_size(path)?,
+        tokenizer: Some(tokenizer),
+        chat_template: chat_template(&file).is_some(),
+    })
+}
+
 pub(super) fn read_config(path: &Path) -> Result<TransformerConfig> {
     config(&GgufFile::open(path)?)
 }
@@ -158,10 +185,7 @@ pub(super) fn load<B: InferenceBackend>(
         eos: eos.into_iter().map(TokenId).collect(),
         add_bos,
     };
-    let chat_template = file
-        .get("tokenizer.chat_template")
-        .and_then(|v| v.as_str())
-        .map(str::to_string);
+    let chat_template = chat_template(&file);
     let reporting = Reporting::new(&file, progress);
     let model = llama::load(config, LlamaNames::Gguf, &reporting, options.dtype, device)?;
     reporting.finish();

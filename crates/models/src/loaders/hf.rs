@@ -12,9 +12,12 @@ use super::{GenerationSettings, LoadOptions, LoadedModel, ModelFormat};
 use crate::config::{Architecture, TransformerConfig};
 use crate::error::{ModelError, Result};
 use crate::gpt2::Gpt2HfConfig;
+use crate::info::ModelInfo;
 use crate::llama::{LlamaHfConfig, LlamaNames, token_ids};
 use crate::tokenizer::TextTokenizer;
-use crate::weights::{LoadProgress, Reporting, SafetensorsSource, TensorSource, read_text};
+use crate::weights::{
+    LoadProgress, Reporting, SafetensorsSource, TensorSource, file_size, read_text,
+};
 use crate::{gpt2, llama};
 
 fn read_json(path: &Path) -> Result<Value> {
@@ -69,16 +72,68 @@ fn weights(dir: &Path) -> Result<SafetensorsSource> {
     })
 }
 
+/// Which tokenizer files a folder has, in the order they are preferred.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TokenizerFiles {
+    /// `tokenizer.json`.
+    Json,
+    /// GPT-2's `vocab.json` + `merges.txt`.
+    VocabMerges,
+}
+
+impl TokenizerFiles {
+    fn find(dir: &Path) -> Option<Self> {
+        if dir.join("tokenizer.json").exists() {
+            Some(Self::Json)
+        } else if dir.join("vocab.json").exists() && dir.join("merges.txt").exists() {
+            Some(Self::VocabMerges)
+        } else {
+            None
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Self::Json => "tokenizer.json (Hugging Face tokenizers)",
+            Self::VocabMerges => "vocab.json + merges.txt (byte-level BPE)",
+        }
+    }
+}
+
 fn tokenizer(dir: &Path) -> Result<Option<TextTokenizer>> {
-    let json = dir.join("tokenizer.json");
-    if json.exists() {
-        return TextTokenizer::from_tokenizer_json(&json).map(Some);
+    match TokenizerFiles::find(dir) {
+        Some(TokenizerFiles::Json) => {
+            TextTokenizer::from_tokenizer_json(&dir.join("tokenizer.json")).map(Some)
+        }
+        Some(TokenizerFiles::VocabMerges) => {
+            TextTokenizer::from_vocab_merges(&dir.join("vocab.json"), &dir.join("merges.txt"))
+                .map(Some)
+        }
+        None => Ok(None),
     }
-    let (vocab, merges) = (dir.join("vocab.json"), dir.join("merges.txt"));
-    if vocab.exists() && merges.exists() {
-        return TextTokenizer::from_vocab_merges(&vocab, &merges).map(Some);
-    }
-    Ok(None)
+}
+
+/// Describes the folder from `config.json`, the safetensors headers and the tokenizer files.
+pub(super) fn inspect(dir: &Path) -> Result<ModelInfo> {
+    let source = weights(dir)?;
+    let file_bytes = source
+        .files()
+        .iter()
+        .map(|f| file_size(f))
+        .sum::<Result<u64>>()?;
+    // Lenient, as a description should be: a missing or unreadable tokenizer_config.json
+    // just means no template (loading reports it as an error).
+    let chat_template = read_json(&dir.join("tokenizer_config.json"))
+        .is_ok_and(|v| v.get("chat_template").is_some());
+    Ok(ModelInfo {
+        path: dir.to_path_buf(),
+        format: ModelFormat::HuggingFace,
+        config: read_config(dir)?,
+        stored_types: source.stored_types(),
+        file_bytes,
+        tokenizer: TokenizerFiles::find(dir).map(|t| t.describe().to_string()),
+        chat_template,
+    })
 }
 
 /// EOS ids: `generation_config.json` wins over `config.json` (instruct models list several

@@ -9,9 +9,10 @@ use kiln_core::InferenceBackend;
 use super::{GenerationSettings, LoadOptions, LoadedModel, ModelFormat};
 use crate::config::TransformerConfig;
 use crate::error::{ModelError, Result};
+use crate::info::ModelInfo;
 use crate::llama::{self, LlamaNames, MetaParams};
 use crate::tokenizer::TextTokenizer;
-use crate::weights::{LoadProgress, PthSource, Reporting, TensorSource, read_text};
+use crate::weights::{LoadProgress, PthSource, Reporting, TensorSource, file_size, read_text};
 
 fn params(dir: &Path) -> Result<MetaParams> {
     let path = dir.join("params.json");
@@ -35,14 +36,34 @@ fn d_ff(source: &dyn TensorSource) -> Result<usize> {
     Ok(w1.shape[0])
 }
 
-pub(super) fn read_config(dir: &Path, options: &LoadOptions) -> Result<TransformerConfig> {
-    let params = params(dir)?;
-    let source = checkpoint(dir)?;
-    params.to_config(
+/// The configuration from `params.json` and the checkpoint (which alone knows `d_ff`).
+fn config(dir: &Path, source: &PthSource, options: &LoadOptions) -> Result<TransformerConfig> {
+    params(dir)?.to_config(
         &dir.join("params.json"),
-        d_ff(&source)?,
+        d_ff(source)?,
         options.rope_scaling_factor,
     )
+}
+
+pub(super) fn read_config(dir: &Path, options: &LoadOptions) -> Result<TransformerConfig> {
+    config(dir, &checkpoint(dir)?, options)
+}
+
+/// Describes the folder from `params.json` and the checkpoint's index (opened once).
+pub(super) fn inspect(dir: &Path, options: &LoadOptions) -> Result<ModelInfo> {
+    let source = checkpoint(dir)?;
+    Ok(ModelInfo {
+        path: dir.to_path_buf(),
+        format: ModelFormat::MetaOriginal,
+        config: config(dir, &source, options)?,
+        stored_types: source.stored_types(),
+        file_bytes: file_size(&dir.join("consolidated.00.pth"))?,
+        tokenizer: dir
+            .join("tokenizer.model")
+            .exists()
+            .then(|| "tokenizer.model (tiktoken BPE, Llama 3 special tokens)".to_string()),
+        chat_template: true,
+    })
 }
 
 pub(super) fn load<B: InferenceBackend>(
@@ -51,13 +72,8 @@ pub(super) fn load<B: InferenceBackend>(
     device: &B::Device,
     progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<LoadedModel<B>> {
-    let params = params(dir)?;
     let source = checkpoint(dir)?;
-    let mut config = params.to_config(
-        &dir.join("params.json"),
-        d_ff(&source)?,
-        options.rope_scaling_factor,
-    )?;
+    let mut config = config(dir, &source, options)?;
     let tokenizer_path = dir.join("tokenizer.model");
     let tokenizer = if tokenizer_path.exists() {
         Some(TextTokenizer::from_tiktoken(&tokenizer_path)?)

@@ -13,6 +13,7 @@ use kiln_core::{Dtype, InferenceBackend, TokenId};
 
 use crate::config::TransformerConfig;
 use crate::error::{ModelError, Result};
+use crate::info::ModelInfo;
 use crate::tokenizer::TextTokenizer;
 use crate::transformer::Transformer;
 use crate::weights::LoadProgress;
@@ -116,6 +117,19 @@ pub fn read_config(path: &Path, options: &LoadOptions) -> Result<TransformerConf
         ModelFormat::HuggingFace => hf::read_config(path),
         ModelFormat::MetaOriginal => meta::read_config(path, options),
         ModelFormat::Gguf => gguf::read_config(path),
+    }
+}
+
+/// Describes the model at `path` from its configuration, tensor headers and tokenizer files,
+/// without loading its weights.
+///
+/// # Errors
+/// As [`load`], for the files it reads.
+pub fn inspect(path: &Path, options: &LoadOptions) -> Result<ModelInfo> {
+    match detect_format(path)? {
+        ModelFormat::HuggingFace => hf::inspect(path),
+        ModelFormat::MetaOriginal => meta::inspect(path, options),
+        ModelFormat::Gguf => gguf::inspect(path),
     }
 }
 
