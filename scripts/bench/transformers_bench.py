@@ -4,9 +4,10 @@
 
 For each cell: `batch` prompts of `prompt_len` tokens in one forward (prefill) into a static
 cache, then `new_tokens - 1` greedy decode steps of one token per sequence, each timed. One
-warm-up run, then `repeats` timed runs; medians. Peak memory: the process's resident set
-high-water mark (reset per cell through /proc/self/clear_refs) on cpu,
-`torch.cuda.max_memory_allocated` on cuda.
+warm-up run (the whole prefill, 8 new tokens), then `repeats` timed runs; medians. Peak memory:
+the process's resident set high-water mark (reset per cell through /proc/self/clear_refs) on
+cpu; on cuda the caching allocator's peak reserved memory (`torch.cuda.max_memory_reserved`,
+emptied before each cell), the twin of the reserved bytes kiln reads from cubecl.
 
 Prints one JSON object (the same fields as kiln's) to stdout; progress goes to stderr.
 """
@@ -47,6 +48,9 @@ SHAPES = {
     "gpt2": lambda: GPT2Config(n_embd=768, n_layer=12, n_head=12),
     "gpt2-xl": lambda: GPT2Config(n_embd=1600, n_layer=48, n_head=25),
 }
+
+# Decode steps of the warm-up run (kiln's `Cell::WARM_UP_NEW_TOKENS`).
+WARM_UP_NEW_TOKENS = 8
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -112,7 +116,7 @@ def quantile(values, q):
 
 def peak_memory(device):
     if device == "cuda":
-        return torch.cuda.max_memory_allocated()
+        return torch.cuda.max_memory_reserved()
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
@@ -122,6 +126,7 @@ def peak_memory(device):
 
 def reset_peak(device):
     if device == "cuda":
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     else:
         try:
@@ -157,7 +162,9 @@ def main():
             reset_peak(args.device)
             runs = []
             for run in range(args.repeats + 1):
-                prefill, steps = run_cell(model, prompt_len, batch, args.new_tokens, args.device)
+                # The warm-up decodes only WARM_UP_NEW_TOKENS, as kiln's (`Cell::warm_up`).
+                new_tokens = min(args.new_tokens, WARM_UP_NEW_TOKENS) if run == 0 else args.new_tokens
+                prefill, steps = run_cell(model, prompt_len, batch, new_tokens, args.device)
                 if run > 0:
                     runs.append((prefill, steps))
             med = statistics.median

@@ -199,6 +199,12 @@ fn print_ratios(ours: &Value, theirs: &Value) {
     );
     let empty = Vec::new();
     let their_cells = theirs["cells"].as_array().unwrap_or(&empty);
+    // Like with like: the device's memory when transformers ran on the GPU, else both RSS.
+    let our_memory = if theirs["device"] == "cuda" {
+        "peak_memory_bytes"
+    } else {
+        "peak_rss_bytes"
+    };
     for cell in ours["cells"].as_array().unwrap_or(&empty) {
         let Some(other) = their_cells
             .iter()
@@ -210,6 +216,7 @@ fn print_ratios(ours: &Value, theirs: &Value) {
         // Rates: ours over theirs. Times and memory: theirs over ours.
         let faster = |key: &str| f(cell, key) / f(other, key);
         let shorter = |key: &str| f(other, key) / f(cell, key);
+        let leaner = f(other, "peak_memory_bytes") / f(cell, our_memory);
         println!(
             "{:>6} {:>5} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
             cell["prompt_len"].as_u64().unwrap_or(0),
@@ -219,7 +226,7 @@ fn print_ratios(ours: &Value, theirs: &Value) {
             shorter("time_to_first_token_ms"),
             shorter("itl_p50_ms"),
             shorter("itl_p99_ms"),
-            shorter("peak_memory_bytes"),
+            leaner,
         );
     }
 }

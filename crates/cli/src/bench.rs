@@ -1,6 +1,7 @@
 //! `kiln bench`: the benchmark matrix on one backend (`cargo xtask bench` runs it): for each
 //! prompt length and batch size, prefill and decode rates, time to first token, inter-token
-//! latency and peak memory, each the median of several runs after a warm-up.
+//! latency and peak memory (the process's resident set, and the device allocator's where the
+//! backend reports it), each the median of several runs after a warm-up.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -76,7 +77,16 @@ struct CellReport {
     time_to_first_token_ms: f64,
     itl_p50_ms: f64,
     itl_p99_ms: f64,
-    peak_memory_bytes: Option<u64>,
+    peak_rss_bytes: Option<u64>,
+    /// The device allocator's reserved bytes at their largest over the runs.
+    peak_device_bytes: Option<u64>,
+}
+
+impl CellReport {
+    /// The memory figure the comparison uses: the device's where reported, else the RSS.
+    fn peak_memory_bytes(&self) -> Option<u64> {
+        self.peak_device_bytes.or(self.peak_rss_bytes)
+    }
 }
 
 fn ms(d: Duration) -> f64 {
@@ -87,7 +97,7 @@ fn median(values: impl IntoIterator<Item = f64>) -> f64 {
     quantile(&values.into_iter().collect::<Vec<_>>(), 0.5)
 }
 
-fn report(cell: Cell, runs: &[CellTimings], peak_memory_bytes: Option<u64>) -> CellReport {
+fn report(cell: Cell, runs: &[CellTimings], peak_rss_bytes: Option<u64>) -> CellReport {
     let itl = |q: f64| {
         median(runs.iter().map(|r| {
             let steps: Vec<f64> = r.decode_steps.iter().copied().map(ms).collect();
@@ -104,7 +114,11 @@ fn report(cell: Cell, runs: &[CellTimings], peak_memory_bytes: Option<u64>) -> C
         })),
         itl_p50_ms: itl(0.5),
         itl_p99_ms: itl(0.99),
-        peak_memory_bytes,
+        peak_rss_bytes,
+        peak_device_bytes: runs
+            .iter()
+            .filter_map(|r| r.peak_device_memory.map(|m| m.reserved))
+            .max(),
     }
 }
 
@@ -133,12 +147,20 @@ impl BackendTask for Task {
                 shape.max_positions
             )));
         }
-        let memory_kind = "RSS";
+        let reports_device_memory = B::device_memory(&device).is_some();
+        let memory_kind = if reports_device_memory {
+            "device (reserved)"
+        } else {
+            "RSS"
+        };
         // `run_on` has already probed the backend; this only names the device.
         let device_name = args.model.backend.require().unwrap_or_default();
         eprintln!(
-            "kiln bench: {name} on {} ({device_name}), {dtype}, {} new tokens, median of {} runs after a warm-up",
-            args.model.backend, args.new_tokens, args.repeats
+            "kiln bench: {name} on {} ({device_name}), {dtype}, {} new tokens, median of {} runs after a warm-up ({} new tokens)",
+            args.model.backend,
+            args.new_tokens,
+            args.repeats,
+            args.new_tokens.min(Cell::WARM_UP_NEW_TOKENS)
         );
         let weight_bytes = model.config().parameters() * dtype.size_bytes();
         let (bandwidth, where_) = match args.model.backend {
@@ -155,7 +177,7 @@ impl BackendTask for Task {
             _ => eprintln!("memory bandwidth ({where_}): could not be measured"),
         }
         println!(
-            "{:>6} {:>5} {:>14} {:>13} {:>9} {:>11} {:>11} {:>12}",
+            "{:>6} {:>5} {:>14} {:>13} {:>9} {:>11} {:>11} {:>12}{}",
             "prompt",
             "batch",
             "prefill tok/s",
@@ -163,7 +185,12 @@ impl BackendTask for Task {
             "TTFT ms",
             "ITL p50 ms",
             "ITL p99 ms",
-            format!("peak {memory_kind} MB")
+            "peak RSS MB",
+            if reports_device_memory {
+                format!(" {:>12}", "peak dev MB")
+            } else {
+                String::new()
+            }
         );
         let cells: Vec<Cell> = args
             .prompt_lens
@@ -188,11 +215,13 @@ impl BackendTask for Task {
                 kind: CacheKind::Paged,
                 ..CacheSpec::paged(cell.batch, cell.prompt_len + cell.new_tokens)
             };
+            B::release_unused_device_memory(&device);
             let mut cache = spec.build::<B>(shape.kv_layout(), dtype, &device)?;
             memory::reset_peak();
             let mut runs = Vec::with_capacity(args.repeats);
             for run in 0..=args.repeats {
-                let timings = run_cell(&model, cache.as_mut(), &cell)
+                let this_run = if run == 0 { cell.warm_up() } else { cell };
+                let timings = run_cell(&model, cache.as_mut(), &this_run)
                     .with_context(|| format!("prompt {}, batch {}", cell.prompt_len, cell.batch))?;
                 bar.inc(1);
                 if run > 0 {
@@ -201,9 +230,11 @@ impl BackendTask for Task {
             }
             let peak = memory::peak_rss();
             let r = report(cell, &runs, peak);
+            let megabytes =
+                |b: Option<u64>| b.map_or("n/a".into(), |b| format!("{:.0}", b as f64 / 1e6));
             bar.suspend(|| {
                 println!(
-                    "{:>6} {:>5} {:>14.1} {:>13.1} {:>9.1} {:>11.2} {:>11.2} {:>12}",
+                    "{:>6} {:>5} {:>14.1} {:>13.1} {:>9.1} {:>11.2} {:>11.2} {:>12}{}",
                     cell.prompt_len,
                     cell.batch,
                     r.prefill_tokens_per_s,
@@ -211,8 +242,12 @@ impl BackendTask for Task {
                     r.time_to_first_token_ms,
                     r.itl_p50_ms,
                     r.itl_p99_ms,
-                    r.peak_memory_bytes
-                        .map_or("n/a".into(), |b| format!("{:.0}", b as f64 / 1e6))
+                    megabytes(r.peak_rss_bytes),
+                    if reports_device_memory {
+                        format!(" {:>12}", megabytes(r.peak_device_bytes))
+                    } else {
+                        String::new()
+                    }
                 );
             });
             reports.push(r);
@@ -240,7 +275,9 @@ impl BackendTask for Task {
                     "time_to_first_token_ms": r.time_to_first_token_ms,
                     "itl_p50_ms": r.itl_p50_ms,
                     "itl_p99_ms": r.itl_p99_ms,
-                    "peak_memory_bytes": r.peak_memory_bytes,
+                    "peak_memory_bytes": r.peak_memory_bytes(),
+                    "peak_rss_bytes": r.peak_rss_bytes,
+                    "peak_device_reserved_bytes": r.peak_device_bytes,
                 })).collect::<Vec<_>>(),
             });
             if let Some(dir) = path.parent() {

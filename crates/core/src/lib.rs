@@ -36,7 +36,7 @@ pub mod sampling;
 pub mod selftest;
 pub mod tensor;
 
-pub use backend::{BackendKind, InferenceBackend};
+pub use backend::{BackendKind, DeviceMemory, InferenceBackend};
 pub use batch::{Batch, SeqSpan};
 pub use dtype::Dtype;
 pub use error::{CoreError, Result};

@@ -3,12 +3,15 @@
 //! greedily for `new_tokens` tokens, no EOS. Prefill and decode are timed as separate phases,
 //! as llama.cpp's `llama-bench` (pp / tg) and vLLM's latency benchmark do, so each has a clean
 //! rate; the Python twin (`scripts/bench/transformers_bench.py`) runs the same phases.
+//!
+//! On backends whose device allocator reports its memory (wgpu, cuda), the run samples it after
+//! every forward and keeps the largest figures.
 
 use std::time::{Duration, Instant};
 
 use kiln_core::kv_cache::KvCache;
 use kiln_core::{
-    Batch, CausalLm, CoreError, InferenceBackend, LogitsFor, Position, SeqId, TokenId,
+    Batch, CausalLm, CoreError, DeviceMemory, InferenceBackend, LogitsFor, Position, SeqId, TokenId,
 };
 
 /// What one cell runs.
@@ -24,6 +27,22 @@ pub struct Cell {
     pub max_step_tokens: usize,
 }
 
+impl Cell {
+    /// Decode steps of a warm-up run: enough to compile and tune every decode kernel of the
+    /// cell (the context lengths of later steps fall in the same tuning buckets) without paying
+    /// for the whole decode again.
+    pub const WARM_UP_NEW_TOKENS: usize = 8;
+
+    /// The run that precedes the timed ones: the same prefill (every prefill shape of the cell,
+    /// all sequences in the cache) and the first [`Self::WARM_UP_NEW_TOKENS`] tokens.
+    pub fn warm_up(&self) -> Cell {
+        Cell {
+            new_tokens: self.new_tokens.min(Self::WARM_UP_NEW_TOKENS),
+            ..*self
+        }
+    }
+}
+
 /// Raw timings of one run of a cell.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CellTimings {
@@ -35,6 +54,9 @@ pub struct CellTimings {
     pub decode_steps: Vec<Duration>,
     /// The tokens generated, per sequence (for checking runs agree).
     pub tokens: Vec<Vec<TokenId>>,
+    /// The device allocator's largest figures after any forward of the run, each its own
+    /// maximum; `None` where the backend does not report them.
+    pub peak_device_memory: Option<DeviceMemory>,
 }
 
 impl CellTimings {
@@ -108,6 +130,15 @@ pub fn run_cell<B: InferenceBackend>(
     let mut tokens: Vec<Vec<TokenId>> = vec![Vec::with_capacity(cell.new_tokens); cell.batch];
     let mut time_to_first_token = vec![Duration::ZERO; cell.batch];
     let per_step = cell.max_step_tokens.max(cell.prompt_len);
+    let device = model.device();
+    let mut peak_device_memory: Option<DeviceMemory> = None;
+    let mut sample_memory = || {
+        if let Some(now) = B::device_memory(&device) {
+            let peak = peak_device_memory.get_or_insert(now);
+            peak.in_use = peak.in_use.max(now.in_use);
+            peak.reserved = peak.reserved.max(now.reserved);
+        }
+    };
 
     let start = Instant::now();
     let mut next = 0;
@@ -123,6 +154,7 @@ pub fn run_cell<B: InferenceBackend>(
         let logits = model.forward(&batch, cache, LogitsFor::LastOfEachSequence)?;
         let rows: Vec<f32> = logits.into_data().iter::<f32>().collect();
         let now = start.elapsed();
+        sample_memory();
         for (seq, row) in (first..next).zip(rows.chunks(vocab)) {
             tokens[seq].push(argmax(row));
             time_to_first_token[seq] = now;
@@ -147,6 +179,7 @@ pub fn run_cell<B: InferenceBackend>(
             generated.push(argmax(row));
         }
         decode_steps.push(step_start.elapsed());
+        sample_memory();
     }
     cache.clear();
     Ok(CellTimings {
@@ -154,12 +187,31 @@ pub fn run_cell<B: InferenceBackend>(
         time_to_first_token,
         decode_steps,
         tokens,
+        peak_device_memory,
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn warm_up_keeps_the_prefill_and_shortens_the_decode() {
+        let cell = Cell {
+            prompt_len: 512,
+            batch: 32,
+            new_tokens: 128,
+            max_step_tokens: 512,
+        };
+        let warm_up = cell.warm_up();
+        assert_eq!(warm_up.new_tokens, Cell::WARM_UP_NEW_TOKENS);
+        assert_eq!((warm_up.prompt_len, warm_up.batch), (512, 32));
+        let short = Cell {
+            new_tokens: 3,
+            ..cell
+        };
+        assert_eq!(short.warm_up(), short);
+    }
 
     #[test]
     fn quantiles_are_nearest_rank() {

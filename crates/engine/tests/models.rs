@@ -12,6 +12,7 @@ use std::sync::OnceLock;
 use kiln_core::kv_cache::{CacheKind, DynamicKvCache, SlidingKvCache, StaticKvCache};
 use kiln_core::sampling::SamplingParams;
 use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, SeqId, TokenId};
+use kiln_engine::bench::{Cell, run_cell, synthetic_prompts};
 use kiln_engine::{
     CacheSpec, Engine, EngineConfig, EngineError, GenerateRequest, Request, Session, Snapshot,
     generate,
@@ -364,6 +365,44 @@ fn sliding_window_attends_over_the_last_w_tokens<B: InferenceBackend>() {
     assert!(fed > 2 * window);
 }
 
+/// A benchmark cell decodes, for each of its prompts, exactly what `generate` decodes for that
+/// prompt alone, and reads device memory exactly where the backend reports it: at least the
+/// cache, all the cell's tokens in it at their largest.
+fn bench_cell_generates_what_generate_does<B: InferenceBackend>() {
+    let loaded = load::<B>(&fixture("llama-tiny"), Dtype::F32);
+    let model = &loaded.model;
+    let shape = model.shape();
+    let cell = Cell {
+        prompt_len: 20,
+        batch: 3,
+        new_tokens: 6,
+        max_step_tokens: 512,
+    };
+    let mut cache = CacheSpec::paged(cell.batch, cell.prompt_len + cell.new_tokens)
+        .build::<B>(shape.kv_layout(), Dtype::F32, &model.device())
+        .unwrap();
+    let timings = run_cell(model, cache.as_mut(), &cell).unwrap();
+    let expected: Vec<Vec<TokenId>> = synthetic_prompts(cell.batch, cell.prompt_len, shape.vocab)
+        .iter()
+        .map(|p| alone(model, p, cell.new_tokens, &SamplingParams::greedy()))
+        .collect();
+    assert_eq!(timings.tokens, expected);
+    assert_eq!(timings.decode_steps.len(), cell.new_tokens - 1);
+    assert_eq!(cache.usage().sequences, 0, "the cell empties its cache");
+
+    let reports = B::device_memory(&model.device()).is_some();
+    assert_eq!(timings.peak_device_memory.is_some(), reports);
+    if let Some(peak) = timings.peak_device_memory {
+        let cached = cell.batch * (cell.prompt_len + cell.new_tokens);
+        let cache_bytes = cached * shape.kv_layout().bytes_per_token(Dtype::F32);
+        assert!(
+            peak.in_use as usize >= cache_bytes,
+            "{peak:?} < {cache_bytes}"
+        );
+        assert!(peak.reserved >= peak.in_use, "{peak:?}");
+    }
+}
+
 mod cpu {
     type B = burn::backend::Flex;
 
@@ -391,6 +430,11 @@ mod cpu {
     fn sliding_window_attends_over_the_last_w_tokens() {
         super::sliding_window_attends_over_the_last_w_tokens::<B>();
     }
+
+    #[test]
+    fn bench_cell_generates_what_generate_does() {
+        super::bench_cell_generates_what_generate_does::<B>();
+    }
 }
 
 mod wgpu {
@@ -409,5 +453,10 @@ mod wgpu {
     #[test]
     fn sliding_window_attends_over_the_last_w_tokens() {
         super::sliding_window_attends_over_the_last_w_tokens::<B>();
+    }
+
+    #[test]
+    fn bench_cell_generates_what_generate_does() {
+        super::bench_cell_generates_what_generate_does::<B>();
     }
 }

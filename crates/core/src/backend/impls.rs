@@ -1,5 +1,7 @@
 //! [`InferenceBackend`] for each burn backend kiln supports, each behind its cargo feature.
 
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+use super::DeviceMemory;
 #[allow(unused_imports)]
 use super::{BackendKind, InferenceBackend};
 
@@ -117,6 +119,14 @@ impl InferenceBackend for burn::backend::Wgpu {
     fn inference_device() -> Self::Device {
         burn::backend::wgpu::WgpuDevice::DefaultDevice
     }
+
+    fn device_memory(device: &Self::Device) -> Option<DeviceMemory> {
+        cubecl_memory::<burn::backend::wgpu::WgpuRuntime>(device)
+    }
+
+    fn release_unused_device_memory(device: &Self::Device) {
+        cubecl_release::<burn::backend::wgpu::WgpuRuntime>(device);
+    }
 }
 
 /// burn-cuda, kiln's `cuda` backend.
@@ -130,4 +140,28 @@ impl InferenceBackend for burn::backend::Cuda {
     fn inference_device() -> Self::Device {
         burn::backend::cuda::CudaDevice::new(0)
     }
+
+    fn device_memory(device: &Self::Device) -> Option<DeviceMemory> {
+        cubecl_memory::<cubecl::cuda::CudaRuntime>(device)
+    }
+
+    fn release_unused_device_memory(device: &Self::Device) {
+        cubecl_release::<cubecl::cuda::CudaRuntime>(device);
+    }
+}
+
+/// The report of cubecl's memory manager for `device` (burn's fusion backends share the
+/// runtime's client, so this is the memory burn's tensors live in).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn cubecl_memory<R: cubecl::Runtime>(device: &R::Device) -> Option<DeviceMemory> {
+    let usage = R::client(device).memory_usage().ok()?;
+    Some(DeviceMemory {
+        in_use: usage.bytes_in_use,
+        reserved: usage.bytes_reserved,
+    })
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn cubecl_release<R: cubecl::Runtime>(device: &R::Device) {
+    R::client(device).memory_cleanup();
 }

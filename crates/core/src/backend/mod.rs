@@ -197,6 +197,28 @@ pub trait InferenceBackend: Backend {
     ) {
         target.inplace(|t| t.slice_assign(ranges, values));
     }
+
+    /// What the backend's device allocator holds, where it reports it (the GPU backends);
+    /// `None` on the CPU backends, whose memory is the process's resident set. Call after the
+    /// work to be measured has been read back: queued work is not counted.
+    fn device_memory(_device: &Self::Device) -> Option<DeviceMemory> {
+        None
+    }
+
+    /// Asks the device allocator to return the memory it holds but no tensor uses (a no-op on
+    /// the CPU backends), so that a later [`device_memory`](Self::device_memory) counts only
+    /// what is allocated after it.
+    fn release_unused_device_memory(_device: &Self::Device) {}
+}
+
+/// A device allocator's report, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Held by live tensors.
+    pub in_use: u64,
+    /// Taken from the device by the allocator: live tensors, padding and free pages it keeps
+    /// (PyTorch's "reserved").
+    pub reserved: u64,
 }
 
 /// Code generic over the backend, to be run on a kind chosen at run time. Rust has no generic
