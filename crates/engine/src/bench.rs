@@ -28,9 +28,10 @@ pub struct Cell {
 }
 
 impl Cell {
-    /// Decode steps of a warm-up run: enough to compile and tune every decode kernel of the
-    /// cell (the context lengths of later steps fall in the same tuning buckets) without paying
-    /// for the whole decode again.
+    /// Decode steps of a warm-up run: enough to compile and tune the decode kernels without
+    /// paying for the whole decode again. On cubecl's backends a context length first met in a
+    /// timed run can still compile a kernel once; that run's ITL p99 shows it, and the median of
+    /// several runs leaves it out.
     pub const WARM_UP_NEW_TOKENS: usize = 8;
 
     /// The run that precedes the timed ones: the same prefill (every prefill shape of the cell,

@@ -206,8 +206,8 @@ pub trait InferenceBackend: Backend {
     }
 
     /// Asks the device allocator to return the memory it holds but no tensor uses (a no-op on
-    /// the CPU backends), so that a later [`device_memory`](Self::device_memory) counts only
-    /// what is allocated after it.
+    /// the CPU backends), so that a later [`device_memory`](Self::device_memory) counts less of
+    /// what earlier work left behind. The allocator decides what it frees; nothing is promised.
     fn release_unused_device_memory(_device: &Self::Device) {}
 }
 
