@@ -115,7 +115,7 @@ impl<B: InferenceBackend> AttentionPlan<B> {
             }
         });
 
-        let history = ReadIndex::new(&step.read, device).map(|read| {
+        let history = ReadIndex::new(&step.read, n_kv_heads, device).map(|read| {
             let rows = step.history.len();
             let max_new = step
                 .history

@@ -62,8 +62,10 @@ mod flex_write {
         }
     }
 
-    /// Copies `src` into the block `ranges` of `dst` when that block is one contiguous run
-    /// (full inner dims, one outer index) and `dst` is uniquely owned; returns whether it did.
+    /// Copies `src` into the block `ranges` of `dst` when that block lies in one index of the
+    /// first dimension and spans the whole last one, and `dst` is contiguous and uniquely
+    /// owned: one contiguous run per index of the second dimension (a KV write: one run per
+    /// head). Returns whether it did.
     fn copy_block<E: burn::tensor::Element + bytemuck::Pod>(
         dst: &mut FlexTensor,
         ranges: &[Range<usize>; 4],
@@ -72,26 +74,25 @@ mod flex_write {
         let shape = dst.layout().shape().clone();
         let dims: Vec<usize> = shape.iter().copied().collect();
         let contiguous = dst.is_contiguous() && dst.layout().start_offset() == 0;
-        let one_run =
-            ranges[0].len() == 1 && ranges[2] == (0..dims[2]) && ranges[3] == (0..dims[3]);
-        if !contiguous || !one_run || src.dtype() != dst.dtype() {
+        let in_bounds = ranges.iter().zip(&dims).all(|(r, &d)| r.end <= d);
+        let blocky = ranges[0].len() == 1 && ranges[3] == (0..dims[3]);
+        if !contiguous || !in_bounds || !blocky || src.dtype() != dst.dtype() {
             return false;
         }
         let src = src.to_contiguous();
         let values: &[E] = &src.storage::<E>()[src.layout().start_offset()..];
-        let row = dims[2] * dims[3];
-        let start = (ranges[0].start * dims[1] + ranges[1].start) * row;
-        let len = ranges[1].len() * row;
-        if values.len() < len {
+        let run = ranges[2].len() * dims[3];
+        if values.len() < ranges[1].len() * run {
             return false;
         }
-        match dst.try_storage_mut::<E>() {
-            Some(storage) if storage.len() >= start + len => {
-                storage[start..start + len].copy_from_slice(&values[..len]);
-                true
-            }
-            _ => false,
+        let Some(storage) = dst.try_storage_mut::<E>() else {
+            return false;
+        };
+        for (i, outer) in ranges[1].clone().enumerate() {
+            let start = ((ranges[0].start * dims[1] + outer) * dims[2] + ranges[2].start) * dims[3];
+            storage[start..start + run].copy_from_slice(&values[i * run..(i + 1) * run]);
         }
+        true
     }
 }
 

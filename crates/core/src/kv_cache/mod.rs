@@ -8,7 +8,7 @@
 //!   ([`KvCache::write`]) and reads the K/V to attend over ([`KvCache::read`]).
 //!
 //! All four kinds store K/V the same way ([`SlotStorage`]: per layer a
-//! `[targets, slots, n_kv_heads, head_dim]` tensor written in place) and differ only in how they
+//! `[targets, n_kv_heads, slots, head_dim]` tensor written in place) and differ only in how they
 //! map a sequence's tokens to `(target, slot)`:
 //!
 //! | kind | target | slot | runs out when |
@@ -41,7 +41,7 @@ pub use paged::{BlockPool, DEFAULT_BLOCK_SIZE, PagedKvCache};
 pub use plan::{FreshSpan, HistorySpan, ReadPlan, StepPlan, WriteRun};
 pub use sliding::SlidingKvCache;
 pub use static_::StaticKvCache;
-pub use storage::{ReadIndex, SlotStorage};
+pub use storage::{ReadIndex, RowPick, SlotStorage};
 
 use crate::batch::Batch;
 use crate::dtype::Dtype;

@@ -13,10 +13,13 @@ use super::KvLayout;
 use super::plan::{ReadPlan, WriteRun};
 use crate::dtype::Dtype;
 
-/// Per layer one K and one V tensor of shape `[targets, slots, n_kv_heads, head_dim]`.
+/// Per layer one K and one V tensor of shape `[targets, n_kv_heads, slots, head_dim]`.
 ///
 /// A *target* is a sequence's row (dense caches) or a block (paged cache); a *slot* is a
-/// token's place in it. Token-major slots make a write a plain slice of the packed K/V.
+/// token's place in it. Head-major, like attention's operands: a read is one gather of whole
+/// `[slots, head_dim]` runs that attention takes as it is, with no strided copy per layer
+/// (with token-major slots burn-flex copied the transposed K/V element by element, most of a
+/// batched decode step). A write pays instead: `n_kv_heads` short runs per sequence.
 #[derive(Debug)]
 pub struct SlotStorage<B: InferenceBackend> {
     layout: KvLayout,
@@ -33,15 +36,17 @@ pub struct SlotStorage<B: InferenceBackend> {
 pub enum ReadIndex<B: Backend> {
     /// One row per sequence; the first `keys` slots of each.
     Rows {
-        /// Row of each sequence. `[rows]`
-        rows: Tensor<B, 1, Int>,
+        /// The row of each sequence.
+        rows: RowPick<B>,
         /// Slots read from each row.
         keys: usize,
     },
-    /// Each sequence's block table, padded to `blocks_per_row`.
+    /// Each sequence's block table, padded to `blocks_per_row`, as indices into the pool
+    /// viewed as `[blocks * n_kv_heads, slots, head_dim]`: for row `r`, head `h`, the `i`-th
+    /// block `b` of its table is `b * n_kv_heads + h`.
     Blocks {
-        /// Blocks, row-major. `[rows * blocks_per_row]`
-        blocks: Tensor<B, 1, Int>,
+        /// Row-major `[rows, n_kv_heads, blocks_per_row]`, flattened.
+        head_blocks: Tensor<B, 1, Int>,
         /// Sequences read.
         rows: usize,
         /// Blocks per sequence.
@@ -49,23 +54,51 @@ pub enum ReadIndex<B: Backend> {
     },
 }
 
+/// Which rows of a dense cache a step reads, in order.
+#[derive(Debug, Clone)]
+pub enum RowPick<B: Backend> {
+    /// Consecutive rows in ascending order (the common case: rows are handed out lowest
+    /// first), read as a slice: no gather, and on burn-flex one copy fewer.
+    Range(Range<usize>),
+    /// Any other rows, gathered. `[rows]`
+    Select(Tensor<B, 1, Int>),
+}
+
+impl<B: Backend> RowPick<B> {
+    fn new(rows: &[usize], device: &B::Device) -> Self {
+        match rows.first() {
+            Some(&first) if rows.iter().enumerate().all(|(i, &r)| r == first + i) => {
+                RowPick::Range(first..first + rows.len())
+            }
+            _ => RowPick::Select(int_tensor(rows.iter().copied(), device)),
+        }
+    }
+}
+
 impl<B: InferenceBackend> ReadIndex<B> {
-    /// Uploads a read plan; `None` when there is nothing to read.
-    pub fn new(plan: &ReadPlan, device: &B::Device) -> Option<Self> {
+    /// Uploads a read plan for a cache of `n_kv_heads` heads; `None` when there is nothing to
+    /// read.
+    pub fn new(plan: &ReadPlan, n_kv_heads: usize, device: &B::Device) -> Option<Self> {
         match plan {
             ReadPlan::None => None,
             ReadPlan::Rows { rows, keys } => Some(ReadIndex::Rows {
-                rows: int_tensor(rows.iter().copied(), device),
+                rows: RowPick::new(rows, device),
                 keys: *keys,
             }),
             ReadPlan::Blocks {
                 blocks,
                 blocks_per_row,
-            } => Some(ReadIndex::Blocks {
-                blocks: int_tensor(blocks.iter().map(|b| b.index()), device),
-                rows: blocks.len() / blocks_per_row,
-                blocks_per_row: *blocks_per_row,
-            }),
+            } => {
+                let head_blocks = blocks.chunks(*blocks_per_row).flat_map(|table| {
+                    (0..n_kv_heads)
+                        .flat_map(move |h| table.iter().map(move |b| b.index() * n_kv_heads + h))
+                });
+                Some(ReadIndex::Blocks {
+                    head_blocks: int_tensor(head_blocks, device),
+                    rows: blocks.len() / blocks_per_row,
+                    blocks_per_row: *blocks_per_row,
+                })
+            }
         }
     }
 }
@@ -103,7 +136,7 @@ impl<B: InferenceBackend> SlotStorage<B> {
         device: &B::Device,
     ) -> Tensor<B, 4> {
         Tensor::zeros(
-            [targets, slots, layout.n_kv_heads, layout.head_dim],
+            [targets, layout.n_kv_heads, slots, layout.head_dim],
             (device, dtype.burn()),
         )
     }
@@ -158,8 +191,8 @@ impl<B: InferenceBackend> SlotStorage<B> {
             let old = std::mem::replace(tensor, bigger);
             let ranges = [
                 0..old_targets,
-                0..old_slots,
                 0..layout.n_kv_heads,
+                0..old_slots,
                 0..layout.head_dim,
             ];
             B::write_in_place(tensor, ranges, old);
@@ -180,11 +213,12 @@ impl<B: InferenceBackend> SlotStorage<B> {
                 let values = new
                     .clone()
                     .slice([run.tokens.clone()])
+                    .swap_dims(0, 1)
                     .unsqueeze_dim::<4>(0);
                 let slots: Range<usize> = run.slot..run.slot + run.tokens.len();
                 B::write_in_place(
                     store,
-                    [run.target..run.target + 1, slots, 0..heads, 0..dim],
+                    [run.target..run.target + 1, 0..heads, slots, 0..dim],
                     values,
                 );
             }
@@ -196,27 +230,29 @@ impl<B: InferenceBackend> SlotStorage<B> {
     /// # Shapes
     /// - returns `k`, `v`: `[rows, n_kv_heads, keys, head_dim]`
     pub fn read(&self, layer: usize, index: &ReadIndex<B>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let (heads, dim) = (self.layout.n_kv_heads, self.layout.head_dim);
         let read_one = |store: &Tensor<B, 4>| -> Tensor<B, 4> {
             match index {
-                ReadIndex::Rows { rows, keys } => store
+                ReadIndex::Rows {
+                    rows: RowPick::Range(rows),
+                    keys,
+                } => store.clone().slice([rows.clone(), 0..heads, 0..*keys]),
+                ReadIndex::Rows {
+                    rows: RowPick::Select(rows),
+                    keys,
+                } => store
                     .clone()
-                    .slice([0..self.targets, 0..*keys])
-                    .select(0, rows.clone())
-                    .swap_dims(1, 2),
+                    .slice([0..self.targets, 0..heads, 0..*keys])
+                    .select(0, rows.clone()),
                 ReadIndex::Blocks {
-                    blocks,
+                    head_blocks,
                     rows,
                     blocks_per_row,
                 } => store
                     .clone()
-                    .select(0, blocks.clone())
-                    .reshape([
-                        *rows as i32,
-                        (*blocks_per_row * self.slots) as i32,
-                        self.layout.n_kv_heads as i32,
-                        self.layout.head_dim as i32,
-                    ])
-                    .swap_dims(1, 2),
+                    .reshape([self.targets * heads, self.slots, dim])
+                    .select(0, head_blocks.clone())
+                    .reshape([*rows, heads, *blocks_per_row * self.slots, dim]),
             }
         };
         (read_one(&self.k[layer]), read_one(&self.v[layer]))
@@ -226,9 +262,11 @@ impl<B: InferenceBackend> SlotStorage<B> {
     ///
     /// # Shapes
     /// - returns per layer `(k, v)`, each `[targets, slots, n_kv_heads, head_dim]` as f32
+    ///   (token-major, the order snapshots store)
     pub fn to_host(&self) -> Vec<(Vec<f32>, Vec<f32>)> {
         let host = |t: &Tensor<B, 4>| -> Vec<f32> {
             t.clone()
+                .swap_dims(1, 2)
                 .cast(burn::tensor::FloatDType::F32)
                 .into_data()
                 .iter::<f32>()

@@ -113,6 +113,8 @@ fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::
     let n_rep = N_HEADS / hkv;
     let mut rand = Rand(ChaCha8Rng::seed_from_u64(3));
     let mut reference = Reference::default();
+    // Dense caches read consecutive rows as a slice and others with a gather: both must run.
+    let (mut sliced_rows, mut gathered_rows) = (false, false);
     for (step_index, step) in scenario().into_iter().enumerate() {
         let mut batch = Batch::new();
         for (seq, op) in &step {
@@ -143,6 +145,17 @@ fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::
         let t = batch.n_tokens();
         let plan = cache.plan(&batch).unwrap();
         let plan = AttentionPlan::new(&batch, plan, N_HEADS, hkv, device);
+        match ReadIndex::<B>::new(&plan.step().read, hkv, device) {
+            Some(ReadIndex::Rows {
+                rows: RowPick::Range(_),
+                ..
+            }) => sliced_rows = true,
+            Some(ReadIndex::Rows {
+                rows: RowPick::Select(_),
+                ..
+            }) => gathered_rows = true,
+            _ => {}
+        }
         for layer in 0..LAYOUT.n_layers {
             let q = rand.values(t * N_HEADS * d);
             let k = rand.values(t * hkv * d);
@@ -198,6 +211,13 @@ fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::
                 }
             }
         }
+    }
+    if !matches!(cache.kind(), CacheKind::Paged) {
+        assert!(
+            sliced_rows && gathered_rows,
+            "{} cache: the scenario read rows as a slice ({sliced_rows}) and gathered ({gathered_rows})",
+            cache.kind()
+        );
     }
     let live = reference.history.len();
     assert_eq!(cache.usage().sequences, live);
