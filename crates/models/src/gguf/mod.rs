@@ -13,12 +13,13 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 pub use parse::{Header, ParseError, TensorInfo};
-pub use quant::{GgmlType, dequantize};
+pub use quant::{GgmlType, dequantize, has_kernel};
 pub use value::MetaValue;
 
 use crate::error::{ModelError, Result};
 use crate::host::HostTensor;
-use crate::weights::TensorSource;
+use crate::weights::{QuantizedTensor, TensorSource};
+use kiln_kernels::QuantMatrix;
 
 /// A memory-mapped GGUF file with its parsed header.
 pub struct GgufFile {
@@ -220,6 +221,27 @@ impl TensorSource for GgufFile {
             shape: info.shape.clone(),
             data,
         })
+    }
+
+    /// The tensor's blocks as they are in the file, for 2-D tensors of a type with a kernel.
+    fn read_quantized(&self, name: &str) -> Result<Option<QuantizedTensor>> {
+        let info = self
+            .tensor_info(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                file: self.describe(),
+                tensor: name.to_string(),
+            })?;
+        if !kiln_kernels::quant::has_kernel(info.ggml_type) || info.shape.len() != 2 {
+            return Ok(None);
+        }
+        let (rows, cols) = (info.shape[0], info.shape[1]);
+        let matrix = QuantMatrix::new(info.ggml_type, rows, cols, self.tensor_bytes(info).to_vec())
+            .map_err(|e| ModelError::corrupt(&self.path, format!("tensor `{name}`: {e}")))?;
+        Ok(Some(QuantizedTensor {
+            file: self.describe(),
+            shape: info.shape.clone(),
+            matrix,
+        }))
     }
 
     fn names(&self) -> Vec<String> {

@@ -1,0 +1,80 @@
+//! Activations quantized to 8 bits per block of 32, the form the quantized dot products read
+//! (llama.cpp's `block_q8_0` / `block_q8_1`, with an f32 scale instead of an f16 one).
+//!
+//! Every weight type shares this one activation format: blocks of 32 are the sub-block size
+//! of Q4_0/Q4_1/Q8_0 and of Q4_K, and Q6_K's 16-value groups are halves of one.
+
+/// 32 activations as `d × q`, with `q` in `[-127, 127]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C, align(8))]
+pub struct ActBlock {
+    /// The quantized values.
+    pub qs: [i8; 32],
+    /// The scale: the block's largest magnitude / 127 (0 for an all-zero block).
+    pub d: f32,
+    /// `d × Σ qs`, for the weight types with an offset (Q4_0's 8, Q4_1's and Q4_K's minimum).
+    pub d_sum: f32,
+}
+
+/// Values per activation block.
+pub const ACT_BLOCK: usize = 32;
+
+impl ActBlock {
+    /// Quantizes 32 values (round to nearest, as llama.cpp's `quantize_row_q8_1`).
+    pub fn quantize(x: &[f32; ACT_BLOCK]) -> Self {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut qs = [0i8; ACT_BLOCK];
+        let mut sum = 0i32;
+        for (q, v) in qs.iter_mut().zip(x) {
+            *q = (v * inv).round() as i8;
+            sum += i32::from(*q);
+        }
+        Self {
+            qs,
+            d,
+            d_sum: d * sum as f32,
+        }
+    }
+}
+
+/// Quantizes `x` (`rows × k` values, row-major, `k` a multiple of 32) into `out`, which is
+/// resized to `rows × k / 32` blocks.
+///
+/// # Panics
+/// If `k` is not a multiple of 32 or `x.len() != rows × k`.
+pub fn quantize_rows(x: &[f32], k: usize, out: &mut Vec<ActBlock>) {
+    assert!(
+        k.is_multiple_of(ACT_BLOCK),
+        "row length {k} is not a multiple of 32"
+    );
+    out.clear();
+    out.extend(x.chunks_exact(ACT_BLOCK).map(|chunk| {
+        let block: &[f32; ACT_BLOCK] = chunk.try_into().expect("chunks of 32");
+        ActBlock::quantize(block)
+    }));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantization_keeps_the_largest_value_exact_and_sums_what_it_stores() {
+        let mut x = [0f32; 32];
+        for (i, v) in x.iter_mut().enumerate() {
+            *v = (i as f32 - 10.0) * 0.25;
+        }
+        let b = ActBlock::quantize(&x);
+        assert_eq!(b.qs[31], 127);
+        assert!((b.d * 127.0 - 5.25).abs() < 1e-6);
+        let sum: i32 = b.qs.iter().map(|&q| i32::from(q)).sum();
+        assert_eq!(b.d_sum, b.d * sum as f32);
+        for (q, v) in b.qs.iter().zip(&x) {
+            assert!((f32::from(*q) * b.d - v).abs() <= b.d / 2.0 + 1e-6);
+        }
+        let zero = ActBlock::quantize(&[0.0; 32]);
+        assert_eq!((zero.d, zero.qs), (0.0, [0; 32]));
+    }
+}

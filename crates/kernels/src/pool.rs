@@ -1,0 +1,327 @@
+//! A small persistent thread pool for the kernels: one job at a time, split into tasks that
+//! every thread (the caller included) claims from an atomic counter.
+//!
+//! Why not rayon: a decode step runs ~200 matrix products, many of them a few microseconds of
+//! memory traffic. Waking a sleeping rayon worker costs about as much as the product itself,
+//! so the workers here spin for a short while after each job ([`SPIN`]) and only then sleep
+//! on a condition variable; a decode step therefore pays at most one wake-up. The pool never
+//! runs two jobs at once: callers on other threads queue on a mutex, and a job started from
+//! inside a job runs inline on the calling thread.
+
+use std::cell::{Cell, UnsafeCell};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The environment variable that sets the number of kernel threads (default: every core).
+pub const THREADS_ENV: &str = "KILN_THREADS";
+
+/// How long an idle worker keeps spinning before it sleeps.
+pub const SPIN: Duration = Duration::from_micros(300);
+
+/// The task function of the running job, as the workers see it.
+type TaskFn<'a> = &'a (dyn Fn(usize) + Sync);
+
+struct Shared {
+    /// Bumped (under no lock) when a job is published; workers compare it with what they saw.
+    epoch: AtomicUsize,
+    /// The job: valid from the epoch bump until `active` falls to 0.
+    job: UnsafeCell<Option<TaskFn<'static>>>,
+    /// Tasks in the job, and the next one to claim.
+    tasks: AtomicUsize,
+    next: AtomicUsize,
+    /// Workers that have not finished the current job yet.
+    active: AtomicUsize,
+    /// A task panicked.
+    panicked: AtomicBool,
+    /// Tasks run by worker threads (not the caller) since the pool started.
+    worker_tasks: AtomicUsize,
+    /// Workers asleep on `wake`, and the lock they sleep under.
+    sleeping: AtomicUsize,
+    lock: Mutex<()>,
+    wake: Condvar,
+    shutdown: AtomicBool,
+}
+
+// SAFETY: `job` is written only by the one thread holding `ThreadPool::submit` while every
+// worker is idle (`active == 0`), and read by workers only between the epoch bump that
+// publishes it and their decrement of `active`.
+unsafe impl Sync for Shared {}
+
+/// A pool of `threads - 1` workers plus the calling thread.
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    threads: usize,
+    submit: Mutex<()>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for ThreadPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThreadPool")
+            .field("threads", &self.threads)
+            .finish()
+    }
+}
+
+thread_local! {
+    /// Whether this thread is running a task of some pool (nested jobs run inline).
+    static IN_TASK: Cell<bool> = const { Cell::new(false) };
+}
+
+impl ThreadPool {
+    /// A pool running jobs on `threads` threads (the caller and `threads - 1` workers).
+    pub fn new(threads: usize) -> Self {
+        let threads = threads.max(1);
+        let shared = Arc::new(Shared {
+            epoch: AtomicUsize::new(0),
+            job: UnsafeCell::new(None),
+            tasks: AtomicUsize::new(0),
+            next: AtomicUsize::new(0),
+            active: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            worker_tasks: AtomicUsize::new(0),
+            sleeping: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+        });
+        let workers = (1..threads)
+            .filter_map(|i| {
+                let shared = Arc::clone(&shared);
+                std::thread::Builder::new()
+                    .name(format!("kiln-kernel-{i}"))
+                    .spawn(move || worker(&shared))
+                    .ok()
+            })
+            .collect::<Vec<_>>();
+        let threads = workers.len() + 1;
+        Self {
+            shared,
+            threads,
+            submit: Mutex::new(()),
+            workers,
+        }
+    }
+
+    /// The process-wide pool: `KILN_THREADS` threads if set to a positive number, else one
+    /// per core ([`std::thread::available_parallelism`]).
+    pub fn global() -> &'static ThreadPool {
+        static GLOBAL: OnceLock<ThreadPool> = OnceLock::new();
+        GLOBAL.get_or_init(|| ThreadPool::new(default_threads()))
+    }
+
+    /// Threads a job runs on, the caller included.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Tasks that ran on worker threads rather than the caller, since the pool started: how a
+    /// test or `kiln selftest` sees that a job really was spread over threads.
+    pub fn worker_tasks(&self) -> usize {
+        self.shared.worker_tasks.load(Ordering::Relaxed)
+    }
+
+    /// Runs `task(i)` for every `i < tasks`, spread over the pool's threads, and returns when
+    /// all have finished. Tasks are claimed in increasing order.
+    ///
+    /// # Panics
+    /// Re-raises (as a new panic) a panic from any task, after every task has stopped.
+    pub fn run(&self, tasks: usize, task: &(dyn Fn(usize) + Sync)) {
+        if tasks == 0 {
+            return;
+        }
+        if tasks == 1 || self.threads == 1 || IN_TASK.with(Cell::get) {
+            (0..tasks).for_each(task);
+            return;
+        }
+        let _one_job = self
+            .submit
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let shared = &*self.shared;
+        // SAFETY: the lifetime is erased only for the duration of this call: we wait below
+        // until every worker has left the job (`active == 0`) before returning, and no worker
+        // reads `job` outside that window.
+        let erased: TaskFn<'static> = unsafe { std::mem::transmute::<TaskFn<'_>, _>(task) };
+        unsafe { *shared.job.get() = Some(erased) };
+        shared.tasks.store(tasks, Ordering::Relaxed);
+        shared.next.store(0, Ordering::Relaxed);
+        shared.panicked.store(false, Ordering::Relaxed);
+        shared.active.store(self.workers.len(), Ordering::SeqCst);
+        shared.epoch.fetch_add(1, Ordering::SeqCst);
+        if shared.sleeping.load(Ordering::SeqCst) > 0 {
+            let _guard = shared
+                .lock
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            shared.wake.notify_all();
+        }
+        run_tasks(shared, task, false);
+        while shared.active.load(Ordering::Acquire) > 0 {
+            std::hint::spin_loop();
+        }
+        unsafe { *shared.job.get() = None };
+        if shared.panicked.load(Ordering::Relaxed) {
+            panic!("a kernel task panicked");
+        }
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        {
+            let _guard = self
+                .shared
+                .lock
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            self.shared.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// `KILN_THREADS` if it is a positive number, else the number of cores.
+pub fn default_threads() -> usize {
+    std::env::var(THREADS_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// Claims and runs tasks until none is left.
+fn run_tasks(shared: &Shared, task: &(dyn Fn(usize) + Sync), on_worker: bool) {
+    let tasks = shared.tasks.load(Ordering::Relaxed);
+    IN_TASK.with(|t| t.set(true));
+    loop {
+        let i = shared.next.fetch_add(1, Ordering::Relaxed);
+        if i >= tasks {
+            break;
+        }
+        if on_worker {
+            shared.worker_tasks.fetch_add(1, Ordering::Relaxed);
+        }
+        if catch_unwind(AssertUnwindSafe(|| task(i))).is_err() {
+            shared.panicked.store(true, Ordering::Relaxed);
+        }
+    }
+    IN_TASK.with(|t| t.set(false));
+}
+
+fn worker(shared: &Shared) {
+    // Epoch 0 is "no job yet", whenever this thread starts: reading the counter here instead
+    // would miss a job published before the thread ran.
+    let mut seen = 0;
+    loop {
+        // Spin a while for the next job, then sleep until one is published.
+        let idle_since = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if shared.shutdown.load(Ordering::Relaxed) {
+                return;
+            }
+            if shared.epoch.load(Ordering::SeqCst) != seen {
+                break;
+            }
+            spins = spins.wrapping_add(1);
+            if spins % 64 == 0 && idle_since.elapsed() > SPIN {
+                let mut guard = shared
+                    .lock
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                shared.sleeping.fetch_add(1, Ordering::SeqCst);
+                while shared.epoch.load(Ordering::SeqCst) == seen
+                    && !shared.shutdown.load(Ordering::SeqCst)
+                {
+                    guard = shared
+                        .wake
+                        .wait(guard)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                }
+                shared.sleeping.fetch_sub(1, Ordering::SeqCst);
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        seen = shared.epoch.load(Ordering::SeqCst);
+        // SAFETY: the job was stored before the epoch bump we just saw, and stays valid until
+        // we decrement `active`.
+        if let Some(task) = unsafe { *shared.job.get() } {
+            run_tasks(shared, task, true);
+        }
+        shared.active.fetch_sub(1, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_task_runs_once_across_many_jobs() {
+        let pool = ThreadPool::new(3);
+        for tasks in [0, 1, 2, 7, 64, 1000] {
+            let counts: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(tasks, &|i| {
+                counts[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1));
+        }
+    }
+
+    #[test]
+    fn jobs_after_the_workers_slept_still_run() {
+        let pool = ThreadPool::new(2);
+        std::thread::sleep(SPIN * 4);
+        let sum = AtomicUsize::new(0);
+        pool.run(100, &|i| {
+            sum.fetch_add(i, Ordering::Relaxed);
+        });
+        assert_eq!(sum.load(Ordering::Relaxed), 4950);
+    }
+
+    #[test]
+    fn nested_jobs_run_inline_and_callers_on_other_threads_wait_their_turn() {
+        let pool = Arc::new(ThreadPool::new(2));
+        let total = Arc::new(AtomicUsize::new(0));
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let (pool, total) = (Arc::clone(&pool), Arc::clone(&total));
+                std::thread::spawn(move || {
+                    for _ in 0..50 {
+                        pool.run(4, &|_| {
+                            pool.run(3, &|_| {
+                                total.fetch_add(1, Ordering::Relaxed);
+                            });
+                        });
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("caller thread");
+        }
+        assert_eq!(total.load(Ordering::Relaxed), 4 * 50 * 4 * 3);
+    }
+
+    #[test]
+    fn a_panicking_task_is_reported_and_the_pool_survives() {
+        let pool = ThreadPool::new(2);
+        let caught = catch_unwind(AssertUnwindSafe(|| {
+            pool.run(8, &|i| assert!(i != 5, "task 5 fails"));
+        }));
+        assert!(caught.is_err());
+        let ran = AtomicUsize::new(0);
+        pool.run(8, &|_| {
+            ran.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(ran.load(Ordering::Relaxed), 8);
+    }
+}

@@ -1,0 +1,109 @@
+//! The reference dot products: plain integer arithmetic per block, then one float multiply-add
+//! per block (per sub-block for the K-quants). Every SIMD tier is tested against these.
+//!
+//! Each function takes one weight row (whole ggml blocks) and the row's activations quantized
+//! to [`ActBlock`]s, one per 32 weights, and returns `Σ w_i x_i`.
+
+use crate::act::ActBlock;
+use crate::ggml::{half, scale_min_k4};
+
+/// `Σ u_i a_i` over 32 unsigned 4-bit values stored low nibbles (values 0-15) then high
+/// nibbles (16-31) in 16 bytes.
+fn nibble_dot(qs: &[u8], a: &[i8; 32]) -> i32 {
+    qs.iter()
+        .enumerate()
+        .map(|(j, &q)| {
+            i32::from(q & 0xF) * i32::from(a[j]) + i32::from(q >> 4) * i32::from(a[j + 16])
+        })
+        .sum()
+}
+
+/// Q8_0 (34-byte blocks: f16 d, 32 × i8).
+pub fn q8_0(w: &[u8], a: &[ActBlock]) -> f32 {
+    w.chunks_exact(34)
+        .zip(a)
+        .map(|(b, ab)| {
+            let dot: i32 = b[2..34]
+                .iter()
+                .zip(&ab.qs)
+                .map(|(&q, &x)| i32::from(q as i8) * i32::from(x))
+                .sum();
+            half(b, 0) * ab.d * dot as f32
+        })
+        .sum()
+}
+
+/// Q4_0 (18-byte blocks: f16 d, 16 bytes of nibbles, offset 8).
+pub fn q4_0(w: &[u8], a: &[ActBlock]) -> f32 {
+    w.chunks_exact(18)
+        .zip(a)
+        .map(|(b, ab)| half(b, 0) * (ab.d * nibble_dot(&b[2..18], &ab.qs) as f32 - 8.0 * ab.d_sum))
+        .sum()
+}
+
+/// Q4_1 (20-byte blocks: f16 d and minimum m, 16 bytes of nibbles).
+pub fn q4_1(w: &[u8], a: &[ActBlock]) -> f32 {
+    w.chunks_exact(20)
+        .zip(a)
+        .map(|(b, ab)| {
+            half(b, 0) * ab.d * nibble_dot(&b[4..20], &ab.qs) as f32 + half(b, 2) * ab.d_sum
+        })
+        .sum()
+}
+
+/// Q4_K (144-byte blocks of 256: f16 d and dmin, 12 bytes of 6-bit scales and minimums, 128
+/// bytes of nibbles; four 64-value groups, each the low then the high nibbles of 32 bytes).
+pub fn q4_k(w: &[u8], a: &[ActBlock]) -> f32 {
+    w.chunks_exact(144)
+        .zip(a.chunks_exact(8))
+        .map(|(b, ab)| {
+            let (d, dmin) = (half(b, 0), half(b, 2));
+            let scales = &b[4..16];
+            let mut sum = 0f32;
+            for (j, act) in ab.iter().enumerate() {
+                let qs = &b[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
+                let shift = if j % 2 == 0 { 0 } else { 4 };
+                let dot: i32 = qs
+                    .iter()
+                    .zip(&act.qs)
+                    .map(|(&q, &x)| i32::from((q >> shift) & 0xF) * i32::from(x))
+                    .sum();
+                let (sc, m) = scale_min_k4(j, scales);
+                sum += d * sc * act.d * dot as f32 - dmin * m * act.d_sum;
+            }
+            sum
+        })
+        .sum()
+}
+
+/// Q6_K (210-byte blocks of 256: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16
+/// i8 scales, f16 d; values offset by 32, one scale per 16).
+pub fn q6_k(w: &[u8], a: &[ActBlock]) -> f32 {
+    w.chunks_exact(210)
+        .zip(a.chunks_exact(8))
+        .map(|(b, ab)| {
+            let d = half(b, 208);
+            let mut sum = 0f32;
+            for (h, acts) in ab.chunks_exact(4).enumerate() {
+                let ql = &b[64 * h..64 * h + 64];
+                let qh = &b[128 + 32 * h..128 + 32 * h + 32];
+                let sc = &b[192 + 8 * h..192 + 8 * h + 8];
+                for (k, act) in acts.iter().enumerate() {
+                    let mut halves = [0i32; 2];
+                    for l in 0..32 {
+                        // values l + 32k: k = 0, 1 take the low nibbles of ql[l], ql[l + 32];
+                        // k = 2, 3 their high nibbles.
+                        let byte = ql[l + 32 * (k % 2)];
+                        let low = if k < 2 { byte & 0xF } else { byte >> 4 };
+                        let q = i32::from(low | (((qh[l] >> (2 * k)) & 3) << 4)) - 32;
+                        halves[l / 16] += q * i32::from(act.qs[l]);
+                    }
+                    let s0 = f32::from(sc[2 * k] as i8);
+                    let s1 = f32::from(sc[2 * k + 1] as i8);
+                    sum += d * act.d * (s0 * halves[0] as f32 + s1 * halves[1] as f32);
+                }
+            }
+            sum
+        })
+        .sum()
+}

@@ -1,0 +1,223 @@
+//! Every tier this CPU supports against the scalar reference, and the scalar reference against
+//! plain f64 arithmetic on the dequantized weights and activations, over odd shapes.
+
+use half::f16;
+use kiln_kernels::act::{ActBlock, quantize_rows};
+use kiln_kernels::dense::{matmul_in_out_with, matmul_out_in_with};
+use kiln_kernels::ggml::dequantize;
+use kiln_kernels::quant::DotKernel;
+use kiln_kernels::{GgmlType, QuantMatrix, ThreadPool, Tier};
+use proptest::prelude::*;
+
+const TYPES: [GgmlType; 5] = [
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+];
+
+/// xorshift64*: reproducible test data from a proptest seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn byte(&mut self) -> u8 {
+        (self.next() >> 56) as u8
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn scale(&mut self) -> [u8; 2] {
+        f16::from_f32(0.002 + 0.05 * self.unit().abs()).to_le_bytes()
+    }
+}
+
+/// One random block of `ty`: random quants, positive f16 scales of a realistic size.
+fn random_block(ty: GgmlType, rng: &mut Rng) -> Vec<u8> {
+    let mut b: Vec<u8> = (0..ty.type_size()).map(|_| rng.byte()).collect();
+    match ty {
+        GgmlType::Q8_0 | GgmlType::Q4_0 => b[..2].copy_from_slice(&rng.scale()),
+        GgmlType::Q4_1 | GgmlType::Q4K => {
+            b[..2].copy_from_slice(&rng.scale());
+            b[2..4].copy_from_slice(&rng.scale());
+        }
+        _ => b[208..210].copy_from_slice(&rng.scale()),
+    }
+    b
+}
+
+fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> QuantMatrix {
+    let blocks = rows * cols / ty.block_size();
+    let data = (0..blocks).flat_map(|_| random_block(ty, rng)).collect();
+    QuantMatrix::new(ty, rows, cols, data).expect("valid matrix")
+}
+
+fn random_acts(len: usize, rng: &mut Rng) -> Vec<f32> {
+    (0..len).map(|_| rng.unit() * 3.0).collect()
+}
+
+/// Σ w x in f64 over the dequantized weights and the dequantized activation blocks: what the
+/// integer kernels compute exactly, up to f32 rounding of the scales and the sums.
+fn reference_dot(ty: GgmlType, w: &[u8], acts: &[ActBlock]) -> (f64, f64) {
+    let mut wf = vec![0f32; acts.len() * 32];
+    dequantize(ty, w, &mut wf);
+    let (mut sum, mut magnitude) = (0f64, 0f64);
+    for (block, ws) in acts.iter().zip(wf.chunks_exact(32)) {
+        for (q, w) in block.qs.iter().zip(ws) {
+            let term = f64::from(*w) * f64::from(block.d) * f64::from(*q);
+            sum += term;
+            magnitude += term.abs();
+        }
+    }
+    (sum, magnitude)
+}
+
+fn blocks_strategy() -> impl Strategy<Value = (usize, usize, u64)> {
+    (0..TYPES.len(), 1usize..6, any::<u64>())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn dot_products_match_the_dequantized_reference_on_every_tier((t, blocks, seed) in blocks_strategy()) {
+        let ty = TYPES[t];
+        let mut rng = Rng(seed | 1);
+        let cols = blocks * ty.block_size();
+        let w = random_matrix(ty, 1, cols, &mut rng);
+        let mut acts = Vec::new();
+        quantize_rows(&random_acts(cols, &mut rng), cols, &mut acts);
+        let (expected, magnitude) = reference_dot(ty, w.row(0), &acts);
+        let scalar = DotKernel::new(ty, Tier::Scalar).expect("scalar always runs").dot(w.row(0), &acts);
+        let tolerance = 1e-5 * magnitude + 1e-6;
+        prop_assert!((f64::from(scalar) - expected).abs() <= tolerance,
+            "{} scalar {scalar} vs reference {expected}", ty.name());
+        for tier in Tier::supported() {
+            let got = DotKernel::new(ty, tier).expect("supported").dot(w.row(0), &acts);
+            prop_assert!((f64::from(got) - f64::from(scalar)).abs() <= tolerance,
+                "{} {tier} {got} vs scalar {scalar}", ty.name());
+        }
+    }
+
+    #[test]
+    fn quantized_matmul_matches_per_row_dots_for_odd_shapes(
+        (t, blocks, seed) in blocks_strategy(), rows in 1usize..70, m in 1usize..12, threads in 1usize..4,
+    ) {
+        let ty = TYPES[t];
+        let mut rng = Rng(seed | 1);
+        let cols = blocks * ty.block_size();
+        let w = random_matrix(ty, rows, cols, &mut rng);
+        let x = random_acts(m * cols, &mut rng);
+        let pool = ThreadPool::new(threads);
+        let mut acts = Vec::new();
+        quantize_rows(&x, cols, &mut acts);
+        let scalar = DotKernel::new(ty, Tier::Scalar).expect("scalar");
+        for tier in Tier::supported() {
+            let mut out = vec![f32::NAN; m * rows];
+            w.matmul_with(&x, m, &mut out, tier, &pool);
+            for t in 0..m {
+                let a = &acts[t * cols / 32..(t + 1) * cols / 32];
+                for r in 0..rows {
+                    let (_, magnitude) = reference_dot(ty, w.row(r), a);
+                    let expected = scalar.dot(w.row(r), a);
+                    let got = out[t * rows + r];
+                    prop_assert!((got - expected).abs() as f64 <= 1e-5 * magnitude + 1e-6,
+                        "{} {tier} [{t}, {r}]: {got} vs {expected}", ty.name());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dense_matmul_matches_f64_for_odd_shapes(
+        k in 1usize..80, n in 1usize..1100, m in 1usize..10, threads in 1usize..4, seed in any::<u64>(),
+    ) {
+        let mut rng = Rng(seed | 1);
+        let w = random_acts(k * n, &mut rng);
+        let x = random_acts(m * k, &mut rng);
+        let pool = ThreadPool::new(threads);
+        for tier in Tier::supported() {
+            // The same matrix read as [k, n] and, transposed, as [n, k].
+            let transposed: Vec<f32> = (0..n).flat_map(|c| (0..k).map(move |i| (i, c))).map(|(i, c)| w[i * n + c]).collect();
+            let mut out = vec![f32::NAN; m * n];
+            let mut out_t = vec![f32::NAN; m * n];
+            matmul_in_out_with(&w, k, n, &x, m, &mut out, tier, &pool);
+            matmul_out_in_with(&transposed, k, n, &x, m, &mut out_t, tier, &pool);
+            for t in 0..m {
+                for c in 0..n {
+                    let (sum, magnitude) = (0..k).fold((0f64, 0f64), |(s, a), i| {
+                        let p = f64::from(x[t * k + i]) * f64::from(w[i * n + c]);
+                        (s + p, a + p.abs())
+                    });
+                    for got in [out[t * n + c], out_t[t * n + c]] {
+                        prop_assert!((f64::from(got) - sum).abs() <= 1e-6 * magnitude + 1e-7,
+                            "{tier} [{t}, {c}]: {got} vs {sum}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn row_permutation_and_dequantization_agree() {
+    let mut rng = Rng(7);
+    let w = random_matrix(GgmlType::Q4_1, 4, 64, &mut rng);
+    let p = w.permute_rows(&[2, 0, 3, 1]);
+    let (mut a, mut b) = (vec![0f32; 64], vec![0f32; 64]);
+    w.dequantize_row(3, &mut a);
+    p.dequantize_row(2, &mut b);
+    assert_eq!(a, b);
+}
+
+#[test]
+fn matrices_of_the_wrong_size_or_type_are_refused() {
+    assert!(QuantMatrix::new(GgmlType::Q8_0, 2, 32, vec![0; 67]).is_err());
+    assert!(QuantMatrix::new(GgmlType::Q4K, 1, 32, vec![0; 144]).is_err());
+    assert!(QuantMatrix::new(GgmlType::Q5_0, 1, 32, vec![0; 22]).is_err());
+}
+
+/// A decode-sized product (one activation row, a 1536 × 576 matrix like SmolLM2's MLP) runs
+/// on more than one thread when the pool has more than one.
+#[test]
+fn decode_sized_products_use_more_than_one_thread() {
+    let pool = ThreadPool::new(2);
+    let mut rng = Rng(3);
+    let w = random_matrix(GgmlType::Q4_1, 1536, 576, &mut rng);
+    let x = random_acts(576, &mut rng);
+    let mut out = vec![0f32; 1536];
+    let before = pool.worker_tasks();
+    for _ in 0..50 {
+        w.matmul_with(&x, 1, &mut out, Tier::best(), &pool);
+    }
+    assert!(
+        pool.worker_tasks() > before,
+        "the worker thread never took a task"
+    );
+    let mut dense_out = vec![0f32; 1536];
+    let dense = random_acts(576 * 1536, &mut rng);
+    let before = pool.worker_tasks();
+    for _ in 0..50 {
+        matmul_in_out_with(
+            &dense,
+            576,
+            1536,
+            &x,
+            1,
+            &mut dense_out,
+            Tier::best(),
+            &pool,
+        );
+    }
+    assert!(
+        pool.worker_tasks() > before,
+        "the dense product never reached the worker"
+    );
+}
