@@ -127,7 +127,7 @@ impl BackendTask for Task {
 
     fn run<B: InferenceBackend>(self, device: B::Device) -> Result<()> {
         let args = self.0;
-        let dtype = args.model.dtype;
+        let dtype = args.model.dtype();
         let (model, name) = match args.shape {
             Some(shape) => (
                 random_model::<B>(shape, dtype, 0, &device)?,
@@ -162,7 +162,13 @@ impl BackendTask for Task {
             args.repeats,
             args.new_tokens.min(Cell::WARM_UP_NEW_TOKENS)
         );
-        let weight_bytes = model.config().parameters() * dtype.size_bytes();
+        let weight_bytes = model.linear_weight_bytes();
+        let weights: Vec<String> = model
+            .weight_summary()
+            .iter()
+            .map(|(kind, count, _)| format!("{count} {kind}"))
+            .collect();
+        eprintln!("weights: {}", weights.join(", "));
         let (bandwidth, where_) = match args.model.backend {
             BackendKind::Cpu | BackendKind::Ndarray => (Some(bandwidth::host()), "host"),
             BackendKind::Wgpu | BackendKind::Cuda => (bandwidth::device::<B>(&device), "device"),
@@ -170,7 +176,7 @@ impl BackendTask for Task {
         let bound = bandwidth.map(|b| b / weight_bytes as f64);
         match (bandwidth, bound) {
             (Some(bandwidth), Some(bound)) => eprintln!(
-                "memory bandwidth ({where_}, measured): {:.1} GB/s; weights {:.0} MB in {dtype}; decode bound at batch 1: {bound:.1} tok/s",
+                "memory bandwidth ({where_}, measured): {:.1} GB/s; weights read per token {:.0} MB; decode bound at batch 1: {bound:.1} tok/s",
                 bandwidth / 1e9,
                 weight_bytes as f64 / 1e6
             ),
@@ -259,6 +265,7 @@ impl BackendTask for Task {
                 "backend": args.model.backend.name(),
                 "device": device_name,
                 "dtype": dtype.name(),
+                "weights": weights,
                 "parameters": model.config().parameters(),
                 "new_tokens": args.new_tokens,
                 "repeats": args.repeats,

@@ -304,7 +304,7 @@ impl BackendTask for Task {
             max_step: kiln_engine::EngineConfig::default().max_step_tokens,
             ..CacheSpec::paged(1, shape.max_positions)
         };
-        let cache = spec.build::<B>(shape.kv_layout(), args.model.dtype, &device)?;
+        let cache = spec.build::<B>(shape.kv_layout(), args.model.dtype(), &device)?;
         let mut session = Session::new(&loaded.model, cache);
         let mut settings = Settings {
             sampling: args.sampling.params()?,

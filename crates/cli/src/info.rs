@@ -121,6 +121,7 @@ fn rows(info: &ModelInfo) -> Vec<(&'static str, String)> {
             .to_string(),
         ),
         ("stored as", stored_as(info)),
+        ("on cpu", cpu_path(info)),
         (
             "tokenizer",
             info.tokenizer
@@ -132,6 +133,44 @@ fn rows(info: &ModelInfo) -> Vec<(&'static str, String)> {
             if info.chat_template { "yes" } else { "no" }.to_string(),
         ),
     ]
+}
+
+/// Which storage types the cpu backend keeps quantized (kiln's kernels multiply them as they
+/// are) and which it dequantizes to f32 at load, by default.
+fn cpu_path(info: &ModelInfo) -> String {
+    let (kept, converted): (Vec<&str>, Vec<&str>) = info
+        .stored_types
+        .iter()
+        .map(|(t, _)| t.as_str())
+        .filter(|t| !matches!(*t, "F32"))
+        .partition(|t| {
+            kiln_models::gguf::GgmlType::ALL
+                .iter()
+                .any(|g| g.name() == *t && kiln_models::gguf::has_kernel(*g))
+        });
+    let mut parts = Vec::new();
+    if !kept.is_empty() && info.format == kiln_models::ModelFormat::Gguf {
+        parts.push(format!(
+            "{} kept quantized (kiln's kernels)",
+            kept.join(", ")
+        ));
+    }
+    let converted: Vec<&str> = if info.format == kiln_models::ModelFormat::Gguf {
+        converted
+    } else {
+        kept.into_iter().chain(converted).collect()
+    };
+    if !converted.is_empty() {
+        parts.push(format!(
+            "{} dequantized to f32 at load",
+            converted.join(", ")
+        ));
+    }
+    if parts.is_empty() {
+        "f32 as stored".to_string()
+    } else {
+        format!("{}; --dtype dequantizes everything", parts.join("; "))
+    }
 }
 
 fn report_json(info: &ModelInfo) -> serde_json::Value {

@@ -11,7 +11,7 @@ use kiln_core::backend::BackendKind;
 use kiln_core::sampling::SamplingParams;
 use kiln_core::{Dtype, InferenceBackend};
 use kiln_models::default_model::{FetchEvent, SMOLLM2_135M_INSTRUCT, kiln_home};
-use kiln_models::{LoadOptions, LoadedModel};
+use kiln_models::{LoadOptions, LoadedModel, WeightStorage};
 
 use crate::progress;
 
@@ -27,9 +27,11 @@ pub struct ModelArgs {
     /// Backend: cuda, wgpu, cpu or ndarray.
     #[arg(long, short, value_name = "KIND", default_value = "cpu")]
     pub backend: BackendKind,
-    /// Precision of weights, activations and KV cache: f32, f16 or bf16.
-    #[arg(long, default_value = "f32")]
-    pub dtype: Dtype,
+    /// Precision of weights, activations and KV cache: f32, f16 or bf16; naming one
+    /// dequantizes every weight to it (the exact path, equal to transformers). Default: f32,
+    /// with a quantized GGUF's weights kept quantized on the cpu backend.
+    #[arg(long)]
+    pub dtype: Option<Dtype>,
     /// Meta folders: the llama3 RoPE scaling factor when params.json lacks it (8 for Llama
     /// 3.1, 32 for 3.2 1B/3B).
     #[arg(long, value_name = "FACTOR")]
@@ -42,11 +44,26 @@ impl ModelArgs {
         model_path(self.model.as_deref())
     }
 
+    /// The precision asked for (f32 unless named).
+    pub fn dtype(&self) -> Dtype {
+        self.dtype.unwrap_or(Dtype::F32)
+    }
+
+    /// How quantized weights are held: kept quantized on the cpu backend unless a dtype was
+    /// named (kiln's kernels for them are CPU kernels), dequantized otherwise.
+    pub fn weight_storage(&self) -> WeightStorage {
+        match (self.dtype, self.backend) {
+            (None, BackendKind::Cpu) => WeightStorage::Quantized,
+            _ => WeightStorage::Dequantized,
+        }
+    }
+
     /// The load options these flags ask for.
     pub fn options(&self) -> LoadOptions {
         LoadOptions {
-            dtype: self.dtype,
+            dtype: self.dtype(),
             rope_scaling_factor: self.rope_scaling_factor,
+            weights: self.weight_storage(),
         }
     }
 

@@ -128,7 +128,7 @@ fn chat_in_a_terminal() {
     // `exec`: Ctrl-C must reach kiln alone, not a shell that would die of it and close the
     // pane.
     let command = format!(
-        "exec {} chat --temperature 0 --max-tokens 64",
+        "exec {} chat --dtype f32 --temperature 0 --max-tokens 64",
         env!("CARGO_BIN_EXE_kiln")
     );
     let tmux = Tmux::start(&command);

@@ -249,7 +249,8 @@ fn smollm2_case(index: usize) -> serde_json::Value {
 fn generate_on_the_default_model_matches_transformers() {
     let case = smollm2_case(0);
     let prompt = case["prompt"].as_str().unwrap();
-    let out = generate_json(&[prompt, "--ignore-eos", "-n", "32"]);
+    // `--dtype f32`: the exact path (every weight dequantized), which transformers runs too.
+    let out = generate_json(&[prompt, "--ignore-eos", "-n", "32", "--dtype", "f32"]);
     assert_eq!(out["prompt_tokens"], case["prompt_ids"]);
     assert_eq!(out["tokens"], case["greedy"]);
 }
@@ -260,7 +261,7 @@ fn generate_on_the_default_model_matches_transformers() {
 fn chat_on_the_default_model_answers_from_stdin() {
     let case = smollm2_case(3);
     let out = kiln_with_stdin(
-        &["chat", "--temperature", "0", "-n", "64"],
+        &["chat", "--temperature", "0", "-n", "64", "--dtype", "f32"],
         "What is 2+2?\n/exit\n",
     );
     assert!(out.status.success(), "{}", text(&out.stderr));

@@ -18,7 +18,7 @@ use kiln_engine::{
     generate,
 };
 use kiln_models::default_model::{SMOLLM2_135M_INSTRUCT, kiln_home};
-use kiln_models::{LoadOptions, LoadedModel};
+use kiln_models::{LoadOptions, LoadedModel, WeightStorage};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -38,11 +38,27 @@ fn smollm2() -> PathBuf {
 }
 
 fn load<B: InferenceBackend>(path: &std::path::Path, dtype: Dtype) -> LoadedModel<B> {
+    load_with::<B>(path, dtype, WeightStorage::Dequantized)
+}
+
+fn load_with<B: InferenceBackend>(
+    path: &std::path::Path,
+    dtype: Dtype,
+    weights: WeightStorage,
+) -> LoadedModel<B> {
     let options = LoadOptions {
         dtype,
+        weights,
         ..Default::default()
     };
-    kiln_models::load::<B>(path, &options, &B::inference_device()).unwrap()
+    let loaded = kiln_models::load::<B>(path, &options, &B::inference_device()).unwrap();
+    let quantized = loaded
+        .model
+        .weight_summary()
+        .iter()
+        .any(|(kind, _, _)| kind.contains("quantized"));
+    assert_eq!(quantized, weights == WeightStorage::Quantized);
+    loaded
 }
 
 fn rows<B: InferenceBackend>(t: burn::tensor::Tensor<B, 2>) -> Vec<f32> {
@@ -163,8 +179,8 @@ fn packed_prefill_matches_alone<B: InferenceBackend>() {
 /// continuation alone, greedy for four prompts and sampled with a fixed seed for two more in
 /// the same batch. The sliding window (512) is wider than any sequence, so it must equal the
 /// static cache too.
-fn mixed_batch_matches_alone<B: InferenceBackend>() {
-    let loaded = load::<B>(&smollm2(), Dtype::F32);
+fn mixed_batch_matches_alone<B: InferenceBackend>(weights: WeightStorage) {
+    let loaded = load_with::<B>(&smollm2(), Dtype::F32, weights);
     let model = &loaded.model;
     let n = 8;
     let prompts = prompts(&[1, 300, 5, 37, 12, 150], model.shape().vocab);
@@ -204,8 +220,8 @@ fn mixed_batch_matches_alone<B: InferenceBackend>() {
 /// A chat session keeps its cache between turns: turn 2 extends what turn 1 left, turn 3
 /// diverges inside the cached tokens and rolls the cache back. Every turn gives exactly the
 /// tokens of a full recompute of its context, with every cache kind.
-fn session_reuses_its_cache_exactly<B: InferenceBackend>() {
-    let loaded = load::<B>(&smollm2(), Dtype::F32);
+fn session_reuses_its_cache_exactly<B: InferenceBackend>(weights: WeightStorage) {
+    let loaded = load_with::<B>(&smollm2(), Dtype::F32, weights);
     let model = &loaded.model;
     let tokenizer = loaded.tokenizer.as_ref().unwrap();
     let encode = |text: &str| tokenizer.encode(text, false).unwrap();
@@ -413,12 +429,12 @@ mod cpu {
 
     #[test]
     fn mixed_batch_matches_alone() {
-        super::mixed_batch_matches_alone::<B>();
+        super::mixed_batch_matches_alone::<B>(super::WeightStorage::Dequantized);
     }
 
     #[test]
     fn session_reuses_its_cache_exactly() {
-        super::session_reuses_its_cache_exactly::<B>();
+        super::session_reuses_its_cache_exactly::<B>(super::WeightStorage::Dequantized);
     }
 
     #[test]
@@ -437,6 +453,23 @@ mod cpu {
     }
 }
 
+/// The same on SmolLM2's weights kept quantized (kiln's CPU kernels): batching, packing,
+/// every cache kind and cache reuse must not change a single token there either.
+mod cpu_quantized {
+    use super::WeightStorage;
+    type B = burn::backend::Flex;
+
+    #[test]
+    fn mixed_batch_matches_alone() {
+        super::mixed_batch_matches_alone::<B>(WeightStorage::Quantized);
+    }
+
+    #[test]
+    fn session_reuses_its_cache_exactly() {
+        super::session_reuses_its_cache_exactly::<B>(WeightStorage::Quantized);
+    }
+}
+
 mod wgpu {
     type B = burn::backend::Wgpu;
 
@@ -447,7 +480,7 @@ mod wgpu {
 
     #[test]
     fn mixed_batch_matches_alone() {
-        super::mixed_batch_matches_alone::<B>();
+        super::mixed_batch_matches_alone::<B>(super::WeightStorage::Dequantized);
     }
 
     #[test]

@@ -13,8 +13,10 @@ use serde::Deserialize;
 use crate::config::{Architecture, MlpKind, NormKind, PositionKind, TransformerConfig};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::{Attention, QkvProjection};
+use crate::layers::embedding::Embedding;
 use crate::layers::mlp::Mlp;
 use crate::layers::norm::Norm;
+use crate::loaders::WeightStorage;
 use crate::transformer::{Block, Transformer, WeightLoader};
 use crate::weights::TensorSource;
 
@@ -114,6 +116,7 @@ pub fn load<B: InferenceBackend>(
         source,
         dtype,
         device,
+        storage: WeightStorage::Dequantized,
     };
     let (d, ff) = (config.d_model, config.d_ff);
     let name = |s: &str| format!("{prefix}{s}");
@@ -152,7 +155,7 @@ pub fn load<B: InferenceBackend>(
             },
         });
     }
-    let embed = w.matrix(&name("wte.weight"), config.vocab, d)?;
+    let embed = Embedding::Dense(w.matrix(&name("wte.weight"), config.vocab, d)?);
     let positions = w.matrix(&name("wpe.weight"), config.max_positions, d)?;
     let final_norm = norm("ln_f")?;
     Ok(Transformer::from_parts(

@@ -60,22 +60,30 @@ impl HostTensor {
     pub fn interleaved_to_half_split(mut self, n_heads: usize) -> Self {
         let rows = self.shape[0];
         let cols = self.data.len() / rows;
-        let head_dim = rows / n_heads;
-        let half = head_dim / 2;
         let mut out = vec![0.0f32; self.data.len()];
-        for h in 0..n_heads {
-            for j in 0..2 {
-                for p in 0..half {
-                    let hf = h * head_dim + j * half + p;
-                    let meta = h * head_dim + 2 * p + j;
-                    out[hf * cols..(hf + 1) * cols]
-                        .copy_from_slice(&self.data[meta * cols..(meta + 1) * cols]);
-                }
-            }
+        for (hf, meta) in half_split_order(rows, n_heads).into_iter().enumerate() {
+            out[hf * cols..(hf + 1) * cols]
+                .copy_from_slice(&self.data[meta * cols..(meta + 1) * cols]);
         }
         self.data = out;
         self
     }
+}
+
+/// The row order of [`HostTensor::interleaved_to_half_split`]: entry `i` is the Meta-order
+/// row that becomes row `i`. Quantized weights are permuted with it row by row.
+pub fn half_split_order(rows: usize, n_heads: usize) -> Vec<usize> {
+    let head_dim = rows / n_heads;
+    let half = head_dim / 2;
+    let mut order = vec![0; rows];
+    for h in 0..n_heads {
+        for j in 0..2 {
+            for p in 0..half {
+                order[h * head_dim + j * half + p] = h * head_dim + 2 * p + j;
+            }
+        }
+    }
+    order
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ use crate::error::{ModelError, Result};
 use crate::layers::attention::{Attention, QkvProjection};
 use crate::layers::mlp::Mlp;
 use crate::layers::norm::Norm;
+use crate::loaders::WeightStorage;
 use crate::transformer::{Block, Transformer, WeightLoader};
 use crate::weights::TensorSource;
 
@@ -352,12 +353,14 @@ pub fn load<B: InferenceBackend>(
     names: LlamaNames,
     source: &dyn TensorSource,
     dtype: Dtype,
+    storage: WeightStorage,
     device: &B::Device,
 ) -> Result<Transformer<B>> {
     let w = WeightLoader::<B> {
         source,
         dtype,
         device,
+        storage,
     };
     let (d, ff, hd) = (config.d_model, config.d_ff, config.head_dim);
     let (q_out, kv_out) = (config.n_heads * hd, config.n_kv_heads * hd);
@@ -406,15 +409,12 @@ pub fn load<B: InferenceBackend>(
             },
         });
     }
-    let embed = w.matrix(names.embed(), config.vocab, d)?;
+    let embed = w.embedding(names.embed(), config.vocab, d)?;
     let final_norm = norm(names.final_norm())?;
     let head = if config.tied_head {
         None
     } else {
-        Some(
-            w.linear_out_in(names.head(), None, d, config.vocab, None)?
-                .weight,
-        )
+        Some(w.linear_out_in(names.head(), None, d, config.vocab, None)?)
     };
     Ok(Transformer::from_parts(
         config,

@@ -283,7 +283,14 @@ pub fn random_model<B: InferenceBackend>(
     let config = shape.config();
     let source = RandomSource::new(&config, seed);
     match config.architecture {
-        Architecture::Llama => llama::load(config, LlamaNames::HuggingFace, &source, dtype, device),
+        Architecture::Llama => llama::load(
+            config,
+            LlamaNames::HuggingFace,
+            &source,
+            dtype,
+            crate::loaders::WeightStorage::Dequantized,
+            device,
+        ),
         Architecture::Gpt2 => gpt2::load(config, &source, dtype, device),
     }
 }

@@ -1,20 +1,25 @@
 //! [`Transformer`]: the decoder both GPT-2 and Llama are, configured by
 //! [`TransformerConfig`]. Implements [`CausalLm`].
 
+use std::sync::Arc;
+
 use burn::tensor::{FloatDType, Tensor};
 use kiln_core::attention::AttentionPlan;
 use kiln_core::kv_cache::KvCache;
 use kiln_core::tensor::int_tensor;
 use kiln_core::{Batch, CausalLm, CoreError, Dtype, InferenceBackend, LogitsFor, ModelShape};
+use kiln_kernels::QuantMatrix;
 
 use crate::config::{PositionKind, TransformerConfig};
 use crate::error::{ModelError, Result};
-use crate::host::HostTensor;
-use crate::layers::attention::Attention;
-use crate::layers::linear::Linear;
+use crate::host::{HostTensor, half_split_order};
+use crate::layers::attention::{Attention, QkvProjection};
+use crate::layers::embedding::Embedding;
+use crate::layers::linear::{Linear, LinearWeight};
 use crate::layers::mlp::Mlp;
 use crate::layers::norm::Norm;
 use crate::layers::rope::{RopeTables, inverse_frequencies};
+use crate::loaders::WeightStorage;
 use crate::weights::TensorSource;
 
 /// One transformer block: pre-norm attention and pre-norm MLP, each with a residual.
@@ -37,13 +42,13 @@ pub struct Transformer<B: InferenceBackend> {
     dtype: Dtype,
     device: B::Device,
     /// `[vocab, d_model]`
-    embed: Tensor<B, 2>,
+    embed: Embedding<B>,
     /// `[max_positions, d_model]` (learned positions only)
     position_embed: Option<Tensor<B, 2>>,
     blocks: Vec<Block<B>>,
     final_norm: Norm<B>,
-    /// `[d_model, vocab]` (a transposed view of `embed` when tied)
-    head: Tensor<B, 2>,
+    /// `d_model → vocab` (the embedding's own weights when tied)
+    head: Linear<B>,
     /// RoPE inverse frequencies (rotary models only).
     inv_freq: Option<Vec<f32>>,
     /// Configuration, dtype and a digest of some weights (see [`CausalLm::fingerprint`]).
@@ -57,13 +62,13 @@ impl<B: InferenceBackend> Transformer<B> {
         config: TransformerConfig,
         dtype: Dtype,
         device: B::Device,
-        embed: Tensor<B, 2>,
+        embed: Embedding<B>,
         position_embed: Option<Tensor<B, 2>>,
         blocks: Vec<Block<B>>,
         final_norm: Norm<B>,
-        head: Option<Tensor<B, 2>>,
+        head: Option<Linear<B>>,
     ) -> Self {
-        let head = head.unwrap_or_else(|| embed.clone().transpose());
+        let head = head.unwrap_or_else(|| embed.as_head());
         let fingerprint = fingerprint(&config, dtype, &embed, &head);
         let inv_freq = match &config.positions {
             PositionKind::Rope(rope) => Some(inverse_frequencies(rope, config.head_dim)),
@@ -86,6 +91,56 @@ impl<B: InferenceBackend> Transformer<B> {
     /// The configuration.
     pub fn config(&self) -> &TransformerConfig {
         &self.config
+    }
+
+    /// Every linear layer's weight: the blocks' projections, then the output head.
+    fn linear_weights(&self) -> impl Iterator<Item = &LinearWeight<B>> {
+        self.blocks
+            .iter()
+            .flat_map(|b| {
+                let qkv: Vec<&Linear<B>> = match &b.attn.qkv {
+                    QkvProjection::Fused(l) => vec![l],
+                    QkvProjection::Split { q, k, v } => vec![q, k, v],
+                };
+                let mlp: Vec<&Linear<B>> = match &b.mlp {
+                    Mlp::GeluTanh { up, down } => vec![up, down],
+                    Mlp::SwiGlu { gate, up, down } => vec![gate, up, down],
+                };
+                qkv.into_iter().chain([&b.attn.out]).chain(mlp)
+            })
+            .chain([&self.head])
+            .map(|l| &l.weight)
+    }
+
+    /// How the linear layers' weights are held: `(storage, count, bytes)` per kind, e.g.
+    /// `("Q4_1 (quantized)", 210, …)` or `("f32", 211, …)`, most bytes first. A tied head is
+    /// counted once more (it reads the embedding's table).
+    pub fn weight_summary(&self) -> Vec<(String, usize, usize)> {
+        let mut kinds: Vec<(String, usize, usize)> = Vec::new();
+        for w in self.linear_weights() {
+            let (kind, bytes) = match w {
+                LinearWeight::Dense(t) => (
+                    self.dtype.name().to_string(),
+                    t.dims().iter().product::<usize>() * self.dtype.size_bytes(),
+                ),
+                LinearWeight::Quantized(m) => (format!("{} (quantized)", m.ty().name()), m.bytes()),
+            };
+            match kinds.iter_mut().find(|(k, _, _)| *k == kind) {
+                Some(entry) => {
+                    entry.1 += 1;
+                    entry.2 += bytes;
+                }
+                None => kinds.push((kind, 1, bytes)),
+            }
+        }
+        kinds.sort_by(|a, b| b.2.cmp(&a.2));
+        kinds
+    }
+
+    /// Bytes of linear-layer weights one decoded token reads (the output head included):
+    /// what bounds decoding by memory bandwidth.
+    pub fn linear_weight_bytes(&self) -> usize {
+        self.weight_summary().iter().map(|(_, _, b)| b).sum()
     }
 
     fn check_input(&self, batch: &Batch) -> kiln_core::Result<()> {
@@ -146,10 +201,7 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
         let plan = AttentionPlan::new(batch, step, cfg.n_heads, cfg.n_kv_heads, device);
 
         let tokens: Vec<usize> = batch.tokens().iter().map(|t| t.0 as usize).collect();
-        let mut x = self
-            .embed
-            .clone()
-            .select(0, int_tensor::<B>(tokens, device));
+        let mut x = self.embed.lookup(tokens, device);
         let rope = match (&self.position_embed, &self.inv_freq) {
             (Some(table), _) => {
                 let positions: Vec<usize> = batch.positions().iter().map(|p| p.index()).collect();
@@ -177,36 +229,52 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
             }
         };
         let x = self.final_norm.forward(x);
-        Ok(x.matmul(self.head.clone()).cast(FloatDType::F32))
+        Ok(self.head.forward(x).cast(FloatDType::F32))
     }
 }
 
-/// The architecture, dtype and an FNV-1a digest of the first row of the embedding and the
-/// first column of the head: two checkpoints of one architecture differ there.
+/// The architecture, dtype, weight storage and an FNV-1a digest of the first row of the
+/// embedding and the first input column of the head: two checkpoints of one architecture
+/// differ there.
 fn fingerprint<B: InferenceBackend>(
     config: &TransformerConfig,
     dtype: Dtype,
-    embed: &Tensor<B, 2>,
-    head: &Tensor<B, 2>,
+    embed: &Embedding<B>,
+    head: &Linear<B>,
 ) -> String {
-    let [_, d] = embed.dims();
-    let [_, vocab] = head.dims();
-    let rows = [
-        embed.clone().slice([0..1, 0..d]).cast(FloatDType::F32),
-        head.clone()
-            .slice([0..1, 0..vocab.min(4096)])
-            .cast(FloatDType::F32),
-    ];
+    let head_column: Vec<f32> = match &head.weight {
+        LinearWeight::Dense(w) => {
+            let [_, vocab] = w.dims();
+            w.clone()
+                .slice([0..1, 0..vocab.min(4096)])
+                .cast(FloatDType::F32)
+                .into_data()
+                .iter::<f32>()
+                .collect()
+        }
+        LinearWeight::Quantized(w) => {
+            let mut row = vec![0f32; w.cols()];
+            (0..w.rows().min(4096))
+                .map(|r| {
+                    w.dequantize_row(r, &mut row);
+                    row[0]
+                })
+                .collect()
+        }
+    };
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for row in rows {
-        for x in row.into_data().iter::<f32>() {
-            for byte in x.to_bits().to_le_bytes() {
-                hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-            }
+    for x in embed.first_row().into_iter().chain(head_column) {
+        for byte in x.to_bits().to_le_bytes() {
+            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
         }
     }
+    let storage = if head.is_quantized() {
+        " quantized"
+    } else {
+        ""
+    };
     format!(
-        "{:?} {}x{} vocab {} {} weights {hash:016x}",
+        "{:?} {}x{} vocab {} {}{storage} weights {hash:016x}",
         config.architecture,
         config.n_layers,
         config.d_model,
@@ -224,6 +292,8 @@ pub struct WeightLoader<'a, B: InferenceBackend> {
     pub dtype: Dtype,
     /// The device to upload to.
     pub device: &'a B::Device,
+    /// Whether weights stored in a type with a CPU kernel stay quantized.
+    pub storage: WeightStorage,
 }
 
 impl<B: InferenceBackend> WeightLoader<'_, B> {
@@ -249,6 +319,34 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
         Ok(self.host(name, &[len])?.upload(self.dtype, self.device))
     }
 
+    /// `name` in its quantized blocks, when [`WeightStorage::Quantized`] is asked for and the
+    /// file stores it in a type with a kernel; its shape checked against `[rows, cols]`.
+    fn quantized(&self, name: &str, rows: usize, cols: usize) -> Result<Option<QuantMatrix>> {
+        if self.storage != WeightStorage::Quantized {
+            return Ok(None);
+        }
+        let Some(tensor) = self.source.read_quantized(name)? else {
+            return Ok(None);
+        };
+        if tensor.shape != [rows, cols] {
+            return Err(ModelError::ShapeMismatch {
+                file: tensor.file,
+                tensor: name.to_string(),
+                expected: vec![rows, cols],
+                got: tensor.shape,
+            });
+        }
+        Ok(Some(tensor.matrix))
+    }
+
+    /// A token table of `[vocab, d_model]`, quantized where asked for and possible.
+    pub fn embedding(&self, name: &str, vocab: usize, d_model: usize) -> Result<Embedding<B>> {
+        Ok(match self.quantized(name, vocab, d_model)? {
+            Some(matrix) => Embedding::Quantized(Arc::new(matrix)),
+            None => Embedding::Dense(self.matrix(name, vocab, d_model)?),
+        })
+    }
+
     /// A 2-D tensor of `[rows, cols]`.
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Tensor<B, 2>> {
         Ok(self
@@ -264,10 +362,10 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
         d_in: usize,
         d_out: usize,
     ) -> Result<Linear<B>> {
-        Ok(Linear {
-            weight: self.matrix(weight, d_in, d_out)?,
-            bias: bias.map(|b| self.vector(b, d_out)).transpose()?,
-        })
+        Ok(Linear::dense(
+            self.matrix(weight, d_in, d_out)?,
+            bias.map(|b| self.vector(b, d_out)).transpose()?,
+        ))
     }
 
     /// A layer stored `[d_out, d_in]` (PyTorch `nn.Linear`), transposed on load. With
@@ -281,15 +379,28 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
         d_out: usize,
         interleaved_heads: Option<usize>,
     ) -> Result<Linear<B>> {
-        let mut w = self.host(weight, &[d_out, d_in])?;
         let mut b = bias.map(|b| self.host(b, &[d_out])).transpose()?;
+        if let Some(matrix) = self.quantized(weight, d_out, d_in)? {
+            let matrix = match interleaved_heads {
+                Some(heads) => {
+                    b = b.map(|b| b.interleaved_to_half_split(heads));
+                    matrix.permute_rows(&half_split_order(d_out, heads))
+                }
+                None => matrix,
+            };
+            return Ok(Linear {
+                weight: LinearWeight::Quantized(Arc::new(matrix)),
+                bias: b.map(|b| b.upload(self.dtype, self.device)),
+            });
+        }
+        let mut w = self.host(weight, &[d_out, d_in])?;
         if let Some(heads) = interleaved_heads {
             w = w.interleaved_to_half_split(heads);
             b = b.map(|b| b.interleaved_to_half_split(heads));
         }
-        Ok(Linear {
-            weight: w.transposed().upload(self.dtype, self.device),
-            bias: b.map(|b| b.upload(self.dtype, self.device)),
-        })
+        Ok(Linear::dense(
+            w.transposed().upload(self.dtype, self.device),
+            b.map(|b| b.upload(self.dtype, self.device)),
+        ))
     }
 }

@@ -25,12 +25,34 @@ pub trait TensorSource {
     /// [`ModelError::MissingTensor`], or a corrupt or unsupported tensor.
     fn read(&self, name: &str) -> Result<HostTensor>;
 
+    /// Reads one 2-D tensor in its quantized blocks, `[rows, cols]` row-major, when it is
+    /// stored in a type kiln's kernels multiply ([`kiln_kernels::quant::has_kernel`]); `None`
+    /// for any other tensor (the default: formats without quantized types).
+    ///
+    /// # Errors
+    /// [`ModelError::MissingTensor`], or a corrupt tensor.
+    fn read_quantized(&self, name: &str) -> Result<Option<QuantizedTensor>> {
+        let _ = name;
+        Ok(None)
+    }
+
     /// All tensor names.
     fn names(&self) -> Vec<String>;
 
     /// How many elements are stored in each storage type (`F32`, `BF16`, `Q4_1`…), most
     /// first.
     fn stored_types(&self) -> Vec<(String, usize)>;
+}
+
+/// A tensor read in its quantized blocks.
+#[derive(Debug, Clone)]
+pub struct QuantizedTensor {
+    /// The file it came from (for error messages).
+    pub file: String,
+    /// `[rows, cols]`.
+    pub shape: Vec<usize>,
+    /// The blocks.
+    pub matrix: kiln_kernels::QuantMatrix,
 }
 
 /// Adds up `(type, elements)` pairs into [`TensorSource::stored_types`]'s order.
@@ -76,6 +98,16 @@ impl<'a> Reporting<'a> {
         }
     }
 
+    /// Counts one tensor read.
+    fn tick(&self) {
+        let done = (self.done.get() + 1).min(self.total);
+        self.done.set(done);
+        (self.report.borrow_mut())(LoadProgress {
+            tensors_done: done,
+            tensors_total: self.total,
+        });
+    }
+
     /// Reports the end, whether or not every tensor in the files was read.
     pub fn finish(&self) {
         (self.report.borrow_mut())(LoadProgress {
@@ -96,12 +128,15 @@ impl TensorSource for Reporting<'_> {
 
     fn read(&self, name: &str) -> Result<HostTensor> {
         let tensor = self.inner.read(name)?;
-        let done = (self.done.get() + 1).min(self.total);
-        self.done.set(done);
-        (self.report.borrow_mut())(LoadProgress {
-            tensors_done: done,
-            tensors_total: self.total,
-        });
+        self.tick();
+        Ok(tensor)
+    }
+
+    fn read_quantized(&self, name: &str) -> Result<Option<QuantizedTensor>> {
+        let tensor = self.inner.read_quantized(name)?;
+        if tensor.is_some() {
+            self.tick();
+        }
         Ok(tensor)
     }
 

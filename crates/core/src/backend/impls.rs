@@ -24,6 +24,95 @@ impl InferenceBackend for burn::backend::Flex {
     ) {
         flex_write::write_in_place(target, ranges, values);
     }
+
+    fn linear_dense(
+        x: burn::tensor::Tensor<Self, 2>,
+        w: &burn::tensor::Tensor<Self, 2>,
+    ) -> burn::tensor::Tensor<Self, 2> {
+        flex_linear::dense(x, w)
+    }
+
+    fn linear_quantized(
+        x: burn::tensor::Tensor<Self, 2>,
+        w: &kiln_kernels::QuantMatrix,
+    ) -> burn::tensor::Tensor<Self, 2> {
+        flex_linear::quantized(x, w)
+    }
+}
+
+/// Linear layers on burn-flex through kiln's kernels, reading and writing flex's host buffers
+/// directly.
+#[cfg(feature = "cpu")]
+mod flex_linear {
+    use burn::backend::Flex;
+    use burn::backend::flex::{FlexTensor, Layout};
+    use burn::tensor::Bytes;
+    use burn::tensor::{DType, Tensor, TensorPrimitive};
+    use kiln_kernels::QuantMatrix;
+
+    /// Rows up to which kiln's f32 kernel beats burn-flex's gemm (which runs products this
+    /// small on one thread); above it the gemm's register blocking wins.
+    const DENSE_KERNEL_MAX_ROWS: usize = 16;
+
+    fn host(t: Tensor<Flex, 2>) -> FlexTensor {
+        match t.into_primitive() {
+            TensorPrimitive::Float(t) => t.to_contiguous(),
+            TensorPrimitive::QFloat(_) => unreachable!("kiln never makes burn-quantized tensors"),
+        }
+    }
+
+    /// The values of a contiguous tensor.
+    fn f32_slice(t: &FlexTensor) -> &[f32] {
+        let start = t.layout().start_offset();
+        &t.storage::<f32>()[start..start + t.layout().num_elements()]
+    }
+
+    fn wrap(out: Vec<f32>, shape: [usize; 2]) -> Tensor<Flex, 2> {
+        let t = FlexTensor::new(
+            Bytes::from_elems(out),
+            Layout::contiguous(shape.into()),
+            DType::F32,
+        );
+        Tensor::from_primitive(TensorPrimitive::Float(t))
+    }
+
+    pub(super) fn dense(x: Tensor<Flex, 2>, w: &Tensor<Flex, 2>) -> Tensor<Flex, 2> {
+        let [n, d_in] = x.dims();
+        let [_, d_out] = w.dims();
+        if n > DENSE_KERNEL_MAX_ROWS || x.dtype() != DType::F32 || w.dtype() != DType::F32 {
+            return x.matmul(w.clone());
+        }
+        let w = match w.clone().into_primitive() {
+            TensorPrimitive::Float(w) => w,
+            TensorPrimitive::QFloat(_) => unreachable!("kiln never makes burn-quantized tensors"),
+        };
+        // `[d_in, d_out]` as stored, or the transposed view of a `[d_out, d_in]` table (a tied
+        // output head); anything else goes to burn, since copying the weight would cost more
+        // than the product.
+        let layout = w.layout();
+        let offset = layout.start_offset();
+        let stored = &w.storage::<f32>()[offset..offset + d_in * d_out];
+        let x = host(x);
+        let mut out = vec![0f32; n * d_out];
+        if layout.is_contiguous() {
+            kiln_kernels::dense::matmul_in_out(stored, d_in, d_out, f32_slice(&x), n, &mut out);
+        } else if layout.strides() == [1, d_in as isize] {
+            kiln_kernels::dense::matmul_out_in(stored, d_in, d_out, f32_slice(&x), n, &mut out);
+        } else {
+            let x = Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(x));
+            let w = Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(w));
+            return x.matmul(w);
+        }
+        wrap(out, [n, d_out])
+    }
+
+    pub(super) fn quantized(x: Tensor<Flex, 2>, w: &QuantMatrix) -> Tensor<Flex, 2> {
+        let [n, _] = x.dims();
+        let x = host(x.cast(burn::tensor::FloatDType::F32));
+        let mut out = vec![0f32; n * w.rows()];
+        w.matmul(f32_slice(&x), n, &mut out);
+        wrap(out, [n, w.rows()])
+    }
 }
 
 /// burn-flex 0.21's `slice_assign` always copies the whole destination: `slice_write_impl`

@@ -25,6 +25,8 @@ use std::ops::Range;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
+use kiln_kernels::QuantMatrix;
+
 use crate::dtype::Dtype;
 use crate::error::{CoreError, Result};
 
@@ -85,11 +87,11 @@ impl BackendKind {
             BackendKind::Wgpu => wgpu_probe::probe(),
             #[cfg(feature = "cpu")]
             BackendKind::Cpu => Availability::Available {
-                device: cpu_description("burn-flex"),
+                device: flex_description(),
             },
             #[cfg(feature = "ndarray")]
             BackendKind::Ndarray => Availability::Available {
-                device: cpu_description("burn-ndarray"),
+                device: ndarray_description(),
             },
             #[allow(unreachable_patterns)]
             _ => Availability::NotCompiled,
@@ -111,10 +113,25 @@ impl BackendKind {
     }
 }
 
-#[cfg(any(feature = "cpu", feature = "ndarray"))]
-fn cpu_description(backend: &str) -> String {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    format!("{backend} on the host CPU ({threads} threads)")
+/// What the cpu backend really runs on: kiln's kernel pool (linear layers), rayon's pool (the
+/// rest of burn-flex's ops) and the kernels' SIMD tier.
+#[cfg(feature = "cpu")]
+fn flex_description() -> String {
+    let kernels = kiln_kernels::ThreadPool::global().threads();
+    let burn = rayon::current_num_threads();
+    let tier = kiln_kernels::Tier::active();
+    let threads = if kernels == burn {
+        format!("{kernels} threads")
+    } else {
+        format!("{kernels} kernel threads, {burn} burn-flex threads")
+    };
+    format!("burn-flex on the host CPU ({threads}, {tier} kernels)")
+}
+
+/// burn-ndarray as kiln builds it (without its `rayon` feature) runs on one thread.
+#[cfg(feature = "ndarray")]
+fn ndarray_description() -> String {
+    "burn-ndarray on the host CPU (1 thread)".to_string()
 }
 
 impl fmt::Display for BackendKind {
@@ -196,6 +213,37 @@ pub trait InferenceBackend: Backend {
         values: Tensor<Self, 4>,
     ) {
         target.inplace(|t| t.slice_assign(ranges, values));
+    }
+
+    /// `x · w` for a dense weight stored `[d_in, d_out]` (a linear layer without its bias).
+    /// The default is burn's matmul; the cpu backend runs few-row f32 products (decoding) on
+    /// kiln's multithreaded kernel instead.
+    ///
+    /// # Shapes
+    /// - `x`: `[n, d_in]`, `w`: `[d_in, d_out]` → `[n, d_out]`
+    fn linear_dense(x: Tensor<Self, 2>, w: &Tensor<Self, 2>) -> Tensor<Self, 2> {
+        x.matmul(w.clone())
+    }
+
+    /// `x · wᵀ` for a weight kept in its quantized blocks in host memory, `x` in f32. The
+    /// default reads `x` back to the host, runs kiln's CPU kernel and uploads the result:
+    /// correct on every backend, fast where tensors live in host memory; the cpu backend
+    /// overrides it to skip both copies.
+    ///
+    /// # Shapes
+    /// - `x`: `[n, d_in]`, `w`: `[d_out, d_in]` → `[n, d_out]` (f32)
+    fn linear_quantized(x: Tensor<Self, 2>, w: &QuantMatrix) -> Tensor<Self, 2> {
+        let [n, d_in] = x.dims();
+        let device = x.device();
+        let host = x
+            .cast(burn::tensor::FloatDType::F32)
+            .into_data()
+            .into_vec::<f32>()
+            .expect("an f32 tensor reads back as f32");
+        debug_assert_eq!(host.len(), n * d_in);
+        let mut out = vec![0f32; n * w.rows()];
+        w.matmul(&host, n, &mut out);
+        Tensor::from_data(burn::tensor::TensorData::new(out, [n, w.rows()]), &device)
     }
 
     /// What the backend's device allocator holds, where it reports it (the GPU backends);

@@ -1,26 +1,57 @@
-//! [`Linear`]: `y = x W + b` with `W` stored `[d_in, d_out]`.
+//! [`Linear`]: `y = x W + b`, with `W` dense on the device or kept in its quantized GGUF
+//! blocks on the host ([`LinearWeight`]); the backend picks the kernel
+//! ([`InferenceBackend::linear_dense`], [`InferenceBackend::linear_quantized`]).
+
+use std::sync::Arc;
 
 use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
+use kiln_core::InferenceBackend;
+use kiln_kernels::QuantMatrix;
 
-/// A dense layer. Checkpoints storing `[d_out, d_in]` (PyTorch `nn.Linear`) are transposed on
-/// load; GPT-2's `Conv1D` already stores `[d_in, d_out]`.
+/// A linear layer's weight.
 #[derive(Debug, Clone)]
-pub struct Linear<B: Backend> {
-    /// `[d_in, d_out]`
-    pub weight: Tensor<B, 2>,
+pub enum LinearWeight<B: InferenceBackend> {
+    /// `[d_in, d_out]` in the model's dtype. Checkpoints storing `[d_out, d_in]` (PyTorch
+    /// `nn.Linear`) are transposed on load; GPT-2's `Conv1D` already stores `[d_in, d_out]`.
+    Dense(Tensor<B, 2>),
+    /// `[d_out, d_in]` in ggml blocks (GGUF's own layout), multiplied without dequantizing;
+    /// shared with the embedding when the output head is tied.
+    Quantized(Arc<QuantMatrix>),
+}
+
+/// A dense layer.
+#[derive(Debug, Clone)]
+pub struct Linear<B: InferenceBackend> {
+    /// The weight.
+    pub weight: LinearWeight<B>,
     /// `[d_out]`
     pub bias: Option<Tensor<B, 1>>,
 }
 
-impl<B: Backend> Linear<B> {
+impl<B: InferenceBackend> Linear<B> {
+    /// A layer with a dense `[d_in, d_out]` weight.
+    pub fn dense(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Self {
+        Self {
+            weight: LinearWeight::Dense(weight),
+            bias,
+        }
+    }
+
     /// # Shapes
-    /// - `x`: `[n, d_in]` → `[n, d_out]`
+    /// - `x`: `[n, d_in]` → `[n, d_out]` (f32 for a quantized weight, else `x`'s dtype)
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let y = x.matmul(self.weight.clone());
+        let y = match &self.weight {
+            LinearWeight::Dense(w) => B::linear_dense(x, w),
+            LinearWeight::Quantized(w) => B::linear_quantized(x, w),
+        };
         match &self.bias {
             Some(b) => y + b.clone().unsqueeze_dim(0),
             None => y,
         }
+    }
+
+    /// Whether the weight is kept quantized.
+    pub fn is_quantized(&self) -> bool {
+        matches!(self.weight, LinearWeight::Quantized(_))
     }
 }

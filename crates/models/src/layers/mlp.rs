@@ -2,13 +2,13 @@
 
 use burn::tensor::Tensor;
 use burn::tensor::activation::{gelu_approximate, silu};
-use burn::tensor::backend::Backend;
+use kiln_core::InferenceBackend;
 
 use super::linear::Linear;
 
 /// A feed-forward block.
 #[derive(Debug, Clone)]
-pub enum Mlp<B: Backend> {
+pub enum Mlp<B: InferenceBackend> {
     /// `down(gelu_tanh(up(x)))`
     GeluTanh {
         /// `[d_model, d_ff]`
@@ -27,7 +27,7 @@ pub enum Mlp<B: Backend> {
     },
 }
 
-impl<B: Backend> Mlp<B> {
+impl<B: InferenceBackend> Mlp<B> {
     /// # Shapes
     /// - `x`: `[n, d_model]` → `[n, d_model]`
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {

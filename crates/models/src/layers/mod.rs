@@ -2,6 +2,7 @@
 //! rather than copied per model.
 
 pub mod attention;
+pub mod embedding;
 pub mod linear;
 pub mod mlp;
 pub mod norm;

@@ -9,9 +9,9 @@
 
 use std::path::Path;
 
-use kiln_core::{InferenceBackend, TokenId};
+use kiln_core::{Dtype, InferenceBackend, TokenId};
 
-use super::{GenerationSettings, LoadOptions, LoadedModel, ModelFormat};
+use super::{GenerationSettings, LoadOptions, LoadedModel, ModelFormat, WeightStorage};
 use crate::config::{Architecture, MlpKind, NormKind, PositionKind, RopeConfig, TransformerConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
@@ -178,6 +178,15 @@ pub(super) fn load<B: InferenceBackend>(
 ) -> Result<LoadedModel<B>> {
     let file = GgufFile::open(path)?;
     let config = config(&file)?;
+    if options.weights == WeightStorage::Quantized && options.dtype != Dtype::F32 {
+        return Err(ModelError::config(
+            path,
+            format!(
+                "quantized weights compute in f32; {} asks to dequantize, so the two do not mix",
+                options.dtype.name()
+            ),
+        ));
+    }
     let tokenizer = TextTokenizer::from_gguf(&file)?;
     let (bos, eos, add_bos) = crate::tokenizer::gguf::special_ids(&file)?;
     let generation = GenerationSettings {
@@ -187,7 +196,14 @@ pub(super) fn load<B: InferenceBackend>(
     };
     let chat_template = chat_template(&file);
     let reporting = Reporting::new(&file, progress);
-    let model = llama::load(config, LlamaNames::Gguf, &reporting, options.dtype, device)?;
+    let model = llama::load(
+        config,
+        LlamaNames::Gguf,
+        &reporting,
+        options.dtype,
+        options.weights,
+        device,
+    )?;
     reporting.finish();
     Ok(LoadedModel {
         model,

@@ -206,6 +206,7 @@ pub(super) fn load<B: InferenceBackend>(
                 LlamaNames::HuggingFace,
                 &source,
                 options.dtype,
+                super::WeightStorage::Dequantized,
                 device,
             )?
         }

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use kiln_core::InferenceBackend;
 
-use super::{GenerationSettings, LoadOptions, LoadedModel, ModelFormat};
+use super::{GenerationSettings, LoadOptions, LoadedModel, ModelFormat, WeightStorage};
 use crate::config::TransformerConfig;
 use crate::error::{ModelError, Result};
 use crate::info::ModelInfo;
@@ -94,7 +94,14 @@ pub(super) fn load<B: InferenceBackend>(
     config.bos = generation.bos;
     config.eos = generation.eos.clone();
     let reporting = Reporting::new(&source, progress);
-    let model = llama::load(config, LlamaNames::Meta, &reporting, options.dtype, device)?;
+    let model = llama::load(
+        config,
+        LlamaNames::Meta,
+        &reporting,
+        options.dtype,
+        WeightStorage::Dequantized,
+        device,
+    )?;
     reporting.finish();
     Ok(LoadedModel {
         model,

@@ -48,6 +48,32 @@ pub struct LoadOptions {
     /// Meta folders only: the llama3 RoPE scaling factor when `params.json` does not say
     /// (8 for Llama 3.1, the default; 32 for Llama 3.2 1B and 3B).
     pub rope_scaling_factor: Option<f32>,
+    /// Whether GGUF weights in a type with a CPU kernel (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) stay
+    /// quantized instead of being dequantized to `dtype`. Other formats ignore it.
+    pub weights: WeightStorage,
+}
+
+/// How quantized weights are held after loading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightStorage {
+    /// Dequantized to the model's dtype: the exact path, equal to transformers on the same
+    /// dequantized weights.
+    #[default]
+    Dequantized,
+    /// Kept in their ggml blocks and multiplied by kiln's CPU kernels with activations
+    /// quantized to 8 bits per block of 32 (llama.cpp's approach; see docs/kernels.md for its
+    /// accuracy). Activations, norms and the KV cache stay in `dtype`, which must be f32.
+    Quantized,
+}
+
+impl WeightStorage {
+    /// `quantized` or `dequantized`.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightStorage::Dequantized => "dequantized",
+            WeightStorage::Quantized => "quantized",
+        }
+    }
 }
 
 /// What generation needs to know beyond the weights.
