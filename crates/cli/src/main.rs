@@ -70,6 +70,11 @@ fn main() -> ExitCode {
             return ExitCode::from(err.exit_code() as u8);
         }
     };
+    // A forced kernel tier this CPU cannot run is refused up front (the kernels would
+    // otherwise fall back to the best tier silently).
+    if let Err(err) = kiln_kernels::Tier::from_env() {
+        return exit::report(Err(anyhow::Error::new(exit::UsageError(err.to_string()))));
+    }
     let result = match cli.command {
         Command::Backends => backends::run(),
         Command::Selftest(args) => selftest::run(&args),

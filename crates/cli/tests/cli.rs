@@ -499,3 +499,31 @@ fn snapshots_save_and_resume_from_the_command_line() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A kernel tier forced through the environment that names nothing is a usage error, before
+/// any work; a valid one shows in `kiln backends`.
+#[test]
+fn a_forced_kernel_tier_is_checked_and_reported() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .arg("backends")
+        .env("KILN_KERNEL_TIER", "sse9")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("unknown kernel tier `sse9`"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .arg("backends")
+        .env("KILN_KERNEL_TIER", "scalar")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(
+        text(&out.stdout).contains("scalar kernels"),
+        "{}",
+        text(&out.stdout)
+    );
+}

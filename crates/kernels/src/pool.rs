@@ -231,7 +231,7 @@ fn worker(shared: &Shared) {
                 break;
             }
             spins = spins.wrapping_add(1);
-            if spins % 64 == 0 && idle_since.elapsed() > SPIN {
+            if spins.is_multiple_of(64) && idle_since.elapsed() > SPIN {
                 let mut guard = shared
                     .lock
                     .lock()

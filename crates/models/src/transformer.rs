@@ -133,7 +133,7 @@ impl<B: InferenceBackend> Transformer<B> {
                 None => kinds.push((kind, 1, bytes)),
             }
         }
-        kinds.sort_by(|a, b| b.2.cmp(&a.2));
+        kinds.sort_by_key(|k| std::cmp::Reverse(k.2));
         kinds
     }
 
