@@ -7,12 +7,17 @@
 //!   arguments go to `cargo test`, and skip the examples.
 //! - `bench`: the benchmark matrix on one backend with `kiln bench`, optionally side by side
 //!   with Hugging Face transformers (see `bench.rs` and `docs/benchmarks.md`).
+//! - `llama-cpp`: builds llama.cpp's CPU tools (`llama-bench`, `llama-batched-bench`,
+//!   `llama-quantize`, `llama-perplexity`, `llama-server`) once under `target/llama.cpp/` from
+//!   the sources vendored in `llama-cpp-python`'s sdist on PyPI, prints their folder, and with
+//!   `--quantize FILE` makes FILE's Q8_0 and F32 copies for comparisons (see `llama_cpp.rs`).
 //! - `references`: regenerates the expected values that come from Hugging Face transformers:
 //!   the sampling distributions, the model fixtures and the GGUF fixtures (needs `python3` with
 //!   `torch`, `transformers`, `tiktoken`, `gguf` and `accelerate`, and SmolLM2 in kiln's model
 //!   cache).
 
 mod bench;
+mod llama_cpp;
 mod system;
 
 use std::process::Command;
@@ -21,6 +26,7 @@ use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask test [args passed on to cargo test]
        cargo xtask bench --backend KIND [--model PATH | --shape NAME] [--dtype D] [--quick] [--compare transformers]
+       cargo xtask llama-cpp [--quantize MODEL.gguf [--types Q8_0,F32]]
        cargo xtask references";
 
 fn main() -> Result<()> {
@@ -31,6 +37,7 @@ fn main() -> Result<()> {
         "test" => test(&rest),
         "references" => references(),
         "bench" => bench::bench(&rest),
+        "llama-cpp" => llama_cpp::llama_cpp(&rest),
         "" | "help" | "--help" | "-h" => {
             println!("{USAGE}");
             Ok(())
