@@ -48,13 +48,7 @@ pub fn matmul_in_out_with(
     tier: Tier,
     pool: &ThreadPool,
 ) {
-    assert_eq!(w.len(), k * n, "weights are not [k, n]");
-    assert_eq!(x.len(), m * k, "activations are not [m, k]");
-    assert_eq!(out.len(), m * n, "output is not [m, n]");
-    assert!(
-        tier.is_supported(),
-        "kernel tier {tier} is not supported on this CPU"
-    );
+    check_shapes(w, k, n, x, m, out, tier);
     if n == 0 || m == 0 {
         return;
     }
@@ -87,6 +81,18 @@ pub fn matmul_in_out_with(
             _ => unreachable!("no such tier on this architecture"),
         }
     });
+}
+
+/// The checks both layouts share: `w` holds `k × n` values (either way round), `x` is
+/// `[m, k]`, `out` is `[m, n]`, and this CPU runs `tier`.
+fn check_shapes(w: &[f32], k: usize, n: usize, x: &[f32], m: usize, out: &[f32], tier: Tier) {
+    assert_eq!(w.len(), k * n, "weights do not hold k × n values");
+    assert_eq!(x.len(), m * k, "activations are not [m, k]");
+    assert_eq!(out.len(), m * n, "output is not [m, n]");
+    assert!(
+        tier.is_supported(),
+        "kernel tier {tier} is not supported on this CPU"
+    );
 }
 
 /// One task: the columns `cols` of every output row.
@@ -164,13 +170,7 @@ pub fn matmul_out_in_with(
     tier: Tier,
     pool: &ThreadPool,
 ) {
-    assert_eq!(w.len(), k * n, "weights are not [n, k]");
-    assert_eq!(x.len(), m * k, "activations are not [m, k]");
-    assert_eq!(out.len(), m * n, "output is not [m, n]");
-    assert!(
-        tier.is_supported(),
-        "kernel tier {tier} is not supported on this CPU"
-    );
+    check_shapes(w, k, n, x, m, out, tier);
     if n == 0 || m == 0 {
         return;
     }

@@ -54,11 +54,15 @@ mod flex_linear {
     /// small on one thread); above it the gemm's register blocking wins.
     const DENSE_KERNEL_MAX_ROWS: usize = 16;
 
-    fn host(t: Tensor<Flex, 2>) -> FlexTensor {
+    fn float(t: Tensor<Flex, 2>) -> FlexTensor {
         match t.into_primitive() {
-            TensorPrimitive::Float(t) => t.to_contiguous(),
+            TensorPrimitive::Float(t) => t,
             TensorPrimitive::QFloat(_) => unreachable!("kiln never makes burn-quantized tensors"),
         }
+    }
+
+    fn host(t: Tensor<Flex, 2>) -> FlexTensor {
+        float(t).to_contiguous()
     }
 
     /// The values of a contiguous tensor.
@@ -82,26 +86,23 @@ mod flex_linear {
         if n > DENSE_KERNEL_MAX_ROWS || x.dtype() != DType::F32 || w.dtype() != DType::F32 {
             return x.matmul(w.clone());
         }
-        let w = match w.clone().into_primitive() {
-            TensorPrimitive::Float(w) => w,
-            TensorPrimitive::QFloat(_) => unreachable!("kiln never makes burn-quantized tensors"),
-        };
+        let w_flex = float(w.clone());
         // `[d_in, d_out]` as stored, or the transposed view of a `[d_out, d_in]` table (a tied
         // output head); anything else goes to burn, since copying the weight would cost more
         // than the product.
-        let layout = w.layout();
+        let layout = w_flex.layout();
+        let stored_as_is = layout.is_contiguous();
+        if !stored_as_is && layout.strides() != [1, d_in as isize] {
+            return x.matmul(w.clone());
+        }
         let offset = layout.start_offset();
-        let stored = &w.storage::<f32>()[offset..offset + d_in * d_out];
+        let stored = &w_flex.storage::<f32>()[offset..offset + d_in * d_out];
         let x = host(x);
         let mut out = vec![0f32; n * d_out];
-        if layout.is_contiguous() {
+        if stored_as_is {
             kiln_kernels::dense::matmul_in_out(stored, d_in, d_out, f32_slice(&x), n, &mut out);
-        } else if layout.strides() == [1, d_in as isize] {
-            kiln_kernels::dense::matmul_out_in(stored, d_in, d_out, f32_slice(&x), n, &mut out);
         } else {
-            let x = Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(x));
-            let w = Tensor::<Flex, 2>::from_primitive(TensorPrimitive::Float(w));
-            return x.matmul(w);
+            kiln_kernels::dense::matmul_out_in(stored, d_in, d_out, f32_slice(&x), n, &mut out);
         }
         wrap(out, [n, d_out])
     }

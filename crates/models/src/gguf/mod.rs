@@ -190,6 +190,15 @@ impl GgufFile {
         )
     }
 
+    /// One tensor's description, failing with [`ModelError::MissingTensor`] when absent.
+    fn required_tensor(&self, name: &str) -> Result<&TensorInfo> {
+        self.tensor_info(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                file: self.describe(),
+                tensor: name.to_string(),
+            })
+    }
+
     /// The raw bytes of a tensor.
     pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
         &self.mmap[info.data.clone()]
@@ -207,12 +216,7 @@ impl TensorSource for GgufFile {
 
     /// Dequantizes one tensor to f32.
     fn read(&self, name: &str) -> Result<HostTensor> {
-        let info = self
-            .tensor_info(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                file: self.describe(),
-                tensor: name.to_string(),
-            })?;
+        let info = self.required_tensor(name)?;
         let mut data = vec![0f32; info.len()];
         dequantize(info.ggml_type, self.tensor_bytes(info), &mut data);
         Ok(HostTensor {
@@ -225,12 +229,7 @@ impl TensorSource for GgufFile {
 
     /// The tensor's blocks as they are in the file, for 2-D tensors of a type with a kernel.
     fn read_quantized(&self, name: &str) -> Result<Option<QuantizedTensor>> {
-        let info = self
-            .tensor_info(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                file: self.describe(),
-                tensor: name.to_string(),
-            })?;
+        let info = self.required_tensor(name)?;
         if !kiln_kernels::quant::has_kernel(info.ggml_type) || info.shape.len() != 2 {
             return Ok(None);
         }
