@@ -13,10 +13,12 @@
 //!
 //! Masks are explicit boolean tensors (`true` = masked) built from positions, never
 //! `is_causal`: burn 0.21's kernels disagree on how `is_causal` aligns when query and key
-//! lengths differ. Grouped-query attention never copies the cached K/V: a row's queries are
-//! regrouped as `[rows, n_kv_heads, n_rep * q_len, head_dim]` so each KV head serves its
-//! `n_rep` query heads in one matmul (the HF/Meta rule: query head `h` uses KV head
-//! `h / n_rep`).
+//! lengths differ; a mask is `[rows, q_len, keys]`, shared by the heads. Grouped-query
+//! attention never copies K/V: in both groups a row's queries are regrouped as
+//! `[rows, n_kv_heads, n_rep * q_len, head_dim]` so each KV head serves its `n_rep` query heads
+//! in one call of [`InferenceBackend::grouped_attention`] (the HF/Meta rule: query head `h`
+//! uses KV head `h / n_rep`). On the cpu backend that call sums over each query's visible keys
+//! only, so a sequence's outputs do not depend on what it was batched with.
 
 use burn::tensor::backend::Backend;
 
@@ -35,8 +37,8 @@ struct FreshGroup<B: Backend> {
     /// Batch tokens of the group, when it is not simply the whole batch in order. `[len]`
     gather: Option<Tensor<B, 1, Int>>,
     len: usize,
-    /// `[1, 1, len, len]`
-    mask: Tensor<B, 4, Bool>,
+    /// `[1, len, len]`
+    mask: Tensor<B, 3, Bool>,
 }
 
 /// The history group: one padded row per sequence.
@@ -44,13 +46,12 @@ struct FreshGroup<B: Backend> {
 struct HistoryGroup<B: Backend> {
     rows: usize,
     max_new: usize,
-    keys: usize,
     /// Batch token for each padded query slot (padding points at token 0). `[rows * max_new]`
     gather: Tensor<B, 1, Int>,
     /// The padded query slots that hold a real token, in group order. `[n_tokens_in_group]`
     keep: Tensor<B, 1, Int>,
-    /// `[rows, 1, n_rep * max_new, keys]`
-    mask: Tensor<B, 4, Bool>,
+    /// `[rows, max_new, keys]`
+    mask: Tensor<B, 3, Bool>,
     read: ReadIndex<B>,
 }
 
@@ -83,7 +84,6 @@ impl<B: InferenceBackend> AttentionPlan<B> {
             n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
             "n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})"
         );
-        let n_rep = n_heads / n_kv_heads;
         let positions = batch.positions();
         let window = step.window;
 
@@ -111,7 +111,7 @@ impl<B: InferenceBackend> AttentionPlan<B> {
             FreshGroup {
                 gather: (!in_order).then(|| int_tensor(fresh_tokens.iter().copied(), device)),
                 len,
-                mask: bool_tensor(mask, [1, 1, len, len], device),
+                mask: bool_tensor(mask, [1, len, len], device),
             }
         });
 
@@ -124,39 +124,35 @@ impl<B: InferenceBackend> AttentionPlan<B> {
                 .max()
                 .unwrap_or(0);
             let keys = step.history.first().map_or(0, |h| h.key_positions.len());
-            let q_rows = n_rep * max_new;
             let mut gather = vec![0usize; rows * max_new];
             let mut keep = Vec::with_capacity(history_tokens.len());
-            let mut mask = vec![true; rows * q_rows * keys];
+            let mut mask = vec![true; rows * max_new * keys];
             for (r, span) in step.history.iter().enumerate() {
                 for (i, token) in span.tokens.clone().enumerate() {
                     gather[r * max_new + i] = token;
                     keep.push(r * max_new + i);
                 }
-                for rep in 0..n_rep {
-                    for i in 0..max_new {
-                        let row = &mut mask[(r * q_rows + rep * max_new + i) * keys..][..keys];
-                        match span.tokens.clone().nth(i) {
-                            Some(token) => {
-                                let q_pos = positions[token];
-                                for (slot, k_pos) in span.key_positions.iter().enumerate() {
-                                    row[slot] = !k_pos.is_some_and(|k| visible(q_pos, k, window));
-                                }
+                for i in 0..max_new {
+                    let row = &mut mask[(r * max_new + i) * keys..][..keys];
+                    match span.tokens.clone().nth(i) {
+                        Some(token) => {
+                            let q_pos = positions[token];
+                            for (slot, k_pos) in span.key_positions.iter().enumerate() {
+                                row[slot] = !k_pos.is_some_and(|k| visible(q_pos, k, window));
                             }
-                            // A padding query sees one key so its softmax stays finite; its
-                            // output is dropped.
-                            None => row[0] = false,
                         }
+                        // A padding query sees one key so its softmax stays finite; its
+                        // output is dropped.
+                        None => row[0] = false,
                     }
                 }
             }
             HistoryGroup {
                 rows,
                 max_new,
-                keys,
                 gather: int_tensor(gather, device),
                 keep: int_tensor(keep, device),
-                mask: bool_tensor(mask, [rows, 1, q_rows, keys], device),
+                mask: bool_tensor(mask, [rows, max_new, keys], device),
                 read,
             }
         });
@@ -197,9 +193,9 @@ fn visible(q: Position, k: Position, window: Option<usize>) -> bool {
 
 fn bool_tensor<B: Backend>(
     values: Vec<bool>,
-    shape: [usize; 4],
+    shape: [usize; 3],
     device: &B::Device,
-) -> Tensor<B, 4, Bool> {
+) -> Tensor<B, 3, Bool> {
     Tensor::from_data(TensorData::new(values, shape), device)
 }
 
@@ -221,29 +217,31 @@ pub fn attend<B: InferenceBackend>(
     debug_assert_eq!(n_heads, plan.n_heads);
     cache.write(layer, &plan.step, k.clone(), v.clone());
 
+    let n_kv = plan.n_kv_heads;
+    let n_rep = n_heads / n_kv;
     let mut outputs = Vec::with_capacity(2);
     if let Some(fresh) = &plan.fresh {
         let pick = |t: Tensor<B, 3>| match &fresh.gather {
             Some(idx) => t.select(0, idx.clone()),
             None => t,
         };
-        let q = pick(q.clone()).swap_dims(0, 1).unsqueeze_dim::<4>(0);
-        let k = repeat_kv(pick(k).swap_dims(0, 1).unsqueeze_dim::<4>(0), n_heads);
-        let v = repeat_kv(pick(v).swap_dims(0, 1).unsqueeze_dim::<4>(0), n_heads);
-        let mask = fresh
-            .mask
-            .clone()
-            .expand([1, n_heads, fresh.len, fresh.len]);
-        let out = sdpa(q, k, v, mask); // [1, n_heads, len, head_dim]
+        let len = fresh.len;
+        // One packed row: [len, n_heads, d] → [1, n_kv, n_rep * len, d].
+        let q = pick(q.clone())
+            .reshape([len, n_kv, n_rep, head_dim])
+            .permute([1, 2, 0, 3])
+            .reshape([1, n_kv, n_rep * len, head_dim]);
+        let k = pick(k).swap_dims(0, 1).unsqueeze_dim::<4>(0);
+        let v = pick(v).swap_dims(0, 1).unsqueeze_dim::<4>(0);
+        let out = B::grouped_attention(q, k, v, fresh.mask.clone());
         outputs.push(
-            out.squeeze_dim::<3>(0)
-                .swap_dims(0, 1)
-                .reshape([fresh.len, n_heads * head_dim]),
+            out.reshape([n_kv, n_rep, len, head_dim])
+                .permute([2, 0, 1, 3])
+                .reshape([len, n_heads * head_dim]),
         );
     }
     if let Some(hist) = &plan.history {
-        let (rows, max_new, n_kv) = (hist.rows, hist.max_new, plan.n_kv_heads);
-        let n_rep = n_heads / n_kv;
+        let (rows, max_new) = (hist.rows, hist.max_new);
         let q = q
             .select(0, hist.gather.clone())
             .reshape([rows, max_new, n_heads, head_dim])
@@ -251,11 +249,7 @@ pub fn attend<B: InferenceBackend>(
             .reshape([rows, n_kv, n_rep * max_new, head_dim]);
         let (k, v) = cache.read(layer, &hist.read);
         let dtype = FloatDType::from(q.dtype());
-        let mask = hist
-            .mask
-            .clone()
-            .expand([rows, n_kv, n_rep * max_new, hist.keys]);
-        let out = sdpa(q, k.cast(dtype), v.cast(dtype), mask);
+        let out = B::grouped_attention(q, k.cast(dtype), v.cast(dtype), hist.mask.clone());
         outputs.push(
             out.reshape([rows, n_heads, max_new, head_dim])
                 .swap_dims(1, 2)
@@ -271,18 +265,6 @@ pub fn attend<B: InferenceBackend>(
     }
 }
 
-/// Repeats each KV head for the query heads that share it (`[b, n_kv, s, d]` to
-/// `[b, n_heads, s, d]`, KV head `j` serving query heads `j * n_rep .. (j + 1) * n_rep`).
-fn repeat_kv<B: Backend>(x: Tensor<B, 4>, n_heads: usize) -> Tensor<B, 4> {
-    let [b, n_kv, s, d] = x.dims();
-    if n_kv == n_heads {
-        return x;
-    }
-    x.unsqueeze_dim::<5>(2)
-        .expand([b, n_kv, n_heads / n_kv, s, d])
-        .reshape([b, n_heads, s, d])
-}
-
 /// Scaled dot-product attention through burn's fused op, with an explicit mask.
 ///
 /// # Shapes
@@ -295,6 +277,26 @@ pub fn sdpa<B: Backend>(
     mask: Tensor<B, 4, Bool>,
 ) -> Tensor<B, 4> {
     burn::tensor::module::attention(q, k, v, Some(mask), None, AttentionModuleOptions::default())
+}
+
+/// [`sdpa`] for grouped queries and a mask shared by the heads: the mask is expanded over
+/// them (the default [`InferenceBackend::grouped_attention`]).
+///
+/// # Shapes
+/// As [`InferenceBackend::grouped_attention`].
+pub fn sdpa_grouped<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: Tensor<B, 3, Bool>,
+) -> Tensor<B, 4> {
+    let [batch, n_kv, q_rows, _] = q.dims();
+    let [_, q_len, keys] = mask.dims();
+    let mask = mask
+        .unsqueeze_dims::<5>(&[1, 2])
+        .expand([batch, n_kv, q_rows / q_len.max(1), q_len, keys])
+        .reshape([batch, n_kv, q_rows, keys]);
+    sdpa(q, k, v, mask)
 }
 
 /// The plain reference: `softmax(q kᵀ / √d + mask) v`, computed in f32 with matmuls. Tests and

@@ -1,16 +1,21 @@
 //! f32 matrix products for the exact path, for the few-row products of decoding: burn-flex's
 //! gemm runs those on one thread, and its matrix-vector path reaches about half the memory
 //! bandwidth. Two weight layouts:
-//! - `[d_in, d_out]` (kiln's `Linear` layout, [`matmul_in_out`]): each task owns a range of
-//!   output columns and walks the weight rows once, adding `x[t, i] × w[i, cols]` into
-//!   accumulators for up to four activation rows at a time. Sums run over `i` in order on
-//!   every tier.
+//! - `[d_in, d_out]` (kiln's `Linear` layout, [`matmul_in_out`]): each task owns a run of
+//!   weight rows, reads it front to back (one sequential stream per thread, which is what
+//!   reaches the memory bandwidth) and adds `x[t, i] × w[i, ..]` into its own partial sums
+//!   for every activation row; the partial sums are added in task order at the end. Very
+//!   wide matrices (an untied output head), whose partial sums would not stay in cache, split
+//!   by columns instead: each task owns a range of output columns for up to four activation
+//!   rows at a time. Either way the order of the sums depends on the shape and the thread
+//!   count only, not on the tier.
 //! - `[d_out, d_in]` (a tied output head reading the embedding table, [`matmul_out_in`]):
 //!   each task owns a range of output rows and takes dot products with up to four activation
 //!   rows at a time; the SIMD tiers sum in eight lanes, so they differ from the scalar order
 //!   by rounding.
 //!
-//! Either way each weight byte is read once per four activation rows.
+//! The weights are read once per call (per four activation rows in the column split and the
+//! `[d_out, d_in]` layout).
 
 use crate::SharedOut;
 use crate::pool::ThreadPool;
@@ -19,8 +24,13 @@ use crate::tier::Tier;
 /// Output columns per task at most: four rows of accumulators fit in L1.
 const MAX_TASK_COLS: usize = 512;
 
-/// Activation rows sharing one pass over the weights.
+/// Activation rows sharing one pass over the weights in the column split and the
+/// `[d_out, d_in]` layout.
 const ROW_TILE: usize = 4;
+
+/// Widest `[d_in, d_out]` matrix split by weight rows: `m × d_out` partial sums per task stay
+/// in L2 (16 rows × 8192 × 4 bytes = 512 KiB at most).
+const ROW_SPLIT_MAX_COLS: usize = 8192;
 
 /// `out = x · w` on the active tier and the global pool.
 ///
@@ -52,6 +62,10 @@ pub fn matmul_in_out_with(
     if n == 0 || m == 0 {
         return;
     }
+    if n <= ROW_SPLIT_MAX_COLS {
+        in_out_by_rows(w, k, n, x, m, out, tier, pool);
+        return;
+    }
     let width = n
         .div_ceil(pool.threads() * 2)
         .next_multiple_of(16)
@@ -81,6 +95,84 @@ pub fn matmul_in_out_with(
             _ => unreachable!("no such tier on this architecture"),
         }
     });
+}
+
+/// [`matmul_in_out_with`] split by weight rows: task `p` adds rows `rows(p)` of `w` into its
+/// own `[m, n]` partial sums, which are then summed in task order.
+#[allow(clippy::too_many_arguments)]
+fn in_out_by_rows(
+    w: &[f32],
+    k: usize,
+    n: usize,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    tier: Tier,
+    pool: &ThreadPool,
+) {
+    let rows_per_task = k.div_ceil(pool.threads() * 2).max(1);
+    let tasks = k.div_ceil(rows_per_task);
+    let mut partials = vec![0f32; tasks * m * n];
+    let shared = SharedOut::new(&mut partials);
+    pool.run(tasks, &|task| {
+        // SAFETY: each task owns its `[m, n]` block of partial sums.
+        let acc = unsafe { shared.slice(task * m * n, m * n) };
+        let rows = task * rows_per_task..((task + 1) * rows_per_task).min(k);
+        let job = RowTask { w, k, n, x, m, rows };
+        match tier {
+            Tier::Scalar => job.run(acc, |acc, a, w| {
+                for (y, x) in acc.iter_mut().zip(w) {
+                    *y += a * x;
+                }
+            }),
+            // SAFETY: the tier's features were checked by the caller.
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx2 | Tier::Avx512Vnni => unsafe { job.run_fma(acc) },
+            #[allow(unreachable_patterns)]
+            _ => unreachable!("no such tier on this architecture"),
+        }
+    });
+    let (first, rest) = partials.split_at(m * n);
+    out.copy_from_slice(first);
+    for partial in rest.chunks_exact(m * n) {
+        for (y, p) in out.iter_mut().zip(partial) {
+            *y += p;
+        }
+    }
+}
+
+/// One task of the row split: weight rows `rows` for every activation row.
+struct RowTask<'a> {
+    w: &'a [f32],
+    k: usize,
+    n: usize,
+    x: &'a [f32],
+    m: usize,
+    rows: std::ops::Range<usize>,
+}
+
+impl RowTask<'_> {
+    /// Runs the task into `acc` (`[m, n]`) with `axpy(acc, a, w)`: `acc += a × w`.
+    #[inline(always)]
+    fn run(&self, acc: &mut [f32], axpy: impl Fn(&mut [f32], f32, &[f32])) {
+        for i in self.rows.clone() {
+            let row = &self.w[i * self.n..(i + 1) * self.n];
+            for (t, sums) in acc.chunks_exact_mut(self.n).take(self.m).enumerate() {
+                axpy(sums, self.x[t * self.k + i], row);
+            }
+        }
+    }
+
+    /// [`run`](Self::run) compiled for AVX2 with fused multiply-adds.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_fma(&self, acc: &mut [f32]) {
+        self.run(acc, |acc, a, w| {
+            for (y, x) in acc.iter_mut().zip(w) {
+                *y = a.mul_add(*x, *y);
+            }
+        });
+    }
 }
 
 /// The checks both layouts share: `w` holds `k × n` values (either way round), `x` is

@@ -24,6 +24,7 @@
 //! ```
 
 pub mod act;
+pub mod attention;
 pub mod dense;
 mod error;
 pub mod ggml;
@@ -65,5 +66,18 @@ impl<T> SharedOut<T> {
         assert!(i < self.len, "output index out of range");
         // SAFETY: in bounds (just checked); exclusive per the caller's contract.
         unsafe { self.ptr.add(i).write(v) };
+    }
+
+    /// The elements `start..start + len`, to write in place.
+    ///
+    /// # Safety
+    /// No other task may touch those elements during the job, and the returned slice must not
+    /// outlive it.
+    #[allow(clippy::mut_from_ref)]
+    #[inline]
+    pub(crate) unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
+        assert!(start + len <= self.len, "output range out of bounds");
+        // SAFETY: in bounds (just checked); exclusive per the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
     }
 }

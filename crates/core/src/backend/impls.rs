@@ -38,6 +38,91 @@ impl InferenceBackend for burn::backend::Flex {
     ) -> burn::tensor::Tensor<Self, 2> {
         flex_linear::quantized(x, w)
     }
+
+    fn grouped_attention(
+        q: burn::tensor::Tensor<Self, 4>,
+        k: burn::tensor::Tensor<Self, 4>,
+        v: burn::tensor::Tensor<Self, 4>,
+        mask: burn::tensor::Tensor<Self, 3, burn::tensor::Bool>,
+    ) -> burn::tensor::Tensor<Self, 4> {
+        flex_attention::grouped(q, k, v, mask)
+    }
+}
+
+/// Attention on burn-flex through kiln's kernel (burn-flex runs the (batch, head) loop of its
+/// own on one thread, and its sums run over masked keys too).
+#[cfg(feature = "cpu")]
+mod flex_attention {
+    use burn::backend::Flex;
+    use burn::backend::flex::{FlexTensor, Layout};
+    use burn::tensor::{Bool, Bytes, DType, Tensor, TensorPrimitive};
+    use kiln_kernels::ThreadPool;
+    use kiln_kernels::attention::{AttentionShape, attention};
+
+    fn host_f32(t: Tensor<Flex, 4>) -> FlexTensor {
+        match t.into_primitive() {
+            TensorPrimitive::Float(t) => t.to_contiguous(),
+            TensorPrimitive::QFloat(_) => unreachable!("kiln never makes burn-quantized tensors"),
+        }
+    }
+
+    fn values(t: &FlexTensor) -> &[f32] {
+        let start = t.layout().start_offset();
+        &t.storage::<f32>()[start..start + t.layout().num_elements()]
+    }
+
+    pub(super) fn grouped(
+        q: Tensor<Flex, 4>,
+        k: Tensor<Flex, 4>,
+        v: Tensor<Flex, 4>,
+        mask: Tensor<Flex, 3, Bool>,
+    ) -> Tensor<Flex, 4> {
+        let all_f32 = [q.dtype(), k.dtype(), v.dtype()]
+            .iter()
+            .all(|d| *d == DType::F32);
+        if !all_f32 {
+            return crate::attention::sdpa_grouped(q, k, v, mask);
+        }
+        let [batch, n_kv_heads, q_rows, head_dim] = q.dims();
+        let [_, q_len, keys] = mask.dims();
+        let shape = AttentionShape {
+            batch,
+            n_kv_heads,
+            n_rep: q_rows / q_len.max(1),
+            q_len,
+            keys,
+            head_dim,
+        };
+        let dims = q.dims();
+        let (q, k, v) = (host_f32(q), host_f32(k), host_f32(v));
+        let mask = mask.into_primitive().to_contiguous();
+        let start = mask.layout().start_offset();
+        let bytes = &mask.storage::<u8>()[start..start + mask.layout().num_elements()];
+        assert!(
+            bytes.iter().all(|&b| b <= 1),
+            "burn-flex stores booleans as 0 or 1"
+        );
+        // SAFETY: every byte is 0 or 1 (just checked), the representation of `bool`.
+        let mask: &[bool] =
+            unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len()) };
+        let mut out = vec![0f32; batch * n_kv_heads * q_rows * head_dim];
+        attention(
+            shape,
+            values(&q),
+            values(&k),
+            values(&v),
+            mask,
+            &mut out,
+            ThreadPool::global(),
+        )
+        .expect("the shapes were taken from the tensors");
+        let out = FlexTensor::new(
+            Bytes::from_elems(out),
+            Layout::contiguous(dims.into()),
+            DType::F32,
+        );
+        Tensor::from_primitive(TensorPrimitive::Float(out))
+    }
 }
 
 /// Linear layers on burn-flex through kiln's kernels, reading and writing flex's host buffers

@@ -22,8 +22,8 @@ use std::str::FromStr;
 
 use std::ops::Range;
 
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, Tensor};
 
 use kiln_kernels::QuantMatrix;
 
@@ -244,6 +244,27 @@ pub trait InferenceBackend: Backend {
         let mut out = vec![0f32; n * w.rows()];
         w.matmul(&host, n, &mut out);
         Tensor::from_data(burn::tensor::TensorData::new(out, [n, w.rows()]), &device)
+    }
+
+    /// Grouped-query attention with an explicit mask (`true` = masked): each KV head serves
+    /// its `n_rep` query heads without copying its keys. The default expands the mask over the
+    /// heads and runs burn's attention; the cpu backend runs kiln's multithreaded kernel, which
+    /// sums over each query's visible keys only, so a sequence's outputs are the same bits
+    /// alone, packed or padded ([`kiln_kernels::attention`]).
+    ///
+    /// # Shapes
+    /// - `q`: `[batch, n_kv_heads, n_rep * q_len, head_dim]`: query head `kv * n_rep + rep` at
+    ///   position `i` is row `rep * q_len + i` of KV head `kv`
+    /// - `k`, `v`: `[batch, n_kv_heads, keys, head_dim]`
+    /// - `mask`: `[batch, q_len, keys]`
+    /// - returns the shape of `q`
+    fn grouped_attention(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        mask: Tensor<Self, 3, Bool>,
+    ) -> Tensor<Self, 4> {
+        crate::attention::sdpa_grouped(q, k, v, mask)
     }
 
     /// What the backend's device allocator holds, where it reports it (the GPU backends);

@@ -1,0 +1,177 @@
+//! The attention kernel against an f64 reference, and its promise that a query's output does
+//! not depend on the keys it cannot see (so batches equal single runs bit for bit).
+
+use kiln_kernels::ThreadPool;
+use kiln_kernels::attention::{AttentionShape, attention};
+use proptest::prelude::*;
+
+fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 23) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// softmax(q kᵀ/√d masked) v in f64, one query head at a time.
+fn reference(shape: AttentionShape, q: &[f32], k: &[f32], v: &[f32], mask: &[bool]) -> Vec<f64> {
+    let AttentionShape {
+        batch,
+        n_kv_heads,
+        n_rep,
+        q_len,
+        keys,
+        head_dim,
+    } = shape;
+    let q_rows = n_rep * q_len;
+    let mut out = vec![0f64; q.len()];
+    for b in 0..batch {
+        for kv in 0..n_kv_heads {
+            let block = b * n_kv_heads + kv;
+            for row in 0..q_rows {
+                let i = row % q_len;
+                let qv = &q[(block * q_rows + row) * head_dim..][..head_dim];
+                let visible: Vec<usize> = (0..keys)
+                    .filter(|&j| !mask[(b * q_len + i) * keys + j])
+                    .collect();
+                let scores: Vec<f64> = visible
+                    .iter()
+                    .map(|&j| {
+                        let kv_row = &k[(block * keys + j) * head_dim..][..head_dim];
+                        let dot: f64 = qv
+                            .iter()
+                            .zip(kv_row)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum();
+                        dot / (head_dim as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum: f64 = weights.iter().sum();
+                for (&j, w) in visible.iter().zip(&weights) {
+                    let v_row = &v[(block * keys + j) * head_dim..][..head_dim];
+                    for d in 0..head_dim {
+                        out[(block * q_rows + row) * head_dim + d] += w / sum * v_row[d] as f64;
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn shapes() -> impl Strategy<Value = (AttentionShape, u64)> {
+    (
+        1usize..3,
+        1usize..3,
+        1usize..4,
+        1usize..20,
+        1usize..40,
+        1usize..70,
+        any::<u64>(),
+    )
+        .prop_map(|(batch, n_kv_heads, n_rep, q_len, keys, head_dim, seed)| {
+            (
+                AttentionShape {
+                    batch,
+                    n_kv_heads,
+                    n_rep,
+                    q_len,
+                    keys,
+                    head_dim,
+                },
+                seed,
+            )
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn matches_the_f64_reference((shape, seed) in shapes(), threads in 1usize..4) {
+        let q = values(shape.batch * shape.n_kv_heads * shape.n_rep * shape.q_len * shape.head_dim, seed);
+        let k = values(shape.batch * shape.n_kv_heads * shape.keys * shape.head_dim, seed ^ 1);
+        let v = values(k.len(), seed ^ 2);
+        // Random masks, sometimes hiding every key of a query.
+        let mask: Vec<bool> = values(shape.batch * shape.q_len * shape.keys, seed ^ 3)
+            .iter()
+            .map(|x| *x > 0.2)
+            .collect();
+        let mut out = vec![f32::NAN; q.len()];
+        attention(shape, &q, &k, &v, &mask, &mut out, &ThreadPool::new(threads)).unwrap();
+        let expected = reference(shape, &q, &k, &v, &mask);
+        for (got, want) in out.iter().zip(&expected) {
+            prop_assert!((*got as f64 - want).abs() < 1e-5, "{got} vs {want}");
+        }
+    }
+
+    /// The same query over the same visible keys, once alone and once among masked keys (another
+    /// prompt's, or padding), gives the same bits.
+    #[test]
+    fn masked_keys_do_not_change_the_bits((shape, seed) in shapes(), before in 0usize..20, after in 0usize..20) {
+        let shape = AttentionShape { batch: 1, ..shape };
+        let q = values(shape.n_kv_heads * shape.n_rep * shape.q_len * shape.head_dim, seed);
+        let k = values(shape.n_kv_heads * shape.keys * shape.head_dim, seed ^ 1);
+        let v = values(k.len(), seed ^ 2);
+        let causal: Vec<bool> = (0..shape.q_len * shape.keys)
+            .map(|x| (x % shape.keys) > (x / shape.keys))
+            .collect();
+        let pool = ThreadPool::new(2);
+        let mut alone = vec![0f32; q.len()];
+        attention(shape, &q, &k, &v, &causal, &mut alone, &pool).unwrap();
+
+        // The keys again, with `before` and `after` masked junk keys around them.
+        let wide = AttentionShape { keys: before + shape.keys + after, ..shape };
+        let junk = values(wide.keys * shape.head_dim, seed ^ 4);
+        let widen = |x: &[f32]| -> Vec<f32> {
+            let mut out = Vec::new();
+            for head in x.chunks(shape.keys * shape.head_dim) {
+                out.extend_from_slice(&junk[..before * shape.head_dim]);
+                out.extend_from_slice(head);
+                out.extend_from_slice(&junk[before * shape.head_dim..(before + after) * shape.head_dim]);
+            }
+            out
+        };
+        let mut mask = vec![true; shape.q_len * wide.keys];
+        for i in 0..shape.q_len {
+            for j in 0..shape.keys {
+                mask[i * wide.keys + before + j] = causal[i * shape.keys + j];
+            }
+        }
+        let mut packed = vec![0f32; q.len()];
+        attention(wide, &q, &widen(&k), &widen(&v), &mask, &mut packed, &pool).unwrap();
+        prop_assert_eq!(
+            alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            packed.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
+}
+
+#[test]
+fn wrong_lengths_are_an_error() {
+    let shape = AttentionShape {
+        batch: 1,
+        n_kv_heads: 1,
+        n_rep: 1,
+        q_len: 2,
+        keys: 3,
+        head_dim: 4,
+    };
+    let mut out = vec![0f32; 8];
+    let err = attention(
+        shape,
+        &[0.0; 8],
+        &[0.0; 12],
+        &[0.0; 11],
+        &[false; 6],
+        &mut out,
+        ThreadPool::global(),
+    );
+    assert!(err.unwrap_err().to_string().contains("v has 11 values"));
+}
