@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use crate::{cargo, run, workspace_root};
 
-const USAGE: &str = "usage: cargo xtask bench --backend cuda|wgpu|cpu|ndarray [--model PATH | --shape NAME] [--dtype f32|f16|bf16] [--quick] [--compare transformers] [--repeats N] [--prompt-lens N,..] [--batch-sizes N,..] [--new-tokens N]";
+const USAGE: &str = "usage: cargo xtask bench --backend cuda|wgpu|cpu|ndarray [--model PATH | --shape NAME] [--dtype f32|f16|bf16] [--quick] [--compare transformers] [--repeats N] [--prompt-lens N,..] [--batch-sizes N,..] [--new-tokens N] [--sampling greedy,top-p]";
 
 /// What the command line asked for.
 #[derive(Debug, Default)]
@@ -23,7 +23,8 @@ struct Options {
     dtype: String,
     quick: bool,
     compare: bool,
-    /// Matrix overrides passed to both engines.
+    /// Matrix overrides passed to kiln (transformers runs the matrix kiln's report shows;
+    /// it decodes greedily only).
     matrix: Vec<(String, String)>,
 }
 
@@ -49,7 +50,7 @@ fn parse(args: &[String]) -> Result<Options> {
                 "transformers" => options.compare = true,
                 other => bail!("--compare takes `transformers`, not `{other}`"),
             },
-            "--repeats" | "--prompt-lens" | "--batch-sizes" | "--new-tokens" => {
+            "--repeats" | "--prompt-lens" | "--batch-sizes" | "--new-tokens" | "--sampling" => {
                 options.matrix.push((arg.clone(), value()?));
             }
             other => bail!("unknown argument `{other}`\n{USAGE}"),
@@ -205,7 +206,15 @@ fn print_ratios(ours: &Value, theirs: &Value) {
     } else {
         "peak_rss_bytes"
     };
-    for cell in ours["cells"].as_array().unwrap_or(&empty) {
+    // transformers decodes greedily: only kiln's greedy cells compare (a report without the
+    // field predates the setting and was greedy).
+    let greedy = |c: &&Value| c["sampling"].as_str().is_none_or(|s| s == "greedy");
+    for cell in ours["cells"]
+        .as_array()
+        .unwrap_or(&empty)
+        .iter()
+        .filter(greedy)
+    {
         let Some(other) = their_cells
             .iter()
             .find(|c| c["prompt_len"] == cell["prompt_len"] && c["batch"] == cell["batch"])

@@ -1,7 +1,8 @@
 //! `kiln bench`: the benchmark matrix on one backend (`cargo xtask bench` runs it): for each
-//! prompt length and batch size, prefill and decode rates, time to first token, inter-token
-//! latency and peak memory (the process's resident set, and the device allocator's where the
-//! backend reports it), each the median of several runs after a warm-up.
+//! prompt length, batch size and sampling setting, the engine's prefill and decode rates, time
+//! to first token, inter-token latency and peak memory (the process's resident set, and the
+//! device allocator's where the backend reports it), each the median of several runs after a
+//! warm-up, and the weight path the cell ran on.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -9,10 +10,9 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use kiln_core::backend::BackendKind;
 use kiln_core::backend::{BackendTask, run_on};
-use kiln_core::kv_cache::CacheKind;
 use kiln_core::{CausalLm, InferenceBackend};
-use kiln_engine::CacheSpec;
-use kiln_engine::bench::{Cell, CellTimings, quantile, run_cell};
+use kiln_engine::Engine;
+use kiln_engine::bench::{Cell, CellTimings, Sampling, quantile, run_cell};
 use kiln_models::random::{KnownShape, random_model};
 use serde_json::json;
 
@@ -34,9 +34,13 @@ pub struct Args {
     /// Batch sizes: prompts run together.
     #[arg(long, value_name = "N,..", value_delimiter = ',', default_values_t = [1, 8, 32])]
     batch_sizes: Vec<usize>,
-    /// Tokens generated per prompt (greedy, no EOS).
+    /// Tokens generated per prompt (no EOS: every sequence generates all of them).
     #[arg(long, value_name = "N", default_value_t = 128)]
     new_tokens: usize,
+    /// How tokens are picked: greedy (argmax), top-p (temperature 0.7, top-p 0.9, a draw
+    /// seeded per sequence), or both (`greedy,top-p`) to see what sampling adds to a step.
+    #[arg(long, value_name = "S,..", value_delimiter = ',', default_values_t = [Sampling::Greedy])]
+    sampling: Vec<Sampling>,
     /// Timed runs per cell (the median is reported), after one warm-up run.
     #[arg(long, value_name = "N", default_value_t = 3)]
     repeats: usize,
@@ -62,6 +66,9 @@ pub fn run(mut args: Args) -> Result<()> {
             "prompt lengths, batch sizes, --new-tokens and --repeats must be positive".into()
         ));
     }
+    if args.sampling.is_empty() {
+        bail!(UsageError("--sampling needs at least one setting".into()));
+    }
     let backend = args.model.backend;
     run_on(backend, Task(args))?
 }
@@ -80,6 +87,9 @@ struct CellReport {
     peak_rss_bytes: Option<u64>,
     /// The device allocator's reserved bytes at their largest over the runs.
     peak_device_bytes: Option<u64>,
+    /// The model's linear weights the runs read, by storage: `"<count> <kind>"`, the kind a
+    /// dtype (dense, the backend's matmul) or a GGUF type marked quantized (kiln's kernels).
+    weights: Vec<String>,
 }
 
 impl CellReport {
@@ -97,7 +107,12 @@ fn median(values: impl IntoIterator<Item = f64>) -> f64 {
     quantile(&values.into_iter().collect::<Vec<_>>(), 0.5)
 }
 
-fn report(cell: Cell, runs: &[CellTimings], peak_rss_bytes: Option<u64>) -> CellReport {
+fn report(
+    cell: Cell,
+    runs: &[CellTimings],
+    peak_rss_bytes: Option<u64>,
+    weights: Vec<String>,
+) -> CellReport {
     let itl = |q: f64| {
         median(runs.iter().map(|r| {
             let steps: Vec<f64> = r.decode_steps.iter().copied().map(ms).collect();
@@ -119,6 +134,7 @@ fn report(cell: Cell, runs: &[CellTimings], peak_rss_bytes: Option<u64>) -> Cell
             .iter()
             .filter_map(|r| r.peak_device_memory.map(|m| m.reserved))
             .max(),
+        weights,
     }
 }
 
@@ -163,11 +179,14 @@ impl BackendTask for Task {
             args.new_tokens.min(Cell::WARM_UP_NEW_TOKENS)
         );
         let weight_bytes = model.linear_weight_bytes();
-        let weights: Vec<String> = model
-            .weight_summary()
+        // What the model holds; each cell reports it again, as the path its runs took.
+        let summary = model.weight_summary();
+        let weights: Vec<String> = summary
             .iter()
             .map(|(kind, count, _)| format!("{count} {kind}"))
             .collect();
+        let weight_kinds: Vec<&str> = summary.iter().map(|(kind, _, _)| kind.as_str()).collect();
+        let weight_kinds = weight_kinds.join(" + ");
         eprintln!("weights: {}", weights.join(", "));
         let (bandwidth, where_) = match args.model.backend {
             BackendKind::Cpu | BackendKind::Ndarray => (Some(bandwidth::host()), "host"),
@@ -183,9 +202,10 @@ impl BackendTask for Task {
             _ => eprintln!("memory bandwidth ({where_}): could not be measured"),
         }
         println!(
-            "{:>6} {:>5} {:>14} {:>13} {:>9} {:>11} {:>11} {:>12}{}",
+            "{:>6} {:>5} {:>8} {:>14} {:>13} {:>9} {:>11} {:>11} {:>12}{}  weights",
             "prompt",
             "batch",
+            "sampling",
             "prefill tok/s",
             "decode tok/s",
             "TTFT ms",
@@ -198,18 +218,20 @@ impl BackendTask for Task {
                 String::new()
             }
         );
-        let cells: Vec<Cell> = args
-            .prompt_lens
-            .iter()
-            .flat_map(|&prompt_len| {
-                args.batch_sizes.iter().map(move |&batch| Cell {
-                    prompt_len,
-                    batch,
-                    new_tokens: args.new_tokens,
-                    max_step_tokens: 512,
-                })
-            })
-            .collect();
+        let mut cells = Vec::new();
+        for &prompt_len in &args.prompt_lens {
+            for &batch in &args.batch_sizes {
+                for &sampling in &args.sampling {
+                    cells.push(Cell {
+                        prompt_len,
+                        batch,
+                        new_tokens: args.new_tokens,
+                        max_step_tokens: 512,
+                        sampling,
+                    });
+                }
+            }
+        }
         let bar = progress::bar(
             (cells.len() * (args.repeats + 1)) as u64,
             "benchmarking".into(),
@@ -217,32 +239,37 @@ impl BackendTask for Task {
         );
         let mut reports = Vec::new();
         for cell in cells {
-            let spec = CacheSpec {
-                kind: CacheKind::Paged,
-                ..CacheSpec::paged(cell.batch, cell.prompt_len + cell.new_tokens)
-            };
             B::release_unused_device_memory(&device);
-            let mut cache = spec.build::<B>(shape.kv_layout(), dtype, &device)?;
+            let cache = cell
+                .cache_spec()
+                .build::<B>(shape.kv_layout(), dtype, &device)?;
+            // One engine per cell, its warm-up and timed runs one after another on it.
+            let mut engine = Engine::new(&model, cache, cell.engine_config())?;
             memory::reset_peak();
             let mut runs = Vec::with_capacity(args.repeats);
             for run in 0..=args.repeats {
                 let this_run = if run == 0 { cell.warm_up() } else { cell };
-                let timings = run_cell(&model, cache.as_mut(), &this_run)
-                    .with_context(|| format!("prompt {}, batch {}", cell.prompt_len, cell.batch))?;
+                let timings = run_cell(&mut engine, &this_run).with_context(|| {
+                    format!(
+                        "prompt {}, batch {}, {}",
+                        cell.prompt_len, cell.batch, cell.sampling
+                    )
+                })?;
                 bar.inc(1);
                 if run > 0 {
                     runs.push(timings);
                 }
             }
             let peak = memory::peak_rss();
-            let r = report(cell, &runs, peak);
+            let r = report(cell, &runs, peak, weights.clone());
             let megabytes =
                 |b: Option<u64>| b.map_or("n/a".into(), |b| format!("{:.0}", b as f64 / 1e6));
             bar.suspend(|| {
                 println!(
-                    "{:>6} {:>5} {:>14.1} {:>13.1} {:>9.1} {:>11.2} {:>11.2} {:>12}{}",
+                    "{:>6} {:>5} {:>8} {:>14.1} {:>13.1} {:>9.1} {:>11.2} {:>11.2} {:>12}{}  {weight_kinds}",
                     cell.prompt_len,
                     cell.batch,
+                    cell.sampling.name(),
                     r.prefill_tokens_per_s,
                     r.decode_tokens_per_s,
                     r.time_to_first_token_ms,
@@ -277,6 +304,8 @@ impl BackendTask for Task {
                 "cells": reports.iter().map(|r| json!({
                     "prompt_len": r.cell.prompt_len,
                     "batch": r.cell.batch,
+                    "sampling": r.cell.sampling.name(),
+                    "weights": r.weights,
                     "prefill_tokens_per_s": r.prefill_tokens_per_s,
                     "decode_tokens_per_s": r.decode_tokens_per_s,
                     "time_to_first_token_ms": r.time_to_first_token_ms,

@@ -1,18 +1,94 @@
 //! [`run_cell`]: one cell of kiln's benchmark matrix (`kiln bench`, `cargo xtask bench`):
-//! `batch` synthetic prompts of `prompt_len` tokens, prefilled packed, then decoded together
-//! greedily for `new_tokens` tokens, no EOS. Prefill and decode are timed as separate phases,
-//! as llama.cpp's `llama-bench` (pp / tg) and vLLM's latency benchmark do, so each has a clean
-//! rate; the Python twin (`scripts/bench/transformers_bench.py`) runs the same phases.
+//! `batch` synthetic prompts of `prompt_len` tokens submitted at once to an [`Engine`], each
+//! generating exactly `new_tokens` tokens (no EOS, no stop strings), greedy or sampled
+//! ([`Sampling`]). What is timed is [`Engine::step`], scheduler and samplers included, not a
+//! loop of the benchmark's own.
+//!
+//! The cell's engine runs [`StepPolicy::PrefillFirst`] ([`Cell::engine_config`]), so its steps
+//! fall into two phases, timed apart as llama.cpp's `llama-bench` (pp / tg) and vLLM's latency
+//! benchmark do, each with a clean rate; the Python twin (`scripts/bench/transformers_bench.py`)
+//! runs the same phases:
+//! - **prefill**: the steps until every sequence has its first token. Each packs whole prompts
+//!   up to `max_step_tokens` and samples the first token of every prompt it completes; a
+//!   sequence's time to first token is the end of that step.
+//! - **decode**: every later step, each one token for every sequence: `new_tokens - 1` steps.
 //!
 //! On backends whose device allocator reports its memory (wgpu, cuda), the run samples it after
-//! every forward and keeps the largest figures.
+//! every step, outside the step's time, and keeps the largest figures.
 
+use std::collections::HashMap;
+use std::fmt;
+use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use kiln_core::kv_cache::KvCache;
-use kiln_core::{
-    Batch, CausalLm, CoreError, DeviceMemory, InferenceBackend, LogitsFor, Position, SeqId, TokenId,
-};
+use kiln_core::sampling::SamplingParams;
+use kiln_core::{DeviceMemory, InferenceBackend, TokenId};
+
+use crate::cache::CacheSpec;
+use crate::engine::{Engine, EngineConfig, StepPolicy};
+use crate::error::EngineError;
+use crate::request::{Event, Request};
+
+/// How a cell picks its tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Sampling {
+    /// Argmax (temperature 0).
+    #[default]
+    Greedy,
+    /// Temperature 0.7 then top-p 0.9 over the whole vocabulary, a seeded draw (sequence `i`
+    /// seeds its RNG with `i`, so runs agree): the usual chat settings, to measure what
+    /// sampling adds to a step.
+    TopP,
+}
+
+impl Sampling {
+    /// Every setting.
+    pub const ALL: [Sampling; 2] = [Sampling::Greedy, Sampling::TopP];
+
+    /// The name on the command line and in the JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Sampling::Greedy => "greedy",
+            Sampling::TopP => "top-p",
+        }
+    }
+
+    /// The settings of the cell's `seq`-th sequence.
+    pub fn params(self, seq: usize) -> SamplingParams {
+        match self {
+            Sampling::Greedy => SamplingParams::greedy(),
+            Sampling::TopP => SamplingParams {
+                temperature: 0.7,
+                top_p: 0.9,
+                seed: Some(seq as u64),
+                ..SamplingParams::default()
+            },
+        }
+    }
+}
+
+impl fmt::Display for Sampling {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Sampling {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Sampling::ALL
+            .into_iter()
+            .find(|k| k.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                let names: Vec<&str> = Sampling::ALL.iter().map(|k| k.name()).collect();
+                format!(
+                    "unknown sampling `{s}` (expected one of: {})",
+                    names.join(", ")
+                )
+            })
+    }
+}
 
 /// What one cell runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,8 +99,11 @@ pub struct Cell {
     pub batch: usize,
     /// Tokens generated per prompt (the first comes from the prefill).
     pub new_tokens: usize,
-    /// Most prompt tokens per prefill forward (whole prompts are packed up to it).
+    /// Most prompt tokens per prefill step: whole prompts are packed up to it, and a longer
+    /// prompt runs alone.
     pub max_step_tokens: usize,
+    /// How tokens are picked.
+    pub sampling: Sampling,
 }
 
 impl Cell {
@@ -42,20 +121,38 @@ impl Cell {
             ..*self
         }
     }
+
+    /// The engine a cell runs on (its warm-up too): every sequence at once, prefill steps of
+    /// whole prompts up to `max_step_tokens` (a longer prompt in one step), and prefill apart
+    /// from decode.
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            max_batch: self.batch,
+            max_step_tokens: self.max_step_tokens.max(self.prompt_len),
+            policy: StepPolicy::PrefillFirst,
+        }
+    }
+
+    /// A paged cache that holds every sequence of the cell whole.
+    pub fn cache_spec(&self) -> CacheSpec {
+        CacheSpec::paged(self.batch, self.prompt_len + self.new_tokens)
+    }
 }
 
 /// Raw timings of one run of a cell.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CellTimings {
-    /// From the start to the end of the last prefill forward.
+    /// From the start (before the requests are submitted) to the end of the step that gave
+    /// the last sequence its first token.
     pub prefill: Duration,
-    /// Per sequence: from the start to its first token.
+    /// Per sequence, in submission order: from the start to the end of the step that gave its
+    /// first token.
     pub time_to_first_token: Vec<Duration>,
-    /// Each decode step (one token for every sequence).
+    /// Each decode step (one token for every sequence): `new_tokens - 1` of them.
     pub decode_steps: Vec<Duration>,
-    /// The tokens generated, per sequence (for checking runs agree).
+    /// The tokens generated, per sequence in submission order (for checking runs agree).
     pub tokens: Vec<Vec<TokenId>>,
-    /// The device allocator's largest figures after any forward of the run, each its own
+    /// The device allocator's largest figures after any step of the run, each its own
     /// maximum; `None` where the backend does not report them.
     pub peak_device_memory: Option<DeviceMemory>,
 }
@@ -106,31 +203,34 @@ pub fn synthetic_prompts(batch: usize, len: usize, vocab: usize) -> Vec<Vec<Toke
         .collect()
 }
 
-fn argmax(row: &[f32]) -> TokenId {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    TokenId(best as u32)
-}
-
-/// Runs `cell` once on `cache` (which must be empty and hold `batch` sequences of
-/// `prompt_len + new_tokens`), and empties it again.
+/// Runs `cell` once on `engine`, which must be idle and built with [`Cell::engine_config`] on
+/// a cache that holds `batch` sequences of `prompt_len + new_tokens` tokens
+/// ([`Cell::cache_spec`]); the engine is idle again, its cache empty, when it returns.
 ///
 /// # Errors
-/// The model's or cache's refusal (a cache too small, a prompt past the context).
+/// [`EngineError::InvalidConfig`] for an engine that is busy or configured otherwise, or a run
+/// that did not keep prefill and decode apart (a cache too small, so sequences were
+/// preempted); the engine's own errors (a prompt past the context, a model failure).
 pub fn run_cell<B: InferenceBackend>(
-    model: &dyn CausalLm<B>,
-    cache: &mut dyn KvCache<B>,
+    engine: &mut Engine<'_, B>,
     cell: &Cell,
-) -> Result<CellTimings, CoreError> {
-    let vocab = model.shape().vocab;
-    let prompts = synthetic_prompts(cell.batch, cell.prompt_len, vocab);
-    let mut tokens: Vec<Vec<TokenId>> = vec![Vec::with_capacity(cell.new_tokens); cell.batch];
-    let mut time_to_first_token = vec![Duration::ZERO; cell.batch];
-    let per_step = cell.max_step_tokens.max(cell.prompt_len);
+) -> Result<CellTimings, EngineError> {
+    let invalid = |m: String| Err(EngineError::InvalidConfig(m));
+    if engine.config() != cell.engine_config() {
+        return invalid(format!(
+            "a benchmark cell needs the engine configured as {:?}, not {:?}",
+            cell.engine_config(),
+            engine.config()
+        ));
+    }
+    if !engine.is_idle() {
+        return invalid("a benchmark cell needs an idle engine".into());
+    }
+    if cell.new_tokens == 0 {
+        return invalid("a benchmark cell generates at least one token".into());
+    }
+    let model = engine.model();
+    let prompts = synthetic_prompts(cell.batch, cell.prompt_len, model.shape().vocab);
     let device = model.device();
     let mut peak_device_memory: Option<DeviceMemory> = None;
     let mut sample_memory = || {
@@ -142,49 +242,68 @@ pub fn run_cell<B: InferenceBackend>(
     };
 
     let start = Instant::now();
-    let mut next = 0;
-    while next < cell.batch {
-        let first = next;
-        let mut batch = Batch::new();
-        while next < cell.batch
-            && (batch.is_empty() || batch.n_tokens() + cell.prompt_len <= per_step)
-        {
-            batch.push(SeqId(next as u64), &prompts[next], Position(0))?;
-            next += 1;
-        }
-        let logits = model.forward(&batch, cache, LogitsFor::LastOfEachSequence)?;
-        let rows: Vec<f32> = logits.into_data().iter::<f32>().collect();
+    // The engine's id of each request -> its index in the cell.
+    let mut index = HashMap::with_capacity(cell.batch);
+    for (i, prompt) in prompts.into_iter().enumerate() {
+        let id = engine.submit(Request {
+            prompt,
+            max_tokens: cell.new_tokens,
+            sampling: cell.sampling.params(i),
+            // No EOS and no stop strings: every sequence generates all `new_tokens`.
+            eos: Vec::new(),
+            stop: Vec::new(),
+        })?;
+        index.insert(id, i);
+    }
+
+    let mut tokens: Vec<Vec<TokenId>> = vec![Vec::with_capacity(cell.new_tokens); cell.batch];
+    let mut time_to_first_token = vec![Duration::ZERO; cell.batch];
+    let mut waiting_for_first = cell.batch;
+    let mut prefill = None;
+    let mut decode_steps = Vec::with_capacity(cell.new_tokens.saturating_sub(1));
+    let mut preemptions = 0;
+    while !engine.is_idle() {
+        let step_start = Instant::now();
+        let events = engine.step()?;
+        let step = step_start.elapsed();
         let now = start.elapsed();
         sample_memory();
-        for (seq, row) in (first..next).zip(rows.chunks(vocab)) {
-            tokens[seq].push(argmax(row));
-            time_to_first_token[seq] = now;
+        let mut step_tokens = 0;
+        for event in events {
+            match event {
+                Event::Token { id, token, .. } => {
+                    // The engine was idle: every request it serves is one of the cell's.
+                    let Some(&i) = index.get(&id) else { continue };
+                    if tokens[i].is_empty() {
+                        time_to_first_token[i] = now;
+                        waiting_for_first -= 1;
+                    }
+                    tokens[i].push(token);
+                    step_tokens += 1;
+                }
+                Event::Finished(completion) => preemptions += completion.preemptions,
+                Event::Text { .. } => {}
+            }
+        }
+        if prefill.is_some() {
+            if step_tokens != cell.batch {
+                return invalid(format!(
+                    "a decode step gave {step_tokens} tokens for {} sequences",
+                    cell.batch
+                ));
+            }
+            decode_steps.push(step);
+        } else if waiting_for_first == 0 {
+            prefill = Some(now);
         }
     }
-    let prefill = start.elapsed();
-
-    let mut decode_steps = Vec::with_capacity(cell.new_tokens.saturating_sub(1));
-    for step in 1..cell.new_tokens {
-        let step_start = Instant::now();
-        let mut batch = Batch::new();
-        let position = Position((cell.prompt_len + step - 1) as u32);
-        for (seq, generated) in tokens.iter().enumerate() {
-            let last = *generated
-                .last()
-                .expect("prefill gave every sequence a token");
-            batch.push(SeqId(seq as u64), &[last], position)?;
-        }
-        let logits = model.forward(&batch, cache, LogitsFor::LastOfEachSequence)?;
-        let rows: Vec<f32> = logits.into_data().iter::<f32>().collect();
-        for (generated, row) in tokens.iter_mut().zip(rows.chunks(vocab)) {
-            generated.push(argmax(row));
-        }
-        decode_steps.push(step_start.elapsed());
-        sample_memory();
+    if preemptions > 0 {
+        return invalid(format!(
+            "the cache is too small for the cell: {preemptions} preemptions"
+        ));
     }
-    cache.clear();
     Ok(CellTimings {
-        prefill,
+        prefill: prefill.unwrap_or_default(),
         time_to_first_token,
         decode_steps,
         tokens,
@@ -194,7 +313,180 @@ pub fn run_cell<B: InferenceBackend>(
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
+
+    use std::cell::RefCell;
+
+    use burn::tensor::{Tensor, TensorData};
+    use kiln_core::kv_cache::{CacheKind, KvCache};
+    use kiln_core::{Batch, CausalLm, Dtype, LogitsFor, ModelShape};
+
     use super::*;
+
+    type B = burn::backend::Flex;
+
+    const VOCAB: usize = 16;
+
+    /// Next token = last token + 1 (mod the vocabulary), as a one-hot row far above the rest,
+    /// so greedy and top-p agree. Plans the cache (blocks are really reserved and freed) and
+    /// records each forward's sequences and tokens.
+    #[derive(Default)]
+    struct CountUp {
+        forwards: RefCell<Vec<(usize, usize)>>,
+    }
+
+    impl CausalLm<B> for CountUp {
+        fn shape(&self) -> ModelShape {
+            ModelShape {
+                n_layers: 1,
+                n_heads: 1,
+                n_kv_heads: 1,
+                head_dim: 2,
+                vocab: VOCAB,
+                max_positions: 1024,
+            }
+        }
+
+        fn dtype(&self) -> Dtype {
+            Dtype::F32
+        }
+
+        fn device(&self) -> <B as burn::tensor::backend::BackendTypes>::Device {
+            Default::default()
+        }
+
+        fn forward(
+            &self,
+            batch: &Batch,
+            cache: &mut dyn KvCache<B>,
+            _logits: LogitsFor,
+        ) -> kiln_core::Result<Tensor<B, 2>> {
+            cache.plan(batch)?;
+            self.forwards
+                .borrow_mut()
+                .push((batch.spans().len(), batch.n_tokens()));
+            let mut rows = Vec::new();
+            for i in batch.last_indices() {
+                let mut row = vec![0f32; VOCAB];
+                row[(batch.tokens()[i].0 as usize + 1) % VOCAB] = 10.0;
+                rows.extend(row);
+            }
+            let n = rows.len() / VOCAB;
+            Ok(Tensor::from_data(
+                TensorData::new(rows, [n, VOCAB]),
+                &Default::default(),
+            ))
+        }
+    }
+
+    fn cell(sampling: Sampling) -> Cell {
+        Cell {
+            prompt_len: 3,
+            batch: 5,
+            new_tokens: 4,
+            max_step_tokens: 8,
+            sampling,
+        }
+    }
+
+    fn engine<'a>(model: &'a CountUp, cell: &Cell, spec: CacheSpec) -> Engine<'a, B> {
+        let cache = spec
+            .build::<B>(model.shape().kv_layout(), Dtype::F32, &Default::default())
+            .unwrap();
+        Engine::new(model, cache, cell.engine_config()).unwrap()
+    }
+
+    /// Every sequence generates exactly `new_tokens` (no EOS stops it), the prefill packs whole
+    /// prompts up to `max_step_tokens` apart from the decode, and each decode step is one token
+    /// for every sequence: `new_tokens - 1` of them. The same engine runs the cell again (the
+    /// warm-up, then the timed runs) with the same tokens.
+    #[test]
+    fn a_cell_generates_new_tokens_for_every_sequence_through_the_engine() {
+        for sampling in Sampling::ALL {
+            let model = CountUp::default();
+            let cell = cell(sampling);
+            let mut engine = engine(&model, &cell, cell.cache_spec());
+            let timings = run_cell(&mut engine, &cell).unwrap();
+
+            let prompts = synthetic_prompts(cell.batch, cell.prompt_len, VOCAB);
+            let expected: Vec<Vec<TokenId>> = prompts
+                .iter()
+                .map(|p| {
+                    let last = p[p.len() - 1].0 as usize;
+                    (1..=cell.new_tokens)
+                        .map(|k| TokenId(((last + k) % VOCAB) as u32))
+                        .collect()
+                })
+                .collect();
+            assert_eq!(timings.tokens, expected, "{sampling}");
+            assert_eq!(timings.decode_steps.len(), cell.new_tokens - 1);
+            assert_eq!(timings.time_to_first_token.len(), cell.batch);
+            assert!(
+                timings
+                    .time_to_first_token
+                    .iter()
+                    .all(|&t| t <= timings.prefill)
+            );
+            assert!(timings.time_to_first_token.is_sorted());
+            // 2 prompts of 3 fit in 8 tokens: three prefill steps, then the decode steps.
+            let decode = (cell.batch, cell.batch);
+            assert_eq!(
+                *model.forwards.borrow(),
+                [(2, 6), (2, 6), (1, 3), decode, decode, decode]
+            );
+            assert!(engine.is_idle());
+            assert_eq!(engine.cache().usage().used, 0, "the cell empties its cache");
+
+            let again = run_cell(&mut engine, &cell.warm_up()).unwrap();
+            assert_eq!(again.tokens, timings.tokens);
+        }
+    }
+
+    #[test]
+    fn a_prompt_longer_than_a_step_runs_whole_and_one_token_means_no_decode_step() {
+        let model = CountUp::default();
+        let cell = Cell {
+            prompt_len: 12,
+            batch: 2,
+            new_tokens: 1,
+            max_step_tokens: 8,
+            sampling: Sampling::Greedy,
+        };
+        let mut engine = engine(&model, &cell, cell.cache_spec());
+        let timings = run_cell(&mut engine, &cell).unwrap();
+        assert!(timings.tokens.iter().all(|t| t.len() == 1));
+        assert!(timings.decode_steps.is_empty());
+        assert_eq!(*model.forwards.borrow(), [(1, 12), (1, 12)]);
+    }
+
+    #[test]
+    fn an_engine_configured_otherwise_or_a_cache_too_small_is_refused() {
+        let model = CountUp::default();
+        let cell = cell(Sampling::Greedy);
+        let cache = cell
+            .cache_spec()
+            .build::<B>(model.shape().kv_layout(), Dtype::F32, &Default::default())
+            .unwrap();
+        let mut mixed = Engine::new(&model, cache, EngineConfig::default()).unwrap();
+        assert!(matches!(
+            run_cell(&mut mixed, &cell),
+            Err(EngineError::InvalidConfig(_))
+        ));
+
+        // Blocks of 2 tokens: the five prompts alone need 10 and the pool has 9, so a sequence
+        // is preempted and the phases no longer separate.
+        let small = CacheSpec {
+            kind: CacheKind::Paged,
+            page_size: 2,
+            blocks: Some(9),
+            ..cell.cache_spec()
+        };
+        let mut engine = engine(&model, &cell, small);
+        assert!(matches!(
+            run_cell(&mut engine, &cell),
+            Err(EngineError::InvalidConfig(_))
+        ));
+    }
 
     #[test]
     fn warm_up_keeps_the_prefill_and_shortens_the_decode() {
@@ -203,15 +495,29 @@ mod tests {
             batch: 32,
             new_tokens: 128,
             max_step_tokens: 512,
+            sampling: Sampling::TopP,
         };
         let warm_up = cell.warm_up();
         assert_eq!(warm_up.new_tokens, Cell::WARM_UP_NEW_TOKENS);
         assert_eq!((warm_up.prompt_len, warm_up.batch), (512, 32));
+        assert_eq!(warm_up.engine_config(), cell.engine_config());
         let short = Cell {
             new_tokens: 3,
             ..cell
         };
         assert_eq!(short.warm_up(), short);
+    }
+
+    #[test]
+    fn sampling_names_round_trip_and_top_p_is_seeded_per_sequence() {
+        for s in Sampling::ALL {
+            assert_eq!(s.name().parse::<Sampling>(), Ok(s));
+        }
+        assert!("typical".parse::<Sampling>().is_err());
+        assert!(Sampling::Greedy.params(3).is_greedy());
+        let p = Sampling::TopP.params(3);
+        assert_eq!((p.temperature, p.top_p, p.seed), (0.7, 0.9, Some(3)));
+        assert!(p.validate().is_ok());
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! [`Engine`]: many requests at once over one KV cache. Each [`Engine::step`] is one forward:
 //! every running sequence that has a sampled token feeds it (decode), sequences still reading
 //! their prompt feed their next chunk (prefill), fresh prompts run packed with a block-causal
-//! mask, and new requests are admitted while there is room. When the cache runs out, the newest
-//! running sequence is preempted and later recomputed.
+//! mask, and new requests are admitted while there is room. [`StepPolicy`] says whether one
+//! step mixes decodes with prompt chunks or keeps them apart. When the cache runs out, the
+//! newest running sequence is preempted and later recomputed.
 
 use std::collections::VecDeque;
 
@@ -22,8 +23,10 @@ pub struct EngineConfig {
     /// Most sequences running at once.
     pub max_batch: usize,
     /// Most prompt tokens fed in one step, over all sequences; longer prompts are prefilled
-    /// in chunks (decode tokens always run).
+    /// in chunks (decode tokens are not counted).
     pub max_step_tokens: usize,
+    /// How a step shares its forward between prompts and decodes.
+    pub policy: StepPolicy,
 }
 
 impl Default for EngineConfig {
@@ -31,8 +34,28 @@ impl Default for EngineConfig {
         Self {
             max_batch: 8,
             max_step_tokens: 512,
+            policy: StepPolicy::default(),
         }
     }
+}
+
+/// How one step shares its forward between sequences reading their prompt (prefill) and
+/// sequences that have sampled a token (decode).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum StepPolicy {
+    /// Every decode token, then prompt chunks in admission order while `max_step_tokens`
+    /// lasts; a prompt may be split across steps. A running sequence never waits for another's
+    /// prompt (vLLM v1's chunked prefill). The default: what serving wants.
+    #[default]
+    Mixed,
+    /// While any running sequence has prompt left to read, a step feeds prompts only: whole
+    /// prompts in admission order while they fit in `max_step_tokens` (the first always goes,
+    /// in chunks of `max_step_tokens` if it is longer), and decodes wait. Once every prompt is
+    /// read, every sequence decodes together. Each step is then all prefill or all decode, as
+    /// in vLLM without chunked prefill and in `llama-bench`'s separate pp / tg phases, so each
+    /// phase can be timed on its own ([`crate::bench`] runs on it). A request admitted while
+    /// others decode pauses them for its prefill.
+    PrefillFirst,
 }
 
 /// Serves requests on one model and one cache.
@@ -87,6 +110,11 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// The model.
     pub fn model(&self) -> &'a dyn CausalLm<B> {
         self.model
+    }
+
+    /// The scheduling limits it was built with.
+    pub fn config(&self) -> EngineConfig {
+        self.config
     }
 
     /// Whether nothing is waiting or running.
@@ -181,22 +209,46 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         }
     }
 
-    /// Which running sequences feed how many tokens this step: every decode, then prefill
-    /// chunks in admission order within the step's token budget.
+    /// Which running sequences feed how many tokens this step, by the config's
+    /// [`StepPolicy`].
     fn plan_step(&self) -> Vec<(usize, usize)> {
-        let mut fed = Vec::new();
         let mut budget = self.config.max_step_tokens;
-        for (i, seq) in self.running.iter().enumerate() {
-            if !seq.is_fresh() && seq.pending() == 1 && seq.pending_logits.is_none() {
-                fed.push((i, 1));
+        let running = self.running.iter().enumerate();
+        let decodes = running
+            .clone()
+            .filter(|(_, s)| s.wants_decode())
+            .map(|(i, _)| (i, 1));
+        let prefills = running.filter(|(_, s)| s.wants_prefill());
+        let mut fed = Vec::new();
+        match self.config.policy {
+            StepPolicy::Mixed => {
+                fed.extend(decodes);
+                for (i, seq) in prefills {
+                    if budget == 0 {
+                        break;
+                    }
+                    let n = seq.pending().min(budget);
+                    budget -= n;
+                    fed.push((i, n));
+                }
             }
-        }
-        for (i, seq) in self.running.iter().enumerate() {
-            let prefill = seq.pending_logits.is_none() && (seq.is_fresh() || seq.pending() > 1);
-            if prefill && budget > 0 {
-                let n = seq.pending().min(budget);
-                budget -= n;
-                fed.push((i, n));
+            StepPolicy::PrefillFirst => {
+                for (i, seq) in prefills {
+                    let n = seq.pending();
+                    if fed.is_empty() {
+                        // The first prompt always goes, chunked if it is longer than a step.
+                        fed.push((i, n.min(budget)));
+                        budget = budget.saturating_sub(n);
+                    } else if n <= budget {
+                        fed.push((i, n));
+                        budget -= n;
+                    } else {
+                        break;
+                    }
+                }
+                if fed.is_empty() {
+                    fed.extend(decodes);
+                }
             }
         }
         fed

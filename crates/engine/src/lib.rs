@@ -8,7 +8,8 @@
 //! - [`generate()`]: one sequence, the plain loop the engine is tested against.
 //! - [`Session`]: one conversation whose KV cache is kept between replies, so each turn
 //!   computes only what is new.
-//! - [`bench`](mod@bench): one cell of the benchmark matrix (`kiln bench`), prefill and decode timed apart.
+//! - [`bench`](mod@bench): one cell of the benchmark matrix (`kiln bench`): an [`Engine`]'s steps
+//!   timed, prefill and decode apart.
 //! - [`snapshot`]: a prefilled prompt's KV cache saved to a file and resumed later.
 //!
 //! The engine knows models only through `CausalLm`, and text only through a [`Detokenizer`].
@@ -58,7 +59,7 @@ pub mod stop;
 
 pub use cache::CacheSpec;
 pub use detok::Detokenizer;
-pub use engine::{Engine, EngineConfig};
+pub use engine::{Engine, EngineConfig, StepPolicy};
 pub use error::EngineError;
 pub use generate::{FinishReason, GenerateRequest, Generation, generate};
 pub use request::{Completion, Event, Request, RequestId, Timings};

@@ -23,7 +23,10 @@ pub struct Request {
     pub max_tokens: usize,
     /// How to pick each token.
     pub sampling: SamplingParams,
-    /// Tokens that end the sequence (a model may have several); not part of the output.
+    /// Tokens that end the sequence (a model may have several); not part of the output. The
+    /// engine adds none of its own: left empty, with no `stop` strings either, a request
+    /// generates exactly `max_tokens` (what vLLM's and llama.cpp's `ignore_eos` do; the
+    /// benchmark relies on it).
     pub eos: Vec<TokenId>,
     /// Strings that end the sequence when they appear in the decoded text; the output stops
     /// before them. Needs a detokenizer.

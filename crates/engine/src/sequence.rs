@@ -72,6 +72,17 @@ impl Sequence {
         self.in_cache == 0
     }
 
+    /// Whether its next step feeds the one token it sampled last (decode).
+    pub fn wants_decode(&self) -> bool {
+        !self.is_fresh() && self.pending() == 1 && self.pending_logits.is_none()
+    }
+
+    /// Whether its next step feeds prompt (or recomputed context) tokens: it is fresh, or has
+    /// more than one context token left to read.
+    pub fn wants_prefill(&self) -> bool {
+        self.pending_logits.is_none() && (self.is_fresh() || self.pending() > 1)
+    }
+
     /// The next `n` context tokens to feed, and the position of the first.
     pub fn next_chunk(&self, n: usize) -> (Vec<TokenId>, Position) {
         let context = self.request.prompt.iter().chain(&self.generated);

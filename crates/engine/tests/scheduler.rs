@@ -10,6 +10,7 @@ use kiln_core::sampling::SamplingParams;
 use kiln_core::{Batch, CausalLm, Dtype, LogitsFor, ModelShape, TokenId};
 use kiln_engine::{
     CacheSpec, Completion, Engine, EngineConfig, EngineError, Event, FinishReason, Request,
+    StepPolicy,
 };
 
 type B = burn::backend::Flex;
@@ -148,6 +149,8 @@ fn new_requests_are_admitted_mid_run_up_to_max_batch() {
     let config = EngineConfig {
         max_batch: 2,
         max_step_tokens: 64,
+
+        ..EngineConfig::default()
     };
     let requests = vec![
         request(&[3, 4], 3),
@@ -208,6 +211,65 @@ fn running_out_of_blocks_preempts_instead_of_failing() {
     assert_eq!(engine.cache().usage().used, 0);
 }
 
+/// Prefill first: while any prompt is left, a step feeds whole prompts only (packed up to
+/// `max_step_tokens`, a longer one alone in chunks) and every decode waits; then all sequences
+/// decode together, one token each per step. The tokens are those each request gives alone.
+#[test]
+fn prefill_first_keeps_prompts_and_decodes_in_separate_steps() {
+    let model = Scripted { script: count_up };
+    let requests = vec![
+        request(&[3, 4, 5], 5),
+        request(&[10; 6], 5),
+        request(&[20], 5),
+        request(&[7; 4], 5),
+        request(&[5; 10], 5),
+    ];
+    let config = EngineConfig {
+        max_batch: 8,
+        max_step_tokens: 8,
+        policy: StepPolicy::PrefillFirst,
+    };
+    let mut engine = Engine::new(&model, paged(64, 4), config).unwrap();
+    for r in &requests {
+        engine.submit(r.clone()).unwrap();
+    }
+    let mut steps: Vec<Vec<u64>> = Vec::new();
+    let mut done = Vec::new();
+    while !engine.is_idle() {
+        let mut sampled = Vec::new();
+        for event in engine.step().unwrap() {
+            match event {
+                Event::Token { id, .. } => sampled.push(id.0),
+                Event::Finished(c) => done.push(c),
+                Event::Text { .. } => {}
+            }
+        }
+        sampled.sort_unstable();
+        steps.push(sampled);
+    }
+    // 3 | 6 + 1 (4 does not fit in the 1 left) | 4 (10 does not fit) | 8 of 10 | the last 2;
+    // then four decode steps for all five.
+    let all = vec![0, 1, 2, 3, 4];
+    let expected = [
+        vec![0],
+        vec![1, 2],
+        vec![3],
+        vec![],
+        vec![4],
+        all.clone(),
+        all.clone(),
+        all.clone(),
+        all,
+    ];
+    assert_eq!(steps, expected);
+    done.sort_by_key(|c| c.id);
+    for (ours, theirs) in done.iter().zip(alone(&model, &requests)) {
+        assert_eq!(tokens(ours), tokens(&theirs));
+        assert_eq!(ours.finish_reason, FinishReason::Length);
+    }
+    assert_eq!(engine.cache().usage().used, 0);
+}
+
 /// Long prompts are prefilled in chunks of `max_step_tokens` and give the same output.
 #[test]
 fn chunked_prefill_gives_the_same_tokens() {
@@ -217,6 +279,8 @@ fn chunked_prefill_gives_the_same_tokens() {
     let config = EngineConfig {
         max_batch: 4,
         max_step_tokens: 7,
+
+        ..EngineConfig::default()
     };
     for kind in CacheKind::ALL {
         let spec = CacheSpec {

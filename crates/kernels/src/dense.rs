@@ -118,7 +118,14 @@ fn in_out_by_rows(
         // SAFETY: each task owns its `[m, n]` block of partial sums.
         let acc = unsafe { shared.slice(task * m * n, m * n) };
         let rows = task * rows_per_task..((task + 1) * rows_per_task).min(k);
-        let job = RowTask { w, k, n, x, m, rows };
+        let job = RowTask {
+            w,
+            k,
+            n,
+            x,
+            m,
+            rows,
+        };
         match tier {
             Tier::Scalar => job.run(acc, |acc, a, w| {
                 for (y, x) in acc.iter_mut().zip(w) {

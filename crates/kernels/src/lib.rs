@@ -28,6 +28,7 @@ pub mod attention;
 pub mod dense;
 mod error;
 pub mod ggml;
+pub mod interleaved;
 mod matrix;
 pub mod pool;
 pub mod quant;

@@ -1,10 +1,16 @@
-//! [`QuantMatrix`]: a weight matrix kept in its ggml blocks, one output row after another (the
-//! layout of a GGUF tensor), and its product with f32 activations.
+//! [`QuantMatrix`]: a weight matrix kept in its ggml blocks, and its product with f32
+//! activations. Types with an interleaved kernel (Q4_1, Q8_0) are repacked eight rows at a
+//! time at construction ([`crate::interleaved`]); the others stay one output row after another
+//! (the layout of a GGUF tensor). Activations are quantized in two 8-bit passes
+//! ([`crate::act::quantize_split`]) for every type.
 
 use crate::SharedOut;
-use crate::act::{ACT_BLOCK, ActBlock, quantize_rows};
+use std::borrow::Cow;
+
+use crate::act::{ACT_BLOCK, ActBlock, quantize_split};
 use crate::error::KernelError;
 use crate::ggml::{GgmlType, dequantize};
+use crate::interleaved::{GROUP, group_block_bytes, group_kernel, pack, unpack_row};
 use crate::pool::ThreadPool;
 use crate::quant::{DotKernel, has_kernel};
 use crate::tier::Tier;
@@ -17,6 +23,8 @@ pub struct QuantMatrix {
     rows: usize,
     cols: usize,
     row_bytes: usize,
+    /// Groups of [`GROUP`] rows interleaved, or plain rows.
+    interleaved: bool,
     data: Vec<u8>,
 }
 
@@ -63,11 +71,18 @@ impl QuantMatrix {
                 rows * row_bytes
             )));
         }
+        let interleaved = group_block_bytes(ty).is_some() && rows.is_multiple_of(GROUP);
+        let data = if interleaved {
+            pack(ty, &data, rows, row_bytes)
+        } else {
+            data
+        };
         Ok(Self {
             ty,
             rows,
             cols,
             row_bytes,
+            interleaved,
             data,
         })
     }
@@ -92,9 +107,26 @@ impl QuantMatrix {
         self.data.len()
     }
 
-    /// The blocks of row `r`.
-    pub fn row(&self, r: usize) -> &[u8] {
-        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    /// Whether the rows are stored in interleaved groups (the fast layout for decoding).
+    pub fn is_interleaved(&self) -> bool {
+        self.interleaved
+    }
+
+    /// The blocks of row `r`, as GGUF stores them (rebuilt from the group when interleaved).
+    ///
+    /// # Panics
+    /// If `r` is out of range.
+    pub fn row(&self, r: usize) -> Cow<'_, [u8]> {
+        assert!(r < self.rows, "row {r} of {}", self.rows);
+        if self.interleaved {
+            let group_bytes = GROUP * self.row_bytes;
+            let group = &self.data[r / GROUP * group_bytes..][..group_bytes];
+            let mut row = Vec::with_capacity(self.row_bytes);
+            unpack_row(self.ty, group, r % GROUP, &mut row);
+            Cow::Owned(row)
+        } else {
+            Cow::Borrowed(&self.data[r * self.row_bytes..(r + 1) * self.row_bytes])
+        }
     }
 
     /// Dequantizes row `r` into `out` (`cols` values).
@@ -102,7 +134,7 @@ impl QuantMatrix {
     /// # Panics
     /// If `r` is out of range or `out.len() != cols`.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        dequantize(self.ty, self.row(r), out);
+        dequantize(self.ty, &self.row(r), out);
     }
 
     /// The matrix with its rows in the order `order` (row `i` of the result is row `order[i]`).
@@ -112,13 +144,10 @@ impl QuantMatrix {
     pub fn permute_rows(&self, order: &[usize]) -> Self {
         let mut data = Vec::with_capacity(order.len() * self.row_bytes);
         for &r in order {
-            data.extend_from_slice(self.row(r));
+            data.extend_from_slice(&self.row(r));
         }
-        Self {
-            rows: order.len(),
-            data,
-            ..self.clone()
-        }
+        Self::new(self.ty, order.len(), self.cols, data)
+            .expect("rows of a valid matrix make a valid matrix")
     }
 
     /// `out = x · selfᵀ` on the active tier and the global pool.
@@ -139,20 +168,51 @@ impl QuantMatrix {
     pub fn matmul_with(&self, x: &[f32], m: usize, out: &mut [f32], tier: Tier, pool: &ThreadPool) {
         assert_eq!(x.len(), m * self.cols, "activations are not [m, cols]");
         assert_eq!(out.len(), m * self.rows, "output is not [m, rows]");
-        let kernel = DotKernel::new(self.ty, tier)
-            .unwrap_or_else(|| panic!("kernel tier {tier} is not supported on this CPU"));
-        let acts = quantize_activations(x, m, self.cols, pool);
+        assert!(
+            tier.is_supported(),
+            "kernel tier {tier} is not supported on this CPU"
+        );
+        let (hi, lo) = quantize_activations(x, m, self.cols, pool);
         let per_row = self.cols / ACT_BLOCK;
+        let acts = |t: usize| {
+            let span = t * per_row..(t + 1) * per_row;
+            (&hi[span.clone()], &lo[span])
+        };
         let chunk = rows_per_task(self.rows, pool.threads());
         let out = SharedOut::new(out);
+        if self.interleaved {
+            let kernel = group_kernel(self.ty, tier).expect("interleaved types have a kernel");
+            let group_bytes = GROUP * self.row_bytes;
+            let groups_per_task = chunk.div_ceil(GROUP);
+            let groups = self.rows / GROUP;
+            pool.run(groups.div_ceil(groups_per_task), &|task| {
+                let end = ((task + 1) * groups_per_task).min(groups);
+                for g in task * groups_per_task..end {
+                    let w = &self.data[g * group_bytes..(g + 1) * group_bytes];
+                    for t in 0..m {
+                        let (hi, lo) = acts(t);
+                        // SAFETY: the tier was checked above; `w` is one group of
+                        // `cols / 32` block columns, `hi` and `lo` one row of as many blocks.
+                        let y = unsafe { kernel(w, hi, lo) };
+                        for (r, v) in y.into_iter().enumerate() {
+                            // SAFETY: every (t, row) is written by exactly one task.
+                            unsafe { out.write(t * self.rows + g * GROUP + r, v) };
+                        }
+                    }
+                }
+            });
+            return;
+        }
+        let kernel = DotKernel::new(self.ty, tier).expect("a type with a kernel, a supported tier");
         pool.run(self.rows.div_ceil(chunk), &|task| {
             let rows = task * chunk..((task + 1) * chunk).min(self.rows);
             for r in rows {
-                let w = self.row(r);
+                let w = &self.data[r * self.row_bytes..(r + 1) * self.row_bytes];
                 for t in 0..m {
-                    // SAFETY: `w` is one whole row, `acts` one row of `cols / 32` blocks.
-                    let v =
-                        unsafe { kernel.dot_unchecked(w, &acts[t * per_row..(t + 1) * per_row]) };
+                    let (hi, lo) = acts(t);
+                    // SAFETY: `w` is one whole row, `hi` and `lo` one row of `cols / 32`
+                    // blocks each.
+                    let v = unsafe { kernel.dot_unchecked(w, hi) + kernel.dot_unchecked(w, lo) };
                     // SAFETY: every (t, r) is written by exactly one task.
                     unsafe { out.write(t * self.rows + r, v) };
                 }
@@ -161,36 +221,46 @@ impl QuantMatrix {
     }
 }
 
-/// `x` (`[m, cols]`) as activation blocks, rows quantized in parallel when there are many.
-fn quantize_activations(x: &[f32], m: usize, cols: usize, pool: &ThreadPool) -> Vec<ActBlock> {
-    let mut acts = Vec::new();
-    if m < 8 {
-        quantize_rows(x, cols, &mut acts);
-        return acts;
-    }
+/// `x` (`[m, cols]`) as two-pass activation blocks, rows quantized in parallel when there are
+/// many.
+fn quantize_activations(
+    x: &[f32],
+    m: usize,
+    cols: usize,
+    pool: &ThreadPool,
+) -> (Vec<ActBlock>, Vec<ActBlock>) {
     let per_row = cols / ACT_BLOCK;
-    acts.resize(
-        m * per_row,
-        ActBlock {
-            qs: [0; 32],
-            d: 0.0,
-            d_sum: 0.0,
-        },
-    );
-    let rows_per_task = m.div_ceil(pool.threads() * 2);
-    let shared = SharedOut::new(&mut acts);
-    pool.run(m.div_ceil(rows_per_task), &|task| {
-        let rows = task * rows_per_task..((task + 1) * rows_per_task).min(m);
-        for row in rows {
-            for (b, chunk) in x[row * cols..(row + 1) * cols]
-                .chunks_exact(ACT_BLOCK)
-                .enumerate()
-            {
-                let block = ActBlock::quantize(chunk.try_into().expect("chunks of 32"));
-                // SAFETY: each row is quantized by exactly one task.
-                unsafe { shared.write(row * per_row + b, block) };
+    let empty = ActBlock {
+        qs: [0; 32],
+        d: 0.0,
+        d_sum: 0.0,
+    };
+    let (mut hi, mut lo) = (vec![empty; m * per_row], vec![empty; m * per_row]);
+    let quantize_row = |row: usize, hi: &SharedOut<ActBlock>, lo: &SharedOut<ActBlock>| {
+        for (b, chunk) in x[row * cols..(row + 1) * cols]
+            .chunks_exact(ACT_BLOCK)
+            .enumerate()
+        {
+            let (h, l) = quantize_split(chunk.try_into().expect("chunks of 32"));
+            // SAFETY: each row is quantized by exactly one task.
+            unsafe {
+                hi.write(row * per_row + b, h);
+                lo.write(row * per_row + b, l);
             }
         }
-    });
-    acts
+    };
+    let (hi_out, lo_out) = (SharedOut::new(&mut hi), SharedOut::new(&mut lo));
+    if m < 8 {
+        for row in 0..m {
+            quantize_row(row, &hi_out, &lo_out);
+        }
+    } else {
+        let rows_per_task = m.div_ceil(pool.threads() * 2);
+        pool.run(m.div_ceil(rows_per_task), &|task| {
+            for row in task * rows_per_task..((task + 1) * rows_per_task).min(m) {
+                quantize_row(row, &hi_out, &lo_out);
+            }
+        });
+    }
+    (hi, lo)
 }

@@ -2,7 +2,7 @@
 //! plain f64 arithmetic on the dequantized weights and activations, over odd shapes.
 
 use half::f16;
-use kiln_kernels::act::{ActBlock, quantize_rows};
+use kiln_kernels::act::{ActBlock, quantize_rows, quantize_split};
 use kiln_kernels::dense::{matmul_in_out_with, matmul_out_in_with};
 use kiln_kernels::ggml::dequantize;
 use kiln_kernels::quant::DotKernel;
@@ -94,21 +94,28 @@ proptest! {
         let w = random_matrix(ty, 1, cols, &mut rng);
         let mut acts = Vec::new();
         quantize_rows(&random_acts(cols, &mut rng), cols, &mut acts);
-        let (expected, magnitude) = reference_dot(ty, w.row(0), &acts);
-        let scalar = DotKernel::new(ty, Tier::Scalar).expect("scalar always runs").dot(w.row(0), &acts);
+        let (expected, magnitude) = reference_dot(ty, &w.row(0), &acts);
+        let scalar = DotKernel::new(ty, Tier::Scalar).expect("scalar always runs").dot(&w.row(0), &acts);
         let tolerance = 1e-5 * magnitude + 1e-6;
         prop_assert!((f64::from(scalar) - expected).abs() <= tolerance,
             "{} scalar {scalar} vs reference {expected}", ty.name());
         for tier in Tier::supported() {
-            let got = DotKernel::new(ty, tier).expect("supported").dot(w.row(0), &acts);
+            let got = DotKernel::new(ty, tier).expect("supported").dot(&w.row(0), &acts);
             prop_assert!((f64::from(got) - f64::from(scalar)).abs() <= tolerance,
                 "{} {tier} {got} vs scalar {scalar}", ty.name());
         }
     }
 
+    /// Every tier's product (interleaved groups for Q4_1 and Q8_0 when the rows come in
+    /// eights, rows otherwise) equals the scalar per-row dots with the two activation passes,
+    /// and the f64 product of the dequantized weights with the unquantized activations to
+    /// 16-bit activation precision.
     #[test]
     fn quantized_matmul_matches_per_row_dots_for_odd_shapes(
-        (t, blocks, seed) in blocks_strategy(), rows in 1usize..70, m in 1usize..12, threads in 1usize..4,
+        (t, blocks, seed) in blocks_strategy(),
+        rows in prop_oneof![1usize..70, (1usize..9).prop_map(|g| 8 * g)],
+        m in 1usize..12,
+        threads in 1usize..4,
     ) {
         let ty = TYPES[t];
         let mut rng = Rng(seed | 1);
@@ -116,20 +123,33 @@ proptest! {
         let w = random_matrix(ty, rows, cols, &mut rng);
         let x = random_acts(m * cols, &mut rng);
         let pool = ThreadPool::new(threads);
-        let mut acts = Vec::new();
-        quantize_rows(&x, cols, &mut acts);
+        let (hi, lo): (Vec<ActBlock>, Vec<ActBlock>) = x
+            .chunks_exact(32)
+            .map(|c| quantize_split(c.try_into().unwrap()))
+            .unzip();
         let scalar = DotKernel::new(ty, Tier::Scalar).expect("scalar");
+        let mut dequantized = vec![0f32; rows * cols];
+        for r in 0..rows {
+            w.dequantize_row(r, &mut dequantized[r * cols..(r + 1) * cols]);
+        }
         for tier in Tier::supported() {
             let mut out = vec![f32::NAN; m * rows];
             w.matmul_with(&x, m, &mut out, tier, &pool);
             for t in 0..m {
-                let a = &acts[t * cols / 32..(t + 1) * cols / 32];
+                let span = t * cols / 32..(t + 1) * cols / 32;
+                let (h, l) = (&hi[span.clone()], &lo[span]);
                 for r in 0..rows {
-                    let (_, magnitude) = reference_dot(ty, w.row(r), a);
-                    let expected = scalar.dot(w.row(r), a);
+                    let row = w.row(r);
+                    let (_, magnitude) = reference_dot(ty, &row, h);
+                    let expected = scalar.dot(&row, h) + scalar.dot(&row, l);
                     let got = out[t * rows + r];
-                    prop_assert!((got - expected).abs() as f64 <= 1e-5 * magnitude + 1e-6,
+                    prop_assert!((got - expected).abs() as f64 <= 2e-5 * magnitude + 1e-6,
                         "{} {tier} [{t}, {r}]: {got} vs {expected}", ty.name());
+                    let exact: f64 = (0..cols)
+                        .map(|i| f64::from(dequantized[r * cols + i]) * f64::from(x[t * cols + i]))
+                        .sum();
+                    prop_assert!((f64::from(got) - exact).abs() <= 1e-4 * magnitude + 1e-6,
+                        "{} {tier} [{t}, {r}]: {got} vs exact {exact}", ty.name());
                 }
             }
         }
@@ -178,6 +198,30 @@ fn row_permutation_and_dequantization_agree() {
     w.dequantize_row(3, &mut a);
     p.dequantize_row(2, &mut b);
     assert_eq!(a, b);
+}
+
+/// Interleaving is invisible from outside: each row reads back as the blocks it was given.
+#[test]
+fn interleaved_rows_read_back_as_given() {
+    let mut rng = Rng(11);
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        let (rows, cols) = (16, 96);
+        let plain = random_matrix(ty, 1, cols, &mut rng);
+        let mut data = Vec::new();
+        let mut given = Vec::new();
+        for _ in 0..rows {
+            let row: Vec<u8> = (0..cols / 32)
+                .flat_map(|_| random_block(ty, &mut rng))
+                .collect();
+            data.extend_from_slice(&row);
+            given.push(row);
+        }
+        let w = QuantMatrix::new(ty, rows, cols, data).unwrap();
+        assert!(w.is_interleaved() && !plain.is_interleaved());
+        for (r, row) in given.iter().enumerate() {
+            assert_eq!(&*w.row(r), row.as_slice(), "{} row {r}", ty.name());
+        }
+    }
 }
 
 #[test]

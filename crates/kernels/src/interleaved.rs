@@ -1,0 +1,324 @@
+//! Weights repacked eight output rows at a time, so one SIMD register holds one value of each
+//! of eight rows and a product yields eight outputs without horizontal sums (llama.cpp's
+//! `block_q4_0x8` repack in `ggml-cpu/repack.cpp`, done here for Q4_1 and Q8_0, the types of
+//! the default model).
+//!
+//! Layout of a group of eight rows: for each block column `b` (32 values of every row), the
+//! eight f16 scales, for Q4_1 the eight f16 minimums, then the quants as 4-byte lanes: lane `r`
+//! of chunk `j` holds row `r`'s values `4j..4j + 4`. For Q4_1 (4 chunks of 32 bytes) a byte
+//! holds value `4j + t` in its low nibble and value `16 + 4j + t` in its high nibble; for Q8_0
+//! (8 chunks) a byte is value `4j + t`. Broadcasting four activation bytes against a chunk
+//! then multiplies row `r`'s values in lane `r`: `vpdpbusd` sums them there.
+//!
+//! Each call takes an activation row in two passes ([`crate::act::quantize_split`]): the
+//! 8-bit blocks and the 8-bit blocks of what they left over, so the product is as exact as
+//! 16-bit activations while every multiply stays an 8-bit one.
+
+use half::f16;
+
+use crate::act::ActBlock;
+use crate::ggml::GgmlType;
+use crate::tier::Tier;
+
+/// Rows per group.
+pub const GROUP: usize = 8;
+
+/// Bytes of one block column of a group, or `None` for a type without an interleaved kernel.
+pub fn group_block_bytes(ty: GgmlType) -> Option<usize> {
+    match ty {
+        GgmlType::Q4_1 => Some(2 * 8 + 2 * 8 + 128),
+        GgmlType::Q8_0 => Some(2 * 8 + 256),
+        _ => None,
+    }
+}
+
+/// Rearranges `rows` (a multiple of [`GROUP`]) rows of `ty` blocks, `row_bytes` each, into
+/// groups.
+///
+/// # Panics
+/// If `ty` has no interleaved layout or the sizes disagree.
+pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8> {
+    let out_block = group_block_bytes(ty).expect("a type with an interleaved layout");
+    let in_block = ty.type_size();
+    assert!(rows.is_multiple_of(GROUP) && data.len() == rows * row_bytes);
+    let blocks = row_bytes / in_block;
+    let mut out = vec![0u8; rows / GROUP * blocks * out_block];
+    for g in 0..rows / GROUP {
+        for b in 0..blocks {
+            let dst = &mut out[(g * blocks + b) * out_block..][..out_block];
+            for r in 0..GROUP {
+                let src = &data[(g * GROUP + r) * row_bytes + b * in_block..][..in_block];
+                match ty {
+                    GgmlType::Q4_1 => {
+                        dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                        dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
+                        let value = |e: usize| {
+                            if e < 16 {
+                                src[4 + e] & 0x0F
+                            } else {
+                                src[4 + e - 16] >> 4
+                            }
+                        };
+                        for j in 0..4 {
+                            for t in 0..4 {
+                                dst[32 + 32 * j + 4 * r + t] =
+                                    value(4 * j + t) | (value(16 + 4 * j + t) << 4);
+                            }
+                        }
+                    }
+                    _ => {
+                        dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                        for j in 0..8 {
+                            dst[16 + 32 * j + 4 * r..][..4]
+                                .copy_from_slice(&src[2 + 4 * j..2 + 4 * j + 4]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Row `r` of a group (`0..GROUP`) in its original block form, appended to `out`.
+pub fn unpack_row(ty: GgmlType, group: &[u8], r: usize, out: &mut Vec<u8>) {
+    let size = group_block_bytes(ty).expect("a type with an interleaved layout");
+    for dst in group.chunks_exact(size) {
+        match ty {
+            GgmlType::Q4_1 => {
+                out.extend_from_slice(&dst[2 * r..2 * r + 2]);
+                out.extend_from_slice(&dst[16 + 2 * r..16 + 2 * r + 2]);
+                let byte = |e: usize| dst[32 + 32 * (e / 4) + 4 * r + e % 4];
+                // Byte `e` of the group is the original byte `e`: values `e` and `16 + e`.
+                out.extend((0..16).map(byte));
+            }
+            _ => {
+                out.extend_from_slice(&dst[2 * r..2 * r + 2]);
+                for j in 0..8 {
+                    out.extend_from_slice(&dst[16 + 32 * j + 4 * r..][..4]);
+                }
+            }
+        }
+    }
+}
+
+/// Eight rows' products with one activation row given in two passes.
+///
+/// # Safety
+/// The CPU must support the tier the function was chosen for; `w` must hold exactly
+/// `hi.len()` block columns of the function's type, and `lo.len() == hi.len()`.
+pub(crate) type GroupFn = unsafe fn(&[u8], &[ActBlock], &[ActBlock]) -> [f32; GROUP];
+
+/// The group kernel of `ty` at `tier` (the best at or below it), if `ty` has one.
+pub(crate) fn group_kernel(ty: GgmlType, tier: Tier) -> Option<GroupFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let simd: Option<GroupFn> = match (tier, ty) {
+            (Tier::Avx512Vnni, GgmlType::Q4_1) => Some(x86::vnni::q4_1),
+            (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(x86::vnni::q8_0),
+            (Tier::Avx2, GgmlType::Q4_1) => Some(x86::avx2::q4_1),
+            (Tier::Avx2, GgmlType::Q8_0) => Some(x86::avx2::q8_0),
+            _ => None,
+        };
+        if simd.is_some() {
+            return simd;
+        }
+    }
+    let _ = tier;
+    match ty {
+        GgmlType::Q4_1 => Some(q4_1_scalar),
+        GgmlType::Q8_0 => Some(q8_0_scalar),
+        _ => None,
+    }
+}
+
+fn f16_at(bytes: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32()
+}
+
+/// The scalar reference for Q4_1 groups.
+fn q4_1_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
+    let mut out = [0f32; GROUP];
+    for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
+        let block = &w[b * 160..(b + 1) * 160];
+        for (r, y) in out.iter_mut().enumerate() {
+            let (mut sum_h, mut sum_l) = (0i32, 0i32);
+            for e in 0..32 {
+                let byte = block[32 + 32 * (e % 16 / 4) + 4 * r + e % 4];
+                let q = i32::from(if e < 16 { byte & 0x0F } else { byte >> 4 });
+                sum_h += q * i32::from(h.qs[e]);
+                sum_l += q * i32::from(l.qs[e]);
+            }
+            let (d, m) = (f16_at(block, r), f16_at(&block[16..], r));
+            *y += d * (h.d * sum_h as f32 + l.d * sum_l as f32) + m * (h.d_sum + l.d_sum);
+        }
+    }
+    out
+}
+
+/// The scalar reference for Q8_0 groups.
+fn q8_0_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
+    let mut out = [0f32; GROUP];
+    for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
+        let block = &w[b * 272..(b + 1) * 272];
+        for (r, y) in out.iter_mut().enumerate() {
+            let (mut sum_h, mut sum_l) = (0i32, 0i32);
+            for e in 0..32 {
+                let q = i32::from(block[16 + 32 * (e / 4) + 4 * r + e % 4] as i8);
+                sum_h += q * i32::from(h.qs[e]);
+                sum_l += q * i32::from(l.qs[e]);
+            }
+            *y += f16_at(block, r) * (h.d * sum_h as f32 + l.d * sum_l as f32);
+        }
+    }
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::GROUP;
+    use crate::act::ActBlock;
+
+    /// Four activation bytes `4j..4j + 4` of `a` in every lane.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn broadcast(a: &ActBlock, j: usize) -> __m256i {
+        let word = i32::from_le_bytes([
+            a.qs[4 * j] as u8,
+            a.qs[4 * j + 1] as u8,
+            a.qs[4 * j + 2] as u8,
+            a.qs[4 * j + 3] as u8,
+        ]);
+        _mm256_set1_epi32(word)
+    }
+
+    /// Eight f16 at `p` as f32.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn halves(p: *const u8) -> __m256 {
+        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn store(v: __m256) -> [f32; GROUP] {
+        let mut out = [0f32; GROUP];
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
+        out
+    }
+
+    /// `acc + Σ` of four u8 × i8 products per lane (AVX2; the u8 side is at most 128 here and
+    /// the i8 side at most 127 in magnitude, so `vpmaddubsw`'s pair sums cannot saturate).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn dot_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        _mm256_add_epi32(
+            acc,
+            _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)),
+        )
+    }
+
+    /// The same with VNNI.
+    #[inline]
+    #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+    unsafe fn dot_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, u, s)
+    }
+
+    macro_rules! q4_1_group {
+        ($tier:ident, $features:literal, $dot:ident) => {
+            pub(super) mod $tier {
+                use super::*;
+
+                /// Eight Q4_1 rows × two-pass activations.
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) unsafe fn q4_1(
+                    w: &[u8],
+                    hi: &[ActBlock],
+                    lo: &[ActBlock],
+                ) -> [f32; GROUP] {
+                    let mask = _mm256_set1_epi8(0x0F);
+                    let mut acc = _mm256_setzero_ps();
+                    let mut mins = _mm256_setzero_ps();
+                    for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
+                        let p = unsafe { w.as_ptr().add(160 * b) };
+                        let (mut sh, mut sl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                        let (mut th, mut tl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                        for j in 0..4 {
+                            let raw = unsafe { _mm256_loadu_si256(p.add(32 + 32 * j).cast()) };
+                            let low = _mm256_and_si256(raw, mask);
+                            let high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                            unsafe {
+                                sh = $dot(sh, low, broadcast(h, j));
+                                th = $dot(th, high, broadcast(h, 4 + j));
+                                sl = $dot(sl, low, broadcast(l, j));
+                                tl = $dot(tl, high, broadcast(l, 4 + j));
+                            }
+                        }
+                        let d = unsafe { halves(p) };
+                        let sum_h = _mm256_cvtepi32_ps(_mm256_add_epi32(sh, th));
+                        let sum_l = _mm256_cvtepi32_ps(_mm256_add_epi32(sl, tl));
+                        let scaled = _mm256_fmadd_ps(
+                            sum_h,
+                            _mm256_set1_ps(h.d),
+                            _mm256_mul_ps(sum_l, _mm256_set1_ps(l.d)),
+                        );
+                        acc = _mm256_fmadd_ps(d, scaled, acc);
+                        let m = unsafe { halves(p.add(16)) };
+                        mins = _mm256_fmadd_ps(m, _mm256_set1_ps(h.d_sum + l.d_sum), mins);
+                    }
+                    unsafe { store(_mm256_add_ps(acc, mins)) }
+                }
+
+                /// Eight Q8_0 rows × two-pass activations, with the sign trick
+                /// (`|w| × sign(a, w)`; `|-128|` is 128 read unsigned, activations never
+                /// reach -128): pair sums of at most 2 × 128 × 127 fit `vpmaddubsw`.
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) unsafe fn q8_0(
+                    w: &[u8],
+                    hi: &[ActBlock],
+                    lo: &[ActBlock],
+                ) -> [f32; GROUP] {
+                    let mut acc = _mm256_setzero_ps();
+                    for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
+                        let p = unsafe { w.as_ptr().add(272 * b) };
+                        let (mut sh, mut sl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                        let (mut th, mut tl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                        for j in (0..8).step_by(2) {
+                            unsafe {
+                                let w0 = _mm256_loadu_si256(p.add(16 + 32 * j).cast());
+                                let w1 = _mm256_loadu_si256(p.add(48 + 32 * j).cast());
+                                let (h0, h1) = (broadcast(h, j), broadcast(h, j + 1));
+                                let (l0, l1) = (broadcast(l, j), broadcast(l, j + 1));
+                                let (u0, u1) = (_mm256_abs_epi8(w0), _mm256_abs_epi8(w1));
+                                sh = $dot(sh, u0, _mm256_sign_epi8(h0, w0));
+                                th = $dot(th, u1, _mm256_sign_epi8(h1, w1));
+                                sl = $dot(sl, u0, _mm256_sign_epi8(l0, w0));
+                                tl = $dot(tl, u1, _mm256_sign_epi8(l1, w1));
+                            }
+                        }
+                        let d = unsafe { halves(p) };
+                        let sum_h = _mm256_cvtepi32_ps(_mm256_add_epi32(sh, th));
+                        let sum_l = _mm256_cvtepi32_ps(_mm256_add_epi32(sl, tl));
+                        let scaled = _mm256_fmadd_ps(
+                            sum_h,
+                            _mm256_set1_ps(h.d),
+                            _mm256_mul_ps(sum_l, _mm256_set1_ps(l.d)),
+                        );
+                        acc = _mm256_fmadd_ps(d, scaled, acc);
+                    }
+                    unsafe { store(acc) }
+                }
+            }
+        };
+    }
+
+    q4_1_group!(avx2, "avx2,fma,f16c", dot_avx2);
+    q4_1_group!(
+        vnni,
+        "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
+        dot_vnni
+    );
+}
