@@ -194,10 +194,10 @@ fn visible_span(mask: &[bool]) -> std::ops::Range<usize> {
         start += 1;
     }
     let mut end = bytes.len();
-    while end > start && end % 8 != 0 && bytes[end - 1] == 1 {
+    while end > start && !end.is_multiple_of(8) && bytes[end - 1] == 1 {
         end -= 1;
     }
-    if end % 8 == 0 {
+    if end.is_multiple_of(8) {
         let whole = bytes[start.div_ceil(8) * 8..end].chunks_exact(8).rev();
         let skipped = whole.take_while(|c| word(c) == ALL_MASKED).count();
         end -= skipped * 8;

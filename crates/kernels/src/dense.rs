@@ -83,11 +83,7 @@ pub fn matmul_in_out_with(
             out: &out,
         };
         match tier {
-            Tier::Scalar => job.run(|acc, a, w| {
-                for (y, x) in acc.iter_mut().zip(w) {
-                    *y += a * x;
-                }
-            }),
+            Tier::Scalar => job.run(axpy),
             // SAFETY: the tier's features were checked above.
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 | Tier::Avx512Vnni => unsafe { job.run_fma() },
@@ -95,6 +91,23 @@ pub fn matmul_in_out_with(
             _ => unreachable!("no such tier on this architecture"),
         }
     });
+}
+
+/// `acc += a × w`, the scalar tier's step of both `[d_in, d_out]` splits.
+#[inline(always)]
+fn axpy(acc: &mut [f32], a: f32, w: &[f32]) {
+    for (y, x) in acc.iter_mut().zip(w) {
+        *y += a * x;
+    }
+}
+
+/// `acc += a × w` with fused multiply-adds: the SIMD tiers' step, vectorized inside their
+/// `#[target_feature]` callers.
+#[inline(always)]
+fn axpy_fused(acc: &mut [f32], a: f32, w: &[f32]) {
+    for (y, x) in acc.iter_mut().zip(w) {
+        *y = a.mul_add(*x, *y);
+    }
 }
 
 /// [`matmul_in_out_with`] split by weight rows: task `p` adds rows `rows(p)` of `w` into its
@@ -127,11 +140,7 @@ fn in_out_by_rows(
             rows,
         };
         match tier {
-            Tier::Scalar => job.run(acc, |acc, a, w| {
-                for (y, x) in acc.iter_mut().zip(w) {
-                    *y += a * x;
-                }
-            }),
+            Tier::Scalar => job.run(acc, axpy),
             // SAFETY: the tier's features were checked by the caller.
             #[cfg(target_arch = "x86_64")]
             Tier::Avx2 | Tier::Avx512Vnni => unsafe { job.run_fma(acc) },
@@ -174,11 +183,7 @@ impl RowTask<'_> {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn run_fma(&self, acc: &mut [f32]) {
-        self.run(acc, |acc, a, w| {
-            for (y, x) in acc.iter_mut().zip(w) {
-                *y = a.mul_add(*x, *y);
-            }
-        });
+        self.run(acc, axpy_fused);
     }
 }
 
@@ -235,11 +240,7 @@ impl ColumnTask<'_> {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn run_fma(&self) {
-        self.run(|acc, a, w| {
-            for (y, x) in acc.iter_mut().zip(w) {
-                *y = a.mul_add(*x, *y);
-            }
-        });
+        self.run(axpy_fused);
     }
 }
 

@@ -201,6 +201,27 @@ mod x86 {
         _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
     }
 
+    /// `acc + d_w × (d_hi × Σhi + d_lo × Σlo)` per row lane, for one block column whose
+    /// integer sums are `[hi, hi, lo, lo]` (two accumulators per pass).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn add_block(
+        acc: __m256,
+        d: __m256,
+        [sh, th, sl, tl]: [__m256i; 4],
+        h: &ActBlock,
+        l: &ActBlock,
+    ) -> __m256 {
+        let sum_h = _mm256_cvtepi32_ps(_mm256_add_epi32(sh, th));
+        let sum_l = _mm256_cvtepi32_ps(_mm256_add_epi32(sl, tl));
+        let scaled = _mm256_fmadd_ps(
+            sum_h,
+            _mm256_set1_ps(h.d),
+            _mm256_mul_ps(sum_l, _mm256_set1_ps(l.d)),
+        );
+        _mm256_fmadd_ps(d, scaled, acc)
+    }
+
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn store(v: __m256) -> [f32; GROUP] {
@@ -258,14 +279,7 @@ mod x86 {
                             }
                         }
                         let d = unsafe { halves(p) };
-                        let sum_h = _mm256_cvtepi32_ps(_mm256_add_epi32(sh, th));
-                        let sum_l = _mm256_cvtepi32_ps(_mm256_add_epi32(sl, tl));
-                        let scaled = _mm256_fmadd_ps(
-                            sum_h,
-                            _mm256_set1_ps(h.d),
-                            _mm256_mul_ps(sum_l, _mm256_set1_ps(l.d)),
-                        );
-                        acc = _mm256_fmadd_ps(d, scaled, acc);
+                        acc = unsafe { add_block(acc, d, [sh, th, sl, tl], h, l) };
                         let m = unsafe { halves(p.add(16)) };
                         mins = _mm256_fmadd_ps(m, _mm256_set1_ps(h.d_sum + l.d_sum), mins);
                     }
@@ -300,14 +314,7 @@ mod x86 {
                             }
                         }
                         let d = unsafe { halves(p) };
-                        let sum_h = _mm256_cvtepi32_ps(_mm256_add_epi32(sh, th));
-                        let sum_l = _mm256_cvtepi32_ps(_mm256_add_epi32(sl, tl));
-                        let scaled = _mm256_fmadd_ps(
-                            sum_h,
-                            _mm256_set1_ps(h.d),
-                            _mm256_mul_ps(sum_l, _mm256_set1_ps(l.d)),
-                        );
-                        acc = _mm256_fmadd_ps(d, scaled, acc);
+                        acc = unsafe { add_block(acc, d, [sh, th, sl, tl], h, l) };
                     }
                     unsafe { store(acc) }
                 }

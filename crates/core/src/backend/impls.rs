@@ -49,27 +49,53 @@ impl InferenceBackend for burn::backend::Flex {
     }
 }
 
+/// burn-flex's host buffers, as kiln's kernels read and write them.
+#[cfg(feature = "cpu")]
+mod flex_buffers {
+    use burn::backend::Flex;
+    use burn::backend::flex::{FlexTensor, Layout};
+    use burn::tensor::{Bytes, DType, Tensor, TensorPrimitive};
+
+    /// The float primitive of `t`, as it is laid out.
+    pub(super) fn float<const D: usize>(t: Tensor<Flex, D>) -> FlexTensor {
+        match t.into_primitive() {
+            TensorPrimitive::Float(t) => t,
+            TensorPrimitive::QFloat(_) => unreachable!("kiln never makes burn-quantized tensors"),
+        }
+    }
+
+    /// `t` contiguous (a copy only when it was a strided view).
+    pub(super) fn host<const D: usize>(t: Tensor<Flex, D>) -> FlexTensor {
+        float(t).to_contiguous()
+    }
+
+    /// The values of a contiguous f32 tensor.
+    pub(super) fn f32_slice(t: &FlexTensor) -> &[f32] {
+        let start = t.layout().start_offset();
+        &t.storage::<f32>()[start..start + t.layout().num_elements()]
+    }
+
+    /// `out` as a contiguous f32 tensor of `shape`.
+    pub(super) fn wrap<const D: usize>(out: Vec<f32>, shape: [usize; D]) -> Tensor<Flex, D> {
+        let t = FlexTensor::new(
+            Bytes::from_elems(out),
+            Layout::contiguous(shape.into()),
+            DType::F32,
+        );
+        Tensor::from_primitive(TensorPrimitive::Float(t))
+    }
+}
+
 /// Attention on burn-flex through kiln's kernel (burn-flex runs the (batch, head) loop of its
 /// own on one thread, and its sums run over masked keys too).
 #[cfg(feature = "cpu")]
 mod flex_attention {
     use burn::backend::Flex;
-    use burn::backend::flex::{FlexTensor, Layout};
-    use burn::tensor::{Bool, Bytes, DType, Tensor, TensorPrimitive};
+    use burn::tensor::{Bool, DType, Tensor};
     use kiln_kernels::ThreadPool;
     use kiln_kernels::attention::{AttentionShape, attention};
 
-    fn host_f32(t: Tensor<Flex, 4>) -> FlexTensor {
-        match t.into_primitive() {
-            TensorPrimitive::Float(t) => t.to_contiguous(),
-            TensorPrimitive::QFloat(_) => unreachable!("kiln never makes burn-quantized tensors"),
-        }
-    }
-
-    fn values(t: &FlexTensor) -> &[f32] {
-        let start = t.layout().start_offset();
-        &t.storage::<f32>()[start..start + t.layout().num_elements()]
-    }
+    use super::flex_buffers::{f32_slice, host, wrap};
 
     pub(super) fn grouped(
         q: Tensor<Flex, 4>,
@@ -94,7 +120,7 @@ mod flex_attention {
             head_dim,
         };
         let dims = q.dims();
-        let (q, k, v) = (host_f32(q), host_f32(k), host_f32(v));
+        let (q, k, v) = (host(q), host(k), host(v));
         let mask = mask.into_primitive().to_contiguous();
         let start = mask.layout().start_offset();
         let bytes = &mask.storage::<u8>()[start..start + mask.layout().num_elements()];
@@ -108,20 +134,15 @@ mod flex_attention {
         let mut out = vec![0f32; batch * n_kv_heads * q_rows * head_dim];
         attention(
             shape,
-            values(&q),
-            values(&k),
-            values(&v),
+            f32_slice(&q),
+            f32_slice(&k),
+            f32_slice(&v),
             mask,
             &mut out,
             ThreadPool::global(),
         )
         .expect("the shapes were taken from the tensors");
-        let out = FlexTensor::new(
-            Bytes::from_elems(out),
-            Layout::contiguous(dims.into()),
-            DType::F32,
-        );
-        Tensor::from_primitive(TensorPrimitive::Float(out))
+        wrap(out, dims)
     }
 }
 
@@ -130,40 +151,14 @@ mod flex_attention {
 #[cfg(feature = "cpu")]
 mod flex_linear {
     use burn::backend::Flex;
-    use burn::backend::flex::{FlexTensor, Layout};
-    use burn::tensor::Bytes;
-    use burn::tensor::{DType, Tensor, TensorPrimitive};
+    use burn::tensor::{DType, Tensor};
     use kiln_kernels::QuantMatrix;
+
+    use super::flex_buffers::{f32_slice, float, host, wrap};
 
     /// Rows up to which kiln's f32 kernel beats burn-flex's gemm (which runs products this
     /// small on one thread); above it the gemm's register blocking wins.
     const DENSE_KERNEL_MAX_ROWS: usize = 16;
-
-    fn float(t: Tensor<Flex, 2>) -> FlexTensor {
-        match t.into_primitive() {
-            TensorPrimitive::Float(t) => t,
-            TensorPrimitive::QFloat(_) => unreachable!("kiln never makes burn-quantized tensors"),
-        }
-    }
-
-    fn host(t: Tensor<Flex, 2>) -> FlexTensor {
-        float(t).to_contiguous()
-    }
-
-    /// The values of a contiguous tensor.
-    fn f32_slice(t: &FlexTensor) -> &[f32] {
-        let start = t.layout().start_offset();
-        &t.storage::<f32>()[start..start + t.layout().num_elements()]
-    }
-
-    fn wrap(out: Vec<f32>, shape: [usize; 2]) -> Tensor<Flex, 2> {
-        let t = FlexTensor::new(
-            Bytes::from_elems(out),
-            Layout::contiguous(shape.into()),
-            DType::F32,
-        );
-        Tensor::from_primitive(TensorPrimitive::Float(t))
-    }
 
     pub(super) fn dense(x: Tensor<Flex, 2>, w: &Tensor<Flex, 2>) -> Tensor<Flex, 2> {
         let [n, d_in] = x.dims();
