@@ -28,7 +28,7 @@ use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData};
 
 use crate::batch::Batch;
 use crate::ids::Position;
-use crate::kv_cache::{KvCache, ReadIndex, StepPlan};
+use crate::kv_cache::{CachedKv, KvCache, ReadIndex, StepPlan};
 use crate::tensor::int_tensor;
 
 /// The fresh group: packed prompts, block-causal.
@@ -247,9 +247,7 @@ pub fn attend<B: InferenceBackend>(
             .reshape([rows, max_new, n_heads, head_dim])
             .swap_dims(1, 2)
             .reshape([rows, n_kv, n_rep * max_new, head_dim]);
-        let (k, v) = cache.read(layer, &hist.read);
-        let dtype = FloatDType::from(q.dtype());
-        let out = B::grouped_attention(q, k.cast(dtype), v.cast(dtype), hist.mask.clone());
+        let out = B::cached_attention(q, cache.read(layer, &hist.read), hist.mask.clone());
         outputs.push(
             out.reshape([rows, n_heads, max_new, head_dim])
                 .swap_dims(1, 2)
@@ -277,6 +275,21 @@ pub fn sdpa<B: Backend>(
     mask: Tensor<B, 4, Bool>,
 ) -> Tensor<B, 4> {
     burn::tensor::module::attention(q, k, v, Some(mask), None, AttentionModuleOptions::default())
+}
+
+/// The default [`InferenceBackend::cached_attention`]: the K/V gathered into one tensor,
+/// cast to `q`'s dtype, then [`InferenceBackend::grouped_attention`].
+///
+/// # Shapes
+/// As [`InferenceBackend::cached_attention`].
+pub fn sdpa_cached<B: InferenceBackend>(
+    q: Tensor<B, 4>,
+    kv: CachedKv<'_, B>,
+    mask: Tensor<B, 3, Bool>,
+) -> Tensor<B, 4> {
+    let dtype = FloatDType::from(q.dtype());
+    let (k, v) = kv.gather();
+    B::grouped_attention(q, k.cast(dtype), v.cast(dtype), mask)
 }
 
 /// [`sdpa`] for grouped queries and a mask shared by the heads: the mask is expanded over

@@ -30,6 +30,7 @@ pub mod dtype;
 pub mod error;
 pub mod ids;
 pub mod kv_cache;
+pub mod layer_ops;
 pub mod model;
 pub mod sampling;
 #[cfg(feature = "cpu")]

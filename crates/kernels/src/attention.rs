@@ -38,34 +38,96 @@ impl AttentionShape {
     fn check(
         &self,
         q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        kv: &KvBlocks<'_>,
         mask: &[bool],
         out: &[f32],
     ) -> Result<(), KernelError> {
+        let shape_error =
+            |what: String| Err(KernelError::Shape(format!("attention {what} for {self:?}")));
         let q_len = self.batch * self.n_kv_heads * self.q_rows() * self.head_dim;
-        let kv_len = self.batch * self.n_kv_heads * self.keys * self.head_dim;
         let mask_len = self.batch * self.q_len * self.keys;
         let checks = [
             ("q", q.len(), q_len),
-            ("k", k.len(), kv_len),
-            ("v", v.len(), kv_len),
             ("mask", mask.len(), mask_len),
             ("out", out.len(), q_len),
+            ("v", kv.v.len(), kv.k.len()),
         ];
         for (name, got, expected) in checks {
             if got != expected {
-                return Err(KernelError::Shape(format!(
-                    "attention {name} has {got} values, expected {expected} for {self:?}"
-                )));
+                return shape_error(format!("{name} has {got} values, expected {expected}"));
             }
+        }
+        let heads = self.batch * self.n_kv_heads;
+        let block_len = kv.block_keys * self.head_dim;
+        if heads == 0 || block_len == 0 {
+            return Ok(());
+        }
+        let per_head = kv.table.len() / heads;
+        if kv.table.len() != per_head * heads || per_head * kv.block_keys < self.keys {
+            return shape_error(format!(
+                "block table of {} entries of {} keys does not cover {} keys per head",
+                kv.table.len(),
+                kv.block_keys,
+                self.keys
+            ));
+        }
+        let blocks = kv.k.len() / block_len;
+        if kv.k.len() != blocks * block_len {
+            return shape_error(format!(
+                "k has {} values, not whole blocks of {block_len}",
+                kv.k.len()
+            ));
+        }
+        if let Some(bad) = kv.table.iter().find(|&&b| b >= blocks) {
+            return shape_error(format!("block table names block {bad} of {blocks}"));
         }
         Ok(())
     }
 }
 
+/// Keys and values stored in blocks of `block_keys` rows of `head_dim`, and which blocks each
+/// (batch row, KV head) reads: a paged KV cache read where it lies, without gathering it
+/// into one tensor first.
+#[derive(Debug, Clone, Copy)]
+pub struct KvBlocks<'a> {
+    /// `[blocks, block_keys, head_dim]`
+    pub k: &'a [f32],
+    /// `[blocks, block_keys, head_dim]`
+    pub v: &'a [f32],
+    /// `[batch, n_kv_heads, blocks_per_head]`: the blocks holding a head's keys, in key order
+    /// (key `j` is row `j % block_keys` of block `j / block_keys`); may cover more keys than
+    /// the mask, whose columns are the first of them.
+    pub table: &'a [usize],
+    /// Keys per block.
+    pub block_keys: usize,
+}
+
+/// One (batch row, KV head)'s keys and values, wherever their blocks lie.
+struct HeadKv<'a> {
+    kv: KvBlocks<'a>,
+    blocks: &'a [usize],
+    head_dim: usize,
+}
+
+impl HeadKv<'_> {
+    /// The offsets (into `k` and `v`) of keys `span`, in key order: walked block by block, so
+    /// the inner loop pays no division per key.
+    fn offsets(&self, span: std::ops::Range<usize>) -> impl Iterator<Item = usize> + '_ {
+        let block_keys = self.kv.block_keys;
+        let first = span.start / block_keys;
+        let last = span.end.div_ceil(block_keys);
+        (first..last).flat_map(move |b| {
+            let base = self.blocks[b] * block_keys;
+            let rows = span.start.max(b * block_keys) - b * block_keys
+                ..span.end.min((b + 1) * block_keys) - b * block_keys;
+            rows.map(move |r| (base + r) * self.head_dim)
+        })
+    }
+}
+
 /// Query rows per task: small enough to spread a decode step's few rows over the threads,
-/// large enough that a prefill's tasks each reuse their keys from cache.
+/// large enough that a prefill's tasks each reuse their keys from cache. (Finer tasks for
+/// decoding, one per query row, measured slower: each reads its KV head's keys again.)
 const ROWS_PER_TASK: usize = 16;
 
 /// `out = softmax(q kᵀ / √head_dim, masked) v` for every (row, query head).
@@ -90,7 +152,42 @@ pub fn attention(
     out: &mut [f32],
     pool: &ThreadPool,
 ) -> Result<(), KernelError> {
-    shape.check(q, k, v, mask, out)?;
+    let expected = shape.batch * shape.n_kv_heads * shape.keys * shape.head_dim;
+    for (name, got) in [("k", k.len()), ("v", v.len())] {
+        if got != expected {
+            return Err(KernelError::Shape(format!(
+                "attention {name} has {got} values, expected {expected} for {shape:?}"
+            )));
+        }
+    }
+    // Each head's keys are one block.
+    let table: Vec<usize> = (0..shape.batch * shape.n_kv_heads).collect();
+    let kv = KvBlocks {
+        k,
+        v,
+        table: &table,
+        block_keys: shape.keys,
+    };
+    attention_blocks(shape, q, kv, mask, out, pool)
+}
+
+/// [`attention`] over keys and values read through a block table ([`KvBlocks`]).
+///
+/// # Shapes
+/// As [`attention`], with `k` and `v` as `kv` lays them out.
+///
+/// # Errors
+/// [`KernelError::Shape`] when a slice's length disagrees with `shape`, or the table names a
+/// block `kv` does not hold or covers fewer than `shape.keys` keys.
+pub fn attention_blocks(
+    shape: AttentionShape,
+    q: &[f32],
+    kv: KvBlocks<'_>,
+    mask: &[bool],
+    out: &mut [f32],
+    pool: &ThreadPool,
+) -> Result<(), KernelError> {
+    shape.check(q, &kv, mask, out)?;
     let AttentionShape {
         batch,
         n_kv_heads,
@@ -100,18 +197,21 @@ pub fn attention(
         ..
     } = shape;
     let q_rows = shape.q_rows();
-    if q_rows == 0 || head_dim == 0 {
+    if q_rows == 0 || head_dim == 0 || batch * n_kv_heads == 0 {
         return Ok(());
     }
+    let per_head = kv.table.len() / (batch * n_kv_heads);
     let chunks = q_rows.div_ceil(ROWS_PER_TASK);
     let scale = 1.0 / (head_dim as f32).sqrt();
     let shared = SharedOut::new(out);
     pool.run(batch * n_kv_heads * chunks, &|task| {
         let (block, chunk) = (task / chunks, task % chunks);
         let b = block / n_kv_heads;
-        let kv_base = block * keys * head_dim;
-        let k_block = &k[kv_base..kv_base + keys * head_dim];
-        let v_block = &v[kv_base..kv_base + keys * head_dim];
+        let head = HeadKv {
+            kv,
+            blocks: &kv.table[block * per_head..(block + 1) * per_head],
+            head_dim,
+        };
         let mut scores = Vec::with_capacity(keys);
         let mut acc = vec![0f32; head_dim];
         let rows = chunk * ROWS_PER_TASK..((chunk + 1) * ROWS_PER_TASK).min(q_rows);
@@ -120,15 +220,7 @@ pub fn attention(
             let row_mask = &mask[(b * q_len + i) * keys..][..keys];
             let q_start = (block * q_rows + row) * head_dim;
             let q_row = &q[q_start..q_start + head_dim];
-            attend_row(
-                q_row,
-                k_block,
-                v_block,
-                row_mask,
-                scale,
-                &mut scores,
-                &mut acc,
-            );
+            attend_row(q_row, &head, row_mask, scale, &mut scores, &mut acc);
             for (d, &value) in acc.iter().enumerate() {
                 // SAFETY: each (block, row) belongs to exactly one task.
                 unsafe { shared.write(q_start + d, value) };
@@ -138,38 +230,38 @@ pub fn attention(
     Ok(())
 }
 
-/// One query row: `acc = Σ_j p_j v_j / Σ_j p_j` over the visible keys `j`, in key order.
+/// One query row: `acc = Σ_j p_j v_j / Σ_j p_j` over the visible keys `j`, in key order
+/// (`scores` holds each visible key's offset and score).
 fn attend_row(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kv: &HeadKv<'_>,
     mask: &[bool],
     scale: f32,
     scores: &mut Vec<(usize, f32)>,
     acc: &mut [f32],
 ) {
-    let head_dim = q.len();
     scores.clear();
     let mut max = f32::NEG_INFINITY;
+    let head_dim = q.len();
     let visible = visible_span(mask);
-    let start = visible.start;
-    for (j, _) in (start..)
+    for (at, _) in kv
+        .offsets(visible.clone())
         .zip(&mask[visible])
         .filter(|(_, masked)| !**masked)
     {
-        let s = dot(q, &k[j * head_dim..(j + 1) * head_dim]) * scale;
+        let s = dot(q, &kv.kv.k[at..at + head_dim]) * scale;
         max = max.max(s);
-        scores.push((j, s));
+        scores.push((at, s));
     }
     acc.fill(0.0);
     if scores.is_empty() {
         return;
     }
     let mut sum = 0f32;
-    for &(j, s) in scores.iter() {
+    for &(at, s) in scores.iter() {
         let p = (s - max).exp();
         sum += p;
-        for (a, &x) in acc.iter_mut().zip(&v[j * head_dim..(j + 1) * head_dim]) {
+        for (a, &x) in acc.iter_mut().zip(&kv.kv.v[at..at + head_dim]) {
             *a += p * x;
         }
     }

@@ -2,7 +2,7 @@
 //! not depend on the keys it cannot see (so batches equal single runs bit for bit).
 
 use kiln_kernels::ThreadPool;
-use kiln_kernels::attention::{AttentionShape, attention};
+use kiln_kernels::attention::{AttentionShape, KvBlocks, attention, attention_blocks};
 use proptest::prelude::*;
 
 fn values(len: usize, seed: u64) -> Vec<f32> {
@@ -151,6 +151,81 @@ proptest! {
             packed.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
         );
     }
+
+    /// Keys and values scattered over blocks in shuffled order (a paged cache), read through
+    /// their block table, give the same bits as the same keys laid out in one run per head.
+    #[test]
+    fn block_tables_read_the_same_keys((shape, seed) in shapes(), block_keys in 1usize..9, spare in 0usize..4) {
+        let q = values(shape.batch * shape.n_kv_heads * shape.n_rep * shape.q_len * shape.head_dim, seed);
+        let k = values(shape.batch * shape.n_kv_heads * shape.keys * shape.head_dim, seed ^ 1);
+        let v = values(k.len(), seed ^ 2);
+        let mask: Vec<bool> = values(shape.batch * shape.q_len * shape.keys, seed ^ 3)
+            .iter()
+            .map(|x| *x > 0.2)
+            .collect();
+        let pool = ThreadPool::new(2);
+        let mut dense = vec![0f32; q.len()];
+        attention(shape, &q, &k, &v, &mask, &mut dense, &pool).unwrap();
+
+        // Each head's keys in blocks of `block_keys` (the last one padded with junk), the
+        // blocks of all heads plus `spare` junk ones stored in a shuffled order.
+        let heads = shape.batch * shape.n_kv_heads;
+        let per_head = shape.keys.div_ceil(block_keys);
+        let blocks = heads * per_head + spare;
+        let mut order: Vec<usize> = (0..blocks).collect();
+        let shuffle = values(blocks, seed ^ 5);
+        order.sort_by(|&a, &b| shuffle[a].total_cmp(&shuffle[b]));
+        let block_len = block_keys * shape.head_dim;
+        let scatter = |x: &[f32]| -> Vec<f32> {
+            let mut store = values(blocks * block_len, seed ^ 6);
+            for h in 0..heads {
+                for i in 0..per_head {
+                    let from = (h * shape.keys + i * block_keys) * shape.head_dim;
+                    let len = (block_keys.min(shape.keys - i * block_keys)) * shape.head_dim;
+                    let to = order[h * per_head + i] * block_len;
+                    store[to..to + len].copy_from_slice(&x[from..from + len]);
+                }
+            }
+            store
+        };
+        let (k_store, v_store) = (scatter(&k), scatter(&v));
+        let kv = KvBlocks { k: &k_store, v: &v_store, table: &order[..heads * per_head], block_keys };
+        let mut paged = vec![0f32; q.len()];
+        attention_blocks(shape, &q, kv, &mask, &mut paged, &pool).unwrap();
+        prop_assert_eq!(
+            dense.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            paged.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
+}
+
+#[test]
+fn a_block_table_naming_a_missing_block_is_an_error() {
+    let shape = AttentionShape {
+        batch: 1,
+        n_kv_heads: 1,
+        n_rep: 1,
+        q_len: 1,
+        keys: 4,
+        head_dim: 2,
+    };
+    let store = [0f32; 8];
+    let kv = KvBlocks {
+        k: &store,
+        v: &store,
+        table: &[0, 2],
+        block_keys: 2,
+    };
+    let mut out = [0f32; 2];
+    let err = attention_blocks(
+        shape,
+        &[0.0; 2],
+        kv,
+        &[false; 4],
+        &mut out,
+        ThreadPool::global(),
+    );
+    assert!(err.unwrap_err().to_string().contains("block 2 of 2"));
 }
 
 #[test]

@@ -47,6 +47,30 @@ impl InferenceBackend for burn::backend::Flex {
     ) -> burn::tensor::Tensor<Self, 4> {
         flex_attention::grouped(q, k, v, mask)
     }
+
+    fn cached_attention(
+        q: burn::tensor::Tensor<Self, 4>,
+        kv: crate::kv_cache::CachedKv<'_, Self>,
+        mask: burn::tensor::Tensor<Self, 3, burn::tensor::Bool>,
+    ) -> burn::tensor::Tensor<Self, 4> {
+        flex_attention::cached(q, kv, mask)
+    }
+
+    fn rms_norm(
+        x: burn::tensor::Tensor<Self, 2>,
+        gamma: &burn::tensor::Tensor<Self, 1>,
+        eps: f64,
+    ) -> burn::tensor::Tensor<Self, 2> {
+        flex_rowwise::rms_norm(x, gamma, eps)
+    }
+
+    fn rotate_half(
+        x: burn::tensor::Tensor<Self, 3>,
+        cos: &burn::tensor::Tensor<Self, 3>,
+        sin: &burn::tensor::Tensor<Self, 3>,
+    ) -> burn::tensor::Tensor<Self, 3> {
+        flex_rowwise::rotate_half(x, cos, sin)
+    }
 }
 
 /// burn-flex's host buffers, as kiln's kernels read and write them.
@@ -93,7 +117,9 @@ mod flex_attention {
     use burn::backend::Flex;
     use burn::tensor::{Bool, DType, Tensor};
     use kiln_kernels::ThreadPool;
-    use kiln_kernels::attention::{AttentionShape, attention};
+    use kiln_kernels::attention::{AttentionShape, KvBlocks, attention_blocks};
+
+    use crate::kv_cache::CachedKv;
 
     use super::flex_buffers::{f32_slice, host, wrap};
 
@@ -109,18 +135,70 @@ mod flex_attention {
         if !all_f32 {
             return crate::attention::sdpa_grouped(q, k, v, mask);
         }
+        let shape = attention_shape(&q, &mask, k.dims()[2]);
+        let (k, v) = (host(k), host(v));
+        let kv = KvBlocks {
+            k: f32_slice(&k),
+            v: f32_slice(&v),
+            // Each (row, KV head) is one block of all its keys.
+            table: &(0..shape.batch * shape.n_kv_heads).collect::<Vec<_>>(),
+            block_keys: shape.keys,
+        };
+        run(shape, q, kv, mask)
+    }
+
+    /// Attention over the cache's K/V where they lie: no gather per layer.
+    pub(super) fn cached(
+        q: Tensor<Flex, 4>,
+        kv: CachedKv<'_, Flex>,
+        mask: Tensor<Flex, 3, Bool>,
+    ) -> Tensor<Flex, 4> {
+        let all_f32 = [q.dtype(), kv.k.dtype(), kv.v.dtype()]
+            .iter()
+            .all(|d| *d == DType::F32);
+        if !all_f32 {
+            return crate::attention::sdpa_cached(q, kv, mask);
+        }
+        let slots = kv.k.dims()[2];
+        let shape = attention_shape(&q, &mask, mask.dims()[2]);
+        let table = kv.table().to_vec();
+        let (k, v) = (host(kv.k), host(kv.v));
+        let blocks = KvBlocks {
+            k: f32_slice(&k),
+            v: f32_slice(&v),
+            table: &table,
+            block_keys: slots,
+        };
+        run(shape, q, blocks, mask)
+    }
+
+    /// The kernel's view of `q` (`[batch, n_kv_heads, n_rep * q_len, head_dim]`) and `mask`
+    /// (`[batch, q_len, keys]`).
+    fn attention_shape(
+        q: &Tensor<Flex, 4>,
+        mask: &Tensor<Flex, 3, Bool>,
+        keys: usize,
+    ) -> AttentionShape {
         let [batch, n_kv_heads, q_rows, head_dim] = q.dims();
-        let [_, q_len, keys] = mask.dims();
-        let shape = AttentionShape {
+        let q_len = mask.dims()[1];
+        AttentionShape {
             batch,
             n_kv_heads,
             n_rep: q_rows / q_len.max(1),
             q_len,
             keys,
             head_dim,
-        };
+        }
+    }
+
+    fn run(
+        shape: AttentionShape,
+        q: Tensor<Flex, 4>,
+        kv: KvBlocks<'_>,
+        mask: Tensor<Flex, 3, Bool>,
+    ) -> Tensor<Flex, 4> {
         let dims = q.dims();
-        let (q, k, v) = (host(q), host(k), host(v));
+        let q = host(q);
         let mask = mask.into_primitive().to_contiguous();
         let start = mask.layout().start_offset();
         let bytes = &mask.storage::<u8>()[start..start + mask.layout().num_elements()];
@@ -131,17 +209,62 @@ mod flex_attention {
         // SAFETY: every byte is 0 or 1 (just checked), the representation of `bool`.
         let mask: &[bool] =
             unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len()) };
-        let mut out = vec![0f32; batch * n_kv_heads * q_rows * head_dim];
-        attention(
+        let mut out = vec![0f32; dims.iter().product()];
+        attention_blocks(
             shape,
             f32_slice(&q),
-            f32_slice(&k),
-            f32_slice(&v),
+            kv,
             mask,
             &mut out,
             ThreadPool::global(),
         )
         .expect("the shapes were taken from the tensors");
+        wrap(out, dims)
+    }
+}
+
+/// RMSNorm and rotary embeddings on burn-flex as single passes over flex's host buffers (f32;
+/// other dtypes take burn's composition).
+#[cfg(feature = "cpu")]
+mod flex_rowwise {
+    use burn::backend::Flex;
+    use burn::tensor::{DType, Tensor};
+    use kiln_kernels::rowwise;
+
+    use super::flex_buffers::{f32_slice, host, wrap};
+
+    pub(super) fn rms_norm(
+        x: Tensor<Flex, 2>,
+        gamma: &Tensor<Flex, 1>,
+        eps: f64,
+    ) -> Tensor<Flex, 2> {
+        if x.dtype() != DType::F32 || gamma.dtype() != DType::F32 {
+            return crate::layer_ops::rms_norm(x, gamma, eps);
+        }
+        let dims = x.dims();
+        let (x, gamma) = (host(x), host(gamma.clone()));
+        let x = f32_slice(&x);
+        let mut out = vec![0f32; x.len()];
+        rowwise::rms_norm(x, f32_slice(&gamma), eps as f32, &mut out);
+        wrap(out, dims)
+    }
+
+    pub(super) fn rotate_half(
+        x: Tensor<Flex, 3>,
+        cos: &Tensor<Flex, 3>,
+        sin: &Tensor<Flex, 3>,
+    ) -> Tensor<Flex, 3> {
+        let all_f32 = [x.dtype(), cos.dtype(), sin.dtype()]
+            .iter()
+            .all(|d| *d == DType::F32);
+        if !all_f32 {
+            return crate::layer_ops::rotate_half(x, cos, sin);
+        }
+        let dims = x.dims();
+        let (x, cos, sin) = (host(x), host(cos.clone()), host(sin.clone()));
+        let x = f32_slice(&x);
+        let mut out = vec![0f32; x.len()];
+        rowwise::rotate_half(x, f32_slice(&cos), f32_slice(&sin), dims[2], &mut out);
         wrap(out, dims)
     }
 }

@@ -29,6 +29,7 @@ use kiln_kernels::QuantMatrix;
 
 use crate::dtype::Dtype;
 use crate::error::{CoreError, Result};
+use crate::kv_cache::CachedKv;
 
 /// The backends kiln can be built with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -265,6 +266,47 @@ pub trait InferenceBackend: Backend {
         mask: Tensor<Self, 3, Bool>,
     ) -> Tensor<Self, 4> {
         crate::attention::sdpa_grouped(q, k, v, mask)
+    }
+
+    /// [`grouped_attention`](Self::grouped_attention) of history rows over their cached K/V.
+    /// The default gathers the K/V each row reads into one tensor (cast to `q`'s dtype);
+    /// the cpu backend reads them where the cache keeps them, through the block table.
+    ///
+    /// # Shapes
+    /// - `q`: `[rows, n_kv_heads, n_rep * q_len, head_dim]`
+    /// - `mask`: `[rows, q_len, keys]`
+    /// - returns the shape of `q`
+    fn cached_attention(
+        q: Tensor<Self, 4>,
+        kv: CachedKv<'_, Self>,
+        mask: Tensor<Self, 3, Bool>,
+    ) -> Tensor<Self, 4> {
+        crate::attention::sdpa_cached(q, kv, mask)
+    }
+
+    /// RMSNorm of each row in f32, cast back to `x`'s dtype before the scale (transformers'
+    /// `LlamaRMSNorm`). The default is burn's composition ([`crate::layer_ops::rms_norm`]);
+    /// the cpu backend runs it as one pass per row ([`kiln_kernels::rowwise::rms_norm`]).
+    ///
+    /// # Shapes
+    /// - `x`: `[n, d]`, `gamma`: `[d]` → `[n, d]`
+    fn rms_norm(x: Tensor<Self, 2>, gamma: &Tensor<Self, 1>, eps: f64) -> Tensor<Self, 2> {
+        crate::layer_ops::rms_norm(x, gamma, eps)
+    }
+
+    /// Rotary embeddings in the rotate-half layout. The default is burn's composition
+    /// ([`crate::layer_ops::rotate_half`]); the cpu backend runs it as one pass
+    /// ([`kiln_kernels::rowwise::rotate_half`]).
+    ///
+    /// # Shapes
+    /// - `x`: `[n_tokens, n_heads, head_dim]` → same
+    /// - `cos`, `sin`: `[n_tokens, 1, head_dim / 2]`
+    fn rotate_half(
+        x: Tensor<Self, 3>,
+        cos: &Tensor<Self, 3>,
+        sin: &Tensor<Self, 3>,
+    ) -> Tensor<Self, 3> {
+        crate::layer_ops::rotate_half(x, cos, sin)
     }
 
     /// What the backend's device allocator holds, where it reports it (the GPU backends);

@@ -41,7 +41,7 @@ pub use paged::{BlockPool, DEFAULT_BLOCK_SIZE, PagedKvCache};
 pub use plan::{FreshSpan, HistorySpan, ReadPlan, StepPlan, WriteRun};
 pub use sliding::SlidingKvCache;
 pub use static_::StaticKvCache;
-pub use storage::{ReadIndex, RowPick, SlotStorage};
+pub use storage::{CachedKv, ReadIndex, RowPick, SlotStorage};
 
 use crate::batch::Batch;
 use crate::dtype::Dtype;
@@ -283,11 +283,9 @@ pub trait KvCache<B: InferenceBackend>: CacheBook {
         self.storage_mut().write(layer, &plan.writes, k, v);
     }
 
-    /// The K/V that the plan's history rows attend over (after this step's write).
-    ///
-    /// # Shapes
-    /// - returns `k`, `v`: `[rows, n_kv_heads, keys, head_dim]`
-    fn read(&self, layer: usize, index: &ReadIndex<B>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    /// The K/V that the plan's history rows attend over (after this step's write), where
+    /// they are stored.
+    fn read<'a>(&self, layer: usize, index: &'a ReadIndex<B>) -> CachedKv<'a, B> {
         self.storage().read(layer, index)
     }
 }

@@ -40,6 +40,8 @@ pub enum ReadIndex<B: Backend> {
         rows: RowPick<B>,
         /// Slots read from each row.
         keys: usize,
+        /// The head blocks read, as [`CachedKv::table`] lists them.
+        table: Vec<usize>,
     },
     /// Each sequence's block table, padded to `blocks_per_row`, as indices into the pool
     /// viewed as `[blocks * n_kv_heads, slots, head_dim]`: for row `r`, head `h`, the `i`-th
@@ -51,6 +53,8 @@ pub enum ReadIndex<B: Backend> {
         rows: usize,
         /// Blocks per sequence.
         blocks_per_row: usize,
+        /// `head_blocks` on the host, as [`CachedKv::table`] lists them.
+        table: Vec<usize>,
     },
 }
 
@@ -84,19 +88,29 @@ impl<B: InferenceBackend> ReadIndex<B> {
             ReadPlan::Rows { rows, keys } => Some(ReadIndex::Rows {
                 rows: RowPick::new(rows, device),
                 keys: *keys,
+                // A row's head `h` is head block `row * n_kv_heads + h`, of all its slots.
+                table: rows
+                    .iter()
+                    .flat_map(|r| (0..n_kv_heads).map(move |h| r * n_kv_heads + h))
+                    .collect(),
             }),
             ReadPlan::Blocks {
                 blocks,
                 blocks_per_row,
             } => {
-                let head_blocks = blocks.chunks(*blocks_per_row).flat_map(|table| {
-                    (0..n_kv_heads)
-                        .flat_map(move |h| table.iter().map(move |b| b.index() * n_kv_heads + h))
-                });
+                let table: Vec<usize> = blocks
+                    .chunks(*blocks_per_row)
+                    .flat_map(|table| {
+                        (0..n_kv_heads).flat_map(move |h| {
+                            table.iter().map(move |b| b.index() * n_kv_heads + h)
+                        })
+                    })
+                    .collect();
                 Some(ReadIndex::Blocks {
-                    head_blocks: int_tensor(head_blocks, device),
+                    head_blocks: int_tensor(table.iter().copied(), device),
                     rows: blocks.len() / blocks_per_row,
                     blocks_per_row: *blocks_per_row,
+                    table,
                 })
             }
         }
@@ -225,37 +239,14 @@ impl<B: InferenceBackend> SlotStorage<B> {
         }
     }
 
-    /// Reads one layer's K/V for the rows of a step.
-    ///
-    /// # Shapes
-    /// - returns `k`, `v`: `[rows, n_kv_heads, keys, head_dim]`
-    pub fn read(&self, layer: usize, index: &ReadIndex<B>) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let (heads, dim) = (self.layout.n_kv_heads, self.layout.head_dim);
-        let read_one = |store: &Tensor<B, 4>| -> Tensor<B, 4> {
-            match index {
-                ReadIndex::Rows {
-                    rows: RowPick::Range(rows),
-                    keys,
-                } => store.clone().slice([rows.clone(), 0..heads, 0..*keys]),
-                ReadIndex::Rows {
-                    rows: RowPick::Select(rows),
-                    keys,
-                } => store
-                    .clone()
-                    .slice([0..self.targets, 0..heads, 0..*keys])
-                    .select(0, rows.clone()),
-                ReadIndex::Blocks {
-                    head_blocks,
-                    rows,
-                    blocks_per_row,
-                } => store
-                    .clone()
-                    .reshape([self.targets * heads, self.slots, dim])
-                    .select(0, head_blocks.clone())
-                    .reshape([*rows, heads, *blocks_per_row * self.slots, dim]),
-            }
-        };
-        (read_one(&self.k[layer]), read_one(&self.v[layer]))
+    /// One layer's K/V as the rows of a step read them: where they are stored, and which
+    /// parts each row reads. Nothing is copied; [`CachedKv::gather`] copies.
+    pub fn read<'a>(&self, layer: usize, index: &'a ReadIndex<B>) -> CachedKv<'a, B> {
+        CachedKv {
+            k: self.k[layer].clone(),
+            v: self.v[layer].clone(),
+            index,
+        }
     }
 
     /// Copies every layer's K/V to the host, for snapshots and tests.
@@ -277,5 +268,64 @@ impl<B: InferenceBackend> SlotStorage<B> {
             .zip(&self.v)
             .map(|(k, v)| (host(k), host(v)))
             .collect()
+    }
+}
+
+/// One layer's K/V where the cache keeps them (`[targets, n_kv_heads, slots, head_dim]`) and
+/// the read index of a step's history rows: what [`InferenceBackend::cached_attention`]
+/// attends over, gathered into one tensor ([`gather`](Self::gather)) or read in place through
+/// the block table ([`table`](Self::table)).
+#[derive(Debug, Clone)]
+pub struct CachedKv<'a, B: InferenceBackend> {
+    /// The layer's keys. `[targets, n_kv_heads, slots, head_dim]`
+    pub k: Tensor<B, 4>,
+    /// The layer's values. `[targets, n_kv_heads, slots, head_dim]`
+    pub v: Tensor<B, 4>,
+    index: &'a ReadIndex<B>,
+}
+
+impl<B: InferenceBackend> CachedKv<'_, B> {
+    /// The head blocks each history row reads, `[rows, n_kv_heads, blocks_per_row]`
+    /// flattened: indices into the storage viewed as `[targets * n_kv_heads, slots,
+    /// head_dim]`, in key order (a dense cache's row is one block of all its slots, of which
+    /// the mask's first columns are read).
+    pub fn table(&self) -> &[usize] {
+        match self.index {
+            ReadIndex::Rows { table, .. } | ReadIndex::Blocks { table, .. } => table,
+        }
+    }
+
+    /// The K/V the rows read, copied into one tensor each.
+    ///
+    /// # Shapes
+    /// - returns `k`, `v`: `[rows, n_kv_heads, keys, head_dim]`
+    pub fn gather(self) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let [targets, heads, slots, dim] = self.k.dims();
+        let read_one = |store: Tensor<B, 4>| -> Tensor<B, 4> {
+            match self.index {
+                ReadIndex::Rows {
+                    rows: RowPick::Range(rows),
+                    keys,
+                    ..
+                } => store.slice([rows.clone(), 0..heads, 0..*keys]),
+                ReadIndex::Rows {
+                    rows: RowPick::Select(rows),
+                    keys,
+                    ..
+                } => store
+                    .slice([0..targets, 0..heads, 0..*keys])
+                    .select(0, rows.clone()),
+                ReadIndex::Blocks {
+                    head_blocks,
+                    rows,
+                    blocks_per_row,
+                    ..
+                } => store
+                    .reshape([targets * heads, slots, dim])
+                    .select(0, head_blocks.clone())
+                    .reshape([*rows, heads, *blocks_per_row * slots, dim]),
+            }
+        };
+        (read_one(self.k), read_one(self.v))
     }
 }

@@ -3,6 +3,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
+use kiln_core::InferenceBackend;
 
 use crate::config::NormKind;
 
@@ -19,40 +20,27 @@ pub struct Norm<B: Backend> {
     pub eps: f64,
 }
 
-impl<B: Backend> Norm<B> {
+impl<B: InferenceBackend> Norm<B> {
+    /// RMSNorm through the backend ([`InferenceBackend::rms_norm`], one pass on the cpu
+    /// backend); LayerNorm (GPT-2) as burn's composition.
+    ///
     /// # Shapes
     /// - `x`: `[n, d_model]` → `[n, d_model]`, in `x`'s dtype
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        if self.kind == NormKind::RmsNorm {
+            return B::rms_norm(x, &self.gamma, self.eps);
+        }
         let dtype = FloatDType::from(x.dtype());
         let x32 = x.cast(FloatDType::F32);
-        let normed = match self.kind {
-            NormKind::RmsNorm => {
-                let rms = x32
-                    .clone()
-                    .powi_scalar(2)
-                    .mean_dim(1)
-                    .add_scalar(self.eps)
-                    .sqrt();
-                x32 / rms
-            }
-            NormKind::LayerNorm => {
-                let mean = x32.clone().mean_dim(1);
-                let centered = x32 - mean;
-                let var = centered.clone().powi_scalar(2).mean_dim(1);
-                centered / var.add_scalar(self.eps).sqrt()
-            }
+        let mean = x32.clone().mean_dim(1);
+        let centered = x32 - mean;
+        let var = centered.clone().powi_scalar(2).mean_dim(1);
+        let y = centered / var.add_scalar(self.eps).sqrt();
+        let y = y * self.gamma.clone().cast(FloatDType::F32).unsqueeze_dim(0);
+        let y = match &self.beta {
+            Some(b) => y + b.clone().cast(FloatDType::F32).unsqueeze_dim(0),
+            None => y,
         };
-        // transformers' RMSNorm casts back before scaling: weight * hidden.to(input_dtype).
-        match self.kind {
-            NormKind::RmsNorm => normed.cast(dtype) * self.gamma.clone().unsqueeze_dim(0),
-            NormKind::LayerNorm => {
-                let y = normed * self.gamma.clone().cast(FloatDType::F32).unsqueeze_dim(0);
-                let y = match &self.beta {
-                    Some(b) => y + b.clone().cast(FloatDType::F32).unsqueeze_dim(0),
-                    None => y,
-                };
-                y.cast(dtype)
-            }
-        }
+        y.cast(dtype)
     }
 }

@@ -5,7 +5,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
-use kiln_core::Position;
+use kiln_core::{InferenceBackend, Position};
 
 use crate::config::{Llama3Scaling, RopeConfig};
 
@@ -78,18 +78,16 @@ impl<B: Backend> RopeTables<B> {
         }
     }
 
-    /// Rotates each head's halves: `(x1, x2) → (x1 cos − x2 sin, x2 cos + x1 sin)`.
+    /// Rotates each head's halves: `(x1, x2) → (x1 cos − x2 sin, x2 cos + x1 sin)`
+    /// ([`InferenceBackend::rotate_half`], one pass on the cpu backend).
     ///
     /// # Shapes
     /// - `x`: `[n_tokens, n_heads, head_dim]` → same
-    pub fn apply(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [n, heads, dim] = x.dims();
-        let half = dim / 2;
-        let x1 = x.clone().slice([0..n, 0..heads, 0..half]);
-        let x2 = x.slice([0..n, 0..heads, half..dim]);
-        let first = x1.clone() * self.cos.clone() - x2.clone() * self.sin.clone();
-        let second = x2 * self.cos.clone() + x1 * self.sin.clone();
-        Tensor::cat(vec![first, second], 2)
+    pub fn apply(&self, x: Tensor<B, 3>) -> Tensor<B, 3>
+    where
+        B: InferenceBackend,
+    {
+        B::rotate_half(x, &self.cos, &self.sin)
     }
 }
 

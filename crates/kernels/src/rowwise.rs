@@ -1,0 +1,139 @@
+//! The per-layer operations around the matrix products, each one pass over its rows: RMSNorm
+//! and the rotate-half rotary embedding.
+//!
+//! Composed from burn's element-wise operations, an RMSNorm is seven tensors allocated and
+//! walked (square, mean, add, sqrt, divide, cast, scale) and a rotation nine (two slices, four
+//! broadcast products, a difference, a sum, a concatenation). In a decode step each is a few
+//! hundred values, so their fixed costs, not their arithmetic, took a tenth of the step. Here
+//! each is one loop that rounds exactly as the composition does (no fused multiply-adds), so
+//! swapping one for the other moves no result by more than the order of a sum.
+
+/// Lanes of the sum of squares: a fixed order that vectorizes, so every tier and every
+/// machine sums the same way.
+const LANES: usize = 8;
+
+/// RMSNorm of each row of `x` (`rows × d`), as transformers computes it in f32:
+/// `x / sqrt(mean(x²) + eps) × gamma`.
+///
+/// # Panics
+/// If `gamma` is not `d` long, or `x` and `out` are not whole rows of the same length.
+pub fn rms_norm(x: &[f32], gamma: &[f32], eps: f32, out: &mut [f32]) {
+    let d = gamma.len();
+    assert!(
+        d > 0 && x.len().is_multiple_of(d),
+        "x is not whole rows of {d}"
+    );
+    assert_eq!(x.len(), out.len(), "out is not the size of x");
+    for (row, out) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let rms = (sum_of_squares(row) / d as f32 + eps).sqrt();
+        for ((o, v), g) in out.iter_mut().zip(row).zip(gamma) {
+            *o = (v / rms) * g;
+        }
+    }
+}
+
+/// `Σ v²` over `row` in [`LANES`] partial sums, added pairwise at the end.
+fn sum_of_squares(row: &[f32]) -> f32 {
+    let mut lanes = [0f32; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for chunk in &mut chunks {
+        for (acc, v) in lanes.iter_mut().zip(chunk) {
+            *acc += v * v;
+        }
+    }
+    for (acc, v) in lanes.iter_mut().zip(chunks.remainder()) {
+        *acc += v * v;
+    }
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            lanes[i] += lanes[i + width];
+        }
+    }
+    lanes[0]
+}
+
+/// Rotates each head of each token in Hugging Face's rotate-half layout: a head's first half
+/// `x1` and second half `x2` become `(x1 cos − x2 sin, x2 cos + x1 sin)`, with the token's
+/// `cos` and `sin` (`head_dim / 2` each) shared by its heads.
+///
+/// # Shapes
+/// - `x`, `out`: `[tokens, heads, head_dim]`
+/// - `cos`, `sin`: `[tokens, head_dim / 2]`
+///
+/// # Panics
+/// If the lengths do not fit those shapes.
+pub fn rotate_half(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &mut [f32]) {
+    let half = head_dim / 2;
+    assert!(
+        half > 0 && head_dim.is_multiple_of(2),
+        "head_dim {head_dim} is not even"
+    );
+    assert_eq!(cos.len(), sin.len(), "cos and sin differ in length");
+    let tokens = cos.len() / half;
+    assert_eq!(cos.len(), tokens * half, "cos is not whole tokens");
+    assert!(
+        !x.is_empty() || tokens == 0,
+        "x is empty but there are tokens"
+    );
+    let per_token = if tokens == 0 { 0 } else { x.len() / tokens };
+    assert!(
+        per_token.is_multiple_of(head_dim) && per_token * tokens == x.len(),
+        "x is not [tokens, heads, {head_dim}]"
+    );
+    assert_eq!(x.len(), out.len(), "out is not the size of x");
+    for t in 0..tokens {
+        let (c, s) = (
+            &cos[t * half..(t + 1) * half],
+            &sin[t * half..(t + 1) * half],
+        );
+        let span = t * per_token..(t + 1) * per_token;
+        for (head, out) in x[span.clone()]
+            .chunks_exact(head_dim)
+            .zip(out[span].chunks_exact_mut(head_dim))
+        {
+            let (x1, x2) = head.split_at(half);
+            let (o1, o2) = out.split_at_mut(half);
+            for i in 0..half {
+                o1[i] = x1[i] * c[i] - x2[i] * s[i];
+                o2[i] = x2[i] * c[i] + x1[i] * s[i];
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_scales_each_row_to_unit_root_mean_square() {
+        let x: Vec<f32> = (0..24).map(|i| (i as f32 - 7.5) * 0.3).collect();
+        let gamma: Vec<f32> = (0..12).map(|i| 1.0 + i as f32 * 0.1).collect();
+        let mut out = vec![0.0; 24];
+        rms_norm(&x, &gamma, 1e-5, &mut out);
+        for (row, out) in x.chunks(12).zip(out.chunks(12)) {
+            let ms: f64 = row
+                .iter()
+                .map(|&v| f64::from(v) * f64::from(v))
+                .sum::<f64>()
+                / 12.0;
+            let rms = (ms + 1e-5).sqrt();
+            for ((o, v), g) in out.iter().zip(row).zip(&gamma) {
+                let want = f64::from(*v) / rms * f64::from(*g);
+                assert!((f64::from(*o) - want).abs() < 1e-6, "{o} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn rotate_half_turns_each_pair_by_its_angle() {
+        // One token, two heads of width 4: pairs (0, 2) and (1, 3) turn by 90° and 180°.
+        let x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
+        let (cos, sin) = ([0.0, -1.0], [1.0, 0.0]);
+        let mut out = [0.0; 8];
+        rotate_half(&x, &cos, &sin, 4, &mut out);
+        assert_eq!(out, [-3.0, -2.0, 1.0, -4.0, -7.0, -6.0, 5.0, -8.0]);
+    }
+}
