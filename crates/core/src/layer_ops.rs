@@ -1,10 +1,13 @@
 //! The per-layer operations a backend may run as one kernel ([`InferenceBackend::rms_norm`],
-//! [`InferenceBackend::rotate_half`]), written here as burn compositions: the reference every
+//! [`InferenceBackend::rotate_half`], [`InferenceBackend::swiglu`]), written here as burn
+//! compositions: the reference every
 //! backend gets by default, and what a fused override must equal up to the order of a sum.
 //!
 //! [`InferenceBackend::rms_norm`]: crate::InferenceBackend::rms_norm
 //! [`InferenceBackend::rotate_half`]: crate::InferenceBackend::rotate_half
+//! [`InferenceBackend::swiglu`]: crate::InferenceBackend::swiglu
 
+use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
 
@@ -43,4 +46,17 @@ pub fn rotate_half<B: Backend>(
     let first = x1.clone() * cos.clone() - x2.clone() * sin.clone();
     let second = x2 * cos.clone() + x1 * sin.clone();
     Tensor::cat(vec![first, second], 2)
+}
+
+/// SwiGLU's gating, `silu(g) * u`, for rows holding the gate's outputs then up's (a fused
+/// gate-and-up product).
+///
+/// # Shapes
+/// - `gate_up`: `[n, 2 d_ff]` → `[n, d_ff]`
+pub fn swiglu<B: Backend>(gate_up: Tensor<B, 2>) -> Tensor<B, 2> {
+    let [n, width] = gate_up.dims();
+    let d_ff = width / 2;
+    let gate = gate_up.clone().slice([0..n, 0..d_ff]);
+    let up = gate_up.slice([0..n, d_ff..width]);
+    silu(gate) * up
 }

@@ -1,7 +1,7 @@
-//! The cpu backend's one-pass RMSNorm and rotary embedding against the burn compositions they
-//! replace (`kiln_core::layer_ops`, every other backend's default): the rotation rounds the
-//! same way, so the same bits; RMSNorm's sum of squares runs in another order, so within a few
-//! ulps.
+//! The cpu backend's one-pass RMSNorm, rotary embedding and SwiGLU gating against the burn
+//! compositions they replace (`kiln_core::layer_ops`, every other backend's default): the
+//! rotation rounds the same way, so the same bits; RMSNorm's sum of squares runs in another
+//! order and SiLU may round its sigmoid otherwise, so within a few ulps.
 
 #![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
 
@@ -59,5 +59,21 @@ fn rotate_half_matches_the_composition_bit_for_bit() {
             composed.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             "[{tokens}, {heads}, {dim}]"
         );
+    }
+}
+
+#[test]
+fn swiglu_matches_the_composition() {
+    for (rows, d_ff) in [(1, 1536), (4, 20)] {
+        let gate_up = tensor(values(rows * 2 * d_ff, 6), [rows, 2 * d_ff]);
+        let fused = host(Flex::swiglu(gate_up.clone()));
+        let composed = host(layer_ops::swiglu(gate_up));
+        assert_eq!(fused.len(), rows * d_ff);
+        for (a, b) in fused.iter().zip(&composed) {
+            assert!(
+                (a - b).abs() <= 4.0 * f32::EPSILON * b.abs().max(1e-3),
+                "[{rows}, {d_ff}]: {a} vs {b}"
+            );
+        }
     }
 }

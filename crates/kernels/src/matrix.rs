@@ -150,6 +150,57 @@ impl QuantMatrix {
             .expect("rows of a valid matrix make a valid matrix")
     }
 
+    /// The matrices' rows one after the other: `[Σ rows, cols]`, for projections of the same
+    /// input run as one product (Q, K and V; gate and up). Each output row is the same dot
+    /// product by the same kernel as in its part, so a fused product gives the same bits.
+    ///
+    /// # Errors
+    /// [`KernelError::Shape`] when `parts` is empty, differ in type or width, or the stack
+    /// would be stored otherwise than a part (interleaved or not: another kernel, other
+    /// rounding), which happens when some parts' heights are not multiples of eight.
+    pub fn concat_rows(parts: &[&QuantMatrix]) -> Result<Self, KernelError> {
+        let first = parts
+            .first()
+            .ok_or_else(|| KernelError::Shape("no matrices to concatenate".into()))?;
+        if let Some(odd) = parts
+            .iter()
+            .find(|m| m.ty != first.ty || m.cols != first.cols)
+        {
+            return Err(KernelError::Shape(format!(
+                "cannot stack {odd:?} under {first:?}: types and widths must agree"
+            )));
+        }
+        let rows: usize = parts.iter().map(|m| m.rows).sum();
+        let interleaved = group_block_bytes(first.ty).is_some() && rows.is_multiple_of(GROUP);
+        if parts.iter().any(|m| m.interleaved != interleaved) {
+            return Err(KernelError::Shape(format!(
+                "cannot stack matrices of {} rows: some would change kernel",
+                parts
+                    .iter()
+                    .map(|m| m.rows.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        if interleaved {
+            // Groups are independent: the packed groups of each part, in order, are the
+            // packed groups of the whole.
+            let data = parts.iter().flat_map(|m| m.data.iter().copied()).collect();
+            return Ok(Self {
+                rows,
+                data,
+                ..**first
+            });
+        }
+        let mut data = Vec::with_capacity(rows * first.row_bytes);
+        for m in parts {
+            for r in 0..m.rows {
+                data.extend_from_slice(&m.row(r));
+            }
+        }
+        Self::new(first.ty, rows, first.cols, data)
+    }
+
     /// `out = x · selfᵀ` on the active tier and the global pool.
     ///
     /// # Shapes

@@ -1,5 +1,5 @@
-//! The per-layer operations around the matrix products, each one pass over its rows: RMSNorm
-//! and the rotate-half rotary embedding.
+//! The per-layer operations around the matrix products, each one pass over its rows: RMSNorm,
+//! the rotate-half rotary embedding and SwiGLU's gating.
 //!
 //! Composed from burn's element-wise operations, an RMSNorm is seven tensors allocated and
 //! walked (square, mean, add, sqrt, divide, cast, scale) and a rotation nine (two slices, four
@@ -103,6 +103,32 @@ pub fn rotate_half(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &m
     }
 }
 
+/// SwiGLU's gating, `silu(g) × u`, for rows holding the gate's outputs then up's
+/// (`[g | u]`, a fused gate-and-up product): one pass where burn slices, applies SiLU and
+/// multiplies in three. `silu(g) = g / (1 + e^-g)`.
+///
+/// # Shapes
+/// - `gate_up`: `[rows, 2 d_ff]` → `out`: `[rows, d_ff]`
+///
+/// # Panics
+/// If the lengths do not fit those shapes.
+pub fn swiglu(gate_up: &[f32], d_ff: usize, out: &mut [f32]) {
+    assert!(
+        d_ff > 0 && gate_up.len().is_multiple_of(2 * d_ff),
+        "gate_up is not whole rows of 2 × {d_ff}"
+    );
+    assert_eq!(out.len() * 2, gate_up.len(), "out is not [rows, {d_ff}]");
+    for (row, out) in gate_up
+        .chunks_exact(2 * d_ff)
+        .zip(out.chunks_exact_mut(d_ff))
+    {
+        let (gate, up) = row.split_at(d_ff);
+        for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,6 +150,18 @@ mod tests {
                 let want = f64::from(*v) / rms * f64::from(*g);
                 assert!((f64::from(*o) - want).abs() < 1e-6, "{o} vs {want}");
             }
+        }
+    }
+
+    #[test]
+    fn swiglu_gates_up_by_silu_of_gate() {
+        let gate_up = [0.0, 1.0, -2.0, 3.0, 4.0, 5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0];
+        let mut out = [0.0; 6];
+        swiglu(&gate_up, 3, &mut out);
+        let silu = |x: f64| x / (1.0 + (-x).exp());
+        let want = [0.0, silu(1.0) * 4.0, silu(-2.0) * 5.0];
+        for (o, w) in out.iter().zip(want.iter().chain(&[silu(1.0); 3])) {
+            assert!((f64::from(*o) - w).abs() < 1e-6, "{o} vs {w}");
         }
     }
 

@@ -224,6 +224,56 @@ fn interleaved_rows_read_back_as_given() {
     }
 }
 
+/// Stacked matrices (fused projections) give each part's outputs with the same bits, whether
+/// the parts are interleaved (rows a multiple of 8) or not; a stack that would change a
+/// part's kernel is refused.
+#[test]
+fn stacked_matrices_multiply_like_their_parts() {
+    let mut rng = Rng(13);
+    for (ty, heights) in [
+        (GgmlType::Q4_1, [16, 8, 24]),
+        (GgmlType::Q8_0, [8, 16, 8]),
+        (GgmlType::Q4K, [3, 2, 4]),
+    ] {
+        let cols = 256;
+        let parts: Vec<QuantMatrix> = heights
+            .iter()
+            .map(|&rows| random_matrix(ty, rows, cols, &mut rng))
+            .collect();
+        let stacked = QuantMatrix::concat_rows(&parts.iter().collect::<Vec<_>>()).unwrap();
+        assert_eq!(stacked.rows(), heights.iter().sum::<usize>());
+        let m = 3;
+        let x = random_acts(m * cols, &mut rng);
+        let mut whole = vec![0f32; m * stacked.rows()];
+        stacked.matmul(&x, m, &mut whole);
+        let mut offset = 0;
+        for part in &parts {
+            let mut y = vec![0f32; m * part.rows()];
+            part.matmul(&x, m, &mut y);
+            for t in 0..m {
+                let row = &whole[t * stacked.rows() + offset..][..part.rows()];
+                assert_eq!(
+                    row.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    y[t * part.rows()..(t + 1) * part.rows()]
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<_>>(),
+                    "{} part at {offset}",
+                    ty.name()
+                );
+            }
+            offset += part.rows();
+        }
+    }
+    let a = random_matrix(GgmlType::Q4_1, 8, 64, &mut rng);
+    let b = random_matrix(GgmlType::Q8_0, 8, 64, &mut rng);
+    assert!(QuantMatrix::concat_rows(&[&a, &b]).is_err());
+    // Eight interleaved rows over five plain ones would move them to the row kernel.
+    let c = random_matrix(GgmlType::Q4_1, 5, 64, &mut rng);
+    assert!(QuantMatrix::concat_rows(&[&a, &c]).is_err());
+    assert!(QuantMatrix::concat_rows(&[]).is_err());
+}
+
 #[test]
 fn matrices_of_the_wrong_size_or_type_are_refused() {
     assert!(QuantMatrix::new(GgmlType::Q8_0, 2, 32, vec![0; 67]).is_err());

@@ -391,22 +391,22 @@ pub fn load<B: InferenceBackend>(
         blocks.push(Block {
             attn_norm: norm(&format!("{}.weight", names.layer(i, "attn_norm")))?,
             attn: Attention {
-                qkv: QkvProjection::Split {
-                    q: linear(i, "q", d, q_out, ab, permute(config.n_heads))?,
-                    k: linear(i, "k", d, kv_out, ab, permute(config.n_kv_heads))?,
-                    v: linear(i, "v", d, kv_out, ab, None)?,
-                },
+                qkv: QkvProjection::fuse_or_split(
+                    linear(i, "q", d, q_out, ab, permute(config.n_heads))?,
+                    linear(i, "k", d, kv_out, ab, permute(config.n_kv_heads))?,
+                    linear(i, "v", d, kv_out, ab, None)?,
+                ),
                 out: linear(i, "o", q_out, d, ab, None)?,
                 n_heads: config.n_heads,
                 n_kv_heads: config.n_kv_heads,
                 head_dim: hd,
             },
             mlp_norm: norm(&format!("{}.weight", names.layer(i, "mlp_norm")))?,
-            mlp: Mlp::SwiGlu {
-                gate: linear(i, "gate", d, ff, mb, None)?,
-                up: linear(i, "up", d, ff, mb, None)?,
-                down: linear(i, "down", ff, d, mb, None)?,
-            },
+            mlp: Mlp::swiglu(
+                linear(i, "gate", d, ff, mb, None)?,
+                linear(i, "up", d, ff, mb, None)?,
+                linear(i, "down", ff, d, mb, None)?,
+            ),
         });
     }
     let embed = w.embedding(names.embed(), config.vocab, d)?;

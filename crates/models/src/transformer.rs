@@ -105,6 +105,7 @@ impl<B: InferenceBackend> Transformer<B> {
                 let mlp: Vec<&Linear<B>> = match &b.mlp {
                     Mlp::GeluTanh { up, down } => vec![up, down],
                     Mlp::SwiGlu { gate, up, down } => vec![gate, up, down],
+                    Mlp::SwiGluFused { gate_up, down } => vec![gate_up, down],
                 };
                 qkv.into_iter().chain([&b.attn.out]).chain(mlp)
             })

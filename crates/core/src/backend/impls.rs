@@ -71,6 +71,10 @@ impl InferenceBackend for burn::backend::Flex {
     ) -> burn::tensor::Tensor<Self, 3> {
         flex_rowwise::rotate_half(x, cos, sin)
     }
+
+    fn swiglu(gate_up: burn::tensor::Tensor<Self, 2>) -> burn::tensor::Tensor<Self, 2> {
+        flex_rowwise::swiglu(gate_up)
+    }
 }
 
 /// burn-flex's host buffers, as kiln's kernels read and write them.
@@ -223,7 +227,7 @@ mod flex_attention {
     }
 }
 
-/// RMSNorm and rotary embeddings on burn-flex as single passes over flex's host buffers (f32;
+/// RMSNorm, rotary embeddings and SwiGLU's gating on burn-flex as single passes over flex's host buffers (f32;
 /// other dtypes take burn's composition).
 #[cfg(feature = "cpu")]
 mod flex_rowwise {
@@ -247,6 +251,17 @@ mod flex_rowwise {
         let mut out = vec![0f32; x.len()];
         rowwise::rms_norm(x, f32_slice(&gamma), eps as f32, &mut out);
         wrap(out, dims)
+    }
+
+    pub(super) fn swiglu(gate_up: Tensor<Flex, 2>) -> Tensor<Flex, 2> {
+        if gate_up.dtype() != DType::F32 {
+            return crate::layer_ops::swiglu(gate_up);
+        }
+        let [n, width] = gate_up.dims();
+        let gate_up = host(gate_up);
+        let mut out = vec![0f32; n * width / 2];
+        rowwise::swiglu(f32_slice(&gate_up), width / 2, &mut out);
+        wrap(out, [n, width / 2])
     }
 
     pub(super) fn rotate_half(

@@ -309,6 +309,16 @@ pub trait InferenceBackend: Backend {
         crate::layer_ops::rotate_half(x, cos, sin)
     }
 
+    /// SwiGLU's gating, `silu(g) * u`, for rows holding the gate's outputs then up's. The
+    /// default is burn's composition ([`crate::layer_ops::swiglu`]); the cpu backend runs it
+    /// as one pass ([`kiln_kernels::rowwise::swiglu`]).
+    ///
+    /// # Shapes
+    /// - `gate_up`: `[n, 2 d_ff]` → `[n, d_ff]`
+    fn swiglu(gate_up: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        crate::layer_ops::swiglu(gate_up)
+    }
+
     /// What the backend's device allocator holds, where it reports it (the GPU backends);
     /// `None` on the CPU backends, whose memory is the process's resident set. Call after the
     /// work to be measured has been read back: queued work is not counted.

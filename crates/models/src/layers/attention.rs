@@ -11,7 +11,8 @@ use super::rope::RopeTables;
 /// The Q, K and V projections: fused (GPT-2's `c_attn`) or separate (Llama).
 #[derive(Debug, Clone)]
 pub enum QkvProjection<B: InferenceBackend> {
-    /// One `[d_model, (n_heads + 2 n_kv_heads) head_dim]` matrix, split after.
+    /// One `[d_model, (n_heads + 2 n_kv_heads) head_dim]` matrix, split after (GPT-2's
+    /// `c_attn`, or Llama's three fused by [`QkvProjection::fuse_or_split`]).
     Fused(Linear<B>),
     /// Three matrices.
     Split {
@@ -22,6 +23,16 @@ pub enum QkvProjection<B: InferenceBackend> {
         /// `[d_model, n_kv_heads head_dim]`
         v: Linear<B>,
     },
+}
+
+impl<B: InferenceBackend> QkvProjection<B> {
+    /// Separate Q, K and V, fused when [`Linear::fuse_outputs`] can.
+    pub fn fuse_or_split(q: Linear<B>, k: Linear<B>, v: Linear<B>) -> Self {
+        match Linear::fuse_outputs(&[&q, &k, &v]) {
+            Some(qkv) => QkvProjection::Fused(qkv),
+            None => QkvProjection::Split { q, k, v },
+        }
+    }
 }
 
 /// One attention layer.

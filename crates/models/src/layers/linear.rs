@@ -50,6 +50,35 @@ impl<B: InferenceBackend> Linear<B> {
         }
     }
 
+    /// One layer computing `parts`' outputs side by side (`[n, Σ d_out]`), when every part's
+    /// weight is quantized with the same type and width: projections of one input (Q, K and
+    /// V; gate and up) then quantize it once and run as one product on the pool, with the
+    /// same bits as apart. `None` otherwise (dense weights keep their own products, whose
+    /// rounding may depend on the width).
+    pub fn fuse_outputs(parts: &[&Linear<B>]) -> Option<Self> {
+        let matrices: Vec<&QuantMatrix> = parts
+            .iter()
+            .map(|l| match &l.weight {
+                LinearWeight::Quantized(w) => Some(w.as_ref()),
+                LinearWeight::Dense(_) => None,
+            })
+            .collect::<Option<_>>()?;
+        let bias = match parts
+            .iter()
+            .map(|l| l.bias.clone())
+            .collect::<Option<Vec<_>>>()
+        {
+            Some(biases) => Some(Tensor::cat(biases, 0)),
+            None if parts.iter().all(|l| l.bias.is_none()) => None,
+            None => return None,
+        };
+        let weight = QuantMatrix::concat_rows(&matrices).ok()?;
+        Some(Self {
+            weight: LinearWeight::Quantized(Arc::new(weight)),
+            bias,
+        })
+    }
+
     /// Whether the weight is kept quantized.
     pub fn is_quantized(&self) -> bool {
         matches!(self.weight, LinearWeight::Quantized(_))

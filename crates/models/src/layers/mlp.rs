@@ -25,9 +25,25 @@ pub enum Mlp<B: InferenceBackend> {
         /// `[d_ff, d_model]`
         down: Linear<B>,
     },
+    /// `down(silu(g) * u)` where `[g | u] = gate_up(x)`: SwiGLU with its two input
+    /// projections as one product ([`Linear::fuse_outputs`]).
+    SwiGluFused {
+        /// `[d_model, 2 d_ff]`: gate's outputs, then up's
+        gate_up: Linear<B>,
+        /// `[d_ff, d_model]`
+        down: Linear<B>,
+    },
 }
 
 impl<B: InferenceBackend> Mlp<B> {
+    /// SwiGLU, its gate and up projections fused when [`Linear::fuse_outputs`] can.
+    pub fn swiglu(gate: Linear<B>, up: Linear<B>, down: Linear<B>) -> Self {
+        match Linear::fuse_outputs(&[&gate, &up]) {
+            Some(gate_up) => Mlp::SwiGluFused { gate_up, down },
+            None => Mlp::SwiGlu { gate, up, down },
+        }
+    }
+
     /// # Shapes
     /// - `x`: `[n, d_model]` → `[n, d_model]`
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
@@ -36,6 +52,7 @@ impl<B: InferenceBackend> Mlp<B> {
             Mlp::SwiGlu { gate, up, down } => {
                 down.forward(silu(gate.forward(x.clone())) * up.forward(x))
             }
+            Mlp::SwiGluFused { gate_up, down } => down.forward(B::swiglu(gate_up.forward(x))),
         }
     }
 }
