@@ -1,10 +1,16 @@
 //! `cargo xtask bench --backend KIND [--model PATH | --shape NAME] [--dtype D] [--quick]
-//! [--compare transformers]`: builds kiln, runs `kiln bench` (the matrix, a table, JSON in
-//! `target/bench/<backend>-<date>.json`), and with `--compare transformers` the same matrix in
-//! Hugging Face transformers (`scripts/bench/transformers_bench.py`), then prints kiln's ratio to
-//! it per cell. Without Python, torch or transformers only the comparison is skipped.
+//! [--compare llama.cpp] [--compare transformers] [--kiln PATH]`: builds kiln (or takes the
+//! binary `--kiln` names), runs `kiln bench` (the matrix, a table, JSON in
+//! `target/bench/<backend>-<date>.json`), and compares:
+//! - `--compare llama.cpp` (cpu, a GGUF model): llama.cpp's `llama-bench` and
+//!   `llama-batched-bench` on the same file and threads, interleaved with kiln in rounds, medians
+//!   and ratios per cell ([`crate::bench_llama`]); the tools are built on first use
+//!   (`cargo xtask llama-cpp`);
+//! - `--compare transformers`: the same matrix in Hugging Face transformers
+//!   (`scripts/bench/transformers_bench.py`), then kiln's ratio to it per cell. Without Python,
+//!   torch or transformers only this comparison is skipped.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, bail};
@@ -12,7 +18,7 @@ use serde_json::Value;
 
 use crate::{cargo, run, workspace_root};
 
-const USAGE: &str = "usage: cargo xtask bench --backend cuda|wgpu|cpu|ndarray [--model PATH | --shape NAME] [--dtype f32|f16|bf16] [--quick] [--compare transformers] [--repeats N] [--prompt-lens N,..] [--batch-sizes N,..] [--new-tokens N] [--sampling greedy,top-p]";
+const USAGE: &str = "usage: cargo xtask bench --backend cuda|wgpu|cpu|ndarray [--model PATH | --shape NAME] [--dtype f32|f16|bf16] [--quick] [--compare llama.cpp] [--compare transformers] [--kiln PATH] [--repeats N] [--prompt-lens N,..] [--batch-sizes N,..] [--new-tokens N] [--sampling greedy,top-p]";
 
 /// What the command line asked for.
 #[derive(Debug, Default)]
@@ -20,19 +26,23 @@ struct Options {
     backend: String,
     model: Option<String>,
     shape: Option<String>,
-    dtype: String,
+    /// `--dtype`, passed on to kiln; without it kiln keeps a quantized GGUF's weights
+    /// quantized on the cpu backend (naming a dtype dequantizes them: the exact path).
+    dtype: Option<String>,
     quick: bool,
-    compare: bool,
+    /// `--compare transformers`.
+    compare_transformers: bool,
+    /// `--compare llama.cpp`.
+    compare_llama: bool,
+    /// A kiln binary to run instead of building one.
+    kiln: Option<PathBuf>,
     /// Matrix overrides passed to kiln (transformers runs the matrix kiln's report shows;
     /// it decodes greedily only).
     matrix: Vec<(String, String)>,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
-    let mut options = Options {
-        dtype: "f32".into(),
-        ..Options::default()
-    };
+    let mut options = Options::default();
     let mut args = args.iter();
     while let Some(arg) = args.next() {
         let mut value = || {
@@ -44,12 +54,14 @@ fn parse(args: &[String]) -> Result<Options> {
             "--backend" => options.backend = value()?,
             "--model" => options.model = Some(value()?),
             "--shape" => options.shape = Some(value()?),
-            "--dtype" => options.dtype = value()?,
+            "--dtype" => options.dtype = Some(value()?),
             "--quick" => options.quick = true,
             "--compare" => match value()?.as_str() {
-                "transformers" => options.compare = true,
-                other => bail!("--compare takes `transformers`, not `{other}`"),
+                "transformers" => options.compare_transformers = true,
+                "llama.cpp" => options.compare_llama = true,
+                other => bail!("--compare takes `llama.cpp` or `transformers`, not `{other}`"),
             },
+            "--kiln" => options.kiln = Some(PathBuf::from(value()?)),
             "--repeats" | "--prompt-lens" | "--batch-sizes" | "--new-tokens" | "--sampling" => {
                 options.matrix.push((arg.clone(), value()?));
             }
@@ -59,16 +71,35 @@ fn parse(args: &[String]) -> Result<Options> {
     if options.backend.is_empty() {
         bail!("--backend is required\n{USAGE}");
     }
+    if options.compare_llama && options.backend != "cpu" {
+        bail!("--compare llama.cpp runs llama.cpp's CPU build: use it with --backend cpu");
+    }
+    if options.compare_llama && options.shape.is_some() {
+        bail!(
+            "--compare llama.cpp needs a model file (--model, or the default model), not --shape"
+        );
+    }
     Ok(options)
 }
 
 pub fn bench(args: &[String]) -> Result<()> {
     let options = parse(args)?;
     let root = workspace_root();
-    // The same build as `cargo xtask test` (dev-dependencies unify features), so the binary
-    // the tests built is reused rather than rebuilt with another feature set.
-    run(Command::new(cargo()).args(["build", "--workspace", "--release", "--locked", "--tests"]))?;
-    let kiln = root.join("target/release/kiln");
+    let kiln = match &options.kiln {
+        Some(kiln) => kiln.clone(),
+        None => {
+            // The same build as `cargo xtask test` (dev-dependencies unify features), so the
+            // binary the tests built is reused rather than rebuilt with another feature set.
+            run(Command::new(cargo()).args([
+                "build",
+                "--workspace",
+                "--release",
+                "--locked",
+                "--tests",
+            ]))?;
+            root.join("target/release/kiln")
+        }
+    };
 
     let out = root.join("target/bench").join(format!(
         "{}-{}{}.json",
@@ -76,15 +107,28 @@ pub fn bench(args: &[String]) -> Result<()> {
         today(),
         if options.quick { "-quick" } else { "" }
     ));
-    let mut command = Command::new(&kiln);
-    command.args([
-        "bench",
-        "--backend",
-        &options.backend,
-        "--dtype",
-        &options.dtype,
-    ]);
-    command.arg("--json").arg(&out);
+    if options.compare_llama {
+        compare_llama(&options, &kiln, &out)?;
+    } else {
+        run(&mut kiln_bench(&options, &kiln, &out, None))?;
+    }
+    println!("wrote {}", out.display());
+
+    if options.compare_transformers {
+        compare(&options, &kiln, &out)?;
+    }
+    Ok(())
+}
+
+/// `kiln bench` over the matrix asked for, its JSON report to `out`; `repeats` overrides the
+/// timed runs per cell.
+fn kiln_bench(options: &Options, kiln: &Path, out: &Path, repeats: Option<usize>) -> Command {
+    let mut command = Command::new(kiln);
+    command.args(["bench", "--backend", &options.backend]);
+    if let Some(dtype) = &options.dtype {
+        command.args(["--dtype", dtype]);
+    }
+    command.arg("--json").arg(out);
     if let Some(model) = &options.model {
         command.args(["--model", model]);
     }
@@ -95,15 +139,75 @@ pub fn bench(args: &[String]) -> Result<()> {
         command.arg("--quick");
     }
     for (flag, value) in &options.matrix {
-        command.args([flag, value]);
+        if !(repeats.is_some() && flag == "--repeats") {
+            command.args([flag, value]);
+        }
     }
-    run(&mut command)?;
-    println!("wrote {}", out.display());
+    if let Some(repeats) = repeats.filter(|_| !options.quick) {
+        command.args(["--repeats", &repeats.to_string()]);
+    }
+    command
+}
 
-    if options.compare {
-        compare(&options, &kiln, &out)?;
+/// kiln and llama.cpp interleaved in rounds (`--repeats` of them, default 3; 1 with
+/// `--quick`), each kiln round one timed run per cell.
+fn compare_llama(options: &Options, kiln: &Path, out: &Path) -> Result<()> {
+    let model = PathBuf::from(model_path(options, kiln)?);
+    if model
+        .extension()
+        .is_none_or(|e| !e.eq_ignore_ascii_case("gguf"))
+    {
+        bail!(
+            "--compare llama.cpp needs a GGUF file; {} is not one",
+            model.display()
+        );
     }
-    Ok(())
+    let bin = crate::llama_cpp::bin_dir()?;
+    let rounds = if options.quick {
+        1
+    } else {
+        match options.matrix.iter().find(|(flag, _)| flag == "--repeats") {
+            Some((_, n)) => n
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .with_context(|| format!("--repeats takes a positive number, not `{n}`"))?,
+            None => 3,
+        }
+    };
+    struct Round<'a> {
+        options: &'a Options,
+        kiln: &'a Path,
+    }
+    impl crate::bench_llama::KilnRound for Round<'_> {
+        fn run(&self, out: &Path) -> Result<()> {
+            run(&mut kiln_bench(self.options, self.kiln, out, Some(1)))
+        }
+    }
+    let settings = crate::bench_llama::Comparison {
+        model: &model,
+        threads: kiln_threads(),
+        rounds,
+        bin: &bin,
+    };
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let scratch = out.with_extension("round.json");
+    let report = crate::bench_llama::compare(&settings, &Round { options, kiln }, &scratch)?;
+    let _ = std::fs::remove_file(&scratch);
+    std::fs::write(out, serde_json::to_string_pretty(&report)?)
+        .with_context(|| format!("writing {}", out.display()))
+}
+
+/// The threads kiln's kernels run on: `KILN_THREADS` if set to a positive number, else one
+/// per core (kiln-kernels' `pool::default_threads`), so llama.cpp gets as many.
+fn kiln_threads() -> usize {
+    std::env::var("KILN_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// Runs the transformers twin on the same matrix and prints kiln's ratios to it.
@@ -122,7 +226,7 @@ fn compare(options: &Options, kiln: &Path, out: &Path) -> Result<()> {
     let ours: Value = serde_json::from_str(&std::fs::read_to_string(out)?)?;
     let mut command = Command::new("python3");
     command.arg(workspace_root().join("scripts/bench/transformers_bench.py"));
-    command.args(["--dtype", &options.dtype]);
+    command.args(["--dtype", options.dtype.as_deref().unwrap_or("f32")]);
     command.args([
         "--device",
         if options.backend == "cuda" {

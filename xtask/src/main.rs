@@ -6,7 +6,7 @@
 //!   release mode (numeric tests crawl without optimisation), then every example. Extra
 //!   arguments go to `cargo test`, and skip the examples.
 //! - `bench`: the benchmark matrix on one backend with `kiln bench`, optionally side by side
-//!   with Hugging Face transformers (see `bench.rs` and `docs/benchmarks.md`).
+//!   with llama.cpp (interleaved rounds) and Hugging Face transformers (see `bench.rs` and `docs/benchmarks.md`).
 //! - `llama-cpp`: builds llama.cpp's CPU tools (`llama-bench`, `llama-batched-bench`,
 //!   `llama-quantize`, `llama-perplexity`, `llama-server`) once under `target/llama.cpp/` from
 //!   the sources vendored in `llama-cpp-python`'s sdist on PyPI, prints their folder, and with
@@ -17,6 +17,7 @@
 //!   cache).
 
 mod bench;
+mod bench_llama;
 mod llama_cpp;
 mod system;
 
@@ -25,7 +26,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask test [args passed on to cargo test]
-       cargo xtask bench --backend KIND [--model PATH | --shape NAME] [--dtype D] [--quick] [--compare transformers]
+       cargo xtask bench --backend KIND [--model PATH | --shape NAME] [--dtype D] [--quick] [--compare llama.cpp] [--compare transformers] [--kiln PATH]
        cargo xtask llama-cpp [--quantize MODEL.gguf [--types Q8_0,F32]]
        cargo xtask references";
 
