@@ -77,7 +77,7 @@ pub fn rotate_half(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &m
         !x.is_empty() || tokens == 0,
         "x is empty but there are tokens"
     );
-    let per_token = if tokens == 0 { 0 } else { x.len() / tokens };
+    let per_token = x.len().checked_div(tokens).unwrap_or(0);
     assert!(
         per_token.is_multiple_of(head_dim) && per_token * tokens == x.len(),
         "x is not [tokens, heads, {head_dim}]"
