@@ -24,7 +24,9 @@ const USAGE: &str = "usage: cargo xtask bench --backend cuda|wgpu|cpu|ndarray [-
 #[derive(Debug, Default)]
 struct Options {
     backend: String,
-    model: Option<String>,
+    /// `--model`, made absolute: kiln runs in the workspace root, the other tools wherever
+    /// cargo was started.
+    model: Option<PathBuf>,
     shape: Option<String>,
     /// `--dtype`, passed on to kiln; without it kiln keeps a quantized GGUF's weights
     /// quantized on the cpu backend (naming a dtype dequantizes them: the exact path).
@@ -34,7 +36,7 @@ struct Options {
     compare_transformers: bool,
     /// `--compare llama.cpp`.
     compare_llama: bool,
-    /// A kiln binary to run instead of building one.
+    /// `--kiln`, made absolute: a kiln binary to run instead of building one.
     kiln: Option<PathBuf>,
     /// Matrix overrides passed to kiln (transformers runs the matrix kiln's report shows;
     /// it decodes greedily only).
@@ -52,7 +54,7 @@ fn parse(args: &[String]) -> Result<Options> {
         };
         match arg.as_str() {
             "--backend" => options.backend = value()?,
-            "--model" => options.model = Some(value()?),
+            "--model" => options.model = Some(absolute(&value()?)?),
             "--shape" => options.shape = Some(value()?),
             "--dtype" => options.dtype = Some(value()?),
             "--quick" => options.quick = true,
@@ -61,7 +63,7 @@ fn parse(args: &[String]) -> Result<Options> {
                 "llama.cpp" => options.compare_llama = true,
                 other => bail!("--compare takes `llama.cpp` or `transformers`, not `{other}`"),
             },
-            "--kiln" => options.kiln = Some(PathBuf::from(value()?)),
+            "--kiln" => options.kiln = Some(absolute(&value()?)?),
             "--repeats" | "--prompt-lens" | "--batch-sizes" | "--new-tokens" | "--sampling" => {
                 options.matrix.push((arg.clone(), value()?));
             }
@@ -80,6 +82,12 @@ fn parse(args: &[String]) -> Result<Options> {
         );
     }
     Ok(options)
+}
+
+/// `path` from the current folder, so that every tool, whatever folder it runs in, reads the
+/// same file.
+fn absolute(path: &str) -> Result<PathBuf> {
+    std::path::absolute(path).with_context(|| format!("locating {path}"))
 }
 
 pub fn bench(args: &[String]) -> Result<()> {
@@ -130,7 +138,7 @@ fn kiln_bench(options: &Options, kiln: &Path, out: &Path, repeats: Option<usize>
     }
     command.arg("--json").arg(out);
     if let Some(model) = &options.model {
-        command.args(["--model", model]);
+        command.arg("--model").arg(model);
     }
     if let Some(shape) = &options.shape {
         command.args(["--shape", shape]);
@@ -152,16 +160,8 @@ fn kiln_bench(options: &Options, kiln: &Path, out: &Path, repeats: Option<usize>
 /// kiln and llama.cpp interleaved in rounds (`--repeats` of them, default 3; 1 with
 /// `--quick`), each kiln round one timed run per cell.
 fn compare_llama(options: &Options, kiln: &Path, out: &Path) -> Result<()> {
-    let model = PathBuf::from(model_path(options, kiln)?);
-    if model
-        .extension()
-        .is_none_or(|e| !e.eq_ignore_ascii_case("gguf"))
-    {
-        bail!(
-            "--compare llama.cpp needs a GGUF file; {} is not one",
-            model.display()
-        );
-    }
+    let model = model_path(options, kiln)?;
+    check_gguf(&model)?;
     let bin = crate::llama_cpp::bin_dir()?;
     let rounds = if options.quick {
         1
@@ -198,6 +198,27 @@ fn compare_llama(options: &Options, kiln: &Path, out: &Path) -> Result<()> {
     let _ = std::fs::remove_file(&scratch);
     std::fs::write(out, serde_json::to_string_pretty(&report)?)
         .with_context(|| format!("writing {}", out.display()))
+}
+
+/// Fails unless `model` is a GGUF file (it starts with the magic `GGUF`), the only format
+/// llama.cpp's tools read.
+fn check_gguf(model: &Path) -> Result<()> {
+    let mut magic = [0u8; 4];
+    std::fs::File::open(model)
+        .and_then(|mut file| std::io::Read::read_exact(&mut file, &mut magic))
+        .with_context(|| {
+            format!(
+                "--compare llama.cpp needs a GGUF file: reading {}",
+                model.display()
+            )
+        })?;
+    if &magic != b"GGUF" {
+        bail!(
+            "--compare llama.cpp needs a GGUF file (llama.cpp reads no other format); {} is not one",
+            model.display()
+        );
+    }
+    Ok(())
 }
 
 /// The threads kiln's kernels run on: `KILN_THREADS` if set to a positive number, else one
@@ -237,7 +258,7 @@ fn compare(options: &Options, kiln: &Path, out: &Path) -> Result<()> {
     ]);
     match &options.shape {
         Some(shape) => command.args(["--shape", shape]),
-        None => command.args(["--model", &model_path(options, kiln)?]),
+        None => command.arg("--model").arg(model_path(options, kiln)?),
     };
     // The matrix kiln ran, read back from its report.
     let cells = ours["cells"]
@@ -259,6 +280,7 @@ fn compare(options: &Options, kiln: &Path, out: &Path) -> Result<()> {
     command.args(["--prompt-lens", &join("prompt_len")]);
     command.args(["--batch-sizes", &join("batch")]);
     command.args(["--new-tokens", &ours["new_tokens"].to_string()]);
+    // After `--compare llama.cpp`, `repeats` is the number of rounds the medians came from.
     command.args(["--repeats", &ours["repeats"].to_string()]);
     let output = command
         .stderr(Stdio::inherit())
@@ -278,7 +300,7 @@ fn compare(options: &Options, kiln: &Path, out: &Path) -> Result<()> {
 }
 
 /// The model file kiln ran: `--model`, or the default model's cached path (`kiln info`).
-fn model_path(options: &Options, kiln: &Path) -> Result<String> {
+fn model_path(options: &Options, kiln: &Path) -> Result<PathBuf> {
     if let Some(model) = &options.model {
         return Ok(model.clone());
     }
@@ -286,11 +308,19 @@ fn model_path(options: &Options, kiln: &Path) -> Result<String> {
         .args(["info", "--json"])
         .output()
         .context("running kiln info")?;
-    let info: Value = serde_json::from_slice(&output.stdout).context("reading kiln info")?;
+    if !output.status.success() {
+        bail!(
+            "kiln info failed ({}):\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let info: Value =
+        serde_json::from_slice(&output.stdout).context("kiln info --json printed no JSON")?;
     info["path"]
         .as_str()
-        .map(str::to_string)
-        .context("kiln info gave no path")
+        .map(PathBuf::from)
+        .context("kiln info --json gave no path")
 }
 
 fn print_ratios(ours: &Value, theirs: &Value) {
@@ -360,4 +390,46 @@ fn today() -> String {
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
     format!("{year:04}-{month:02}-{day:02}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(line: &str) -> Vec<String> {
+        line.split_whitespace().map(str::to_string).collect()
+    }
+
+    #[test]
+    fn compare_repeats_and_llama_cpp_wants_the_cpu_and_a_file() {
+        let options = parse(&args(
+            "--backend cpu --compare llama.cpp --compare transformers --kiln bin/kiln",
+        ))
+        .unwrap();
+        assert!(options.compare_llama && options.compare_transformers);
+        assert!(options.kiln.is_some_and(|k| k.is_absolute()));
+        let only = parse(&args("--backend cuda --compare transformers")).unwrap();
+        assert!(only.compare_transformers && !only.compare_llama);
+
+        let err = |line: &str| parse(&args(line)).unwrap_err().to_string();
+        assert!(err("--backend wgpu --compare llama.cpp").contains("--backend cpu"));
+        assert!(err("--backend cpu --shape gpt2 --compare llama.cpp").contains("--shape"));
+        assert!(err("--backend cpu --compare vllm").contains("`vllm`"));
+    }
+
+    #[test]
+    fn only_a_gguf_file_goes_to_llama_cpp() {
+        let dir = std::env::temp_dir().join(format!("xtask-gguf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let gguf = dir.join("model.gguf");
+        std::fs::write(&gguf, b"GGUF\x03\x00\x00\x00").unwrap();
+        let safetensors = dir.join("model.gguf.safetensors");
+        std::fs::write(&safetensors, b"{\"__metadata__\"").unwrap();
+        assert!(check_gguf(&gguf).is_ok());
+        let err = check_gguf(&safetensors).unwrap_err().to_string();
+        assert!(err.contains("is not one"), "{err}");
+        let err = format!("{:#}", check_gguf(&dir.join("absent.gguf")).unwrap_err());
+        assert!(err.contains("absent.gguf"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -11,13 +11,18 @@
 //! - batch > 1: `llama-batched-bench -npp P -ntg G -npl B`, its prompt rate (`S_PP`) and
 //!   generation rate (`S_TG`, all sequences' tokens over the generation time, as kiln's), each
 //!   the best of flash attention on and off.
+//!
+//! Running kiln is the caller's ([`KilnRound`]); running and reading llama.cpp's tools is
+//! [`crate::llama_cpp`]'s. This file pairs their numbers.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
+
+use crate::llama_cpp::{BatchedTest, parse_batched_bench, parse_llama_bench, tool_output};
 
 /// One kiln cell's place in the matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -26,84 +31,12 @@ pub struct CellKey {
     pub batch: u64,
 }
 
-/// Rates of one cell in one round: prompt tokens per second and generated tokens per second.
+/// Rates of one cell: prompt tokens per second and generated tokens per second, each over all
+/// the cell's sequences.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Rates {
     pub prefill: f64,
     pub decode: f64,
-}
-
-/// How `cargo xtask bench` runs kiln for one round: the command for a report at a path.
-pub trait KilnRound {
-    /// Runs kiln's matrix once (one timed run per cell) and writes its JSON report to `out`.
-    fn run(&self, out: &Path) -> Result<()>;
-}
-
-/// The comparison's settings.
-pub struct Comparison<'a> {
-    pub model: &'a Path,
-    pub threads: usize,
-    pub rounds: usize,
-    pub bin: &'a Path,
-}
-
-/// Runs the rounds and returns kiln's last report with its rates replaced by the medians and a
-/// `llama_cpp` section (per-round numbers, medians, ratios); prints the table.
-pub fn compare(settings: &Comparison<'_>, kiln: &dyn KilnRound, scratch: &Path) -> Result<Value> {
-    let mut kiln_rounds: Vec<BTreeMap<CellKey, Rates>> = Vec::new();
-    let mut llama_rounds: Vec<BTreeMap<CellKey, LlamaRates>> = Vec::new();
-    let mut report = Value::Null;
-    let mut build = Value::Null;
-    for round in 1..=settings.rounds {
-        eprintln!("round {round}/{}: kiln bench", settings.rounds);
-        kiln.run(scratch)?;
-        report = serde_json::from_str(
-            &std::fs::read_to_string(scratch)
-                .with_context(|| format!("reading {}", scratch.display()))?,
-        )
-        .context("kiln bench wrote no JSON report")?;
-        let ours = kiln_rates(&report)?;
-        let cells: Vec<CellKey> = ours.keys().copied().collect();
-        let new_tokens = report["new_tokens"]
-            .as_u64()
-            .context("kiln's report has no new_tokens")?;
-        kiln_rounds.push(ours);
-        let (theirs, commit) = llama_round(settings, &cells, new_tokens, round)?;
-        build = commit;
-        llama_rounds.push(theirs);
-    }
-    let rows = medians(&kiln_rounds, &llama_rounds);
-    print_table(&rows, settings);
-    for cell in report["cells"].as_array_mut().into_iter().flatten() {
-        let Some(key) = cell_key(cell) else { continue };
-        if let Some(row) = rows.iter().find(|r| r.key == key) {
-            cell["prefill_tokens_per_s"] = json!(row.kiln.prefill);
-            cell["decode_tokens_per_s"] = json!(row.kiln.decode);
-        }
-    }
-    report["rounds"] = json!(settings.rounds);
-    report["llama_cpp"] = json!({
-        "build_commit": build,
-        "threads": settings.threads,
-        "model": settings.model.display().to_string(),
-        "rounds": (0..settings.rounds).map(|i| json!({
-            "kiln": rates_json(kiln_rounds[i].iter().map(|(k, r)| (*k, *r))),
-            "llama_cpp": llama_rounds[i].iter().map(|(k, r)| json!({
-                "prompt_len": k.prompt_len, "batch": k.batch,
-                "prefill_tokens_per_s": r.rates.prefill, "decode_tokens_per_s": r.rates.decode,
-                "prefill_source": r.prefill_source, "decode_source": r.decode_source,
-            })).collect::<Vec<_>>(),
-        })).collect::<Vec<_>>(),
-        "cells": rows.iter().map(|r| json!({
-            "prompt_len": r.key.prompt_len, "batch": r.key.batch,
-            "kiln_prefill_tokens_per_s": r.kiln.prefill, "llama_prefill_tokens_per_s": r.llama.rates.prefill,
-            "prefill_ratio": r.kiln.prefill / r.llama.rates.prefill,
-            "kiln_decode_tokens_per_s": r.kiln.decode, "llama_decode_tokens_per_s": r.llama.rates.decode,
-            "decode_ratio": r.kiln.decode / r.llama.rates.decode,
-            "llama_prefill_source": r.llama.prefill_source, "llama_decode_source": r.llama.decode_source,
-        })).collect::<Vec<_>>(),
-    });
-    Ok(report)
 }
 
 /// llama.cpp's rates for a cell, with the tool and setting each came from.
@@ -114,103 +47,98 @@ pub struct LlamaRates {
     pub decode_source: String,
 }
 
-/// One round of llama.cpp over kiln's cells; also returns llama-bench's build commit.
+/// How `cargo xtask bench` runs kiln for one round.
+pub trait KilnRound {
+    /// Runs kiln's matrix once (one warm-up and one timed run per cell) and writes its JSON
+    /// report to `out`.
+    fn run(&self, out: &Path) -> Result<()>;
+}
+
+/// The comparison's settings.
+pub struct Comparison<'a> {
+    /// The GGUF file both engines run.
+    pub model: &'a Path,
+    /// Threads on both sides (llama.cpp's `-t`).
+    pub threads: usize,
+    pub rounds: usize,
+    /// The folder of llama.cpp's tools.
+    pub bin: &'a Path,
+}
+
+/// Runs the rounds, prints the table and returns kiln's report with its cells the medians
+/// over the rounds, `repeats` the number of rounds, and a `llama_cpp` section (llama.cpp's
+/// build, the threads, every round's numbers on both sides, the medians and the ratios).
+///
+/// # Errors
+/// kiln or a llama.cpp tool failed, or their output lacked a number a cell needs.
+pub fn compare(settings: &Comparison<'_>, kiln: &dyn KilnRound, scratch: &Path) -> Result<Value> {
+    let mut kiln_reports: Vec<Value> = Vec::new();
+    let mut kiln_rounds: Vec<BTreeMap<CellKey, Rates>> = Vec::new();
+    let mut llama_rounds: Vec<BTreeMap<CellKey, LlamaRates>> = Vec::new();
+    let mut build = Value::Null;
+    for round in 1..=settings.rounds {
+        let progress = |tool: &str| eprintln!("== round {round}/{}: {tool}", settings.rounds);
+        progress("kiln bench");
+        kiln.run(scratch)?;
+        let report: Value = serde_json::from_str(
+            &std::fs::read_to_string(scratch)
+                .with_context(|| format!("reading kiln's report {}", scratch.display()))?,
+        )
+        .with_context(|| format!("kiln's report {} is not JSON", scratch.display()))?;
+        let ours = kiln_rates(&report)?;
+        let new_tokens = report["new_tokens"]
+            .as_u64()
+            .context("kiln's report has no new_tokens")?;
+        let cells: Vec<CellKey> = ours.keys().copied().collect();
+        let (theirs, this_build) = llama_round(settings, &cells, new_tokens, &progress)?;
+        build = this_build;
+        kiln_reports.push(report);
+        kiln_rounds.push(ours);
+        llama_rounds.push(theirs);
+    }
+
+    let rows = medians(&kiln_rounds, &llama_rounds);
+    print_table(&rows, settings);
+    let mut report = kiln_reports
+        .last()
+        .cloned()
+        .context("--compare llama.cpp ran no round")?;
+    report["cells"] = Value::Array(median_cells(&kiln_reports));
+    // Each cell's numbers are now medians of one timed run per round: the transformers
+    // comparison, which reads this, runs as many.
+    report["repeats"] = json!(settings.rounds);
+    report["llama_cpp"] = llama_section(settings, build, &kiln_reports, &llama_rounds, &rows);
+    Ok(report)
+}
+
+/// One round of llama.cpp over kiln's cells: `llama-bench` for batch 1 and
+/// `llama-batched-bench` for larger batches. Also returns llama-bench's build (null when no
+/// cell has batch 1).
 fn llama_round(
     settings: &Comparison<'_>,
     cells: &[CellKey],
     new_tokens: u64,
-    round: usize,
+    progress: &dyn Fn(&str),
 ) -> Result<(BTreeMap<CellKey, LlamaRates>, Value)> {
-    let join = |v: &mut Vec<u64>| {
-        v.sort_unstable();
-        v.dedup();
-        v.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
-    };
-    let mut prompts: Vec<u64> = cells.iter().map(|c| c.prompt_len).collect();
-    let prompts = join(&mut prompts);
-    let threads = settings.threads.to_string();
-    let model = settings.model.to_string_lossy().to_string();
+    let singles: Vec<CellKey> = cells.iter().copied().filter(|c| c.batch == 1).collect();
+    let batched: Vec<CellKey> = cells.iter().copied().filter(|c| c.batch > 1).collect();
     let mut out = BTreeMap::new();
-
-    eprintln!("round {round}/{}: llama-bench", settings.rounds);
-    let bench = settings.bin.join("llama-bench");
-    let mut pp = Command::new(&bench);
-    pp.args(["-m", &model, "-t", &threads, "-r", "1", "-o", "json"]);
-    pp.args(["-p", &prompts, "-n", "0"]);
-    let prefill = parse_llama_bench(&output(&mut pp, "llama-bench")?)?;
-    let mut tg = Command::new(&bench);
-    tg.args(["-m", &model, "-t", &threads, "-r", "1", "-o", "json"]);
-    tg.args(["-p", "0", "-n", &new_tokens.to_string(), "-d", &prompts]);
-    let decode = parse_llama_bench(&output(&mut tg, "llama-bench")?)?;
-    let commit = prefill
-        .first()
-        .map_or(Value::Null, |r| json!(r.build_commit));
-    for cell in cells.iter().filter(|c| c.batch == 1) {
-        let pp = prefill
-            .iter()
-            .find(|r| r.n_prompt == cell.prompt_len && r.n_gen == 0)
-            .with_context(|| format!("llama-bench gave no pp{}", cell.prompt_len))?;
-        let tg = decode
-            .iter()
-            .find(|r| r.n_gen == new_tokens && r.n_depth == cell.prompt_len)
-            .with_context(|| {
-                format!("llama-bench gave no tg{new_tokens} @ d{}", cell.prompt_len)
-            })?;
-        out.insert(
-            *cell,
-            LlamaRates {
-                rates: Rates {
-                    prefill: pp.avg_ts,
-                    decode: tg.avg_ts,
-                },
-                prefill_source: format!("llama-bench pp{}", cell.prompt_len),
-                decode_source: format!("llama-bench tg{new_tokens} @ d{}", cell.prompt_len),
-            },
-        );
+    let mut build = Value::Null;
+    if !singles.is_empty() {
+        progress("llama-bench");
+        let (rates, b) = llama_bench_cells(settings, &singles, new_tokens)?;
+        out.extend(rates);
+        build = b;
     }
-
-    let mut batches: Vec<u64> = cells.iter().map(|c| c.batch).filter(|&b| b > 1).collect();
-    if !batches.is_empty() {
-        let batches = join(&mut batches);
-        let most = cells.iter().map(|c| c.batch * (c.prompt_len + new_tokens));
-        let context = most.max().unwrap_or(0) + 16;
-        let mut best: BTreeMap<CellKey, LlamaRates> = BTreeMap::new();
+    if !batched.is_empty() {
+        let mut tests = Vec::new();
+        // Flash attention helps some shapes and hurts others on the CPU: each cell takes the
+        // better of the two, as llama.cpp's users would.
         for fa in ["on", "off"] {
-            eprintln!(
-                "round {round}/{}: llama-batched-bench -fa {fa}",
-                settings.rounds
-            );
-            let mut batched = Command::new(settings.bin.join("llama-batched-bench"));
-            batched.args(["-m", &model, "-t", &threads, "-c", &context.to_string()]);
-            batched.args(["-npp", &prompts, "-ntg", &new_tokens.to_string()]);
-            batched.args(["-npl", &batches, "-fa", fa, "--output-format", "jsonl"]);
-            for row in parse_batched(&output(&mut batched, "llama-batched-bench")?)? {
-                let key = CellKey {
-                    prompt_len: row.pp,
-                    batch: row.pl,
-                };
-                if !cells.contains(&key) || row.tg != new_tokens {
-                    continue;
-                }
-                let entry = best.entry(key).or_insert_with(|| LlamaRates {
-                    rates: Rates {
-                        prefill: 0.0,
-                        decode: 0.0,
-                    },
-                    prefill_source: String::new(),
-                    decode_source: String::new(),
-                });
-                if row.speed_pp > entry.rates.prefill {
-                    entry.rates.prefill = row.speed_pp;
-                    entry.prefill_source = format!("batched-bench S_PP fa={fa}");
-                }
-                if row.speed_tg > entry.rates.decode {
-                    entry.rates.decode = row.speed_tg;
-                    entry.decode_source = format!("batched-bench S_TG fa={fa}");
-                }
-            }
+            progress(&format!("llama-batched-bench -fa {fa}"));
+            tests.extend(batched_bench(settings, &batched, new_tokens, fa)?);
         }
-        out.extend(best);
+        out.extend(best_batched(&tests, &batched, new_tokens));
     }
     if let Some(missing) = cells.iter().find(|c| !out.contains_key(c)) {
         bail!(
@@ -219,96 +147,129 @@ fn llama_round(
             missing.batch
         );
     }
-    Ok((out, commit))
+    Ok((out, build))
 }
 
-/// Runs a tool and returns its stdout; its stderr (model loading chatter) is dropped unless
-/// it fails.
-fn output(command: &mut Command, tool: &str) -> Result<String> {
-    let out = command
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {tool}"))?;
-    if !out.status.success() {
-        bail!(
-            "{tool} failed ({}):\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
+/// `llama-bench`'s pp`P` and tg`G` at depth `P` for batch-1 cells, and its build.
+fn llama_bench_cells(
+    settings: &Comparison<'_>,
+    cells: &[CellKey],
+    new_tokens: u64,
+) -> Result<(BTreeMap<CellKey, LlamaRates>, Value)> {
+    let prompts = join(cells.iter().map(|c| c.prompt_len));
+    let run = |tests: &[&str]| {
+        let mut command = Command::new(settings.bin.join("llama-bench"));
+        command.arg("-m").arg(settings.model);
+        command.args(["-t", &settings.threads.to_string(), "-r", "1", "-o", "json"]);
+        command.args(tests);
+        parse_llama_bench(&tool_output(&mut command, "llama-bench")?)
+    };
+    let prefill = run(&["-p", &prompts, "-n", "0"])?;
+    let decode = run(&["-p", "0", "-n", &new_tokens.to_string(), "-d", &prompts])?;
+    let build = prefill.first().map_or(
+        Value::Null,
+        |t| json!({ "build_commit": t.build_commit, "build_number": t.build_number }),
+    );
+    let mut out = BTreeMap::new();
+    for cell in cells {
+        let p = cell.prompt_len;
+        let pp = prefill
+            .iter()
+            .find(|t| t.n_prompt == p && t.n_gen == 0)
+            .with_context(|| format!("llama-bench gave no pp{p}"))?;
+        let tg = decode
+            .iter()
+            .find(|t| t.n_gen == new_tokens && t.n_depth == p)
+            .with_context(|| format!("llama-bench gave no tg{new_tokens} @ d{p}"))?;
+        let rates = Rates {
+            prefill: pp.avg_ts,
+            decode: tg.avg_ts,
+        };
+        out.insert(
+            *cell,
+            LlamaRates {
+                rates,
+                prefill_source: format!("llama-bench pp{p}"),
+                decode_source: format!("llama-bench tg{new_tokens} @ d{p}"),
+            },
         );
     }
-    String::from_utf8(out.stdout).with_context(|| format!("{tool} printed no text"))
+    Ok((out, build))
 }
 
-/// One test of `llama-bench -o json`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct BenchRow {
-    pub n_prompt: u64,
-    pub n_gen: u64,
-    pub n_depth: u64,
-    pub avg_ts: f64,
-    pub build_commit: String,
+/// One run of `llama-batched-bench` over the batched cells' prompt lengths and batch sizes,
+/// with flash attention `fa` (`on` or `off`).
+fn batched_bench(
+    settings: &Comparison<'_>,
+    cells: &[CellKey],
+    new_tokens: u64,
+    fa: &str,
+) -> Result<Vec<BatchedTest>> {
+    let prompt_max = cells.iter().map(|c| c.prompt_len).max().unwrap_or(0);
+    let batch_max = cells.iter().map(|c| c.batch).max().unwrap_or(0);
+    // The tool runs every prompt length with every batch size and skips, silently, each
+    // whose sequences would not all fit in the context: room for the largest.
+    let context = batch_max * (prompt_max + new_tokens);
+    let mut command = Command::new(settings.bin.join("llama-batched-bench"));
+    command.arg("-m").arg(settings.model);
+    command.args(["-t", &settings.threads.to_string()]);
+    command.args(["-c", &context.to_string()]);
+    command.args(["-npp", &join(cells.iter().map(|c| c.prompt_len))]);
+    command.args(["-ntg", &new_tokens.to_string()]);
+    command.args(["-npl", &join(cells.iter().map(|c| c.batch))]);
+    command.args(["-fa", fa, "--output-format", "jsonl"]);
+    parse_batched_bench(&tool_output(&mut command, "llama-batched-bench")?)
 }
 
-/// Parses `llama-bench -o json`: an array of tests.
-pub fn parse_llama_bench(text: &str) -> Result<Vec<BenchRow>> {
-    let tests: Value = serde_json::from_str(text).context("llama-bench printed no JSON")?;
-    let tests = tests
-        .as_array()
-        .context("llama-bench's JSON is not a list")?;
-    tests
+/// Per cell, the best `S_PP` and the best `S_TG` among `tests` (each independently: they may
+/// come from different flash-attention settings), labelled with their setting.
+pub fn best_batched(
+    tests: &[BatchedTest],
+    cells: &[CellKey],
+    new_tokens: u64,
+) -> BTreeMap<CellKey, LlamaRates> {
+    let fa_name = |fa: i64| match fa {
+        1 => "on",
+        0 => "off",
+        _ => "auto",
+    };
+    let mut best: BTreeMap<CellKey, LlamaRates> = BTreeMap::new();
+    for test in tests.iter().filter(|t| t.tg == new_tokens) {
+        let key = CellKey {
+            prompt_len: test.pp,
+            batch: test.pl,
+        };
+        if !cells.contains(&key) {
+            continue;
+        }
+        let entry = best.entry(key).or_insert_with(|| LlamaRates {
+            rates: Rates {
+                prefill: f64::NEG_INFINITY,
+                decode: f64::NEG_INFINITY,
+            },
+            prefill_source: String::new(),
+            decode_source: String::new(),
+        });
+        if test.speed_pp > entry.rates.prefill {
+            entry.rates.prefill = test.speed_pp;
+            entry.prefill_source = format!("batched-bench S_PP fa={}", fa_name(test.flash_attn));
+        }
+        if test.speed_tg > entry.rates.decode {
+            entry.rates.decode = test.speed_tg;
+            entry.decode_source = format!("batched-bench S_TG fa={}", fa_name(test.flash_attn));
+        }
+    }
+    best
+}
+
+/// `values`, sorted and deduplicated, comma-separated: a llama.cpp list argument.
+fn join(values: impl Iterator<Item = u64>) -> String {
+    let values: BTreeSet<u64> = values.collect();
+    values
         .iter()
-        .map(|t| {
-            let field = |k: &str| {
-                t[k].as_u64()
-                    .with_context(|| format!("llama-bench test without {k}"))
-            };
-            Ok(BenchRow {
-                n_prompt: field("n_prompt")?,
-                n_gen: field("n_gen")?,
-                n_depth: t["n_depth"].as_u64().unwrap_or(0),
-                avg_ts: t["avg_ts"]
-                    .as_f64()
-                    .context("llama-bench test without avg_ts")?,
-                build_commit: t["build_commit"].as_str().unwrap_or("?").to_string(),
-            })
-        })
-        .collect()
-}
-
-/// One line of `llama-batched-bench --output-format jsonl`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct BatchedRow {
-    pub pp: u64,
-    pub tg: u64,
-    pub pl: u64,
-    pub speed_pp: f64,
-    pub speed_tg: f64,
-}
-
-/// Parses `llama-batched-bench --output-format jsonl`: one JSON object per line.
-pub fn parse_batched(text: &str) -> Result<Vec<BatchedRow>> {
-    text.lines()
-        .filter(|l| l.trim_start().starts_with('{'))
-        .map(|line| {
-            let v: Value = serde_json::from_str(line)
-                .with_context(|| format!("llama-batched-bench line is not JSON: {line}"))?;
-            let int = |k: &str| {
-                v[k].as_u64()
-                    .with_context(|| format!("llama-batched-bench line without {k}"))
-            };
-            let float = |k: &str| {
-                v[k].as_f64()
-                    .with_context(|| format!("llama-batched-bench line without {k}"))
-            };
-            Ok(BatchedRow {
-                pp: int("pp")?,
-                tg: int("tg")?,
-                pl: int("pl")?,
-                speed_pp: float("speed_pp")?,
-                speed_tg: float("speed_tg")?,
-            })
-        })
-        .collect()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 fn cell_key(cell: &Value) -> Option<CellKey> {
@@ -318,7 +279,8 @@ fn cell_key(cell: &Value) -> Option<CellKey> {
     })
 }
 
-/// kiln's greedy cells' rates from its report (llama.cpp does not sample).
+/// kiln's greedy cells' rates from its report (llama.cpp's benchmarks do not sample; a report
+/// without `sampling` predates the setting and was greedy).
 fn kiln_rates(report: &Value) -> Result<BTreeMap<CellKey, Rates>> {
     let cells = report["cells"]
         .as_array()
@@ -328,34 +290,22 @@ fn kiln_rates(report: &Value) -> Result<BTreeMap<CellKey, Rates>> {
         .iter()
         .filter(greedy)
         .map(|c| {
-            let key = cell_key(c).context("a kiln cell without prompt_len or batch")?;
+            let key =
+                cell_key(c).context("kiln's report has a cell without prompt_len or batch")?;
             let rate = |k: &str| {
                 c[k].as_f64()
-                    .with_context(|| format!("a kiln cell without {k}"))
+                    .with_context(|| format!("kiln's report has a cell without {k}"))
             };
-            Ok((
-                key,
-                Rates {
-                    prefill: rate("prefill_tokens_per_s")?,
-                    decode: rate("decode_tokens_per_s")?,
-                },
-            ))
+            let rates = Rates {
+                prefill: rate("prefill_tokens_per_s")?,
+                decode: rate("decode_tokens_per_s")?,
+            };
+            Ok((key, rates))
         })
         .collect()
 }
 
-fn rates_json(rates: impl Iterator<Item = (CellKey, Rates)>) -> Vec<Value> {
-    rates
-        .map(|(k, r)| {
-            json!({
-                "prompt_len": k.prompt_len, "batch": k.batch,
-                "prefill_tokens_per_s": r.prefill, "decode_tokens_per_s": r.decode,
-            })
-        })
-        .collect()
-}
-
-/// The median of `values` (the mean of the middle two for an even count).
+/// The median of `values` (the mean of the middle two for an even count; NaN for none).
 pub fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
@@ -367,6 +317,48 @@ pub fn median(values: &[f64]) -> f64 {
     }
 }
 
+/// kiln's cells with every measured number the median over the rounds' reports: the last
+/// report's cells, each matched by prompt length, batch and sampling in the others. Integers
+/// (memory in bytes) stay integers, and the fields that name the cell are left alone.
+pub fn median_cells(reports: &[Value]) -> Vec<Value> {
+    let Some(last) = reports.last() else {
+        return Vec::new();
+    };
+    let same_cell = |a: &Value, b: &Value| {
+        ["prompt_len", "batch", "sampling"]
+            .iter()
+            .all(|k| a[k] == b[k])
+    };
+    let mut cells = last["cells"].as_array().cloned().unwrap_or_default();
+    for cell in &mut cells {
+        let matches: Vec<&Value> = reports
+            .iter()
+            .filter_map(|r| r["cells"].as_array()?.iter().find(|c| same_cell(c, cell)))
+            .collect();
+        let Some(fields) = cell.as_object_mut() else {
+            continue;
+        };
+        for (key, value) in fields.iter_mut() {
+            if !value.is_number() || key == "prompt_len" || key == "batch" {
+                continue;
+            }
+            let integer = value.is_u64();
+            let m = median(
+                &matches
+                    .iter()
+                    .filter_map(|c| c[key.as_str()].as_f64())
+                    .collect::<Vec<_>>(),
+            );
+            *value = if integer {
+                json!(m.round() as u64)
+            } else {
+                json!(m)
+            };
+        }
+    }
+    cells
+}
+
 /// A cell's medians on both sides.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Row {
@@ -375,8 +367,9 @@ pub struct Row {
     pub llama: LlamaRates,
 }
 
-/// Per cell, the median over rounds of each side's rates (llama.cpp's sources from the first
-/// round).
+/// Per cell, the median over rounds of each side's rates. A llama.cpp source is each round's
+/// when they agree, else all of them (`a | b`): the best flash-attention setting can change
+/// from round to round.
 pub fn medians(
     kiln: &[BTreeMap<CellKey, Rates>],
     llama: &[BTreeMap<CellKey, LlamaRates>],
@@ -384,20 +377,20 @@ pub fn medians(
     let Some(first) = llama.first() else {
         return Vec::new();
     };
+    let med = |v: &[Rates], f: fn(&Rates) -> f64| median(&v.iter().map(f).collect::<Vec<_>>());
     first
-        .iter()
-        .filter_map(|(key, sources)| {
+        .keys()
+        .filter_map(|key| {
             let ours: Vec<Rates> = kiln.iter().filter_map(|r| r.get(key).copied()).collect();
-            let theirs: Vec<Rates> = llama
-                .iter()
-                .filter_map(|r| r.get(key))
-                .map(|r| r.rates)
-                .collect();
+            let theirs: Vec<&LlamaRates> = llama.iter().filter_map(|r| r.get(key)).collect();
             if ours.is_empty() {
                 return None;
             }
-            let med =
-                |v: &[Rates], f: fn(&Rates) -> f64| median(&v.iter().map(f).collect::<Vec<_>>());
+            let sources = |f: fn(&LlamaRates) -> &str| {
+                let unique: BTreeSet<&str> = theirs.iter().map(|r| f(r)).collect();
+                unique.into_iter().collect::<Vec<_>>().join(" | ")
+            };
+            let their_rates: Vec<Rates> = theirs.iter().map(|r| r.rates).collect();
             Some(Row {
                 key: *key,
                 kiln: Rates {
@@ -406,14 +399,67 @@ pub fn medians(
                 },
                 llama: LlamaRates {
                     rates: Rates {
-                        prefill: med(&theirs, |r| r.prefill),
-                        decode: med(&theirs, |r| r.decode),
+                        prefill: med(&their_rates, |r| r.prefill),
+                        decode: med(&their_rates, |r| r.decode),
                     },
-                    ..sources.clone()
+                    prefill_source: sources(|r| &r.prefill_source),
+                    decode_source: sources(|r| &r.decode_source),
                 },
             })
         })
         .collect()
+}
+
+/// The report's `llama_cpp` section.
+fn llama_section(
+    settings: &Comparison<'_>,
+    build: Value,
+    kiln_reports: &[Value],
+    llama_rounds: &[BTreeMap<CellKey, LlamaRates>],
+    rows: &[Row],
+) -> Value {
+    let rounds: Vec<Value> = kiln_reports
+        .iter()
+        .zip(llama_rounds)
+        .map(|(kiln, llama)| {
+            let llama: Vec<Value> = llama
+                .iter()
+                .map(|(k, r)| {
+                    json!({
+                        "prompt_len": k.prompt_len, "batch": k.batch,
+                        "prefill_tokens_per_s": r.rates.prefill,
+                        "decode_tokens_per_s": r.rates.decode,
+                        "prefill_source": r.prefill_source,
+                        "decode_source": r.decode_source,
+                    })
+                })
+                .collect();
+            json!({ "kiln": kiln["cells"], "llama_cpp": llama })
+        })
+        .collect();
+    let cells: Vec<Value> = rows
+        .iter()
+        .map(|r| {
+            json!({
+                "prompt_len": r.key.prompt_len, "batch": r.key.batch,
+                "kiln_prefill_tokens_per_s": r.kiln.prefill,
+                "llama_prefill_tokens_per_s": r.llama.rates.prefill,
+                "prefill_ratio": r.kiln.prefill / r.llama.rates.prefill,
+                "llama_prefill_source": r.llama.prefill_source,
+                "kiln_decode_tokens_per_s": r.kiln.decode,
+                "llama_decode_tokens_per_s": r.llama.rates.decode,
+                "decode_ratio": r.kiln.decode / r.llama.rates.decode,
+                "llama_decode_source": r.llama.decode_source,
+            })
+        })
+        .collect();
+    json!({
+        "build": build,
+        "model": settings.model.display().to_string(),
+        "threads": settings.threads,
+        "rounds": rounds,
+        "cells": cells,
+    })
 }
 
 fn print_table(rows: &[Row], settings: &Comparison<'_>) {
@@ -448,110 +494,135 @@ fn print_table(rows: &[Row], settings: &Comparison<'_>) {
 mod tests {
     use super::*;
 
-    /// Trimmed from `llama-bench -p 32 -n 8 -r 1 -o json` of this build (ggml 0.25.3).
-    const LLAMA_BENCH: &str = r#"[
-  {
-    "build_commit": "0c1e570", "build_number": 1, "cpu_info": "AMD EPYC",
-    "model_type": "llama 256M Q4_1", "n_threads": 2, "n_prompt": 32, "n_gen": 0, "n_depth": 0,
-    "avg_ns": 739056788, "stddev_ns": 0, "avg_ts": 43.298432, "stddev_ts": 0.000000,
-    "samples_ns": [ 739056788 ], "samples_ts": [ 43.2984 ]
-  },
-  {
-    "build_commit": "0c1e570", "build_number": 1, "cpu_info": "AMD EPYC",
-    "model_type": "llama 256M Q4_1", "n_threads": 2, "n_prompt": 0, "n_gen": 8, "n_depth": 32,
-    "avg_ns": 95056788, "stddev_ns": 0, "avg_ts": 84.160000, "stddev_ts": 0.000000,
-    "samples_ns": [ 95056788 ], "samples_ts": [ 84.16 ]
-  }
-]"#;
+    fn key(prompt_len: u64, batch: u64) -> CellKey {
+        CellKey { prompt_len, batch }
+    }
 
-    /// From `llama-batched-bench -c 512 -npp 32 -ntg 8 -npl 1,2 -fa off --output-format jsonl`.
-    const BATCHED: &str = r#"{"n_kv_max": 512, "n_batch": 2048, "n_ubatch": 512, "flash_attn": 0, "is_pp_shared": 0, "n_gpu_layers": -1, "n_threads": 2, "n_threads_batch": 2, "pp": 32, "tg": 8, "pl": 1, "n_kv": 40, "t_pp": 0.455026, "speed_pp": 70.325653, "t_tg": 0.257042, "speed_tg": 31.123320, "t": 0.712068, "speed": 56.174412}
-{"n_kv_max": 512, "n_batch": 2048, "n_ubatch": 512, "flash_attn": 0, "is_pp_shared": 0, "n_gpu_layers": -1, "n_threads": 2, "n_threads_batch": 2, "pp": 32, "tg": 8, "pl": 2, "n_kv": 80, "t_pp": 0.917320, "speed_pp": 69.768456, "t_tg": 0.496095, "speed_tg": 32.251888, "t": 1.413415, "speed": 56.600506}
-"#;
+    fn rates(prefill: f64, decode: f64) -> Rates {
+        Rates { prefill, decode }
+    }
 
-    #[test]
-    fn llama_bench_json_gives_each_test_its_rate() {
-        let rows = parse_llama_bench(LLAMA_BENCH).unwrap();
-        assert_eq!(rows.len(), 2);
-        assert_eq!(
-            (rows[0].n_prompt, rows[0].n_gen, rows[0].n_depth),
-            (32, 0, 0)
-        );
-        assert_eq!(rows[0].avg_ts, 43.298432);
-        assert_eq!((rows[1].n_gen, rows[1].n_depth), (8, 32));
-        assert_eq!(rows[1].build_commit, "0c1e570");
+    fn batched(pl: u64, flash_attn: i64, speed_pp: f64, speed_tg: f64) -> BatchedTest {
+        BatchedTest {
+            pp: 64,
+            tg: 16,
+            pl,
+            flash_attn,
+            speed_pp,
+            speed_tg,
+        }
     }
 
     #[test]
-    fn batched_bench_jsonl_gives_each_batch_its_rates() {
-        let rows = parse_batched(&format!("main: loading\n{BATCHED}")).unwrap();
-        assert_eq!(rows.len(), 2);
-        assert_eq!((rows[1].pp, rows[1].tg, rows[1].pl), (32, 8, 2));
-        assert_eq!((rows[1].speed_pp, rows[1].speed_tg), (69.768456, 32.251888));
-    }
-
-    #[test]
-    fn broken_tool_output_is_an_error_naming_the_tool() {
-        let err = parse_llama_bench("[{\"n_prompt\": 1}]").unwrap_err();
-        assert!(err.to_string().contains("llama-bench"), "{err}");
-        let err = parse_batched("{\"pp\": 1}").unwrap_err();
-        assert!(err.to_string().contains("llama-batched-bench"), "{err}");
-        assert!(parse_llama_bench("not json").is_err());
-    }
-
-    #[test]
-    fn medians_pair_each_cell_across_rounds() {
+    fn median_takes_the_middle_or_the_mean_of_the_middle_two() {
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(&[7.0]), 7.0);
         assert!(median(&[]).is_nan());
-        let key = CellKey {
-            prompt_len: 128,
-            batch: 1,
-        };
+    }
+
+    #[test]
+    fn batched_cells_take_each_rate_at_its_best_setting() {
+        let tests = [
+            batched(8, 1, 300.0, 250.0),
+            batched(8, 0, 320.0, 200.0),
+            // A batch kiln did not run, and another tg: neither is a cell.
+            batched(4, 1, 999.0, 999.0),
+            BatchedTest {
+                tg: 32,
+                ..batched(8, 1, 999.0, 999.0)
+            },
+        ];
+        let best = best_batched(&tests, &[key(64, 8)], 16);
+        assert_eq!(best.len(), 1);
+        let cell = &best[&key(64, 8)];
+        assert_eq!(cell.rates, rates(320.0, 250.0));
+        assert_eq!(cell.prefill_source, "batched-bench S_PP fa=off");
+        assert_eq!(cell.decode_source, "batched-bench S_TG fa=on");
+    }
+
+    #[test]
+    fn medians_pair_each_cell_across_rounds_and_ratios_follow() {
         let kiln: Vec<BTreeMap<CellKey, Rates>> = [(100.0, 10.0), (300.0, 30.0), (200.0, 20.0)]
             .iter()
-            .map(|&(p, d)| {
-                BTreeMap::from([(
-                    key,
-                    Rates {
-                        prefill: p,
-                        decode: d,
-                    },
-                )])
-            })
+            .map(|&(p, d)| BTreeMap::from([(key(128, 8), rates(p, d))]))
             .collect();
-        let llama: Vec<BTreeMap<CellKey, LlamaRates>> = [(50.0, 5.0), (70.0, 9.0), (60.0, 7.0)]
-            .iter()
-            .map(|&(p, d)| {
-                BTreeMap::from([(
-                    key,
-                    LlamaRates {
-                        rates: Rates {
-                            prefill: p,
-                            decode: d,
-                        },
-                        prefill_source: "pp128".into(),
-                        decode_source: "tg128".into(),
-                    },
-                )])
-            })
-            .collect();
+        let llama: Vec<BTreeMap<CellKey, LlamaRates>> =
+            [(50.0, 5.0, "on"), (70.0, 9.0, "off"), (60.0, 7.0, "on")]
+                .iter()
+                .map(|&(p, d, fa)| {
+                    let r = LlamaRates {
+                        rates: rates(p, d),
+                        prefill_source: "batched-bench S_PP fa=on".into(),
+                        decode_source: format!("batched-bench S_TG fa={fa}"),
+                    };
+                    BTreeMap::from([(key(128, 8), r)])
+                })
+                .collect();
         let rows = medians(&kiln, &llama);
         assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].kiln, rates(200.0, 20.0));
+        assert_eq!(rows[0].llama.rates, rates(60.0, 7.0));
+        assert_eq!(rows[0].llama.prefill_source, "batched-bench S_PP fa=on");
         assert_eq!(
-            rows[0].kiln,
-            Rates {
-                prefill: 200.0,
-                decode: 20.0
-            }
+            rows[0].llama.decode_source,
+            "batched-bench S_TG fa=off | batched-bench S_TG fa=on"
         );
-        assert_eq!(
-            rows[0].llama.rates,
-            Rates {
-                prefill: 60.0,
-                decode: 7.0
-            }
+        let section = llama_section(
+            &Comparison {
+                model: Path::new("m.gguf"),
+                threads: 2,
+                rounds: 3,
+                bin: Path::new("bin"),
+            },
+            Value::Null,
+            &vec![json!({ "cells": [] }); 3],
+            &llama,
+            &rows,
         );
-        assert_eq!(rows[0].llama.decode_source, "tg128");
+        let cell = &section["cells"][0];
+        assert_eq!(cell["prefill_ratio"], json!(200.0 / 60.0));
+        assert_eq!(cell["decode_ratio"], json!(20.0 / 7.0));
+        assert_eq!(section["rounds"].as_array().map(Vec::len), Some(3));
+    }
+
+    #[test]
+    fn median_cells_take_every_measured_number_and_keep_integers_integers() {
+        let cell = |sampling: &str, decode: f64, rss: u64| {
+            json!({
+                "prompt_len": 64, "batch": 8, "sampling": sampling, "weights": ["90 Q4_1"],
+                "decode_tokens_per_s": decode, "peak_rss_bytes": rss,
+                "peak_device_reserved_bytes": null,
+            })
+        };
+        let reports = [
+            json!({ "cells": [cell("greedy", 10.0, 300), cell("top-p", 1.0, 5)] }),
+            json!({ "cells": [cell("top-p", 3.0, 7), cell("greedy", 30.0, 100)] }),
+            json!({ "cells": [cell("greedy", 20.0, 200), cell("top-p", 2.0, 6)] }),
+        ];
+        let cells = median_cells(&reports);
+        assert_eq!(cells.len(), 2);
+        assert_eq!(cells[0]["sampling"], "greedy");
+        assert_eq!(cells[0]["decode_tokens_per_s"], json!(20.0));
+        assert_eq!(cells[0]["peak_rss_bytes"], json!(200));
+        assert_eq!(cells[0]["prompt_len"], json!(64));
+        assert_eq!(cells[0]["weights"], json!(["90 Q4_1"]));
+        assert!(cells[0]["peak_device_reserved_bytes"].is_null());
+        assert_eq!(cells[1]["decode_tokens_per_s"], json!(2.0));
+    }
+
+    #[test]
+    fn kiln_rates_read_greedy_cells_and_name_what_is_missing() {
+        let report = json!({ "cells": [
+            { "prompt_len": 64, "batch": 1, "sampling": "greedy",
+              "prefill_tokens_per_s": 500.0, "decode_tokens_per_s": 90.0 },
+            { "prompt_len": 64, "batch": 1, "sampling": "top-p",
+              "prefill_tokens_per_s": 1.0, "decode_tokens_per_s": 1.0 },
+        ]});
+        let ours = kiln_rates(&report).unwrap();
+        assert_eq!(ours, BTreeMap::from([(key(64, 1), rates(500.0, 90.0))]));
+        let broken = json!({ "cells": [{ "prompt_len": 64, "batch": 1 }] });
+        let err = kiln_rates(&broken).unwrap_err().to_string();
+        assert!(err.contains("prefill_tokens_per_s"), "{err}");
     }
 }

@@ -1,7 +1,9 @@
 //! `cargo xtask llama-cpp [--quantize MODEL.gguf [--types Q8_0,F32]]`: llama.cpp's CPU tools
 //! (`llama-bench`, `llama-batched-bench`, `llama-quantize`, `llama-perplexity`, `llama-server`),
-//! built once under `target/llama.cpp/` for comparisons with kiln, and quantized copies of a
-//! GGUF file made with them.
+//! built once under `target/llama.cpp/` for comparisons with kiln, quantized copies of a GGUF
+//! file made with them, and readers for the benchmark tools' machine output
+//! ([`parse_llama_bench`], [`parse_batched_bench`]). What the numbers are compared with is
+//! `bench_llama.rs`'s business, not this file's.
 //!
 //! There is no GitHub here, but the source distribution of `llama-cpp-python` on PyPI vendors
 //! the whole llama.cpp tree (`vendor/llama.cpp`). The steps, each skipped when its result is
@@ -17,10 +19,11 @@
 //! The build uses `-DGGML_NATIVE=ON`: the tools are for this machine only.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use serde_json::Value;
 
 use crate::{run, workspace_root};
 
@@ -300,4 +303,229 @@ fn on_path(program: &str) -> Option<PathBuf> {
     std::env::split_paths(&paths)
         .map(|dir| dir.join(program))
         .find(|path| path.is_file())
+}
+
+/// Runs one of the tools and returns its stdout. Its stderr (model-loading chatter) is shown
+/// only when it fails.
+///
+/// # Errors
+/// The tool could not start, failed, or printed something other than UTF-8.
+pub fn tool_output(command: &mut Command, tool: &str) -> Result<String> {
+    let out = command
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {tool}"))?;
+    if !out.status.success() {
+        bail!(
+            "{tool} failed ({}):\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    String::from_utf8(out.stdout).with_context(|| format!("{tool} printed something not UTF-8"))
+}
+
+/// One test of `llama-bench -o json`: `n_prompt` prompt tokens (pp), or `n_gen` generated
+/// tokens after a context of `n_depth` (tg), and its mean rate over the repetitions.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchTest {
+    pub n_prompt: u64,
+    pub n_gen: u64,
+    pub n_depth: u64,
+    /// Tokens per second, the mean over `-r` repetitions.
+    pub avg_ts: f64,
+    /// The llama.cpp build: its git commit and build number (`1` for a build from a tarball).
+    pub build_commit: String,
+    pub build_number: u64,
+}
+
+/// Reads `llama-bench -o json`: a JSON array with one object per test.
+///
+/// # Errors
+/// The text is not a JSON array, or a test lacks a field named in [`BenchTest`].
+pub fn parse_llama_bench(text: &str) -> Result<Vec<BenchTest>> {
+    let tests: Value = serde_json::from_str(text).context("llama-bench printed no JSON")?;
+    let tests = tests
+        .as_array()
+        .context("llama-bench's JSON is not a list of tests")?;
+    tests
+        .iter()
+        .enumerate()
+        .map(|(i, test)| {
+            let missing = |key: &str| format!("llama-bench's test {i} has no {key}");
+            let int = |key: &str| test[key].as_u64().with_context(|| missing(key));
+            Ok(BenchTest {
+                n_prompt: int("n_prompt")?,
+                n_gen: int("n_gen")?,
+                n_depth: int("n_depth")?,
+                avg_ts: test["avg_ts"].as_f64().with_context(|| missing("avg_ts"))?,
+                build_commit: test["build_commit"]
+                    .as_str()
+                    .with_context(|| missing("build_commit"))?
+                    .to_string(),
+                build_number: int("build_number")?,
+            })
+        })
+        .collect()
+}
+
+/// One line of `llama-batched-bench --output-format jsonl`: `pl` sequences of `pp` prompt
+/// tokens prefilled together, then `tg` steps of one token for each.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchedTest {
+    pub pp: u64,
+    pub tg: u64,
+    pub pl: u64,
+    /// `flash_attn` as the tool printed it: 1 on, 0 off, -1 auto.
+    pub flash_attn: i64,
+    /// `S_PP`: all prompts' tokens over the prefill time.
+    pub speed_pp: f64,
+    /// `S_TG`: all sequences' generated tokens (`pl * tg`) over the generation time.
+    pub speed_tg: f64,
+}
+
+/// Reads `llama-batched-bench --output-format jsonl`: one JSON object per line on stdout. Lines
+/// that are not objects are skipped: the results share stdout with the tool's log.
+///
+/// # Errors
+/// An object line is not JSON or lacks a field named in [`BatchedTest`].
+pub fn parse_batched_bench(text: &str) -> Result<Vec<BatchedTest>> {
+    text.lines()
+        .filter(|line| line.trim_start().starts_with('{'))
+        .map(|line| {
+            let test: Value = serde_json::from_str(line).with_context(|| {
+                format!("llama-batched-bench printed a line that is not JSON: {line}")
+            })?;
+            let missing = |key: &str| format!("llama-batched-bench's line has no {key}: {line}");
+            let int = |key: &str| test[key].as_u64().with_context(|| missing(key));
+            let float = |key: &str| test[key].as_f64().with_context(|| missing(key));
+            Ok(BatchedTest {
+                pp: int("pp")?,
+                tg: int("tg")?,
+                pl: int("pl")?,
+                flash_attn: test["flash_attn"]
+                    .as_i64()
+                    .with_context(|| missing("flash_attn"))?,
+                speed_pp: float("speed_pp")?,
+                speed_tg: float("speed_tg")?,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `llama-bench -m SmolLM2-135M-Instruct.Q4_1.gguf -t 2 -r 1 -o json -p 32 -n 0`, then the
+    /// same with `-p 0 -n 8 -d 32`, of this build: each array's one test, trimmed to a few of
+    /// its 45 fields, the values as printed.
+    const LLAMA_BENCH_PP: &str = r#"[
+  {
+    "build_commit": "0c1e570",
+    "build_number": 1,
+    "model_type": "llama 256M Q4_1",
+    "n_threads": 2,
+    "flash_attn": -1,
+    "n_prompt": 32,
+    "n_gen": 0,
+    "n_depth": 0,
+    "test_time": "2026-11-24T08:12:27Z",
+    "avg_ns": 115755843,
+    "stddev_ns": 0,
+    "avg_ts": 276.443929,
+    "stddev_ts": 0.000000,
+    "samples_ns": [ 115755843 ],
+    "samples_ts": [ 276.444 ]
+  }
+]
+"#;
+    const LLAMA_BENCH_TG: &str = r#"[
+  {
+    "build_commit": "0c1e570",
+    "build_number": 1,
+    "model_type": "llama 256M Q4_1",
+    "n_threads": 2,
+    "flash_attn": -1,
+    "n_prompt": 0,
+    "n_gen": 8,
+    "n_depth": 32,
+    "test_time": "2026-11-24T08:12:28Z",
+    "avg_ns": 74040943,
+    "stddev_ns": 0,
+    "avg_ts": 108.048327,
+    "stddev_ts": 0.000000,
+    "samples_ns": [ 74040943 ],
+    "samples_ts": [ 108.048 ]
+  }
+]
+"#;
+
+    /// `llama-batched-bench -m SmolLM2-135M-Instruct.Q4_1.gguf -t 2 -c 336 -npp 32 -ntg 8
+    /// -npl 1,8 -fa on --output-format jsonl` of this build: its whole stdout.
+    const BATCHED_BENCH: &str = r#"{"n_kv_max": 2048, "n_batch": 2048, "n_ubatch": 512, "flash_attn": 1, "is_pp_shared": 0, "n_gpu_layers": -1, "n_threads": 2, "n_threads_batch": 2, "pp": 32, "tg": 8, "pl": 1, "n_kv": 40, "t_pp": 0.096097, "speed_pp": 332.996857, "t_tg": 0.062868, "speed_tg": 127.250748, "t": 0.158965, "speed": 251.627731}
+{"n_kv_max": 2048, "n_batch": 2048, "n_ubatch": 512, "flash_attn": 1, "is_pp_shared": 0, "n_gpu_layers": -1, "n_threads": 2, "n_threads_batch": 2, "pp": 32, "tg": 8, "pl": 8, "n_kv": 320, "t_pp": 0.766154, "speed_pp": 334.136475, "t_tg": 0.255320, "speed_tg": 250.665817, "t": 1.021474, "speed": 313.272766}
+
+"#;
+
+    #[test]
+    fn llama_bench_json_gives_each_test_its_rate_and_the_build() {
+        let pp = parse_llama_bench(LLAMA_BENCH_PP).unwrap();
+        assert_eq!(
+            pp,
+            [BenchTest {
+                n_prompt: 32,
+                n_gen: 0,
+                n_depth: 0,
+                avg_ts: 276.443929,
+                build_commit: "0c1e570".into(),
+                build_number: 1,
+            }]
+        );
+        let tg = parse_llama_bench(LLAMA_BENCH_TG).unwrap();
+        assert_eq!((tg[0].n_prompt, tg[0].n_gen, tg[0].n_depth), (0, 8, 32));
+        assert_eq!(tg[0].avg_ts, 108.048327);
+    }
+
+    #[test]
+    fn batched_bench_jsonl_gives_each_batch_its_rates() {
+        // The log sometimes shares stdout: its lines are not results.
+        let text = format!("llama_batched_bench: n_kv_max = 2048\n{BATCHED_BENCH}");
+        let tests = parse_batched_bench(&text).unwrap();
+        assert_eq!(tests.len(), 2);
+        assert_eq!(
+            tests[1],
+            BatchedTest {
+                pp: 32,
+                tg: 8,
+                pl: 8,
+                flash_attn: 1,
+                speed_pp: 334.136475,
+                speed_tg: 250.665817,
+            }
+        );
+    }
+
+    #[test]
+    fn broken_tool_output_is_an_error_naming_the_tool_and_the_field() {
+        let no_rate = LLAMA_BENCH_PP.replace("\"avg_ts\"", "\"avg\"");
+        let err = parse_llama_bench(&no_rate).unwrap_err().to_string();
+        assert!(
+            err.contains("llama-bench") && err.contains("avg_ts"),
+            "{err}"
+        );
+        let err = parse_llama_bench("error: unknown argument").unwrap_err();
+        assert!(err.to_string().contains("llama-bench"), "{err}");
+        let err = parse_llama_bench("{}").unwrap_err();
+        assert!(err.to_string().contains("not a list"), "{err}");
+
+        let no_tg = BATCHED_BENCH.replace("\"speed_tg\"", "\"s_tg\"");
+        let err = parse_batched_bench(&no_tg).unwrap_err().to_string();
+        assert!(
+            err.contains("llama-batched-bench") && err.contains("speed_tg"),
+            "{err}"
+        );
+        let err = parse_batched_bench("{\"pp\": 32,").unwrap_err().to_string();
+        assert!(err.contains("not JSON"), "{err}");
+    }
 }
