@@ -132,6 +132,60 @@ pub(crate) fn group_kernel(ty: GgmlType, tier: Tier) -> Option<GroupFn> {
     }
 }
 
+/// Activation rows a tile kernel multiplies at once.
+pub const TILE: usize = 4;
+
+/// Eight rows' products with [`TILE`] activation rows, each row's result bit for bit the
+/// [`GroupFn`]'s for that row alone (the integer sums are exact in any order, and each row's
+/// float steps are the same), so a sequence's outputs do not depend on its batch. The weights'
+/// nibbles are unpacked once per tile instead of once per row.
+///
+/// # Safety
+/// As [`GroupFn`], for every row of `hi` and `lo`.
+pub(crate) type TileFn =
+    unsafe fn(&[u8], [&[ActBlock]; TILE], [&[ActBlock]; TILE]) -> [[f32; GROUP]; TILE];
+
+/// The tile kernel of `ty` at `tier` (the best at or below it), if `ty` has one.
+pub(crate) fn tile_kernel(ty: GgmlType, tier: Tier) -> Option<TileFn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let simd: Option<TileFn> = match (tier, ty) {
+            (Tier::Avx512Vnni, GgmlType::Q4_1) => Some(x86::vnni::q4_1_tile),
+            (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(x86::vnni::q8_0_tile),
+            (Tier::Avx2, GgmlType::Q4_1) => Some(x86::avx2::q4_1_tile),
+            (Tier::Avx2, GgmlType::Q8_0) => Some(x86::avx2::q8_0_tile),
+            _ => None,
+        };
+        if simd.is_some() {
+            return simd;
+        }
+    }
+    let _ = tier;
+    match ty {
+        GgmlType::Q4_1 => Some(q4_1_scalar_tile),
+        GgmlType::Q8_0 => Some(q8_0_scalar_tile),
+        _ => None,
+    }
+}
+
+/// The scalar tile: the scalar group kernel row by row.
+fn q4_1_scalar_tile(
+    w: &[u8],
+    hi: [&[ActBlock]; TILE],
+    lo: [&[ActBlock]; TILE],
+) -> [[f32; GROUP]; TILE] {
+    std::array::from_fn(|i| q4_1_scalar(w, hi[i], lo[i]))
+}
+
+/// The scalar tile: the scalar group kernel row by row.
+fn q8_0_scalar_tile(
+    w: &[u8],
+    hi: [&[ActBlock]; TILE],
+    lo: [&[ActBlock]; TILE],
+) -> [[f32; GROUP]; TILE] {
+    std::array::from_fn(|i| q8_0_scalar(w, hi[i], lo[i]))
+}
+
 fn f16_at(bytes: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32()
 }
@@ -178,7 +232,7 @@ fn q8_0_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::GROUP;
+    use super::{GROUP, TILE};
     use crate::act::ActBlock;
 
     /// Four activation bytes `4j..4j + 4` of `a` in every lane.
@@ -212,12 +266,34 @@ mod x86 {
         h: &ActBlock,
         l: &ActBlock,
     ) -> __m256 {
-        let sum_h = _mm256_cvtepi32_ps(_mm256_add_epi32(sh, th));
-        let sum_l = _mm256_cvtepi32_ps(_mm256_add_epi32(sl, tl));
+        unsafe {
+            add_sums(
+                acc,
+                d,
+                _mm256_add_epi32(sh, th),
+                _mm256_add_epi32(sl, tl),
+                h,
+                l,
+            )
+        }
+    }
+
+    /// `acc + d_w × (d_hi × sum_h + d_lo × sum_l)` per row lane: the float steps of a block
+    /// column, shared by the group and the tile kernels so that both round alike.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn add_sums(
+        acc: __m256,
+        d: __m256,
+        sum_h: __m256i,
+        sum_l: __m256i,
+        h: &ActBlock,
+        l: &ActBlock,
+    ) -> __m256 {
         let scaled = _mm256_fmadd_ps(
-            sum_h,
+            _mm256_cvtepi32_ps(sum_h),
             _mm256_set1_ps(h.d),
-            _mm256_mul_ps(sum_l, _mm256_set1_ps(l.d)),
+            _mm256_mul_ps(_mm256_cvtepi32_ps(sum_l), _mm256_set1_ps(l.d)),
         );
         _mm256_fmadd_ps(d, scaled, acc)
     }
@@ -317,6 +393,102 @@ mod x86 {
                         acc = unsafe { add_block(acc, d, [sh, th, sl, tl], h, l) };
                     }
                     unsafe { store(acc) }
+                }
+
+                /// [`q4_1`] for [`TILE`] activation rows: each chunk of nibbles is unpacked
+                /// once for all of them.
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) unsafe fn q4_1_tile(
+                    w: &[u8],
+                    hi: [&[ActBlock]; TILE],
+                    lo: [&[ActBlock]; TILE],
+                ) -> [[f32; GROUP]; TILE] {
+                    let blocks = hi[0].len();
+                    debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+                    let mask = _mm256_set1_epi8(0x0F);
+                    let mut acc = [_mm256_setzero_ps(); TILE];
+                    let mut mins = [_mm256_setzero_ps(); TILE];
+                    for b in 0..blocks {
+                        let p = unsafe { w.as_ptr().add(160 * b) };
+                        // SAFETY: every row holds `blocks` blocks (the caller's contract).
+                        let h: [&ActBlock; TILE] =
+                            std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
+                        let l: [&ActBlock; TILE] =
+                            std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
+                        let mut sh = [_mm256_setzero_si256(); TILE];
+                        let mut sl = [_mm256_setzero_si256(); TILE];
+                        for j in 0..4 {
+                            let raw = unsafe { _mm256_loadu_si256(p.add(32 + 32 * j).cast()) };
+                            let low = _mm256_and_si256(raw, mask);
+                            let high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                            for i in 0..TILE {
+                                unsafe {
+                                    sh[i] = $dot(sh[i], low, broadcast(h[i], j));
+                                    sh[i] = $dot(sh[i], high, broadcast(h[i], 4 + j));
+                                    sl[i] = $dot(sl[i], low, broadcast(l[i], j));
+                                    sl[i] = $dot(sl[i], high, broadcast(l[i], 4 + j));
+                                }
+                            }
+                        }
+                        let d = unsafe { halves(p) };
+                        let m = unsafe { halves(p.add(16)) };
+                        for i in 0..TILE {
+                            acc[i] = unsafe { add_sums(acc[i], d, sh[i], sl[i], h[i], l[i]) };
+                            mins[i] = _mm256_fmadd_ps(
+                                m,
+                                _mm256_set1_ps(h[i].d_sum + l[i].d_sum),
+                                mins[i],
+                            );
+                        }
+                    }
+                    let mut out = [[0f32; GROUP]; TILE];
+                    for ((out, acc), mins) in out.iter_mut().zip(acc).zip(mins) {
+                        *out = unsafe { store(_mm256_add_ps(acc, mins)) };
+                    }
+                    out
+                }
+
+                /// [`q8_0`] for [`TILE`] activation rows: each chunk's magnitudes are taken
+                /// once for all of them.
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) unsafe fn q8_0_tile(
+                    w: &[u8],
+                    hi: [&[ActBlock]; TILE],
+                    lo: [&[ActBlock]; TILE],
+                ) -> [[f32; GROUP]; TILE] {
+                    let blocks = hi[0].len();
+                    debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+                    let mut acc = [_mm256_setzero_ps(); TILE];
+                    for b in 0..blocks {
+                        let p = unsafe { w.as_ptr().add(272 * b) };
+                        // SAFETY: every row holds `blocks` blocks (the caller's contract).
+                        let h: [&ActBlock; TILE] =
+                            std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
+                        let l: [&ActBlock; TILE] =
+                            std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
+                        let mut sh = [_mm256_setzero_si256(); TILE];
+                        let mut sl = [_mm256_setzero_si256(); TILE];
+                        for j in 0..8 {
+                            let w0 = unsafe { _mm256_loadu_si256(p.add(16 + 32 * j).cast()) };
+                            let u0 = _mm256_abs_epi8(w0);
+                            for i in 0..TILE {
+                                unsafe {
+                                    let (hj, lj) = (broadcast(h[i], j), broadcast(l[i], j));
+                                    sh[i] = $dot(sh[i], u0, _mm256_sign_epi8(hj, w0));
+                                    sl[i] = $dot(sl[i], u0, _mm256_sign_epi8(lj, w0));
+                                }
+                            }
+                        }
+                        let d = unsafe { halves(p) };
+                        for i in 0..TILE {
+                            acc[i] = unsafe { add_sums(acc[i], d, sh[i], sl[i], h[i], l[i]) };
+                        }
+                    }
+                    let mut out = [[0f32; GROUP]; TILE];
+                    for (out, acc) in out.iter_mut().zip(acc) {
+                        *out = unsafe { store(acc) };
+                    }
+                    out
                 }
             }
         };

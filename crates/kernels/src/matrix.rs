@@ -10,7 +10,9 @@ use std::borrow::Cow;
 use crate::act::{ACT_BLOCK, ActBlock, quantize_split};
 use crate::error::KernelError;
 use crate::ggml::{GgmlType, dequantize};
-use crate::interleaved::{GROUP, group_block_bytes, group_kernel, pack, unpack_row};
+use crate::interleaved::{
+    GROUP, TILE, group_block_bytes, group_kernel, pack, tile_kernel, unpack_row,
+};
 use crate::pool::ThreadPool;
 use crate::quant::{DotKernel, has_kernel};
 use crate::tier::Tier;
@@ -39,6 +41,10 @@ impl std::fmt::Debug for QuantMatrix {
         )
     }
 }
+
+/// Activation rows a task's groups take at a time: 32 rows of a 1536-wide input are 123 KB of
+/// two-pass blocks, which stay in a core's L2 while the task's groups read them.
+const ACT_ROWS_PER_PASS: usize = 32;
 
 /// Output rows per task: enough tasks to balance the threads, few enough that claiming one
 /// costs nothing next to its work.
@@ -233,21 +239,42 @@ impl QuantMatrix {
         let out = SharedOut::new(out);
         if self.interleaved {
             let kernel = group_kernel(self.ty, tier).expect("interleaved types have a kernel");
+            let tile = tile_kernel(self.ty, tier).expect("interleaved types have a tile kernel");
             let group_bytes = GROUP * self.row_bytes;
             let groups_per_task = chunk.div_ceil(GROUP);
             let groups = self.rows / GROUP;
+            let write = |t: usize, g: usize, y: [f32; GROUP]| {
+                for (r, v) in y.into_iter().enumerate() {
+                    // SAFETY: every (t, row) is written by exactly one task.
+                    unsafe { out.write(t * self.rows + g * GROUP + r, v) };
+                }
+            };
             pool.run(groups.div_ceil(groups_per_task), &|task| {
-                let end = ((task + 1) * groups_per_task).min(groups);
-                for g in task * groups_per_task..end {
-                    let w = &self.data[g * group_bytes..(g + 1) * group_bytes];
-                    for t in 0..m {
-                        let (hi, lo) = acts(t);
-                        // SAFETY: the tier was checked above; `w` is one group of
-                        // `cols / 32` block columns, `hi` and `lo` one row of as many blocks.
-                        let y = unsafe { kernel(w, hi, lo) };
-                        for (r, v) in y.into_iter().enumerate() {
-                            // SAFETY: every (t, row) is written by exactly one task.
-                            unsafe { out.write(t * self.rows + g * GROUP + r, v) };
+                let task_groups =
+                    task * groups_per_task..((task + 1) * groups_per_task).min(groups);
+                // A task's groups meet one pass of activation rows at a time, so the rows
+                // stay in cache while every group reads them (a prompt's whole activations
+                // would not).
+                for pass in (0..m).step_by(ACT_ROWS_PER_PASS) {
+                    let pass = pass..(pass + ACT_ROWS_PER_PASS).min(m);
+                    for g in task_groups.clone() {
+                        let w = &self.data[g * group_bytes..(g + 1) * group_bytes];
+                        let mut t = pass.start;
+                        while t + TILE <= pass.end {
+                            let rows: [_; TILE] = std::array::from_fn(|i| acts(t + i));
+                            // SAFETY: the tier was checked above; `w` is one group of
+                            // `cols / 32` block columns, each row of `hi` and `lo` as many
+                            // blocks.
+                            let y = unsafe { tile(w, rows.map(|r| r.0), rows.map(|r| r.1)) };
+                            for (i, y) in y.into_iter().enumerate() {
+                                write(t + i, g, y);
+                            }
+                            t += TILE;
+                        }
+                        for t in t..pass.end {
+                            let (hi, lo) = acts(t);
+                            // SAFETY: as above, for one row.
+                            write(t, g, unsafe { kernel(w, hi, lo) });
                         }
                     }
                 }
