@@ -12,6 +12,7 @@
 use crate::SharedOut;
 use crate::error::KernelError;
 use crate::pool::ThreadPool;
+use crate::tier::Tier;
 
 /// The sizes of one attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,6 +188,32 @@ pub fn attention_blocks(
     out: &mut [f32],
     pool: &ThreadPool,
 ) -> Result<(), KernelError> {
+    attention_blocks_with(shape, q, kv, mask, out, pool, Tier::active())
+}
+
+/// [`attention_blocks`] on a given tier: [`Tier::Scalar`] is the reference; the x86 tiers
+/// take each row's scores, exponentials and weighted sums eight lanes at a time with FMA (a
+/// different rounding from the reference, the same on every call: a row's output still depends
+/// only on its visible keys).
+///
+/// # Errors
+/// As [`attention_blocks`].
+///
+/// # Panics
+/// If this CPU cannot run `tier`.
+pub fn attention_blocks_with(
+    shape: AttentionShape,
+    q: &[f32],
+    kv: KvBlocks<'_>,
+    mask: &[bool],
+    out: &mut [f32],
+    pool: &ThreadPool,
+    tier: Tier,
+) -> Result<(), KernelError> {
+    assert!(
+        tier.is_supported(),
+        "kernel tier {tier} is not supported on this CPU"
+    );
     shape.check(q, &kv, mask, out)?;
     let AttentionShape {
         batch,
@@ -213,6 +240,7 @@ pub fn attention_blocks(
             head_dim,
         };
         let mut scores = Vec::with_capacity(keys);
+        let mut probs = Vec::with_capacity(keys);
         let mut acc = vec![0f32; head_dim];
         let rows = chunk * ROWS_PER_TASK..((chunk + 1) * ROWS_PER_TASK).min(q_rows);
         for row in rows {
@@ -220,7 +248,22 @@ pub fn attention_blocks(
             let row_mask = &mask[(b * q_len + i) * keys..][..keys];
             let q_start = (block * q_rows + row) * head_dim;
             let q_row = &q[q_start..q_start + head_dim];
-            attend_row(q_row, &head, row_mask, scale, &mut scores, &mut acc);
+            match tier {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the tier was checked above (AVX2 and FMA are part of both).
+                Tier::Avx2 | Tier::Avx512Vnni => unsafe {
+                    x86::attend_row(
+                        q_row,
+                        &head,
+                        row_mask,
+                        scale,
+                        &mut scores,
+                        &mut probs,
+                        &mut acc,
+                    )
+                },
+                _ => attend_row(q_row, &head, row_mask, scale, &mut scores, &mut acc),
+            }
             for (d, &value) in acc.iter().enumerate() {
                 // SAFETY: each (block, row) belongs to exactly one task.
                 unsafe { shared.write(q_start + d, value) };
@@ -319,4 +362,214 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
         + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
         + tail
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{HeadKv, visible_span};
+
+    /// [`super::attend_row`] with AVX2 and FMA: the scores as dot products in two 8-lane
+    /// accumulators, the exponentials eight at a time ([`exp8`]), and the weighted sum of the
+    /// values with a 64-wide slice of the output held in registers.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn attend_row(
+        q: &[f32],
+        kv: &HeadKv<'_>,
+        mask: &[bool],
+        scale: f32,
+        scores: &mut Vec<(usize, f32)>,
+        probs: &mut Vec<f32>,
+        acc: &mut [f32],
+    ) {
+        scores.clear();
+        let head_dim = q.len();
+        let visible = visible_span(mask);
+        let mut max = f32::NEG_INFINITY;
+        for (at, _) in kv
+            .offsets(visible.clone())
+            .zip(&mask[visible])
+            .filter(|(_, masked)| !**masked)
+        {
+            let s = unsafe { dot(q, &kv.kv.k[at..at + head_dim]) } * scale;
+            max = max.max(s);
+            scores.push((at, s));
+        }
+        acc.fill(0.0);
+        if scores.is_empty() {
+            return;
+        }
+        // p_j = exp(s_j - max), eight at a time; the last few padded with -inf (exp: 0).
+        probs.clear();
+        let mut sums = _mm256_setzero_ps();
+        let max8 = _mm256_set1_ps(max);
+        for chunk in scores.chunks(8) {
+            let mut x = [f32::NEG_INFINITY; 8];
+            for (x, &(_, s)) in x.iter_mut().zip(chunk) {
+                *x = s;
+            }
+            let p = unsafe { exp8(_mm256_sub_ps(_mm256_loadu_ps(x.as_ptr()), max8)) };
+            sums = _mm256_add_ps(sums, p);
+            let mut lanes = [0f32; 8];
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), p) };
+            probs.extend_from_slice(&lanes[..chunk.len()]);
+        }
+        let inv = 1.0 / unsafe { hsum(sums) };
+        // acc = Σ_j p_j v_j, 64 columns at a time in eight registers, then 8, then one.
+        let v = kv.kv.v;
+        let mut c = 0;
+        while c + 64 <= head_dim {
+            let mut lanes = [_mm256_setzero_ps(); 8];
+            for (&(at, _), &p) in scores.iter().zip(probs.iter()) {
+                let p = _mm256_set1_ps(p);
+                let row = &v[at + c..at + c + 64];
+                for (u, lane) in lanes.iter_mut().enumerate() {
+                    let x = unsafe { _mm256_loadu_ps(row.as_ptr().add(8 * u)) };
+                    *lane = _mm256_fmadd_ps(p, x, *lane);
+                }
+            }
+            for (u, lane) in lanes.into_iter().enumerate() {
+                let out = _mm256_mul_ps(lane, _mm256_set1_ps(inv));
+                unsafe { _mm256_storeu_ps(acc[c + 8 * u..c + 8 * u + 8].as_mut_ptr(), out) };
+            }
+            c += 64;
+        }
+        while c + 8 <= head_dim {
+            let mut lane = _mm256_setzero_ps();
+            for (&(at, _), &p) in scores.iter().zip(probs.iter()) {
+                let x = unsafe { _mm256_loadu_ps(v[at + c..at + c + 8].as_ptr()) };
+                lane = _mm256_fmadd_ps(_mm256_set1_ps(p), x, lane);
+            }
+            let out = _mm256_mul_ps(lane, _mm256_set1_ps(inv));
+            unsafe { _mm256_storeu_ps(acc[c..c + 8].as_mut_ptr(), out) };
+            c += 8;
+        }
+        for (d, a) in acc.iter_mut().enumerate().skip(c) {
+            let sum: f32 = scores
+                .iter()
+                .zip(probs.iter())
+                .fold(0.0, |sum, (&(at, _), &p)| p.mul_add(v[at + d], sum));
+            *a = sum * inv;
+        }
+    }
+
+    /// The sum of a register's eight lanes, in a fixed order.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
+    }
+
+    /// `a · b`: sixteen lanes in two accumulators, then eight, then the rest one by one.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        // SAFETY: every load reads eight values below `n`.
+        unsafe {
+            while i + 16 <= n {
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), s0);
+                s1 = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(pa.add(i + 8)),
+                    _mm256_loadu_ps(pb.add(i + 8)),
+                    s1,
+                );
+                i += 16;
+            }
+            if i + 8 <= n {
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), s0);
+                i += 8;
+            }
+        }
+        let mut sum = unsafe { hsum(_mm256_add_ps(s0, s1)) };
+        for j in i..n {
+            sum = a[j].mul_add(b[j], sum);
+        }
+        sum
+    }
+
+    /// `e^x` for eight lanes with `x ≤ 0` (softmax's exponents after subtracting the max):
+    /// `x = n ln 2 + r` with `|r| ≤ ln 2 / 2`, `e^r` by a degree-6 polynomial (Cephes'
+    /// `expf` coefficients; within 2 ulp of the exact value), scaled by `2^n` through the
+    /// exponent bits. Below -87.3 (and for -inf) the result is 0.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp8(x: __m256) -> __m256 {
+        let min = _mm256_set1_ps(-87.336_55);
+        let underflow = _mm256_cmp_ps(x, min, _CMP_LT_OQ);
+        let x = _mm256_max_ps(x, min);
+        let n = _mm256_round_ps(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+        );
+        // r = x - n ln 2, with ln 2 split in two so that n × hi is exact.
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            1.666_666_5e-1,
+            5.000_000_1e-1,
+        ] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let r2 = _mm256_mul_ps(r, r);
+        let e_r = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));
+        // 2^n: n + 127 in the exponent field (n ≥ -126 after the clamp).
+        let two_n = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+            23,
+        ));
+        _mm256_andnot_ps(underflow, _mm256_mul_ps(e_r, two_n))
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn exp8_is_within_two_ulp_of_libm() {
+            if !crate::tier::Tier::Avx2.is_supported() {
+                return;
+            }
+            let mut x = -90.0f32;
+            while x <= 0.0 {
+                let lanes: [f32; 8] = std::array::from_fn(|i| x - i as f32 * 1e-3);
+                let mut got = [0f32; 8];
+                unsafe {
+                    _mm256_storeu_ps(got.as_mut_ptr(), exp8(_mm256_loadu_ps(lanes.as_ptr())))
+                };
+                for (g, l) in got.iter().zip(lanes) {
+                    let want = l.exp();
+                    if l < -87.336_55 {
+                        assert_eq!(*g, 0.0, "exp({l})");
+                    } else {
+                        let ulps = (g.to_bits() as i64 - want.to_bits() as i64).abs();
+                        assert!(
+                            ulps <= 2 || want < f32::MIN_POSITIVE,
+                            "exp({l}) = {g}, libm {want}"
+                        );
+                    }
+                }
+                x += 0.0137;
+            }
+            let mut got = [1f32; 8];
+            unsafe {
+                let inf = _mm256_set1_ps(f32::NEG_INFINITY);
+                _mm256_storeu_ps(got.as_mut_ptr(), exp8(inf));
+            }
+            assert_eq!(got, [0.0; 8]);
+        }
+    }
 }

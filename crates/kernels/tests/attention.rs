@@ -1,9 +1,33 @@
 //! The attention kernel against an f64 reference, and its promise that a query's output does
 //! not depend on the keys it cannot see (so batches equal single runs bit for bit).
 
-use kiln_kernels::ThreadPool;
-use kiln_kernels::attention::{AttentionShape, KvBlocks, attention, attention_blocks};
+use kiln_kernels::attention::{
+    AttentionShape, KvBlocks, attention, attention_blocks, attention_blocks_with,
+};
+use kiln_kernels::{ThreadPool, Tier};
 use proptest::prelude::*;
+
+/// [`attention`] on `tier`: each (batch row, KV head)'s keys one block.
+#[allow(clippy::too_many_arguments)]
+fn attention_on(
+    tier: Tier,
+    shape: AttentionShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: &[bool],
+    out: &mut [f32],
+    pool: &ThreadPool,
+) {
+    let table: Vec<usize> = (0..shape.batch * shape.n_kv_heads).collect();
+    let kv = KvBlocks {
+        k,
+        v,
+        table: &table,
+        block_keys: shape.keys,
+    };
+    attention_blocks_with(shape, q, kv, mask, out, pool, tier).unwrap();
+}
 
 fn values(len: usize, seed: u64) -> Vec<f32> {
     let mut state = seed | 1;
@@ -103,11 +127,13 @@ proptest! {
             .iter()
             .map(|x| *x > 0.2)
             .collect();
-        let mut out = vec![f32::NAN; q.len()];
-        attention(shape, &q, &k, &v, &mask, &mut out, &ThreadPool::new(threads)).unwrap();
         let expected = reference(shape, &q, &k, &v, &mask);
-        for (got, want) in out.iter().zip(&expected) {
-            prop_assert!((*got as f64 - want).abs() < 1e-5, "{got} vs {want}");
+        for tier in Tier::supported() {
+            let mut out = vec![f32::NAN; q.len()];
+            attention_on(tier, shape, &q, &k, &v, &mask, &mut out, &ThreadPool::new(threads));
+            for (got, want) in out.iter().zip(&expected) {
+                prop_assert!((*got as f64 - want).abs() < 1e-5, "{tier}: {got} vs {want}");
+            }
         }
     }
 
@@ -123,33 +149,36 @@ proptest! {
             .map(|x| (x % shape.keys) > (x / shape.keys))
             .collect();
         let pool = ThreadPool::new(2);
-        let mut alone = vec![0f32; q.len()];
-        attention(shape, &q, &k, &v, &causal, &mut alone, &pool).unwrap();
+        for tier in Tier::supported() {
+            let mut alone = vec![0f32; q.len()];
+            attention_on(tier, shape, &q, &k, &v, &causal, &mut alone, &pool);
 
-        // The keys again, with `before` and `after` masked junk keys around them.
-        let wide = AttentionShape { keys: before + shape.keys + after, ..shape };
-        let junk = values(wide.keys * shape.head_dim, seed ^ 4);
-        let widen = |x: &[f32]| -> Vec<f32> {
-            let mut out = Vec::new();
-            for head in x.chunks(shape.keys * shape.head_dim) {
-                out.extend_from_slice(&junk[..before * shape.head_dim]);
-                out.extend_from_slice(head);
-                out.extend_from_slice(&junk[before * shape.head_dim..(before + after) * shape.head_dim]);
+            // The keys again, with `before` and `after` masked junk keys around them.
+            let wide = AttentionShape { keys: before + shape.keys + after, ..shape };
+            let junk = values(wide.keys * shape.head_dim, seed ^ 4);
+            let widen = |x: &[f32]| -> Vec<f32> {
+                let mut out = Vec::new();
+                for head in x.chunks(shape.keys * shape.head_dim) {
+                    out.extend_from_slice(&junk[..before * shape.head_dim]);
+                    out.extend_from_slice(head);
+                    out.extend_from_slice(&junk[before * shape.head_dim..(before + after) * shape.head_dim]);
+                }
+                out
+            };
+            let mut mask = vec![true; shape.q_len * wide.keys];
+            for i in 0..shape.q_len {
+                for j in 0..shape.keys {
+                    mask[i * wide.keys + before + j] = causal[i * shape.keys + j];
+                }
             }
-            out
-        };
-        let mut mask = vec![true; shape.q_len * wide.keys];
-        for i in 0..shape.q_len {
-            for j in 0..shape.keys {
-                mask[i * wide.keys + before + j] = causal[i * shape.keys + j];
-            }
+            let mut packed = vec![0f32; q.len()];
+            attention_on(tier, wide, &q, &widen(&k), &widen(&v), &mask, &mut packed, &pool);
+            prop_assert_eq!(
+                alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                packed.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{}", tier
+            );
         }
-        let mut packed = vec![0f32; q.len()];
-        attention(wide, &q, &widen(&k), &widen(&v), &mask, &mut packed, &pool).unwrap();
-        prop_assert_eq!(
-            alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            packed.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-        );
     }
 
     /// Keys and values scattered over blocks in shuffled order (a paged cache), read through
