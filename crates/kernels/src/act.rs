@@ -14,6 +14,8 @@ pub struct ActBlock {
     pub d: f32,
     /// `d × Σ qs`, for the weight types with an offset (Q4_0's 8, Q4_1's and Q4_K's minimum).
     pub d_sum: f32,
+    /// `Σ qs`, for integer sums taken against offset weights (Q8_0 stored as `w + 128`).
+    pub sum: i32,
 }
 
 /// Values per activation block.
@@ -36,6 +38,7 @@ impl ActBlock {
             qs,
             d,
             d_sum: d * sum as f32,
+            sum,
         }
     }
 }
@@ -94,7 +97,7 @@ mod tests {
         assert_eq!(b.qs[31], 127);
         assert!((b.d * 127.0 - 5.25).abs() < 1e-6);
         let sum: i32 = b.qs.iter().map(|&q| i32::from(q)).sum();
-        assert_eq!(b.d_sum, b.d * sum as f32);
+        assert_eq!((b.sum, b.d_sum), (sum, b.d * sum as f32));
         for (q, v) in b.qs.iter().zip(&x) {
             assert!((f32::from(*q) * b.d - v).abs() <= b.d / 2.0 + 1e-6);
         }

@@ -7,8 +7,10 @@
 //! eight f16 scales, for Q4_1 the eight f16 minimums, then the quants as 4-byte lanes: lane `r`
 //! of chunk `j` holds row `r`'s values `4j..4j + 4`. For Q4_1 (4 chunks of 32 bytes) a byte
 //! holds value `4j + t` in its low nibble and value `16 + 4j + t` in its high nibble; for Q8_0
-//! (8 chunks) a byte is value `4j + t`. Broadcasting four activation bytes against a chunk
-//! then multiplies row `r`'s values in lane `r`: `vpdpbusd` sums them there.
+//! (8 chunks) a byte is value `4j + t` plus 128 (`q ^ 0x80`), an unsigned byte like Q4_1's
+//! nibbles. Broadcasting four activation bytes against a chunk then multiplies row `r`'s values
+//! in lane `r`: `vpdpbusd` (unsigned weights × signed activations) sums them there, and for
+//! Q8_0 `128 × Σ a` (the activation block's [`ActBlock::sum`]) is taken off the integer sum.
 //!
 //! Each call takes an activation row in two passes ([`crate::act::quantize_split`]): the
 //! 8-bit blocks and the 8-bit blocks of what they left over, so the product is as exact as
@@ -22,6 +24,9 @@ use crate::tier::Tier;
 
 /// Rows per group.
 pub const GROUP: usize = 8;
+
+/// What a Q8_0 quant is stored XOR-ed with: `q ^ 0x80` is `q + 128` read as an unsigned byte.
+const Q8_0_OFFSET: u8 = 0x80;
 
 /// Bytes of one block column of a group, or `None` for a type without an interleaved kernel.
 pub fn group_block_bytes(ty: GgmlType) -> Option<usize> {
@@ -69,8 +74,9 @@ pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8>
                     _ => {
                         dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
                         for j in 0..8 {
-                            dst[16 + 32 * j + 4 * r..][..4]
-                                .copy_from_slice(&src[2 + 4 * j..2 + 4 * j + 4]);
+                            for t in 0..4 {
+                                dst[16 + 32 * j + 4 * r + t] = src[2 + 4 * j + t] ^ Q8_0_OFFSET;
+                            }
                         }
                     }
                 }
@@ -95,7 +101,11 @@ pub fn unpack_row(ty: GgmlType, group: &[u8], r: usize, out: &mut Vec<u8>) {
             _ => {
                 out.extend_from_slice(&dst[2 * r..2 * r + 2]);
                 for j in 0..8 {
-                    out.extend_from_slice(&dst[16 + 32 * j + 4 * r..][..4]);
+                    out.extend(
+                        dst[16 + 32 * j + 4 * r..][..4]
+                            .iter()
+                            .map(|q| q ^ Q8_0_OFFSET),
+                    );
                 }
             }
         }
@@ -115,9 +125,9 @@ pub(crate) fn group_kernel(ty: GgmlType, tier: Tier) -> Option<GroupFn> {
     {
         let simd: Option<GroupFn> = match (tier, ty) {
             (Tier::Avx512Vnni, GgmlType::Q4_1) => Some(x86::vnni::q4_1),
-            (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(x86::vnni::q8_0),
+            (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(x86::q8_0_offset::group),
             (Tier::Avx2, GgmlType::Q4_1) => Some(x86::avx2::q4_1),
-            (Tier::Avx2, GgmlType::Q8_0) => Some(x86::avx2::q8_0),
+            (Tier::Avx2, GgmlType::Q8_0) => Some(x86::q8_0_sign::group),
             _ => None,
         };
         if simd.is_some() {
@@ -151,9 +161,9 @@ pub(crate) fn tile_kernel(ty: GgmlType, tier: Tier) -> Option<TileFn> {
     {
         let simd: Option<TileFn> = match (tier, ty) {
             (Tier::Avx512Vnni, GgmlType::Q4_1) => Some(x86::vnni::q4_1_tile),
-            (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(x86::vnni::q8_0_tile),
+            (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(x86::q8_0_offset::tile),
             (Tier::Avx2, GgmlType::Q4_1) => Some(x86::avx2::q4_1_tile),
-            (Tier::Avx2, GgmlType::Q8_0) => Some(x86::avx2::q8_0_tile),
+            (Tier::Avx2, GgmlType::Q8_0) => Some(x86::q8_0_sign::tile),
             _ => None,
         };
         if simd.is_some() {
@@ -218,7 +228,7 @@ fn q8_0_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
         for (r, y) in out.iter_mut().enumerate() {
             let (mut sum_h, mut sum_l) = (0i32, 0i32);
             for e in 0..32 {
-                let q = i32::from(block[16 + 32 * (e / 4) + 4 * r + e % 4] as i8);
+                let q = i32::from(block[16 + 32 * (e / 4) + 4 * r + e % 4]) - 128;
                 sum_h += q * i32::from(h.qs[e]);
                 sum_l += q * i32::from(l.qs[e]);
             }
@@ -362,39 +372,6 @@ mod x86 {
                     unsafe { store(_mm256_add_ps(acc, mins)) }
                 }
 
-                /// Eight Q8_0 rows × two-pass activations, with the sign trick
-                /// (`|w| × sign(a, w)`; `|-128|` is 128 read unsigned, activations never
-                /// reach -128): pair sums of at most 2 × 128 × 127 fit `vpmaddubsw`.
-                #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn q8_0(
-                    w: &[u8],
-                    hi: &[ActBlock],
-                    lo: &[ActBlock],
-                ) -> [f32; GROUP] {
-                    let mut acc = _mm256_setzero_ps();
-                    for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
-                        let p = unsafe { w.as_ptr().add(272 * b) };
-                        let (mut sh, mut sl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                        let (mut th, mut tl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                        for j in (0..8).step_by(2) {
-                            unsafe {
-                                let w0 = _mm256_loadu_si256(p.add(16 + 32 * j).cast());
-                                let w1 = _mm256_loadu_si256(p.add(48 + 32 * j).cast());
-                                let (h0, h1) = (broadcast(h, j), broadcast(h, j + 1));
-                                let (l0, l1) = (broadcast(l, j), broadcast(l, j + 1));
-                                let (u0, u1) = (_mm256_abs_epi8(w0), _mm256_abs_epi8(w1));
-                                sh = $dot(sh, u0, _mm256_sign_epi8(h0, w0));
-                                th = $dot(th, u1, _mm256_sign_epi8(h1, w1));
-                                sl = $dot(sl, u0, _mm256_sign_epi8(l0, w0));
-                                tl = $dot(tl, u1, _mm256_sign_epi8(l1, w1));
-                            }
-                        }
-                        let d = unsafe { halves(p) };
-                        acc = unsafe { add_block(acc, d, [sh, th, sl, tl], h, l) };
-                    }
-                    unsafe { store(acc) }
-                }
-
                 /// [`q4_1`] for [`TILE`] activation rows: each chunk of nibbles is unpacked
                 /// once for all of them.
                 #[target_feature(enable = $features)]
@@ -447,49 +424,6 @@ mod x86 {
                     }
                     out
                 }
-
-                /// [`q8_0`] for [`TILE`] activation rows: each chunk's magnitudes are taken
-                /// once for all of them.
-                #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn q8_0_tile(
-                    w: &[u8],
-                    hi: [&[ActBlock]; TILE],
-                    lo: [&[ActBlock]; TILE],
-                ) -> [[f32; GROUP]; TILE] {
-                    let blocks = hi[0].len();
-                    debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
-                    let mut acc = [_mm256_setzero_ps(); TILE];
-                    for b in 0..blocks {
-                        let p = unsafe { w.as_ptr().add(272 * b) };
-                        // SAFETY: every row holds `blocks` blocks (the caller's contract).
-                        let h: [&ActBlock; TILE] =
-                            std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
-                        let l: [&ActBlock; TILE] =
-                            std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
-                        let mut sh = [_mm256_setzero_si256(); TILE];
-                        let mut sl = [_mm256_setzero_si256(); TILE];
-                        for j in 0..8 {
-                            let w0 = unsafe { _mm256_loadu_si256(p.add(16 + 32 * j).cast()) };
-                            let u0 = _mm256_abs_epi8(w0);
-                            for i in 0..TILE {
-                                unsafe {
-                                    let (hj, lj) = (broadcast(h[i], j), broadcast(l[i], j));
-                                    sh[i] = $dot(sh[i], u0, _mm256_sign_epi8(hj, w0));
-                                    sl[i] = $dot(sl[i], u0, _mm256_sign_epi8(lj, w0));
-                                }
-                            }
-                        }
-                        let d = unsafe { halves(p) };
-                        for i in 0..TILE {
-                            acc[i] = unsafe { add_sums(acc[i], d, sh[i], sl[i], h[i], l[i]) };
-                        }
-                    }
-                    let mut out = [[0f32; GROUP]; TILE];
-                    for (out, acc) in out.iter_mut().zip(acc) {
-                        *out = unsafe { store(acc) };
-                    }
-                    out
-                }
             }
         };
     }
@@ -500,4 +434,181 @@ mod x86 {
         "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
         dot_vnni
     );
+
+    /// Q8_0 on AVX2 with the sign trick: `vpmaddubsw` multiplies unsigned by signed bytes, so
+    /// the weights go in as `|w|` and the activations as `sign(a, w)` (`|-128|` is 128 read
+    /// unsigned, activations never reach -128): pair sums of at most 2 × 128 × 127 fit its
+    /// 16-bit lanes.
+    pub(super) mod q8_0_sign {
+        use super::*;
+
+        /// A chunk of 32 stored quants at `p` back as signed bytes.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn signed(p: *const u8) -> __m256i {
+            let stored = unsafe { _mm256_loadu_si256(p.cast()) };
+            _mm256_xor_si256(stored, _mm256_set1_epi8(i8::MIN))
+        }
+
+        /// Eight Q8_0 rows × two-pass activations.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(in crate::interleaved) unsafe fn group(
+            w: &[u8],
+            hi: &[ActBlock],
+            lo: &[ActBlock],
+        ) -> [f32; GROUP] {
+            let mut acc = _mm256_setzero_ps();
+            for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
+                let p = unsafe { w.as_ptr().add(272 * b) };
+                let (mut sh, mut sl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                let (mut th, mut tl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for j in (0..8).step_by(2) {
+                    unsafe {
+                        let w0 = signed(p.add(16 + 32 * j));
+                        let w1 = signed(p.add(48 + 32 * j));
+                        let (h0, h1) = (broadcast(h, j), broadcast(h, j + 1));
+                        let (l0, l1) = (broadcast(l, j), broadcast(l, j + 1));
+                        let (u0, u1) = (_mm256_abs_epi8(w0), _mm256_abs_epi8(w1));
+                        sh = dot_avx2(sh, u0, _mm256_sign_epi8(h0, w0));
+                        th = dot_avx2(th, u1, _mm256_sign_epi8(h1, w1));
+                        sl = dot_avx2(sl, u0, _mm256_sign_epi8(l0, w0));
+                        tl = dot_avx2(tl, u1, _mm256_sign_epi8(l1, w1));
+                    }
+                }
+                let d = unsafe { halves(p) };
+                acc = unsafe { add_block(acc, d, [sh, th, sl, tl], h, l) };
+            }
+            unsafe { store(acc) }
+        }
+
+        /// [`group`] for [`TILE`] activation rows: each chunk's magnitudes are taken
+        /// once for all of them.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(in crate::interleaved) unsafe fn tile(
+            w: &[u8],
+            hi: [&[ActBlock]; TILE],
+            lo: [&[ActBlock]; TILE],
+        ) -> [[f32; GROUP]; TILE] {
+            let blocks = hi[0].len();
+            debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+            let mut acc = [_mm256_setzero_ps(); TILE];
+            for b in 0..blocks {
+                let p = unsafe { w.as_ptr().add(272 * b) };
+                // SAFETY: every row holds `blocks` blocks (the caller's contract).
+                let h: [&ActBlock; TILE] =
+                    std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
+                let l: [&ActBlock; TILE] =
+                    std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
+                let mut sh = [_mm256_setzero_si256(); TILE];
+                let mut sl = [_mm256_setzero_si256(); TILE];
+                for j in 0..8 {
+                    let w0 = unsafe { signed(p.add(16 + 32 * j)) };
+                    let u0 = _mm256_abs_epi8(w0);
+                    for i in 0..TILE {
+                        unsafe {
+                            let (hj, lj) = (broadcast(h[i], j), broadcast(l[i], j));
+                            sh[i] = dot_avx2(sh[i], u0, _mm256_sign_epi8(hj, w0));
+                            sl[i] = dot_avx2(sl[i], u0, _mm256_sign_epi8(lj, w0));
+                        }
+                    }
+                }
+                let d = unsafe { halves(p) };
+                for i in 0..TILE {
+                    acc[i] = unsafe { add_sums(acc[i], d, sh[i], sl[i], h[i], l[i]) };
+                }
+            }
+            let mut out = [[0f32; GROUP]; TILE];
+            for (out, acc) in out.iter_mut().zip(acc) {
+                *out = unsafe { store(acc) };
+            }
+            out
+        }
+    }
+
+    /// Q8_0 on VNNI without the sign trick: the stored quants are already the unsigned bytes
+    /// `w + 128` that `vpdpbusd` takes, so a chunk multiplies the broadcast activations as it
+    /// is (as Q4_1's nibbles do, the broadcast folded into the instruction), and
+    /// Σ (w + 128) a = Σ w a + 128 Σ a: the activation block's `128 × sum` comes off each
+    /// row's integer sum. The sums are the sign trick's exactly, so the float steps and the
+    /// bits are too.
+    pub(super) mod q8_0_offset {
+        use super::*;
+
+        /// `sum - 128 × Σ a` in every lane.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn unoffset(sum: __m256i, a: &ActBlock) -> __m256i {
+            _mm256_sub_epi32(sum, _mm256_set1_epi32(a.sum << 7))
+        }
+
+        /// Eight Q8_0 rows × two-pass activations.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        pub(in crate::interleaved) unsafe fn group(
+            w: &[u8],
+            hi: &[ActBlock],
+            lo: &[ActBlock],
+        ) -> [f32; GROUP] {
+            let mut acc = _mm256_setzero_ps();
+            for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
+                let p = unsafe { w.as_ptr().add(272 * b) };
+                let (mut sh, mut sl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                let (mut th, mut tl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for j in (0..8).step_by(2) {
+                    unsafe {
+                        let w0 = _mm256_loadu_si256(p.add(16 + 32 * j).cast());
+                        let w1 = _mm256_loadu_si256(p.add(48 + 32 * j).cast());
+                        sh = dot_vnni(sh, w0, broadcast(h, j));
+                        th = dot_vnni(th, w1, broadcast(h, j + 1));
+                        sl = dot_vnni(sl, w0, broadcast(l, j));
+                        tl = dot_vnni(tl, w1, broadcast(l, j + 1));
+                    }
+                }
+                let sum_h = unsafe { unoffset(_mm256_add_epi32(sh, th), h) };
+                let sum_l = unsafe { unoffset(_mm256_add_epi32(sl, tl), l) };
+                acc = unsafe { add_sums(acc, halves(p), sum_h, sum_l, h, l) };
+            }
+            unsafe { store(acc) }
+        }
+
+        /// [`group`] for [`TILE`] activation rows: each chunk is loaded once for all of them.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        pub(in crate::interleaved) unsafe fn tile(
+            w: &[u8],
+            hi: [&[ActBlock]; TILE],
+            lo: [&[ActBlock]; TILE],
+        ) -> [[f32; GROUP]; TILE] {
+            let blocks = hi[0].len();
+            debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+            let mut acc = [_mm256_setzero_ps(); TILE];
+            for b in 0..blocks {
+                let p = unsafe { w.as_ptr().add(272 * b) };
+                // SAFETY: every row holds `blocks` blocks (the caller's contract).
+                let h: [&ActBlock; TILE] =
+                    std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
+                let l: [&ActBlock; TILE] =
+                    std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
+                let mut sh = [_mm256_setzero_si256(); TILE];
+                let mut sl = [_mm256_setzero_si256(); TILE];
+                for j in 0..8 {
+                    let w0 = unsafe { _mm256_loadu_si256(p.add(16 + 32 * j).cast()) };
+                    for i in 0..TILE {
+                        unsafe {
+                            sh[i] = dot_vnni(sh[i], w0, broadcast(h[i], j));
+                            sl[i] = dot_vnni(sl[i], w0, broadcast(l[i], j));
+                        }
+                    }
+                }
+                let d = unsafe { halves(p) };
+                for i in 0..TILE {
+                    let (sum_h, sum_l) = unsafe { (unoffset(sh[i], h[i]), unoffset(sl[i], l[i])) };
+                    acc[i] = unsafe { add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]) };
+                }
+            }
+            let mut out = [[0f32; GROUP]; TILE];
+            for (out, acc) in out.iter_mut().zip(acc) {
+                *out = unsafe { store(acc) };
+            }
+            out
+        }
+    }
 }

@@ -312,6 +312,7 @@ fn quantize_activations(
         qs: [0; 32],
         d: 0.0,
         d_sum: 0.0,
+        sum: 0,
     };
     let (mut hi, mut lo) = (vec![empty; m * per_row], vec![empty; m * per_row]);
     let quantize_row = |row: usize, hi: &SharedOut<ActBlock>, lo: &SharedOut<ActBlock>| {

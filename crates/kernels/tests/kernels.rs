@@ -132,9 +132,20 @@ proptest! {
         for r in 0..rows {
             w.dequantize_row(r, &mut dequantized[r * cols..(r + 1) * cols]);
         }
+        let mut simd_bits: Option<(Tier, Vec<u32>)> = None;
         for tier in Tier::supported() {
             let mut out = vec![f32::NAN; m * rows];
             w.matmul_with(&x, m, &mut out, tier, &pool);
+            // The SIMD tiers differ only in how they form exact integer sums (VNNI's Q8_0 even
+            // without the sign trick), so their outputs are the same bits.
+            if tier != Tier::Scalar {
+                let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+                match &simd_bits {
+                    Some((first, expected)) => prop_assert!(*expected == bits,
+                        "{} {tier} differs from {first} in some bits", ty.name()),
+                    None => simd_bits = Some((tier, bits)),
+                }
+            }
             for t in 0..m {
                 // A row's products are the same bits alone as in a batch (tiles of several
                 // activation rows included): batches equal single runs.
