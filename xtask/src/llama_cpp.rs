@@ -16,7 +16,10 @@
 //! 4. configure a native Release build of the CPU backend in `target/llama.cpp/build/`;
 //! 5. build the tools into `target/llama.cpp/build/bin/` (about 10 minutes on 2 cores).
 //!
-//! The build uses `-DGGML_NATIVE=ON`: the tools are for this machine only.
+//! The build uses `-DGGML_NATIVE=ON`: the tools are for this machine only. AMX is left out
+//! ([`NO_AMX`]): these VMs' Sapphire Rapids CPUs advertise it, but the first `tilezero` of
+//! ggml's AMX kernels dies with SIGILL (the hypervisor does not grant the tile state), so a
+//! native build cannot run a Q4_1 model here at all.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -69,6 +72,10 @@ pub fn llama_cpp(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// Compiler flags of every llama.cpp build: no AMX, which faults on these VMs (module docs).
+/// A build configured without them is reconfigured and rebuilt.
+const NO_AMX: &str = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16";
+
 /// The folder holding llama.cpp's tools, building them first if any is missing. Progress goes
 /// to stderr.
 ///
@@ -78,7 +85,9 @@ pub fn bin_dir() -> Result<PathBuf> {
     let cache = cache_dir();
     let build = cache.join("build");
     let bin = build.join("bin");
-    if TOOLS.iter().all(|tool| bin.join(tool).is_file()) {
+    let configured = std::fs::read_to_string(build.join("CMakeCache.txt"))
+        .is_ok_and(|cache| cache.contains(NO_AMX));
+    if configured && TOOLS.iter().all(|tool| bin.join(tool).is_file()) {
         return Ok(bin);
     }
     std::fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
@@ -86,24 +95,29 @@ pub fn bin_dir() -> Result<PathBuf> {
     let source = unpack(&cache, &sdist)?;
     let (cmake, ninja) = build_tools(&cache)?;
 
-    if !build.join("build.ninja").is_file() {
-        stage("configuring llama.cpp (CPU, native, Release)", || {
-            run(Command::new(&cmake)
-                .arg("-S")
-                .arg(&source)
-                .arg("-B")
-                .arg(&build)
-                .args([
-                    "-G",
-                    "Ninja",
-                    "-DCMAKE_BUILD_TYPE=Release",
-                    "-DGGML_NATIVE=ON",
-                    "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_OPENSSL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF",
-                ])
-                .arg(format!("-DCMAKE_MAKE_PROGRAM={}", ninja.display())))
-        })?;
+    if !configured {
+        stage(
+            "configuring llama.cpp (CPU, native, no AMX, Release)",
+            || {
+                run(Command::new(&cmake)
+                    .arg("-S")
+                    .arg(&source)
+                    .arg("-B")
+                    .arg(&build)
+                    .args([
+                        "-G",
+                        "Ninja",
+                        "-DCMAKE_BUILD_TYPE=Release",
+                        "-DGGML_NATIVE=ON",
+                        "-DLLAMA_CURL=OFF",
+                        "-DLLAMA_OPENSSL=OFF",
+                        "-DLLAMA_BUILD_TESTS=OFF",
+                    ])
+                    .arg(format!("-DCMAKE_C_FLAGS={NO_AMX}"))
+                    .arg(format!("-DCMAKE_CXX_FLAGS={NO_AMX}"))
+                    .arg(format!("-DCMAKE_MAKE_PROGRAM={}", ninja.display())))
+            },
+        )?;
     }
 
     let jobs = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
