@@ -7,7 +7,7 @@
 use crate::SharedOut;
 use std::borrow::Cow;
 
-use crate::act::{ACT_BLOCK, ActBlock, quantize_split};
+use crate::act::{ACT_BLOCK, ActBlock, quantize_split_row};
 use crate::error::KernelError;
 use crate::ggml::{GgmlType, dequantize};
 use crate::interleaved::{
@@ -229,7 +229,7 @@ impl QuantMatrix {
             tier.is_supported(),
             "kernel tier {tier} is not supported on this CPU"
         );
-        let (hi, lo) = quantize_activations(x, m, self.cols, pool);
+        let (hi, lo) = quantize_activations(x, m, self.cols, tier, pool);
         let per_row = self.cols / ACT_BLOCK;
         let acts = |t: usize| {
             let span = t * per_row..(t + 1) * per_row;
@@ -305,6 +305,7 @@ fn quantize_activations(
     x: &[f32],
     m: usize,
     cols: usize,
+    tier: Tier,
     pool: &ThreadPool,
 ) -> (Vec<ActBlock>, Vec<ActBlock>) {
     let per_row = cols / ACT_BLOCK;
@@ -316,17 +317,14 @@ fn quantize_activations(
     };
     let (mut hi, mut lo) = (vec![empty; m * per_row], vec![empty; m * per_row]);
     let quantize_row = |row: usize, hi: &SharedOut<ActBlock>, lo: &SharedOut<ActBlock>| {
-        for (b, chunk) in x[row * cols..(row + 1) * cols]
-            .chunks_exact(ACT_BLOCK)
-            .enumerate()
-        {
-            let (h, l) = quantize_split(chunk.try_into().expect("chunks of 32"));
-            // SAFETY: each row is quantized by exactly one task.
-            unsafe {
-                hi.write(row * per_row + b, h);
-                lo.write(row * per_row + b, l);
-            }
-        }
+        // SAFETY: each row is quantized by exactly one task.
+        let (hi, lo) = unsafe {
+            (
+                hi.slice(row * per_row, per_row),
+                lo.slice(row * per_row, per_row),
+            )
+        };
+        quantize_split_row(&x[row * cols..(row + 1) * cols], hi, lo, tier);
     };
     let (hi_out, lo_out) = (SharedOut::new(&mut hi), SharedOut::new(&mut lo));
     if m < 8 {

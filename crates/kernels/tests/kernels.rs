@@ -2,7 +2,7 @@
 //! plain f64 arithmetic on the dequantized weights and activations, over odd shapes.
 
 use half::f16;
-use kiln_kernels::act::{ActBlock, quantize_rows, quantize_split};
+use kiln_kernels::act::{ActBlock, quantize_rows, quantize_split, quantize_split_row};
 use kiln_kernels::dense::{matmul_in_out_with, matmul_out_in_with};
 use kiln_kernels::ggml::dequantize;
 use kiln_kernels::quant::DotKernel;
@@ -110,6 +110,37 @@ proptest! {
     /// eights, rows otherwise) equals the scalar per-row dots with the two activation passes,
     /// and the f64 product of the dequantized weights with the unquantized activations to
     /// 16-bit activation precision.
+    #[test]
+    fn every_tier_quantizes_activations_to_the_scalar_bits(
+        blocks in 1usize..40,
+        seed in any::<u64>(),
+        scale in prop_oneof![Just(1e-30f32), Just(1.0f32), Just(3e4f32)],
+    ) {
+        let mut rng = Rng(seed | 1);
+        let mut x: Vec<f32> = random_acts(blocks * 32, &mut rng).iter().map(|v| v * scale).collect();
+        // An all-zero block and one holding a single nonzero value, the edge cases of the scale.
+        x[..32].fill(0.0);
+        if blocks > 1 {
+            x[32..64].fill(0.0);
+            x[40] = -scale;
+        }
+        let empty = ActBlock { qs: [0; 32], d: 0.0, d_sum: 0.0, sum: 0 };
+        let (mut hi, mut lo) = (vec![empty; blocks], vec![empty; blocks]);
+        quantize_split_row(&x, &mut hi, &mut lo, Tier::Scalar);
+        for (i, chunk) in x.chunks_exact(32).enumerate() {
+            prop_assert_eq!((hi[i], lo[i]), quantize_split(chunk.try_into().unwrap()));
+        }
+        let bits = |b: &[ActBlock]| -> Vec<(Vec<i8>, u32, u32, i32)> {
+            b.iter().map(|b| (b.qs.to_vec(), b.d.to_bits(), b.d_sum.to_bits(), b.sum)).collect()
+        };
+        for tier in Tier::supported() {
+            let (mut th, mut tl) = (vec![empty; blocks], vec![empty; blocks]);
+            quantize_split_row(&x, &mut th, &mut tl, tier);
+            prop_assert_eq!(bits(&th), bits(&hi), "{} hi", tier);
+            prop_assert_eq!(bits(&tl), bits(&lo), "{} lo", tier);
+        }
+    }
+
     #[test]
     fn quantized_matmul_matches_per_row_dots_for_odd_shapes(
         (t, blocks, seed) in blocks_strategy(),
