@@ -106,10 +106,9 @@ proptest! {
         }
     }
 
-    /// Every tier's product (interleaved groups for Q4_1 and Q8_0 when the rows come in
-    /// eights, rows otherwise) equals the scalar per-row dots with the two activation passes,
-    /// and the f64 product of the dequantized weights with the unquantized activations to
-    /// 16-bit activation precision.
+    /// Every tier's two-pass row quantization gives the scalar bits, blocks of zeros and of a
+    /// single value and tiny and large scales included, and the scalar row is `quantize_split`
+    /// block by block.
     #[test]
     fn every_tier_quantizes_activations_to_the_scalar_bits(
         blocks in 1usize..40,
@@ -141,6 +140,10 @@ proptest! {
         }
     }
 
+    /// Every tier's product (interleaved groups for Q4_1 and Q8_0 when the rows come in
+    /// eights, rows otherwise) equals the scalar per-row dots with the two activation passes,
+    /// and the f64 product of the dequantized weights with the unquantized activations to
+    /// 16-bit activation precision.
     #[test]
     fn quantized_matmul_matches_per_row_dots_for_odd_shapes(
         (t, blocks, seed) in blocks_strategy(),
