@@ -4,6 +4,8 @@
 Writes crates/models/tests/fixtures/<name>/ for:
   gpt2-tiny          HF folder, vocab.json + merges.txt only (no tokenizer.json), f32
   gpt2-tiny-legacy   the same weights with keys lacking `transformer.` and old `attn.bias` buffers
+  gpt2-tiny-lenient  `GPT2Config(vocab_size=512)` as test checkpoints write it: BOS/EOS keep
+                     GPT-2's 50256, outside the vocabulary; no tokenizer (prompts are ids)
   llama-tiny         Llama-3.1 style: GQA (4 heads, 2 KV), llama3 rope scaling, untied head,
                      sharded safetensors + index, tokenizer.json, transformers-5 config keys
   llama-tiny-meta    the same weights as Meta's original format: params.json,
@@ -12,8 +14,10 @@ Writes crates/models/tests/fixtures/<name>/ for:
 and in each, reference.json (prompts, greedy continuations, versions) and logits.safetensors
 (transformers' full f32 logits per prompt). Run from the repository root:
 
-    python3 scripts/reference/make_model_fixtures.py
+    python3 scripts/reference/make_model_fixtures.py            # every fixture
+    python3 scripts/reference/make_model_fixtures.py --only gpt2-tiny-lenient
 """
+import argparse
 import base64
 import json
 import os
@@ -192,6 +196,26 @@ def gpt2():
     tok.save(os.path.join(legacy, "tokenizer.json"))
     for f in ("reference.json", "logits.safetensors"):
         shutil.copy(os.path.join(out, f), legacy)
+    return margin
+
+
+def gpt2_lenient():
+    """A config transformers loads although its special tokens cannot exist: GPT2Config's
+    defaults keep bos/eos 50256 over a 512-token vocabulary. transformers runs it (the ids are
+    never generated); the reference is its greedy continuation, checked against generate()."""
+    torch.manual_seed(SEED)
+    config = GPT2Config(vocab_size=512, n_positions=64, n_embd=32, n_layer=2, n_head=4, initializer_range=0.2)
+    assert config.bos_token_id == 50256 and config.eos_token_id == 50256, "GPT2Config's defaults changed"
+    model = GPT2LMHeadModel(config)
+    out = fresh_dir("gpt2-tiny-lenient")
+    model.save_pretrained(out, safe_serialization=True)
+    prompts = [[17, 300, 5, 411, 98], [1, 2, 3], [500, 42, 7, 256, 128, 64]]
+    margin = reference(model, prompts, out, "GPT-2 with GPT2Config's default bos/eos 50256 over vocab 512, f32, tied head")
+    # transformers' own generate() loads the impossible EOS too and never stops on it.
+    for ids in prompts:
+        generated = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
+        cases = json.load(open(os.path.join(out, "reference.json")))["cases"]
+        assert any(c["prompt_ids"] == ids and c["greedy"] == generated for c in cases), "generate() disagrees"
     return margin
 
 
@@ -375,11 +399,14 @@ def llama():
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "llama"], help="rewrite one family of fixtures")
+    only = parser.parse_args().only
     torch.set_grad_enabled(False)
-    m1 = gpt2()
-    m2 = llama()
-    print(f"smallest top-1/top-2 logit margin on the greedy paths: gpt2 {m1:.4f}, llama {m2:.4f}", file=sys.stderr)
-    for name in sorted(os.listdir(ROOT)):
+    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("llama", llama)]:
+        if only in (None, name):
+            print(f"{name}: smallest top-1/top-2 logit margin on the greedy paths {make():.4f}", file=sys.stderr)
+    for name in sorted(n for n in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, n))):
         size = sum(os.path.getsize(os.path.join(ROOT, name, f)) for f in os.listdir(os.path.join(ROOT, name)))
         print(f"{name}: {size / 1024:.0f} KiB", file=sys.stderr)
 

@@ -1,6 +1,7 @@
 //! `kiln chat`: a conversation at the terminal (or on piped stdin). Each line is a user turn;
 //! the conversation is rendered with the model's chat template and the reply streams to
-//! stdout. The KV cache is kept between turns ([`kiln_engine::Session`]), so a turn computes
+//! stdout. With a message on the command line (`kiln chat "Tell me a story"`) it answers that
+//! one turn and exits, as `ollama run MODEL "…"` does. The KV cache is kept between turns ([`kiln_engine::Session`]), so a turn computes
 //! only its new tokens. Lines starting with `/` are commands (`/help` lists them); Ctrl-C stops
 //! the reply being written, not the program.
 
@@ -23,6 +24,10 @@ use crate::model_args::{ModelArgs, SamplingArgs};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
+    /// A message to answer once, then exit (stdin is not read). Without it, each line of stdin
+    /// is a turn of the conversation.
+    #[arg(value_name = "MESSAGE")]
+    message: Option<String>,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -311,7 +316,9 @@ impl BackendTask for Task {
             max_tokens: args.max_tokens,
         };
 
-        let interactive = std::io::stdin().is_terminal();
+        // One turn from the command line, or a conversation on stdin.
+        let one_shot = args.message.is_some();
+        let interactive = !one_shot && std::io::stdin().is_terminal();
         install_ctrl_c(interactive);
         if interactive {
             eprintln!(
@@ -323,14 +330,23 @@ impl BackendTask for Task {
         let mut turns: Vec<ChatMessage> = Vec::new();
         let mut last: Option<Reply> = None;
         let mut stdout = std::io::stdout();
-        let mut lines = std::io::stdin().lock().lines();
+        let mut lines: Box<dyn Iterator<Item = std::io::Result<String>>> = match &args.message {
+            Some(message) => Box::new(std::iter::once(Ok(message.clone()))),
+            None => Box::new(std::io::stdin().lock().lines()),
+        };
         loop {
             if interactive {
                 eprint!("> ");
             }
             let Some(line) = lines.next() else { break };
             let line = line?;
-            let text = match parse(&line) {
+            // A message given as an argument is said as it is, even when it starts with `/`.
+            let input = if one_shot {
+                Input::Say(line.trim())
+            } else {
+                parse(&line)
+            };
+            let text = match input {
                 Input::Exit => break,
                 Input::Clear => {
                     turns.clear();

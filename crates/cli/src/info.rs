@@ -31,6 +31,9 @@ pub fn run(args: &Args) -> Result<()> {
     };
     let info = kiln_models::inspect(&path, &options)
         .with_context(|| format!("reading {}", path.display()))?;
+    for warning in &info.warnings {
+        eprintln!("warning: {warning}");
+    }
     if args.json {
         println!("{}", report_json(&info));
     } else {
@@ -193,5 +196,6 @@ fn report_json(info: &ModelInfo) -> serde_json::Value {
         "stored_types": info.stored_types.iter().map(|(t, n)| json!({"type": t, "elements": n})).collect::<Vec<_>>(),
         "tokenizer": info.tokenizer,
         "chat_template": info.chat_template,
+        "warnings": info.warnings,
     })
 }

@@ -27,9 +27,10 @@ use clap::{Parser, Subcommand};
     version,
     about,
     after_help = "Examples:
-  kiln generate \"Tell me a story\"                       continue a prompt on the default model
+  kiln chat \"Tell me a story\"                           ask the default model once and get its answer
+  kiln chat --temperature 0.7                           talk with the default model, a line a turn
+  kiln generate \"Once upon a time\"                      continue raw text (no chat template)
   echo \"Once upon a time\" | kiln generate -n 64         the prompt from stdin
-  kiln chat --temperature 0.7                           talk with the default model
   kiln generate -m model.gguf -b wgpu --dtype f16 \"Hi\"  another model, backend and precision
   kiln info -m model.gguf                               what a model is, without loading it
   kiln backends                                         which backends can run here
@@ -48,10 +49,15 @@ enum Command {
     Backends,
     /// Run the operations kiln relies on, on one backend, and compare them with the cpu backend.
     Selftest(selftest::Args),
-    /// Continue a prompt (or many), streaming the new text to stdout; no chat template.
+    /// Continue raw text (or many prompts), streaming the new text to stdout; no chat template.
+    ///
+    /// For completion, base models, token ids and batches of prompts. To ask an instruct model
+    /// (the default is one) a question, use `kiln chat "QUESTION"`, which applies its chat
+    /// template.
     Generate(generate::Args),
-    /// Talk with a model: each line is a user turn, rendered with the model's chat template;
-    /// the conversation stays in the KV cache between turns.
+    /// Ask a model (`kiln chat "MESSAGE"` answers once and exits) or talk with it: each line is
+    /// a user turn, rendered with the model's chat template; the conversation stays in the KV
+    /// cache between turns.
     Chat(chat::Args),
     /// Describe a model (architecture, sizes, storage, tokenizer) without loading its weights.
     Info(info::Args),

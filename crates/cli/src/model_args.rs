@@ -80,7 +80,11 @@ impl ModelArgs {
             bar.set_position(p.tensors_done as u64);
         });
         bar.finish_and_clear();
-        loaded.context("loading the model")
+        let loaded = loaded.context("loading the model")?;
+        for warning in &loaded.warnings {
+            eprintln!("warning: {}: {warning}", path.display());
+        }
+        Ok(loaded)
     }
 }
 

@@ -9,6 +9,9 @@
 //! The work splits into tasks of (batch row, KV head, a run of query rows); each KV head's
 //! keys are read once per task for all the query heads sharing it (grouped-query attention).
 
+#[cfg(target_arch = "x86_64")]
+mod tile;
+
 use crate::SharedOut;
 use crate::error::KernelError;
 use crate::pool::ThreadPool;
@@ -192,9 +195,10 @@ pub fn attention_blocks(
 }
 
 /// [`attention_blocks`] on a given tier: [`Tier::Scalar`] is the reference; the x86 tiers
-/// take each row's scores, exponentials and weighted sums eight lanes at a time with FMA (a
-/// different rounding from the reference, the same on every call: a row's output still depends
-/// only on its visible keys).
+/// take each row's scores, exponentials and weighted sums eight lanes at a time with FMA, and
+/// [`Tier::Avx512Vnni`] takes heads whose width is a multiple of 16 four query rows by sixteen
+/// keys at a time (`attention/tile.rs`). Each rounds differently from the reference, the same
+/// way on every call: a row's output depends only on its visible keys.
 ///
 /// # Errors
 /// As [`attention_blocks`].
@@ -228,7 +232,11 @@ pub fn attention_blocks_with(
         return Ok(());
     }
     let per_head = kv.table.len() / (batch * n_kv_heads);
-    let chunks = q_rows.div_ceil(ROWS_PER_TASK);
+    // A task takes a run of positions with every query head of its KV head at them: those
+    // rows see the same keys, so the AVX-512 tiles share one pass over them.
+    let n_rep = shape.n_rep;
+    let positions = (ROWS_PER_TASK / n_rep).max(1);
+    let chunks = q_len.div_ceil(positions);
     let scale = 1.0 / (head_dim as f32).sqrt();
     let shared = SharedOut::new(out);
     pool.run(batch * n_kv_heads * chunks, &|task| {
@@ -239,12 +247,28 @@ pub fn attention_blocks_with(
             blocks: &kv.table[block * per_head..(block + 1) * per_head],
             head_dim,
         };
+        let span = chunk * positions..((chunk + 1) * positions).min(q_len);
+        let rows = span.flat_map(|i| (0..n_rep).map(move |rep| (i, rep * q_len + i)));
+        #[cfg(target_arch = "x86_64")]
+        if tier == Tier::Avx512Vnni && head_dim.is_multiple_of(16) {
+            let rows: Vec<tile::Row> = rows
+                .map(|(i, row)| {
+                    let mask_at = (b * q_len + i) * keys;
+                    tile::Row {
+                        at: (block * q_rows + row) * head_dim,
+                        mask_at,
+                        visible: visible_span(&mask[mask_at..mask_at + keys]),
+                    }
+                })
+                .collect();
+            // SAFETY: the tier was checked above; the rows are this task's alone.
+            unsafe { tile::attend_rows(&rows, q, &head, mask, keys, scale, &shared) };
+            return;
+        }
         let mut scores = Vec::with_capacity(keys);
         let mut probs = Vec::with_capacity(keys);
         let mut acc = vec![0f32; head_dim];
-        let rows = chunk * ROWS_PER_TASK..((chunk + 1) * ROWS_PER_TASK).min(q_rows);
-        for row in rows {
-            let i = row % q_len;
+        for (i, row) in rows {
             let row_mask = &mask[(b * q_len + i) * keys..][..keys];
             let q_start = (block * q_rows + row) * head_dim;
             let q_row = &q[q_start..q_start + head_dim];
@@ -541,6 +565,7 @@ mod x86 {
         #[test]
         fn exp8_is_within_two_ulp_of_libm() {
             if !crate::tier::Tier::Avx2.is_supported() {
+                eprintln!("skipped exp8_is_within_two_ulp_of_libm: this CPU has no AVX2 and FMA");
                 return;
             }
             let mut x = -90.0f32;

@@ -97,7 +97,8 @@ fn shapes() -> impl Strategy<Value = (AttentionShape, u64)> {
         1usize..4,
         1usize..20,
         1usize..40,
-        1usize..70,
+        // Any width, and often a multiple of 16 (the AVX-512 tiles' widths).
+        prop_oneof![1usize..70, (1usize..6).prop_map(|x| x * 16)],
         any::<u64>(),
     )
         .prop_map(|(batch, n_kv_heads, n_rep, q_len, keys, head_dim, seed)| {

@@ -159,18 +159,13 @@ impl TransformerConfig {
                 self.head_dim
             ));
         }
-        if let Some(bad) = self
-            .eos
-            .iter()
-            .chain(&self.bos)
-            .find(|t| t.0 as usize >= self.vocab)
-        {
-            return Err(format!(
-                "special token {bad} is outside the vocabulary of {}",
-                self.vocab
-            ));
-        }
         Ok(())
+    }
+
+    /// Drops the BOS / EOS ids that lie outside the vocabulary, with a warning for each (see
+    /// [`drop_impossible_special_tokens`]).
+    pub fn drop_impossible_special_tokens(&mut self) -> Vec<String> {
+        drop_impossible_special_tokens(&mut self.bos, &mut self.eos, self.vocab)
     }
 
     /// Parameter count, as `transformers`' `num_parameters()` counts it: every weight, bias
@@ -203,4 +198,35 @@ impl TransformerConfig {
         };
         embed + positions + self.n_layers * (attn + mlp + 2 * norm) + norm + head
     }
+}
+
+/// Removes the BOS / EOS ids at or past `vocab`, returning a warning for each one removed.
+///
+/// transformers loads and runs such configurations: `GPT2Config(vocab_size=512)` keeps GPT-2's
+/// id 50256 for both, as many test checkpoints do. An id outside the vocabulary can never be
+/// generated, so as a stop token it changes nothing, and a BOS that cannot be embedded would
+/// only make every prompt fail; kiln drops them and says so rather than refusing the model.
+pub fn drop_impossible_special_tokens(
+    bos: &mut Option<TokenId>,
+    eos: &mut Vec<TokenId>,
+    vocab: usize,
+) -> Vec<String> {
+    let mut warnings = Vec::new();
+    if let Some(id) = bos.take_if(|id| id.0 as usize >= vocab) {
+        warnings.push(format!(
+            "bos_token_id {id} is outside the vocabulary ({vocab} tokens); ignored, so no BOS is \
+             added"
+        ));
+    }
+    eos.retain(|id| {
+        let possible = (id.0 as usize) < vocab;
+        if !possible {
+            warnings.push(format!(
+                "eos_token_id {id} is outside the vocabulary ({vocab} tokens) and can never be \
+                 generated; dropped from the stop tokens"
+            ));
+        }
+        possible
+    });
+    warnings
 }

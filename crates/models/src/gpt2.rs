@@ -20,29 +20,67 @@ use crate::loaders::WeightStorage;
 use crate::transformer::{Block, Transformer, WeightLoader};
 use crate::weights::TensorSource;
 
-/// The keys of a GPT-2 `config.json` kiln reads.
+/// The keys of a GPT-2 `config.json` kiln reads. A key the file leaves out takes
+/// `GPT2Config`'s default, as transformers does (so does a missing `bos_token_id`, whose
+/// default 50256 is dropped with a warning when the vocabulary is smaller).
 #[derive(Debug, Deserialize)]
 pub struct Gpt2HfConfig {
+    #[serde(default = "defaults::vocab_size")]
     vocab_size: usize,
+    #[serde(default = "defaults::n_positions")]
     n_positions: usize,
+    #[serde(default = "defaults::n_embd")]
     n_embd: usize,
+    #[serde(default = "defaults::n_layer")]
     n_layer: usize,
+    #[serde(default = "defaults::n_head")]
     n_head: usize,
     n_inner: Option<usize>,
-    #[serde(default = "default_eps")]
+    #[serde(default = "defaults::layer_norm_epsilon")]
     layer_norm_epsilon: f64,
-    #[serde(default = "default_activation")]
+    #[serde(default = "defaults::activation_function")]
     activation_function: String,
+    /// transformers divides attention scores by sqrt(head_dim) only when this is true.
+    #[serde(default = "defaults::yes")]
+    scale_attn_weights: bool,
+    /// transformers also divides them by the layer number when this is true.
+    #[serde(default)]
+    scale_attn_by_inverse_layer_idx: bool,
+    #[serde(default = "defaults::special_token")]
     bos_token_id: Option<u32>,
+    #[serde(default = "defaults::special_token")]
     eos_token_id: Option<u32>,
 }
 
-fn default_eps() -> f64 {
-    1e-5
-}
-
-fn default_activation() -> String {
-    "gelu_new".into()
+/// `GPT2Config`'s defaults (transformers 5).
+mod defaults {
+    pub fn vocab_size() -> usize {
+        50257
+    }
+    pub fn n_positions() -> usize {
+        1024
+    }
+    pub fn n_embd() -> usize {
+        768
+    }
+    pub fn n_layer() -> usize {
+        12
+    }
+    pub fn n_head() -> usize {
+        12
+    }
+    pub fn layer_norm_epsilon() -> f64 {
+        1e-5
+    }
+    pub fn activation_function() -> String {
+        "gelu_new".into()
+    }
+    pub fn yes() -> bool {
+        true
+    }
+    pub fn special_token() -> Option<u32> {
+        Some(50256)
+    }
 }
 
 impl Gpt2HfConfig {
@@ -61,6 +99,14 @@ impl Gpt2HfConfig {
                     "activation_function `{}` is not supported (GPT-2 uses gelu_new)",
                     self.activation_function
                 ),
+            ));
+        }
+        // Attention that transformers would compute differently is refused, never ignored.
+        if !self.scale_attn_weights || self.scale_attn_by_inverse_layer_idx {
+            return Err(ModelError::config(
+                path,
+                "scale_attn_weights false or scale_attn_by_inverse_layer_idx true is not \
+                 supported (kiln scales attention scores by 1/sqrt(head_dim) only)",
             ));
         }
         if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
@@ -168,4 +214,45 @@ pub fn load<B: InferenceBackend>(
         final_norm,
         None,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(json: &str) -> Result<TransformerConfig> {
+        let parsed: Gpt2HfConfig = serde_json::from_str(json).expect("valid JSON");
+        parsed.to_config(Path::new("config.json"))
+    }
+
+    /// A key left out takes `GPT2Config`'s default, as in transformers (read off
+    /// `transformers.GPT2Config()`, 5.24).
+    #[test]
+    fn missing_keys_take_transformers_defaults() {
+        let c = config(r#"{"model_type": "gpt2"}"#).expect("GPT-2 small's shape");
+        assert_eq!(
+            (c.vocab, c.max_positions, c.d_model, c.n_layers, c.n_heads),
+            (50257, 1024, 768, 12, 12)
+        );
+        assert_eq!((c.d_ff, c.norm_eps), (3072, 1e-5));
+        assert_eq!(
+            (c.bos, c.eos.clone()),
+            (Some(TokenId(50256)), vec![TokenId(50256)])
+        );
+        let c = config(r#"{"bos_token_id": null, "eos_token_id": null}"#).expect("loads");
+        assert_eq!((c.bos, c.eos.len()), (None, 0));
+    }
+
+    /// Attention that transformers scales differently is refused by name, not run wrongly.
+    #[test]
+    fn attention_scaling_kiln_lacks_is_refused() {
+        for key in [
+            r#""scale_attn_weights": false"#,
+            r#""scale_attn_by_inverse_layer_idx": true"#,
+        ] {
+            let err = config(&format!("{{{key}}}")).expect_err(key).to_string();
+            assert!(err.contains("scale_attn"), "{err}");
+        }
+        assert!(config(r#"{"reorder_and_upcast_attn": true}"#).is_ok());
+    }
 }

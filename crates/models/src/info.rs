@@ -23,4 +23,6 @@ pub struct ModelInfo {
     pub tokenizer: Option<String>,
     /// Whether the files carry a chat template (Meta checkpoints use Llama 3's).
     pub chat_template: bool,
+    /// What loading will accept leniently (see [`crate::LoadedModel::warnings`]).
+    pub warnings: Vec<String>,
 }

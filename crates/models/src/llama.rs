@@ -21,16 +21,23 @@ use crate::loaders::WeightStorage;
 use crate::transformer::{Block, Transformer, WeightLoader};
 use crate::weights::TensorSource;
 
-/// The keys of a Llama `config.json` kiln reads.
+/// The keys of a Llama `config.json` kiln reads. A key the file leaves out takes
+/// `LlamaConfig`'s default, as transformers does.
 #[derive(Debug, Deserialize)]
 pub struct LlamaHfConfig {
+    #[serde(default = "defaults::vocab_size")]
     vocab_size: usize,
+    #[serde(default = "defaults::hidden_size")]
     hidden_size: usize,
+    #[serde(default = "defaults::intermediate_size")]
     intermediate_size: usize,
+    #[serde(default = "defaults::num_layers_or_heads")]
     num_hidden_layers: usize,
+    #[serde(default = "defaults::num_layers_or_heads")]
     num_attention_heads: usize,
     num_key_value_heads: Option<usize>,
     head_dim: Option<usize>,
+    #[serde(default = "defaults::max_position_embeddings")]
     max_position_embeddings: usize,
     #[serde(default = "default_eps")]
     rms_norm_eps: f64,
@@ -48,8 +55,35 @@ pub struct LlamaHfConfig {
     mlp_bias: bool,
     #[serde(default = "default_act")]
     hidden_act: String,
+    #[serde(default = "defaults::bos_token_id")]
     bos_token_id: Option<u32>,
+    #[serde(default = "defaults::eos_token_id")]
     eos_token_id: Option<Value>,
+}
+
+/// `LlamaConfig`'s defaults (transformers 5).
+mod defaults {
+    pub fn vocab_size() -> usize {
+        32000
+    }
+    pub fn hidden_size() -> usize {
+        4096
+    }
+    pub fn intermediate_size() -> usize {
+        11008
+    }
+    pub fn num_layers_or_heads() -> usize {
+        32
+    }
+    pub fn max_position_embeddings() -> usize {
+        2048
+    }
+    pub fn bos_token_id() -> Option<u32> {
+        Some(1)
+    }
+    pub fn eos_token_id() -> Option<serde_json::Value> {
+        Some(2.into())
+    }
 }
 
 fn default_eps() -> f64 {
@@ -426,4 +460,41 @@ pub fn load<B: InferenceBackend>(
         final_norm,
         head,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(json: &str) -> Result<TransformerConfig> {
+        let parsed: LlamaHfConfig = serde_json::from_str(json).expect("valid JSON");
+        parsed.to_config(Path::new("config.json"))
+    }
+
+    /// A key left out takes `LlamaConfig`'s default, as in transformers (read off
+    /// `transformers.LlamaConfig()`, 5.24); an explicit null stays null.
+    #[test]
+    fn missing_keys_take_transformers_defaults() {
+        let c = config("{}").expect("Llama-2-7B's shape");
+        assert_eq!(
+            (
+                c.vocab,
+                c.d_model,
+                c.d_ff,
+                c.n_layers,
+                c.n_heads,
+                c.n_kv_heads
+            ),
+            (32000, 4096, 11008, 32, 32, 32)
+        );
+        assert_eq!((c.head_dim, c.max_positions, c.norm_eps), (128, 2048, 1e-6));
+        assert_eq!((c.bos, c.eos.clone()), (Some(TokenId(1)), vec![TokenId(2)]));
+        assert!(!c.tied_head);
+        let PositionKind::Rope(rope) = &c.positions else {
+            panic!("Llama uses RoPE")
+        };
+        assert_eq!((rope.theta, rope.llama3_scaling), (10000.0, None));
+        let c = config(r#"{"bos_token_id": null, "eos_token_id": null}"#).expect("loads");
+        assert_eq!((c.bos, c.eos.len()), (None, 0));
+    }
 }

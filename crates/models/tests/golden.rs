@@ -38,6 +38,33 @@ fn greedy_matches<B: InferenceBackend>() {
     }
 }
 
+/// `GPT2Config(vocab_size=512)` keeps GPT-2's BOS/EOS 50256 outside the vocabulary, as many
+/// test checkpoints do; transformers loads and runs it (its tokens are checked with every other
+/// fixture above), and so does kiln: the impossible ids are dropped, with one warning each, from
+/// the generation settings, from `read_config` and from `inspect`.
+#[test]
+fn special_tokens_outside_the_vocabulary_are_dropped_with_a_warning() {
+    let loaded = load::<burn::backend::Flex>("gpt2-tiny-lenient", Dtype::F32);
+    assert_eq!(loaded.generation.bos, None);
+    assert!(loaded.generation.eos.is_empty());
+    assert!(!loaded.generation.add_bos);
+    assert_eq!(loaded.warnings.len(), 2, "{:?}", loaded.warnings);
+    assert!(loaded.warnings[0].starts_with("bos_token_id 50256 is outside the vocabulary (512"));
+    assert!(loaded.warnings[1].starts_with("eos_token_id 50256 is outside the vocabulary (512"));
+
+    let path = fixture("gpt2-tiny-lenient");
+    let info = kiln_models::inspect(&path, &Default::default()).unwrap();
+    assert_eq!(info.warnings, loaded.warnings);
+    assert_eq!((info.config.bos, info.config.eos.len()), (None, 0));
+    let config = kiln_models::loaders::read_config(&path, &Default::default()).unwrap();
+    assert_eq!((config.bos, config.eos.len()), (None, 0));
+
+    // The fixtures whose special tokens exist keep them, without a warning.
+    let plain = load::<burn::backend::Flex>("gpt2-tiny", Dtype::F32);
+    assert!(plain.warnings.is_empty(), "{:?}", plain.warnings);
+    assert_eq!(plain.generation.eos.len(), 1);
+}
+
 mod cpu {
     type B = burn::backend::Flex;
 

@@ -58,24 +58,21 @@ fn wgpu_has_no_bf16_and_says_so() {
     assert!(err.to_string().contains("wgpu has no bf16"), "{err}");
 }
 
-/// f16 on wgpu depends on the adapter (`shader-f16`): either it runs within tolerance or the
-/// load refuses with a typed error.
+/// f16 on wgpu runs within tolerance where the adapter has `shader-f16` (lavapipe, every
+/// recent GPU). An adapter without it is skipped by name, with the reason printed: what it
+/// must do instead (refuse with a typed error) is asserted on every machine by
+/// `wgpu_has_no_bf16_and_says_so`, through the same check.
 #[test]
-fn wgpu_f16_runs_within_tolerance_or_is_refused() {
+fn wgpu_f16_runs_within_tolerance() {
     type B = burn::backend::Wgpu;
     let device = B::inference_device();
-    if B::supports(&device, Dtype::F16) {
-        let worst = worst_diff::<B>(Dtype::F16, &["gpt2-tiny", "llama-tiny"]);
-        assert!(worst <= 0.03, "f16 on wgpu: {worst}");
-    } else {
-        let options = kiln_models::LoadOptions {
-            dtype: Dtype::F16,
-            ..Default::default()
-        };
-        let err = kiln_models::load::<B>(&fixture("gpt2-tiny"), &options, &device).unwrap_err();
-        assert!(
-            matches!(err, ModelError::Core(CoreError::UnsupportedDtype { .. })),
-            "{err}"
+    if !B::supports(&device, Dtype::F16) {
+        eprintln!(
+            "skipped wgpu_f16_runs_within_tolerance: the adapter has no shader-f16 ({:?})",
+            kiln_core::backend::BackendKind::Wgpu.probe()
         );
+        return;
     }
+    let worst = worst_diff::<B>(Dtype::F16, &["gpt2-tiny", "llama-tiny"]);
+    assert!(worst <= 0.03, "f16 on wgpu: {worst}");
 }

@@ -163,6 +163,7 @@ pub(super) fn inspect(path: &Path) -> Result<ModelInfo> {
         file_bytes: file_size(path)?,
         tokenizer: Some(tokenizer),
         chat_template: chat_template(&file).is_some(),
+        warnings: Vec::new(),
     })
 }
 
@@ -177,7 +178,8 @@ pub(super) fn load<B: InferenceBackend>(
     progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<LoadedModel<B>> {
     let file = GgufFile::open(path)?;
-    let config = config(&file)?;
+    let mut config = config(&file)?;
+    let mut warnings = config.drop_impossible_special_tokens();
     if options.weights == WeightStorage::Quantized && options.dtype != Dtype::F32 {
         return Err(ModelError::config(
             path,
@@ -189,11 +191,12 @@ pub(super) fn load<B: InferenceBackend>(
     }
     let tokenizer = TextTokenizer::from_gguf(&file)?;
     let (bos, eos, add_bos) = crate::tokenizer::gguf::special_ids(&file)?;
-    let generation = GenerationSettings {
+    let mut generation = GenerationSettings {
         bos: bos.map(TokenId),
         eos: eos.into_iter().map(TokenId).collect(),
         add_bos,
     };
+    generation.drop_impossible(config.vocab, &mut warnings);
     let chat_template = chat_template(&file);
     let reporting = Reporting::new(&file, progress);
     let model = llama::load(
@@ -212,5 +215,6 @@ pub(super) fn load<B: InferenceBackend>(
         chat_template,
         format: ModelFormat::Gguf,
         path: path.to_path_buf(),
+        warnings,
     })
 }

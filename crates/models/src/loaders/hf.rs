@@ -133,6 +133,7 @@ pub(super) fn inspect(dir: &Path) -> Result<ModelInfo> {
         file_bytes,
         tokenizer: TokenizerFiles::find(dir).map(|t| t.describe().to_string()),
         chat_template,
+        warnings: Vec::new(),
     })
 }
 
@@ -194,7 +195,8 @@ pub(super) fn load<B: InferenceBackend>(
     device: &B::Device,
     progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<LoadedModel<B>> {
-    let config = read_config(dir)?;
+    let mut config = read_config(dir)?;
+    let mut warnings = config.drop_impossible_special_tokens();
     let files = weights(dir)?;
     let source = Reporting::new(&files, progress);
     let model = match config.architecture {
@@ -213,7 +215,9 @@ pub(super) fn load<B: InferenceBackend>(
     };
     source.finish();
     let tokenizer = tokenizer(dir)?;
-    let (generation, chat_template) = generation_settings(dir, model.config(), tokenizer.as_ref())?;
+    let (mut generation, chat_template) =
+        generation_settings(dir, model.config(), tokenizer.as_ref())?;
+    generation.drop_impossible(model.config().vocab, &mut warnings);
     Ok(LoadedModel {
         model,
         tokenizer,
@@ -221,6 +225,7 @@ pub(super) fn load<B: InferenceBackend>(
         chat_template,
         format: ModelFormat::HuggingFace,
         path: dir.to_path_buf(),
+        warnings,
     })
 }
 

@@ -63,6 +63,7 @@ pub(super) fn inspect(dir: &Path, options: &LoadOptions) -> Result<ModelInfo> {
             .exists()
             .then(|| "tokenizer.model (tiktoken BPE, Llama 3 special tokens)".to_string()),
         chat_template: true,
+        warnings: Vec::new(),
     })
 }
 
@@ -80,7 +81,7 @@ pub(super) fn load<B: InferenceBackend>(
     } else {
         None
     };
-    let generation = match &tokenizer {
+    let mut generation = match &tokenizer {
         Some(tok) => GenerationSettings {
             bos: tok.token_id("<|begin_of_text|>"),
             eos: ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]
@@ -91,6 +92,8 @@ pub(super) fn load<B: InferenceBackend>(
         },
         None => GenerationSettings::default(),
     };
+    let mut warnings = Vec::new();
+    generation.drop_impossible(config.vocab, &mut warnings);
     config.bos = generation.bos;
     config.eos = generation.eos.clone();
     let reporting = Reporting::new(&source, progress);
@@ -110,6 +113,7 @@ pub(super) fn load<B: InferenceBackend>(
         chat_template: Some(LLAMA3_CHAT_TEMPLATE.to_string()),
         format: ModelFormat::MetaOriginal,
         path: dir.to_path_buf(),
+        warnings,
     })
 }
 

@@ -87,6 +87,22 @@ pub struct GenerationSettings {
     pub add_bos: bool,
 }
 
+impl GenerationSettings {
+    /// Drops BOS / EOS ids outside a vocabulary of `vocab` tokens (as
+    /// [`crate::config::drop_impossible_special_tokens`]), adding a warning for each to
+    /// `warnings` unless the same one is there already (`config.json` and
+    /// `generation_config.json` usually repeat the same ids).
+    pub(crate) fn drop_impossible(&mut self, vocab: usize, warnings: &mut Vec<String>) {
+        for warning in
+            crate::config::drop_impossible_special_tokens(&mut self.bos, &mut self.eos, vocab)
+        {
+            if !warnings.contains(&warning) {
+                warnings.push(warning);
+            }
+        }
+    }
+}
+
 /// A model with what came with it.
 #[derive(Debug)]
 pub struct LoadedModel<B: InferenceBackend> {
@@ -102,6 +118,10 @@ pub struct LoadedModel<B: InferenceBackend> {
     pub format: ModelFormat,
     /// The path read.
     pub path: PathBuf,
+    /// What the loader accepted but a user should know: lenient readings of the configuration
+    /// that transformers makes too (a special token outside the vocabulary, dropped). The
+    /// library never prints; the CLI shows these as warnings.
+    pub warnings: Vec<String>,
 }
 
 /// The format of `path`.
@@ -135,15 +155,18 @@ pub fn detect_format(path: &Path) -> Result<ModelFormat> {
 }
 
 /// Reads the configuration only (for `kiln info` and sizing caches before loading).
+/// Special tokens outside the vocabulary are dropped, as [`load`] drops them.
 ///
 /// # Errors
 /// As [`load`], for the configuration files.
 pub fn read_config(path: &Path, options: &LoadOptions) -> Result<TransformerConfig> {
-    match detect_format(path)? {
+    let mut config = match detect_format(path)? {
         ModelFormat::HuggingFace => hf::read_config(path),
         ModelFormat::MetaOriginal => meta::read_config(path, options),
         ModelFormat::Gguf => gguf::read_config(path),
-    }
+    }?;
+    config.drop_impossible_special_tokens();
+    Ok(config)
 }
 
 /// Describes the model at `path` from its configuration, tensor headers and tokenizer files,
@@ -152,11 +175,13 @@ pub fn read_config(path: &Path, options: &LoadOptions) -> Result<TransformerConf
 /// # Errors
 /// As [`load`], for the files it reads.
 pub fn inspect(path: &Path, options: &LoadOptions) -> Result<ModelInfo> {
-    match detect_format(path)? {
+    let mut info = match detect_format(path)? {
         ModelFormat::HuggingFace => hf::inspect(path),
         ModelFormat::MetaOriginal => meta::inspect(path, options),
         ModelFormat::Gguf => gguf::inspect(path),
-    }
+    }?;
+    info.warnings = info.config.drop_impossible_special_tokens();
+    Ok(info)
 }
 
 /// Loads the model at `path` onto `device`.

@@ -9,9 +9,10 @@ use kiln_core::kv_cache::DynamicKvCache;
 use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, SeqId, TokenId};
 use serde_json::Value;
 
-pub const FIXTURES: [&str; 5] = [
+pub const FIXTURES: [&str; 6] = [
     "gpt2-tiny",
     "gpt2-tiny-legacy",
+    "gpt2-tiny-lenient",
     "llama-tiny",
     "llama-tiny-meta",
     "llama-tiny-tied",

@@ -1,0 +1,445 @@
+//! The AVX-512 attention kernel: up to four query rows at a time against sixteen keys at a
+//! time, for head widths that are a multiple of 16.
+//!
+//! The row kernels read a KV head's keys once per query row and reduce every score across
+//! lanes; here a tile of query rows that see the same first key shares one pass over the keys,
+//! which are transposed once per task into a scratch buffer (`[chunk][dim][16 keys]`), so a
+//! score is sixteen keys in the lanes of one register and a row of values is loaded once for
+//! every row of the tile.
+//!
+//! A row's output still depends only on its visible keys: every number is computed in an
+//! order fixed relative to the row's first visible key (`start`), whatever else is in the
+//! tile, the task or the cache.
+//! - score of key `j`: `Σ_d q_d k_jd`, one FMA per `d` from 0 up, times `1/√head_dim`;
+//! - masked keys (and keys past the row's last visible one) get probability exactly 0;
+//! - the denominator: sixteen partial sums, lane `l` taking keys `start + 16c + l` in
+//!   ascending `c`, then one fixed reduction;
+//! - the numerator of column `d`: `Σ_j p_j v_jd`, one FMA per key in key order; a key no row
+//!   of the tile sees is skipped (adding `0 × v` would change nothing: the values past a
+//!   sequence's end may be stale, and are never multiplied).
+//!
+//! So a prompt alone, packed beside others or beside padding gives the same bits, as the
+//! property tests in `tests/attention.rs` check on this tier.
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+use std::ops::Range;
+
+use super::HeadKv;
+use crate::SharedOut;
+
+/// Keys per register.
+const LANES: usize = 16;
+/// Query rows per tile: four rows × two key chunks keep eight independent FMA chains in the
+/// scores, and four rows × four registers of values sixteen in the weighted sum.
+const TILE_ROWS: usize = 4;
+
+thread_local! {
+    /// Per worker thread: the transposed keys and the tile's scores / probabilities, grown
+    /// as needed and kept between tasks.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// One query row of a task.
+#[derive(Debug, Clone)]
+pub(super) struct Row {
+    /// Offset of its query (and output) vector.
+    pub at: usize,
+    /// Its mask row: `keys` entries, `true` = masked.
+    pub mask_at: usize,
+    /// Its visible span (first to last visible key).
+    pub visible: Range<usize>,
+}
+
+/// The attention of `rows` (one task's, all on one KV head): tiles of up to four rows with
+/// the same first visible key.
+///
+/// # Shapes
+/// - `q`, `out`: as [`super::attention_blocks`]; each row reads `q[at..at + head_dim]` and
+///   writes `out[at..at + head_dim]`
+/// - `mask`: as [`super::attention_blocks`]
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VL; `head_dim` must be a positive multiple of 16;
+/// no other task may write these rows' outputs.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub(super) unsafe fn attend_rows(
+    rows: &[Row],
+    q: &[f32],
+    kv: &HeadKv<'_>,
+    mask: &[bool],
+    keys: usize,
+    scale: f32,
+    out: &SharedOut<f32>,
+) {
+    let head_dim = kv.head_dim;
+    debug_assert!(head_dim > 0 && head_dim.is_multiple_of(LANES));
+    let (mut kt, mut probs) = SCRATCH.take();
+    // The transposed keys cover `built` for the start they were built from.
+    let mut built: Option<Range<usize>> = None;
+    let mut r = 0;
+    while r < rows.len() {
+        let start = rows[r].visible.start;
+        let mut n = 1;
+        while n < TILE_ROWS && r + n < rows.len() && rows[r + n].visible.start == start {
+            n += 1;
+        }
+        let tile = &rows[r..r + n];
+        r += n;
+        let end = tile
+            .iter()
+            .map(|row| row.visible.end)
+            .max()
+            .unwrap_or(start);
+        if end <= start {
+            // No row sees a key: zeros, as the row kernels give.
+            for row in tile {
+                for d in 0..head_dim {
+                    // SAFETY: the row is this task's (the caller's contract).
+                    unsafe { out.write(row.at + d, 0.0) };
+                }
+            }
+            continue;
+        }
+        if !built
+            .as_ref()
+            .is_some_and(|b| b.start == start && b.end >= end)
+        {
+            // Build once for every row of the task that starts here.
+            let task_end = rows
+                .iter()
+                .filter(|row| row.visible.start == start)
+                .map(|row| row.visible.end)
+                .max()
+                .unwrap_or(end);
+            transpose_keys(kv, start..task_end, &mut kt);
+            built = Some(start..task_end);
+        }
+        let chunks = (end - start).div_ceil(LANES);
+        probs.clear();
+        probs.resize(TILE_ROWS * chunks * LANES, 0.0);
+        let keys_seen = KeysSeen {
+            kt: &kt,
+            mask,
+            keys,
+            span: start..end,
+            scale,
+            head_dim,
+        };
+        let inv = match tile.len() {
+            1 => scores_to_probabilities::<1>(tile, q, &keys_seen, &mut probs),
+            2 => scores_to_probabilities::<2>(tile, q, &keys_seen, &mut probs),
+            3 => scores_to_probabilities::<3>(tile, q, &keys_seen, &mut probs),
+            _ => scores_to_probabilities::<4>(tile, q, &keys_seen, &mut probs),
+        };
+        // SAFETY: as this function's.
+        unsafe {
+            match tile.len() {
+                1 => weighted_sum::<1>(tile, kv, start..end, &probs, &inv, out),
+                2 => weighted_sum::<2>(tile, kv, start..end, &probs, &inv, out),
+                3 => weighted_sum::<3>(tile, kv, start..end, &probs, &inv, out),
+                _ => weighted_sum::<4>(tile, kv, start..end, &probs, &inv, out),
+            }
+        };
+    }
+    SCRATCH.set((kt, probs));
+}
+
+/// What a tile's scores are computed over.
+struct KeysSeen<'a> {
+    /// The transposed keys, from the tile's first key (`[chunks, head_dim, 16]`).
+    kt: &'a [f32],
+    /// As [`attend_rows`]'s.
+    mask: &'a [bool],
+    /// Keys per mask row.
+    keys: usize,
+    /// The keys the tile's rows see, first to last.
+    span: Range<usize>,
+    /// `1 / √head_dim`.
+    scale: f32,
+    /// Width of a head.
+    head_dim: usize,
+}
+
+/// `kt[c][d][l] = k[start + 16c + l][d]` over `span`, the last chunk's missing keys 0:
+/// sixteen keys by sixteen dimensions at a time through [`transpose16`].
+#[target_feature(enable = "avx512f")]
+fn transpose_keys(kv: &HeadKv<'_>, span: Range<usize>, kt: &mut Vec<f32>) {
+    let head_dim = kv.head_dim;
+    let chunks = span.len().div_ceil(LANES);
+    kt.clear();
+    kt.resize(chunks * head_dim * LANES, 0.0);
+    let zeros = [0f32; LANES];
+    let mut offsets = kv.offsets(span);
+    for chunk in kt.chunks_exact_mut(head_dim * LANES) {
+        let keys: [Option<usize>; LANES] = std::array::from_fn(|_| offsets.next());
+        for d0 in (0..head_dim).step_by(LANES) {
+            let rows: [__m512; LANES] = std::array::from_fn(|l| {
+                let row = keys[l].map_or(&zeros[..], |at| &kv.kv.k[at + d0..at + d0 + LANES]);
+                // SAFETY: 16 values (a slice of that length).
+                unsafe { _mm512_loadu_ps(row.as_ptr()) }
+            });
+            for (dd, column) in transpose16(rows).into_iter().enumerate() {
+                let at = (d0 + dd) * LANES;
+                // SAFETY: 16 values (a slice of that length).
+                unsafe { _mm512_storeu_ps(chunk[at..at + LANES].as_mut_ptr(), column) };
+            }
+        }
+    }
+}
+
+/// The transpose of a 16 × 16 block held as sixteen rows: unpacks within 128-bit lanes, then
+/// two rounds of 128-bit lane shuffles (64 shuffles for 256 values).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose16(r: [__m512; LANES]) -> [__m512; LANES] {
+    // t: pairs of rows interleaved within each 128-bit lane.
+    let t: [__m512; LANES] = std::array::from_fn(|i| {
+        let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_ps(a, b)
+        } else {
+            _mm512_unpackhi_ps(a, b)
+        }
+    });
+    // u[4g + m]: rows 4g..4g+4 at columns 4k + m (lane k).
+    let u: [__m512; LANES] = std::array::from_fn(|i| {
+        let (g, m) = (i / 4, i % 4);
+        let (a, b) = (t[4 * g + m / 2], t[4 * g + 2 + m / 2]);
+        if m % 2 == 0 {
+            _mm512_shuffle_ps::<0x44>(a, b)
+        } else {
+            _mm512_shuffle_ps::<0xEE>(a, b)
+        }
+    });
+    // v[8h + m] (m < 4): rows 8h..8h+8 at columns m and m + 8; v[8h + 4 + m]: m + 4, m + 12.
+    let v: [__m512; LANES] = std::array::from_fn(|i| {
+        let (h, high, m) = (i / 8, (i / 4) % 2, i % 4);
+        let (a, b) = (u[8 * h + m], u[8 * h + 4 + m]);
+        if high == 0 {
+            _mm512_shuffle_f32x4::<0x88>(a, b)
+        } else {
+            _mm512_shuffle_f32x4::<0xDD>(a, b)
+        }
+    });
+    // Column c: from v[c % 8] (rows 0..8) and v[8 + c % 8] (rows 8..16).
+    std::array::from_fn(|c| {
+        let m = c % 8;
+        let (a, b) = (v[m], v[8 + m]);
+        if c < 8 {
+            _mm512_shuffle_f32x4::<0x88>(a, b)
+        } else {
+            _mm512_shuffle_f32x4::<0xDD>(a, b)
+        }
+    })
+}
+
+/// Which of keys `j0..j0 + 16` a row masks: its mask entries, and every key at or past `end`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+fn masked_lanes(mask_row: &[bool], j0: usize, end: usize) -> __mmask16 {
+    let in_range: __mmask16 = match end.saturating_sub(j0) {
+        0 => return 0xFFFF,
+        n if n >= LANES => 0xFFFF,
+        n => (1u16 << n) - 1,
+    };
+    let mut bytes = [1u8; LANES];
+    for (b, &m) in bytes.iter_mut().zip(&mask_row[j0..end.min(j0 + LANES)]) {
+        *b = u8::from(m);
+    }
+    // SAFETY: 16 bytes from a local array.
+    let loaded = unsafe { _mm_loadu_si128(bytes.as_ptr().cast()) };
+    _mm_cmpneq_epi8_mask(loaded, _mm_setzero_si128()) | !in_range
+}
+
+/// The scores of the tile's `R` rows over `seen.span` (`probs[r][c * 16 + l]`, then their
+/// probabilities in place) and each row's `1 / Σ p` (0 for a row that sees no key).
+///
+/// # Shapes
+/// - `seen.kt`: `[chunks ≥ span / 16, head_dim, 16]` from [`transpose_keys`]
+/// - `probs`: `[TILE_ROWS, chunks * 16]`
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+fn scores_to_probabilities<const R: usize>(
+    tile: &[Row],
+    q: &[f32],
+    seen: &KeysSeen<'_>,
+    probs: &mut [f32],
+) -> [f32; TILE_ROWS] {
+    let tile = &tile[..R];
+    let start = seen.span.start;
+    let chunks = seen.span.len().div_ceil(LANES);
+    let stride = chunks * LANES;
+    let head_dim = seen.head_dim;
+    let key_chunk = |c: usize, d: usize| &seen.kt[(c * head_dim + d) * LANES..][..LANES];
+    let scale16 = _mm512_set1_ps(seen.scale);
+    let minus_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut maxes = [minus_inf; R];
+    // Scores, two chunks at a time where there are two (2R independent FMA chains).
+    let mut c = 0;
+    while c < chunks {
+        let pair = if c + 1 < chunks { 2 } else { 1 };
+        let mut s = [[_mm512_setzero_ps(); 2]; R];
+        for d in 0..head_dim {
+            // SAFETY: 16 values each (slices of that length).
+            let k0 = unsafe { _mm512_loadu_ps(key_chunk(c, d).as_ptr()) };
+            let k1 = if pair == 2 {
+                unsafe { _mm512_loadu_ps(key_chunk(c + 1, d).as_ptr()) }
+            } else {
+                _mm512_setzero_ps()
+            };
+            for r in 0..R {
+                let qd = _mm512_set1_ps(q[tile[r].at + d]);
+                s[r][0] = _mm512_fmadd_ps(qd, k0, s[r][0]);
+                s[r][1] = _mm512_fmadd_ps(qd, k1, s[r][1]);
+            }
+        }
+        for r in 0..R {
+            let row = &tile[r];
+            let mask_row = &seen.mask[row.mask_at..row.mask_at + seen.keys];
+            for (h, &sum) in s[r].iter().enumerate().take(pair) {
+                let j0 = start + (c + h) * LANES;
+                let masked = masked_lanes(mask_row, j0, row.visible.end);
+                let score = _mm512_mask_mov_ps(_mm512_mul_ps(sum, scale16), masked, minus_inf);
+                maxes[r] = _mm512_max_ps(maxes[r], score);
+                let at = r * stride + (c + h) * LANES;
+                // SAFETY: 16 values (a slice of that length).
+                unsafe { _mm512_storeu_ps(probs[at..][..LANES].as_mut_ptr(), score) };
+            }
+        }
+        c += pair;
+    }
+    // Probabilities and their sums.
+    let mut inv = [0f32; TILE_ROWS];
+    for r in 0..R {
+        let row_probs = &mut probs[r * stride..(r + 1) * stride];
+        let max = _mm512_reduce_max_ps(maxes[r]);
+        if max == f32::NEG_INFINITY {
+            row_probs.fill(0.0);
+            continue;
+        }
+        let max16 = _mm512_set1_ps(max);
+        let mut sums = _mm512_setzero_ps();
+        for chunk in row_probs.chunks_exact_mut(LANES) {
+            // SAFETY: 16 values (chunks of that length).
+            let p = exp16(_mm512_sub_ps(
+                unsafe { _mm512_loadu_ps(chunk.as_ptr()) },
+                max16,
+            ));
+            sums = _mm512_add_ps(sums, p);
+            unsafe { _mm512_storeu_ps(chunk.as_mut_ptr(), p) };
+        }
+        inv[r] = 1.0 / _mm512_reduce_add_ps(sums);
+    }
+    inv
+}
+
+/// `out[row] = inv[row] × Σ_j p_j v_j` over keys `span`, 64 columns at a time (four
+/// registers per row: sixteen accumulators for a full tile), fewer for the last columns.
+///
+/// # Safety
+/// As [`attend_rows`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn weighted_sum<const R: usize>(
+    tile: &[Row],
+    kv: &HeadKv<'_>,
+    span: Range<usize>,
+    probs: &[f32],
+    inv: &[f32; TILE_ROWS],
+    out: &SharedOut<f32>,
+) {
+    let mut column = 0;
+    while column < kv.head_dim {
+        // SAFETY: as this function's.
+        unsafe {
+            column += match (kv.head_dim - column) / LANES {
+                1 => columns::<R, 1>(tile, kv, span.clone(), column, probs, inv, out),
+                2 => columns::<R, 2>(tile, kv, span.clone(), column, probs, inv, out),
+                3 => columns::<R, 3>(tile, kv, span.clone(), column, probs, inv, out),
+                _ => columns::<R, 4>(tile, kv, span.clone(), column, probs, inv, out),
+            }
+        };
+    }
+}
+
+/// [`weighted_sum`] for `W` registers of columns from `column`; returns how many columns.
+///
+/// # Safety
+/// As [`attend_rows`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn columns<const R: usize, const W: usize>(
+    tile: &[Row],
+    kv: &HeadKv<'_>,
+    span: Range<usize>,
+    column: usize,
+    probs: &[f32],
+    inv: &[f32; TILE_ROWS],
+    out: &SharedOut<f32>,
+) -> usize {
+    let stride = span.len().div_ceil(LANES) * LANES;
+    let v = kv.kv.v;
+    let mut acc = [[_mm512_setzero_ps(); W]; R];
+    for (i, at) in kv.offsets(span).enumerate() {
+        // A key no row of the tile sees adds nothing (and its values may be stale).
+        if (0..R).all(|r| probs[r * stride + i] == 0.0) {
+            continue;
+        }
+        let row = &v[at + column..at + column + W * LANES];
+        let mut values = [_mm512_setzero_ps(); W];
+        for (w, x) in values.iter_mut().enumerate() {
+            // SAFETY: 16 values inside `row`.
+            *x = unsafe { _mm512_loadu_ps(row.as_ptr().add(w * LANES)) };
+        }
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let p = _mm512_set1_ps(probs[r * stride + i]);
+            for (a, &x) in acc.iter_mut().zip(&values) {
+                *a = _mm512_fmadd_ps(p, x, *a);
+            }
+        }
+    }
+    for (r, row) in tile[..R].iter().enumerate() {
+        let inv16 = _mm512_set1_ps(inv[r]);
+        for (w, &a) in acc[r].iter().enumerate() {
+            let mut lanes = [0f32; LANES];
+            // SAFETY: 16 values into a local array.
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_mul_ps(a, inv16)) };
+            for (l, &x) in lanes.iter().enumerate() {
+                // SAFETY: the row is this task's (the caller's contract).
+                unsafe { out.write(row.at + column + w * LANES + l, x) };
+            }
+        }
+    }
+    W * LANES
+}
+
+/// [`super::x86::exp8`] on sixteen lanes: the same operations in the same order, so the same
+/// value for each lane.
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+fn exp16(x: __m512) -> __m512 {
+    let min = _mm512_set1_ps(-87.336_55);
+    let underflow = _mm512_cmp_ps_mask(x, min, _CMP_LT_OQ);
+    let x = _mm512_max_ps(x, min);
+    let n = _mm512_roundscale_ps(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+    );
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let r2 = _mm512_mul_ps(r, r);
+    let e_r = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
+    let two_n = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+        _mm512_cvtps_epi32(n),
+        _mm512_set1_epi32(127),
+    )));
+    _mm512_maskz_mov_ps(!underflow, _mm512_mul_ps(e_r, two_n))
+}
