@@ -388,11 +388,30 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         + tail
 }
 
+/// The exponential's constants, shared by `exp8` and the tile kernel's `exp16` so that both
+/// give the same value for each lane: inputs below `EXP_MIN` give 0; ln 2 split in two so that
+/// `n × LN2_HI` is exact; Cephes' `expf` polynomial, highest degree first.
+#[cfg(target_arch = "x86_64")]
+const EXP_MIN: f32 = -87.336_55;
+#[cfg(target_arch = "x86_64")]
+const LN2_HI: f32 = 0.693_359_4;
+#[cfg(target_arch = "x86_64")]
+const LN2_LO: f32 = -2.121_944_4e-4;
+#[cfg(target_arch = "x86_64")]
+const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{HeadKv, visible_span};
+    use super::{EXP_MIN, EXP_POLY, HeadKv, LN2_HI, LN2_LO, visible_span};
 
     /// [`super::attend_row`] with AVX2 and FMA: the scores as dot products in two 8-lane
     /// accumulators, the exponentials eight at a time ([`exp8`]), and the weighted sum of the
@@ -528,7 +547,7 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn exp8(x: __m256) -> __m256 {
-        let min = _mm256_set1_ps(-87.336_55);
+        let min = _mm256_set1_ps(EXP_MIN);
         let underflow = _mm256_cmp_ps(x, min, _CMP_LT_OQ);
         let x = _mm256_max_ps(x, min);
         let n = _mm256_round_ps(
@@ -536,17 +555,11 @@ mod x86 {
             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
         );
         // r = x - n ln 2, with ln 2 split in two so that n × hi is exact.
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            1.666_666_5e-1,
-            0.5,
-        ] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_POLY[0]);
+        for c in &EXP_POLY[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
         }
         let r2 = _mm256_mul_ps(r, r);
         let e_r = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));

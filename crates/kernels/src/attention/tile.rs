@@ -25,7 +25,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 use std::ops::Range;
 
-use super::HeadKv;
+use super::{EXP_MIN, EXP_POLY, HeadKv, LN2_HI, LN2_LO};
 use crate::SharedOut;
 
 /// Keys per register.
@@ -416,24 +416,18 @@ unsafe fn columns<const R: usize, const W: usize>(
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
 fn exp16(x: __m512) -> __m512 {
-    let min = _mm512_set1_ps(-87.336_55);
+    let min = _mm512_set1_ps(EXP_MIN);
     let underflow = _mm512_cmp_ps_mask(x, min, _CMP_LT_OQ);
     let x = _mm512_max_ps(x, min);
     let n = _mm512_roundscale_ps(
         _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
     );
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm512_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ] {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    let mut p = _mm512_set1_ps(EXP_POLY[0]);
+    for c in &EXP_POLY[1..] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
     }
     let r2 = _mm512_mul_ps(r, r);
     let e_r = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
