@@ -4,6 +4,7 @@
 use half::f16;
 use kiln_kernels::act::{ActBlock, quantize_rows, quantize_split, quantize_split_row};
 use kiln_kernels::dense::{matmul_in_out_with, matmul_out_in_with};
+use kiln_kernels::gemm::gemm_in_out_with;
 use kiln_kernels::ggml::dequantize;
 use kiln_kernels::quant::DotKernel;
 use kiln_kernels::{GgmlType, QuantMatrix, ThreadPool, Tier};
@@ -236,6 +237,31 @@ proptest! {
                             "{tier} [{t}, {c}]: {got} vs {sum}");
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn gemm_equals_the_in_order_fused_sum_on_every_tier(
+        k in 1usize..100,
+        // Partial panels (n % 32), partial column blocks (n % 64) and several of each.
+        n in 1usize..200,
+        // Partial tiles of every height (m % 12, m % 3) and more than one row block (96).
+        m in 1usize..230, threads in 1usize..4, seed in any::<u64>(),
+    ) {
+        let mut rng = Rng(seed | 1);
+        let w = random_acts(k * n, &mut rng);
+        let x = random_acts(m * k, &mut rng);
+        let pool = ThreadPool::new(threads);
+        // The scalar reference written out: one fused multiply-add per term, in order of k.
+        let expected: Vec<f32> = (0..m * n)
+            .map(|o| (0..k).fold(0f32, |s, i| x[(o / n) * k + i].mul_add(w[i * n + o % n], s)))
+            .collect();
+        for tier in Tier::supported() {
+            let mut out = vec![f32::NAN; m * n];
+            gemm_in_out_with(&w, k, n, &x, m, &mut out, tier, &pool);
+            for (o, (got, want)) in out.iter().zip(&expected).enumerate() {
+                prop_assert_eq!(got.to_bits(), want.to_bits(), "{} [{}, {}]", tier, o / n, o % n);
             }
         }
     }

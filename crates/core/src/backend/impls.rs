@@ -294,14 +294,14 @@ mod flex_linear {
 
     use super::flex_buffers::{f32_slice, float, host, wrap};
 
-    /// Rows up to which kiln's f32 kernel beats burn-flex's gemm (which runs products this
-    /// small on one thread); above it the gemm's register blocking wins.
+    /// Rows up to which kiln's decode kernel (`dense`, one pass over the weights) is used;
+    /// above it the register-blocked `gemm` kernel.
     const DENSE_KERNEL_MAX_ROWS: usize = 16;
 
     pub(super) fn dense(x: Tensor<Flex, 2>, w: &Tensor<Flex, 2>) -> Tensor<Flex, 2> {
         let [n, d_in] = x.dims();
         let [_, d_out] = w.dims();
-        if n > DENSE_KERNEL_MAX_ROWS || x.dtype() != DType::F32 || w.dtype() != DType::F32 {
+        if x.dtype() != DType::F32 || w.dtype() != DType::F32 {
             return x.matmul(w.clone());
         }
         let w_flex = float(w.clone());
@@ -315,9 +315,18 @@ mod flex_linear {
         }
         let offset = layout.start_offset();
         let stored = &w_flex.storage::<f32>()[offset..offset + d_in * d_out];
+        let many_rows = n > DENSE_KERNEL_MAX_ROWS;
+        // The scalar tier's gemm is the kernels' reference, far slower than burn's.
+        if many_rows
+            && (!stored_as_is || kiln_kernels::Tier::active() == kiln_kernels::Tier::Scalar)
+        {
+            return x.matmul(w.clone());
+        }
         let x = host(x);
         let mut out = vec![0f32; n * d_out];
-        if stored_as_is {
+        if many_rows {
+            kiln_kernels::gemm::gemm_in_out(stored, d_in, d_out, f32_slice(&x), n, &mut out);
+        } else if stored_as_is {
             kiln_kernels::dense::matmul_in_out(stored, d_in, d_out, f32_slice(&x), n, &mut out);
         } else {
             kiln_kernels::dense::matmul_out_in(stored, d_in, d_out, f32_slice(&x), n, &mut out);

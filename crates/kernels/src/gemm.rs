@@ -1,0 +1,271 @@
+//! f32 matrix products with many activation rows (a prefill's hundreds of tokens) on the
+//! exact path, `out = x · w` with `w` in kiln's `Linear` layout `[d_in, d_out]`.
+//!
+//! Register blocking as in BLIS: each task owns a block of output rows and a block of
+//! [`BLOCK_COLS`] output columns, copies those weight columns once into a scratch buffer of
+//! [`PANEL`]-wide panels (`[panel][k][32]`, contiguous, zero-padded past `n`), then walks its
+//! rows in tiles of up to [`MAX_TILE_ROWS`] (AVX-512: 12 rows × 32 columns, 24 accumulator
+//! registers): per step of `k`, two loads of the panel, one broadcast per row, two fused
+//! multiply-adds per row. The whole `k` is summed in registers and each output is written
+//! once.
+//!
+//! Every output element is `Σ_i x[t, i] · w[i, j]` summed in order of `i` with one fused
+//! multiply-add per term, in every tier, so the tiers agree bit for bit with the scalar
+//! reference (and a row's result does not depend on which other rows share the call).
+
+use crate::SharedOut;
+use crate::pool::ThreadPool;
+use crate::tier::Tier;
+
+/// Columns of a packed panel: two AVX-512 registers.
+const PANEL: usize = 32;
+
+/// Output columns per task: the task's packed weights (`k × 64` floats: 147 KiB at k = 576,
+/// 393 KiB at k = 1536) stay in L2 while its row tiles stream past them.
+const BLOCK_COLS: usize = 2 * PANEL;
+
+/// Output rows per task: enough tiles to pay for packing the weights, few enough that a
+/// 512-row prefill still makes several tasks per thread.
+const BLOCK_ROWS: usize = 8 * MAX_TILE_ROWS;
+
+/// Rows of the widest tile (AVX-512: 12 × 2 accumulators + 2 panel loads + 1 broadcast of the
+/// 32 registers).
+const MAX_TILE_ROWS: usize = 12;
+
+/// Rows per tile on the tiers without AVX-512 (the portable tile: 3 rows × 32 columns, 12
+/// AVX2 accumulators of the 16 registers).
+const PORTABLE_TILE_ROWS: usize = 3;
+
+thread_local! {
+    /// Each thread's packed weight panels, reused across calls.
+    static PACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `out = x · w` on the active tier and the global pool.
+///
+/// # Shapes
+/// - `w`: `[k, n]` row-major, `x`: `[m, k]` → `out`: `[m, n]`
+///
+/// # Panics
+/// If the lengths disagree with the shapes.
+pub fn gemm_in_out(w: &[f32], k: usize, n: usize, x: &[f32], m: usize, out: &mut [f32]) {
+    gemm_in_out_with(w, k, n, x, m, out, Tier::active(), ThreadPool::global());
+}
+
+/// [`gemm_in_out`] on a given tier and pool.
+///
+/// # Panics
+/// As [`gemm_in_out`], and if this CPU cannot run `tier`.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_in_out_with(
+    w: &[f32],
+    k: usize,
+    n: usize,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    tier: Tier,
+    pool: &ThreadPool,
+) {
+    assert_eq!(w.len(), k * n, "weights are not [k, n]");
+    assert_eq!(x.len(), m * k, "activations are not [m, k]");
+    assert_eq!(out.len(), m * n, "output is not [m, n]");
+    assert!(
+        tier.is_supported(),
+        "kernel tier {tier} is not supported on this CPU"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    let col_blocks = n.div_ceil(BLOCK_COLS);
+    let row_blocks = m.div_ceil(BLOCK_ROWS);
+    let out = SharedOut::new(out);
+    pool.run(col_blocks * row_blocks, &|task| {
+        let (cb, rb) = (task / row_blocks, task % row_blocks);
+        let cols = cb * BLOCK_COLS..((cb + 1) * BLOCK_COLS).min(n);
+        let rows = rb * BLOCK_ROWS..((rb + 1) * BLOCK_ROWS).min(m);
+        PACKED.with_borrow_mut(|packed| {
+            pack_panels(w, k, n, cols.clone(), packed);
+            let job = Task {
+                x,
+                k,
+                n,
+                packed,
+                rows,
+                cols,
+                out: &out,
+            };
+            match tier {
+                Tier::Scalar => job.run_portable(),
+                // SAFETY: the tier's features were checked above.
+                #[cfg(target_arch = "x86_64")]
+                Tier::Avx2 => unsafe { job.run_avx2() },
+                // SAFETY: as above; this tier includes AVX-512F.
+                #[cfg(target_arch = "x86_64")]
+                Tier::Avx512Vnni => unsafe { job.run_avx512() },
+                #[allow(unreachable_patterns)]
+                _ => unreachable!("no such tier on this architecture"),
+            }
+        });
+    });
+}
+
+/// Copies the columns `cols` of `w` into `[panel][k][PANEL]` panels, zero past the last column.
+fn pack_panels(w: &[f32], k: usize, n: usize, cols: std::ops::Range<usize>, packed: &mut Vec<f32>) {
+    let panels = cols.len().div_ceil(PANEL);
+    packed.clear();
+    packed.resize(panels * k * PANEL, 0.0);
+    for p in 0..panels {
+        let start = cols.start + p * PANEL;
+        let width = (cols.end - start).min(PANEL);
+        let panel = &mut packed[p * k * PANEL..(p + 1) * k * PANEL];
+        for (i, dst) in panel.chunks_exact_mut(PANEL).enumerate() {
+            dst[..width].copy_from_slice(&w[i * n + start..i * n + start + width]);
+        }
+    }
+}
+
+/// One task: output rows `rows` × columns `cols`, with those columns' weights packed.
+struct Task<'a> {
+    x: &'a [f32],
+    k: usize,
+    n: usize,
+    packed: &'a [f32],
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    out: &'a SharedOut<f32>,
+}
+
+impl Task<'_> {
+    /// Each panel of the task's columns, as (first column, width, packed `[k][PANEL]`).
+    fn panels(&self) -> impl Iterator<Item = (usize, usize, &[f32])> {
+        let k = self.k;
+        self.packed
+            .chunks_exact(k * PANEL)
+            .enumerate()
+            .map(move |(p, panel)| {
+                let start = self.cols.start + p * PANEL;
+                (start, (self.cols.end - start).min(PANEL), panel)
+            })
+    }
+
+    /// The portable tile walk, the scalar reference (and AVX2 when compiled for it).
+    #[inline(always)]
+    fn run_portable(&self) {
+        for (col, width, panel) in self.panels() {
+            let mut t = self.rows.start;
+            while t < self.rows.end {
+                let rows = (self.rows.end - t).min(PORTABLE_TILE_ROWS);
+                let mut acc = [[0f32; PANEL]; PORTABLE_TILE_ROWS];
+                for (i, wv) in panel.chunks_exact(PANEL).enumerate() {
+                    for (r, acc) in acc.iter_mut().take(rows).enumerate() {
+                        let a = self.x[(t + r) * self.k + i];
+                        for (y, b) in acc.iter_mut().zip(wv) {
+                            *y = a.mul_add(*b, *y);
+                        }
+                    }
+                }
+                for (r, acc) in acc.iter().take(rows).enumerate() {
+                    // SAFETY: each (row, column) belongs to exactly one task.
+                    let dst = unsafe { self.out.slice((t + r) * self.n + col, width) };
+                    dst.copy_from_slice(&acc[..width]);
+                }
+                t += rows;
+            }
+        }
+    }
+
+    /// [`run_portable`](Self::run_portable) compiled for AVX2 with fused multiply-adds.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_avx2(&self) {
+        self.run_portable();
+    }
+
+    /// The AVX-512 tile walk: 12-row tiles, then one tile of the rows left.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn run_avx512(&self) {
+        for (col, width, panel) in self.panels() {
+            let mut t = self.rows.start;
+            while t < self.rows.end {
+                let rows = (self.rows.end - t).min(MAX_TILE_ROWS);
+                // SAFETY: rows `t..t + rows` of x and out exist; the panel is `[k][PANEL]`.
+                unsafe {
+                    match rows {
+                        12 => self.tile_avx512::<12>(t, col, width, panel),
+                        11 => self.tile_avx512::<11>(t, col, width, panel),
+                        10 => self.tile_avx512::<10>(t, col, width, panel),
+                        9 => self.tile_avx512::<9>(t, col, width, panel),
+                        8 => self.tile_avx512::<8>(t, col, width, panel),
+                        7 => self.tile_avx512::<7>(t, col, width, panel),
+                        6 => self.tile_avx512::<6>(t, col, width, panel),
+                        5 => self.tile_avx512::<5>(t, col, width, panel),
+                        4 => self.tile_avx512::<4>(t, col, width, panel),
+                        3 => self.tile_avx512::<3>(t, col, width, panel),
+                        2 => self.tile_avx512::<2>(t, col, width, panel),
+                        _ => self.tile_avx512::<1>(t, col, width, panel),
+                    }
+                }
+                t += rows;
+            }
+        }
+    }
+
+    /// Rows `t..t + R` × the panel's columns `col..col + width`, summed over all of `k` in 2R
+    /// registers and stored once (masked past `width`).
+    ///
+    /// # Safety
+    /// AVX-512F must be available; rows `t..t + R` must exist; `panel` is `[k][PANEL]`.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn tile_avx512<const R: usize>(
+        &self,
+        t: usize,
+        col: usize,
+        width: usize,
+        panel: &[f32],
+    ) {
+        use std::arch::x86_64::*;
+        let k = self.k;
+        debug_assert!(panel.len() == k * PANEL && (t + R) * k <= self.x.len());
+        let mut lo = [_mm512_setzero_ps(); R];
+        let mut hi = [_mm512_setzero_ps(); R];
+        let x = self.x.as_ptr();
+        let b = panel.as_ptr();
+        for i in 0..k {
+            // SAFETY: i < k, so both loads lie in the panel and every x read in row t + r.
+            unsafe {
+                let b_lo = _mm512_loadu_ps(b.add(i * PANEL));
+                let b_hi = _mm512_loadu_ps(b.add(i * PANEL + 16));
+                for r in 0..R {
+                    let a = _mm512_set1_ps(*x.add((t + r) * k + i));
+                    lo[r] = _mm512_fmadd_ps(a, b_lo, lo[r]);
+                    hi[r] = _mm512_fmadd_ps(a, b_hi, hi[r]);
+                }
+            }
+        }
+        let mask_lo: __mmask16 = if width >= 16 {
+            0xffff
+        } else {
+            (1u16 << width) - 1
+        };
+        let mask_hi: __mmask16 = if width >= 32 {
+            0xffff
+        } else if width > 16 {
+            (1u16 << (width - 16)) - 1
+        } else {
+            0
+        };
+        for r in 0..R {
+            // SAFETY: the row's columns col..col + width belong to this task alone; the masks
+            // keep the stores inside them.
+            unsafe {
+                let dst = self.out.slice((t + r) * self.n + col, width).as_mut_ptr();
+                _mm512_mask_storeu_ps(dst, mask_lo, lo[r]);
+                _mm512_mask_storeu_ps(dst.add(16), mask_hi, hi[r]);
+            }
+        }
+    }
+}
