@@ -175,6 +175,24 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         Ok(id)
     }
 
+    /// Drops a request, waiting or running, at once: its cache is freed now, nothing more is
+    /// reported for it, and the other requests go on as if it had never been submitted (what
+    /// a server does when a client disconnects). Returns whether the request was still there
+    /// (false once it has finished or was cancelled before).
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            // A preempted sequence waits with its cache already released.
+            self.waiting.remove(i);
+            return true;
+        }
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let seq = self.running.remove(i);
+            self.cache.release(seq.seq());
+            return true;
+        }
+        false
+    }
+
     /// Starts a request whose prompt is already in `cache` form: `logits` are the prompt's
     /// last-position logits, and `fill` writes the prompt's K/V into the cache for the given
     /// sequence (see [`crate::snapshot`]).

@@ -211,6 +211,67 @@ fn running_out_of_blocks_preempts_instead_of_failing() {
     assert_eq!(engine.cache().usage().used, 0);
 }
 
+/// Cancelling frees a running request's cache at once and drops a waiting one; the others
+/// give what they give alone, and nothing more is reported for the cancelled ones.
+#[test]
+fn cancelled_requests_free_their_cache_at_once_and_the_rest_run_on() {
+    let model = Scripted { script: count_up };
+    let config = EngineConfig {
+        max_batch: 2,
+        ..EngineConfig::default()
+    };
+    let requests: Vec<Request> = (0..4)
+        .map(|i| request(&[2 + i, 3 + i, 4 + i, 5 + i, 6 + i], 10))
+        .collect();
+    let mut engine = Engine::new(&model, paged(64, 4), config).unwrap();
+    let ids: Vec<_> = requests
+        .iter()
+        .map(|r| engine.submit(r.clone()).unwrap())
+        .collect();
+    let mut done = Vec::new();
+    for _ in 0..3 {
+        for event in engine.step().unwrap() {
+            if let Event::Finished(c) = event {
+                done.push(c);
+            }
+        }
+    }
+    assert_eq!(engine.load(), (2, 2));
+    let before = engine.cache().usage().used;
+    // Request 0 runs (its 5 prompt tokens and 2 generated ones: two blocks of 4), request 3 waits.
+    assert!(engine.cancel(ids[0]));
+    assert!(engine.cancel(ids[3]));
+    assert_eq!(engine.load(), (1, 1));
+    assert_eq!(engine.cache().usage().used, before - 8);
+    assert!(!engine.cancel(ids[0]), "cancelled twice");
+    let mut cancelled_events = 0;
+    while !engine.is_idle() {
+        for event in engine.step().unwrap() {
+            match event {
+                Event::Token { id, .. } | Event::Text { id, .. }
+                    if id == ids[0] || id == ids[3] =>
+                {
+                    cancelled_events += 1
+                }
+                Event::Finished(c) => done.push(c),
+                _ => {}
+            }
+        }
+    }
+    assert_eq!(cancelled_events, 0);
+    let finished: Vec<_> = done.iter().map(|c| c.id).collect();
+    assert_eq!(finished, [ids[1], ids[2]]);
+    let expected = alone(&model, &requests);
+    for c in &done {
+        assert_eq!(tokens(c), tokens(&expected[c.id.0 as usize]));
+    }
+    assert!(
+        !engine.cancel(ids[1]),
+        "finished requests cannot be cancelled"
+    );
+    assert_eq!(engine.cache().usage().used, 0);
+}
+
 /// Prefill first: while any prompt is left, a step feeds whole prompts only (packed up to
 /// `max_step_tokens`, a longer one alone in chunks) and every decode waits; then all sequences
 /// decode together, one token each per step. The tokens are those each request gives alone.
