@@ -2,10 +2,10 @@
 //! exact path, `out = x · w` with `w` in kiln's `Linear` layout `[d_in, d_out]`.
 //!
 //! Register blocking as in BLIS: each task owns a block of output rows and a block of
-//! [`BLOCK_COLS`] output columns, copies those weight columns once into a scratch buffer of
-//! [`PANEL`]-wide panels (`[panel][k][32]`, contiguous, zero-padded past `n`), then walks its
-//! rows in tiles of up to [`MAX_TILE_ROWS`] (AVX-512: 12 rows × 32 columns, 24 accumulator
-//! registers): per step of `k`, two loads of the panel, one broadcast per row, two fused
+//! 64 output columns, copies those weight columns once into a scratch buffer of
+//! 32-wide panels (`[panel][k][32]`, contiguous, zero-padded past `n`), then walks its
+//! rows in tiles (AVX-512: 12 rows × 32 columns, 24 accumulator registers; the portable
+//! tile, 3 × 32): per step of `k`, two loads of the panel, one broadcast per row, two fused
 //! multiply-adds per row. The whole `k` is summed in registers and each output is written
 //! once.
 //!
