@@ -1,8 +1,8 @@
 //! kiln's CPU kernels: matrix products on weights kept in their ggml quantized blocks
-//! ([`QuantMatrix`]) and f32 products for decoding ([`dense`]), each written once in plain Rust
-//! (the [`Tier::Scalar`] reference) and again with x86 SIMD chosen at run time ([`Tier`]), run
-//! on a persistent thread pool ([`ThreadPool`]), and the per-layer row operations around
-//! them ([`rowwise`]: RMSNorm, rotary embeddings) as single passes.
+//! ([`QuantMatrix`]) and f32 products for decoding ([`dense`]) and prefill ([`gemm`]), each
+//! written once in plain Rust (the [`Tier::Scalar`] reference) and again with x86 SIMD chosen
+//! at run time ([`Tier`]), run on a persistent thread pool ([`ThreadPool`]), and the per-layer
+//! row operations around them ([`rowwise`]: RMSNorm, rotary embeddings) as single passes.
 //!
 //! This crate knows nothing of burn or of models: it multiplies slices. kiln-core's backend
 //! trait hands it the host memory of burn-flex tensors; kiln-models decides which weights use
