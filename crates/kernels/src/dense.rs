@@ -187,9 +187,18 @@ impl RowTask<'_> {
     }
 }
 
-/// The checks both layouts share: `w` holds `k × n` values (either way round), `x` is
-/// `[m, k]`, `out` is `[m, n]`, and this CPU runs `tier`.
-fn check_shapes(w: &[f32], k: usize, n: usize, x: &[f32], m: usize, out: &[f32], tier: Tier) {
+/// The checks every f32 product shares (both layouts here, and [`crate::gemm`]): `w` holds
+/// `k × n` values (either way round), `x` is `[m, k]`, `out` is `[m, n]`, and this CPU runs
+/// `tier`.
+pub(crate) fn check_shapes(
+    w: &[f32],
+    k: usize,
+    n: usize,
+    x: &[f32],
+    m: usize,
+    out: &[f32],
+    tier: Tier,
+) {
     assert_eq!(w.len(), k * n, "weights do not hold k × n values");
     assert_eq!(x.len(), m * k, "activations are not [m, k]");
     assert_eq!(out.len(), m * n, "output is not [m, n]");

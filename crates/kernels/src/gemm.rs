@@ -67,13 +67,7 @@ pub fn gemm_in_out_with(
     tier: Tier,
     pool: &ThreadPool,
 ) {
-    assert_eq!(w.len(), k * n, "weights are not [k, n]");
-    assert_eq!(x.len(), m * k, "activations are not [m, k]");
-    assert_eq!(out.len(), m * n, "output is not [m, n]");
-    assert!(
-        tier.is_supported(),
-        "kernel tier {tier} is not supported on this CPU"
-    );
+    crate::dense::check_shapes(w, k, n, x, m, out, tier);
     if m == 0 || n == 0 {
         return;
     }
