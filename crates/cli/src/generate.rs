@@ -269,6 +269,7 @@ impl BackendTask for Task {
                 sampling: sampling.clone(),
                 eos: eos.clone(),
                 stop: args.stop.clone(),
+                logprobs: None,
             };
             match &snapshot {
                 Some(snapshot) => engine.submit_snapshot(snapshot, request),

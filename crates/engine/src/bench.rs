@@ -252,6 +252,7 @@ pub fn run_cell<B: InferenceBackend>(
             // No EOS and no stop strings: every sequence generates all `new_tokens`.
             eos: Vec::new(),
             stop: Vec::new(),
+            logprobs: None,
         })?;
         index.insert(id, i);
     }

@@ -14,7 +14,7 @@ use kiln_core::{Batch, CausalLm, CoreError, InferenceBackend, LogitsFor};
 use crate::detok::Detokenizer;
 use crate::error::EngineError;
 use crate::generate::FinishReason;
-use crate::request::{Completion, Event, Request, RequestId};
+use crate::request::{Completion, Event, MAX_TOP_LOGPROBS, Request, RequestId, TokenLogprobs};
 use crate::sequence::Sequence;
 
 /// Scheduling limits.
@@ -149,6 +149,11 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         if !request.stop.is_empty() && self.detok.is_none() {
             return invalid("stop strings need a tokenizer to decode text".into());
         }
+        if let Some(n) = request.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return invalid(format!(
+                "{n} top log-probabilities asked for; at most {MAX_TOP_LOGPROBS}"
+            ));
+        }
         Ok(Sampler::new(&request.sampling, shape.vocab).map_err(CoreError::from)?)
     }
 
@@ -167,7 +172,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// # Errors
     /// [`EngineError::InvalidRequest`]: an empty prompt, one that fills the model's context,
     /// ids outside the vocabulary, invalid sampling values, stop strings without a
-    /// detokenizer.
+    /// detokenizer, more than [`MAX_TOP_LOGPROBS`] alternatives.
     pub fn submit(&mut self, request: Request) -> Result<RequestId, EngineError> {
         let seq = self.sequence(request)?;
         let id = seq.id;
@@ -367,11 +372,16 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         if seq.request.eos.contains(&token) {
             return Ok(Some(FinishReason::Eos));
         }
+        let logprobs = seq
+            .request
+            .logprobs
+            .map(|top| TokenLogprobs::from_logits(logits, token, top));
         let (text, stopped) = seq.accept(token, detok);
         events.push(Event::Token {
             id: seq.id,
             token,
             text,
+            logprobs,
         });
         Ok(if stopped {
             Some(FinishReason::Stop)

@@ -62,6 +62,8 @@ pub use detok::Detokenizer;
 pub use engine::{Engine, EngineConfig, StepPolicy};
 pub use error::EngineError;
 pub use generate::{FinishReason, GenerateRequest, Generation, generate};
-pub use request::{Completion, Event, Request, RequestId, Timings};
+pub use request::{
+    Completion, Event, MAX_TOP_LOGPROBS, Request, RequestId, Timings, TokenLogprobs,
+};
 pub use session::{Reply, Session};
 pub use snapshot::Snapshot;

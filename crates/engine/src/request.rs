@@ -31,6 +31,54 @@ pub struct Request {
     /// Strings that end the sequence when they appear in the decoded text; the output stops
     /// before them. Needs a detokenizer.
     pub stop: Vec<String>,
+    /// Report each sampled token's log-probability and this many most likely alternatives
+    /// with it (`Some(0)`: the token's alone); `None` reports none.
+    pub logprobs: Option<usize>,
+}
+
+/// The most alternatives [`Request::logprobs`] may ask for (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A sampled token's log-probability under the model's distribution (the log-softmax of
+/// the raw logits, before temperature and every other processor: what vLLM reports by
+/// default), with the most likely tokens at that position.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TokenLogprobs {
+    /// The sampled token's log-probability.
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first.
+    pub top: Vec<(TokenId, f32)>,
+}
+
+impl TokenLogprobs {
+    /// `token`'s log-probability under `logits`, with the `top` most likely tokens.
+    ///
+    /// # Shapes
+    /// `logits`: `[vocab]`, and `token < vocab`.
+    pub fn from_logits(logits: &[f32], token: TokenId, top: usize) -> Self {
+        // log p_i = x_i - (max + ln sum exp(x_j - max)), summed in f64 so 49k terms do not
+        // lose the small ones.
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|&x| f64::from(x - max).exp()).sum();
+        let log_norm = f64::from(max) + sum.ln();
+        let logprob = |x: f32| (f64::from(x) - log_norm) as f32;
+        let mut best: Vec<(TokenId, f32)> = Vec::with_capacity(top + 1);
+        if top > 0 {
+            for (i, &x) in logits.iter().enumerate() {
+                if best.len() == top && x <= best[top - 1].1 {
+                    continue;
+                }
+                // Ties keep the lower id first, as a stable sort by value would.
+                let at = best.partition_point(|&(_, y)| y >= x);
+                best.insert(at, (TokenId(i as u32), x));
+                best.truncate(top);
+            }
+        }
+        Self {
+            logprob: logprob(logits[token.0 as usize]),
+            top: best.into_iter().map(|(t, x)| (t, logprob(x))).collect(),
+        }
+    }
 }
 
 /// Something that happened during a step.
@@ -45,6 +93,8 @@ pub enum Event {
         token: TokenId,
         /// Text safe to show now.
         text: String,
+        /// Its log-probability, when the request asked ([`Request::logprobs`]).
+        logprobs: Option<TokenLogprobs>,
     },
     /// Text held back for a possible stop string, released when the request ended otherwise;
     /// comes just before its `Finished`.
@@ -90,4 +140,32 @@ pub struct Timings {
 
 fn millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_f64(d.as_secs_f64() * 1e3)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logprobs_are_the_log_softmax_with_the_best_tokens_first() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0];
+        let log_norm = logits.iter().map(|&x| f64::from(x).exp()).sum::<f64>().ln();
+        let lp = TokenLogprobs::from_logits(&logits, TokenId(2), 3);
+        assert!((f64::from(lp.logprob) - (2.0 - log_norm)).abs() < 1e-6);
+        // The tie between ids 1 and 3 keeps the lower id first.
+        let ids: Vec<u32> = lp.top.iter().map(|(t, _)| t.0).collect();
+        assert_eq!(ids, [1, 3, 2]);
+        for (t, l) in &lp.top {
+            let expected = f64::from(logits[t.0 as usize]) - log_norm;
+            assert!((f64::from(*l) - expected).abs() < 1e-6);
+        }
+        let all = TokenLogprobs::from_logits(&logits, TokenId(0), logits.len());
+        let total: f64 = all.top.iter().map(|(_, l)| f64::from(*l).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert!(
+            TokenLogprobs::from_logits(&logits, TokenId(4), 0)
+                .top
+                .is_empty()
+        );
+    }
 }

@@ -98,6 +98,7 @@ fn request(prompt: &[u32], max_tokens: usize) -> Request {
         sampling: SamplingParams::greedy(),
         eos: vec![EOS],
         stop: Vec::new(),
+        logprobs: None,
     }
 }
 
