@@ -11,6 +11,7 @@ mod memory;
 mod model_args;
 mod progress;
 mod selftest;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -34,6 +35,7 @@ use clap::{Parser, Subcommand};
   kiln generate -m model.gguf -b wgpu --dtype f16 \"Hi\"  another model, backend and precision
   kiln info -m model.gguf                               what a model is, without loading it
   kiln backends                                         which backends can run here
+  kiln serve --port 8080                                an OpenAI-compatible server on the default model
   kiln bench --backend wgpu --quick                     a quick speed check
 
 Exit codes: 0 success, 2 bad arguments or input, 1 failure at run time."
@@ -61,6 +63,9 @@ enum Command {
     Chat(chat::Args),
     /// Describe a model (architecture, sizes, storage, tokenizer) without loading its weights.
     Info(info::Args),
+    /// Serve the model over HTTP with OpenAI's API (chat and completions, streaming, /metrics);
+    /// many clients at once share the engine's batch.
+    Serve(serve::Args),
     /// Measure prefill and decode speed, latency and memory over a matrix of prompt lengths
     /// and batch sizes (`cargo xtask bench` runs it).
     Bench(bench::Args),
@@ -89,6 +94,7 @@ fn main() -> ExitCode {
         Command::Chat(args) => chat::run(args),
         Command::Info(args) => info::run(&args),
         Command::Bench(args) => bench::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     exit::report(result)
 }

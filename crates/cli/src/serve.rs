@@ -1,0 +1,263 @@
+//! `kiln serve`: the OpenAI-compatible HTTP server (`kiln-server`) on a model and backend
+//! chosen here. It listens before the model loads (`/health` answers 503 meanwhile), sizes the
+//! KV cache by a memory budget, logs one line per request, and exits 0 after SIGINT / SIGTERM.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use kiln_core::InferenceBackend;
+use kiln_core::backend::{BackendTask, run_on};
+use kiln_core::kv_cache::{CacheKind, DEFAULT_BLOCK_SIZE};
+use kiln_engine::{CacheSpec, EngineConfig};
+use kiln_server::{ServedModel, Server, ServerOptions};
+
+use crate::exit::UsageError;
+use crate::model_args::ModelArgs;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1", help_heading = "Server")]
+    host: String,
+    /// Port to listen on (0: any free port; the log says which).
+    #[arg(long, default_value_t = 8080, help_heading = "Server")]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/* (also read from $KILN_API_KEY);
+    /// /health, /metrics, /tokenize and /detokenize stay open.
+    #[arg(long, value_name = "KEY", help_heading = "Server")]
+    api_key: Option<String>,
+    /// Answer CORS preflights and allow any origin (for browser clients).
+    #[arg(long, help_heading = "Server")]
+    cors: bool,
+    /// Most requests waiting beyond the running batch (each of `n` choices counts); more get
+    /// 503.
+    #[arg(long, value_name = "N", default_value_t = 256, help_heading = "Server")]
+    max_queue: usize,
+    /// Largest request body in bytes; larger ones get 413.
+    #[arg(long, value_name = "BYTES", default_value_t = 8 << 20, help_heading = "Server")]
+    max_body_bytes: usize,
+    /// Seconds running requests may go on after SIGINT / SIGTERM before they are cancelled.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 10.0,
+        help_heading = "Server"
+    )]
+    shutdown_grace: f64,
+    /// The model's name in /v1/models and in responses (default: the file or folder name).
+    #[arg(long, value_name = "NAME", help_heading = "Server")]
+    served_model_name: Option<String>,
+    /// Log lines as text or as JSON objects (one per line).
+    #[arg(long, value_name = "FORMAT", default_value = "text", value_parser = ["text", "json"], help_heading = "Server")]
+    log_format: String,
+    /// Most requests decoded together.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 32,
+        help_heading = "KV cache and batching"
+    )]
+    max_batch: usize,
+    /// Most prompt tokens prefilled in one step (longer prompts go in chunks, between
+    /// decode steps of the others).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 512,
+        help_heading = "KV cache and batching"
+    )]
+    max_step_tokens: usize,
+    /// KV cache memory in MiB (default: what --max-batch sequences of the full context need,
+    /// capped at a quarter of the available memory and at 1 GiB). When it fills, the newest
+    /// request is preempted and recomputed later.
+    #[arg(long, value_name = "MIB", help_heading = "KV cache and batching")]
+    kv_cache_mb: Option<usize>,
+    /// KV cache: paged (the budget is a block pool shared by every request) or static
+    /// (--max-batch rows of the full context).
+    #[arg(
+        long,
+        value_name = "KIND",
+        default_value = "paged",
+        help_heading = "KV cache and batching"
+    )]
+    cache: CacheKind,
+    /// Paged cache: tokens per block.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_BLOCK_SIZE, help_heading = "KV cache and batching")]
+    page_size: usize,
+}
+
+pub fn run(mut args: Args) -> Result<()> {
+    for (name, value) in [
+        ("--max-batch", args.max_batch),
+        ("--max-step-tokens", args.max_step_tokens),
+        ("--page-size", args.page_size),
+    ] {
+        if value == 0 {
+            return Err(UsageError(format!("{name} must be positive")).into());
+        }
+    }
+    if args.kv_cache_mb == Some(0) {
+        return Err(UsageError("--kv-cache-mb must be positive".into()).into());
+    }
+    if !matches!(args.cache, CacheKind::Paged | CacheKind::Static) {
+        return Err(UsageError(format!(
+            "--cache {} cannot serve: use paged (the default) or static",
+            args.cache
+        ))
+        .into());
+    }
+    if !(args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0) {
+        return Err(UsageError("--shutdown-grace must be a number of seconds >= 0".into()).into());
+    }
+    if args.api_key.is_none() {
+        args.api_key = std::env::var("KILN_API_KEY").ok().filter(|k| !k.is_empty());
+    }
+    init_logging(&args.log_format);
+    let backend = args.model.backend;
+    run_on(backend, Task(args))?
+}
+
+/// Request lines and notices on stderr, through `tracing`.
+fn init_logging(format: &str) {
+    let builder = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KILN_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        );
+    if format == "json" {
+        builder.json().flatten_event(true).init();
+    } else {
+        builder.init();
+    }
+}
+
+struct Task(Args);
+
+impl BackendTask for Task {
+    type Output = Result<()>;
+
+    fn run<B: InferenceBackend>(self, device: B::Device) -> Result<()> {
+        let args = self.0;
+        let backend = args.model.backend;
+        let options = ServerOptions {
+            host: args.host.clone(),
+            port: args.port,
+            api_key: args.api_key.clone(),
+            cors: args.cors,
+            max_queue: args.max_queue,
+            max_body_bytes: args.max_body_bytes,
+            shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
+        };
+        let server = Server::start(options).map_err(|e| UsageError(e.to_string()))?;
+        tracing::info!(
+            "listening on http://{} (loading the model)",
+            server.local_addr()
+        );
+        let loaded = args.model.load::<B>(&device)?;
+        let path = &loaded.path;
+        let name = args.served_model_name.clone().unwrap_or_else(|| {
+            let stem = if path.is_file() {
+                path.file_stem()
+            } else {
+                path.file_name()
+            };
+            stem.map_or_else(
+                || path.display().to_string(),
+                |s| s.to_string_lossy().into_owned(),
+            )
+        });
+        let shape = kiln_core::CausalLm::shape(&loaded.model);
+        let dtype = args.model.dtype();
+        let per_token = shape.kv_layout().bytes_per_token(dtype);
+        let config = EngineConfig {
+            max_batch: args.max_batch,
+            max_step_tokens: args.max_step_tokens,
+            ..EngineConfig::default()
+        };
+        let (spec, bytes) = cache_spec(&args, shape.max_positions, per_token);
+        let cache = spec
+            .build::<B>(shape.kv_layout(), dtype, &device)
+            .context("allocating the KV cache")?;
+        let tokens = kiln_core::kv_cache::CacheBook::usage(cache.as_ref()).capacity;
+        let weights: Vec<String> = loaded
+            .model
+            .weight_summary()
+            .into_iter()
+            .map(|(kind, count, _)| format!("{count} {kind}"))
+            .collect();
+        tracing::info!(
+            "serving {name} on {} (weights: {}): max batch {}, KV cache {} MiB = {tokens} tokens ({} cache, {} KiB per token)",
+            backend.name(),
+            weights.join(", "),
+            args.max_batch,
+            bytes >> 20,
+            spec.kind,
+            per_token / 1024,
+        );
+        let block_tokens = if spec.kind == CacheKind::Paged {
+            spec.page_size
+        } else {
+            1
+        };
+        server
+            .serve(ServedModel {
+                loaded: &loaded,
+                name,
+                cache,
+                block_tokens,
+                cache_bytes: bytes,
+                config,
+            })
+            .map_err(|e| UsageError(e.to_string()))?;
+        tracing::info!("stopped");
+        Ok(())
+    }
+}
+
+/// The default KV budget's cap: 1 GiB holds 23,000 tokens of SmolLM2-135M (45 KiB each), 32
+/// requests of 700; the pool is allocated (and zeroed) at start, so more would cost seconds of
+/// start-up and resident memory that most runs never use. `--kv-cache-mb` sets any size.
+const DEFAULT_KV_CAP: u64 = 1 << 30;
+
+/// The cache for the budget: paged, as many blocks as the budget holds; static, `max_batch`
+/// rows of the full context. Returns the spec and its bytes.
+fn cache_spec(args: &Args, max_positions: usize, per_token: usize) -> (CacheSpec, u64) {
+    let per_token = per_token.max(1) as u64;
+    let page = args.page_size;
+    let worst = (args.max_batch * max_positions) as u64 * per_token;
+    let budget = match args.kv_cache_mb {
+        Some(mb) => (mb as u64) << 20,
+        None => {
+            let quarter = available_memory().map_or(1 << 30, |m| m / 4);
+            worst.min(quarter).min(DEFAULT_KV_CAP)
+        }
+    };
+    let blocks = ((budget / per_token) as usize / page).max(1);
+    let spec = CacheSpec {
+        kind: args.cache,
+        max_sequences: args.max_batch,
+        max_len: max_positions,
+        window: max_positions,
+        max_step: args.max_step_tokens,
+        page_size: page,
+        blocks: Some(blocks),
+    };
+    let bytes = match args.cache {
+        CacheKind::Paged => (blocks * page) as u64 * per_token,
+        _ => worst,
+    };
+    (spec, bytes)
+}
+
+/// `MemAvailable` from /proc/meminfo, in bytes (Linux).
+fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}

@@ -1,0 +1,520 @@
+//! The OpenAI request bodies kiln reads, and their validation into what the engine runs.
+//!
+//! Unknown fields are ignored (clients send many: `user`, `store`, `metadata`, ...), `null`
+//! means "not given", and every value out of range is a 400 naming its field.
+
+use kiln_core::TokenId;
+use kiln_core::sampling::{SamplingError, SamplingParams};
+use kiln_engine::MAX_TOP_LOGPROBS;
+use serde::Deserialize;
+
+use crate::error::ApiError;
+
+/// Most choices one request may ask for (`n`, times the prompts of a completions request).
+pub const MAX_CHOICES: usize = 16;
+/// Most stop strings one request may give.
+pub const MAX_STOP_STRINGS: usize = 16;
+/// Most alternatives `/v1/completions`' integer `logprobs` may ask for (OpenAI's limit).
+pub const MAX_COMPLETION_LOGPROBS: usize = 5;
+
+/// Fields both completion endpoints share.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct CommonFields {
+    /// The model's name; any name is served by the one model loaded.
+    pub model: Option<String>,
+    /// Most new tokens per choice (the old name).
+    pub max_tokens: Option<u64>,
+    /// Most new tokens per choice (the new name; wins over `max_tokens`).
+    pub max_completion_tokens: Option<u64>,
+    /// Sampling temperature; 0 is greedy.
+    pub temperature: Option<f32>,
+    /// Nucleus sampling.
+    pub top_p: Option<f32>,
+    /// Keep the K most likely tokens; 0 or -1 is off.
+    pub top_k: Option<i64>,
+    /// Drop tokens less likely than this times the best.
+    pub min_p: Option<f32>,
+    /// OpenAI presence penalty.
+    pub presence_penalty: Option<f32>,
+    /// OpenAI frequency penalty.
+    pub frequency_penalty: Option<f32>,
+    /// Hugging Face repetition penalty.
+    pub repetition_penalty: Option<f32>,
+    /// Sampling seed; choice `i` of `n` uses `seed + i`.
+    pub seed: Option<i64>,
+    /// Strings that end a choice.
+    pub stop: Option<Stop>,
+    /// Choices per prompt.
+    pub n: Option<u64>,
+    /// Server-sent events instead of one body.
+    pub stream: Option<bool>,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Generate past end-of-sequence tokens.
+    pub ignore_eos: Option<bool>,
+}
+
+/// `stop`: one string or several.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    /// One.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct StreamOptions {
+    /// Send a last chunk with the usage (and `choices: []`).
+    pub include_usage: Option<bool>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct ChatRequest {
+    /// The conversation.
+    pub messages: Vec<Message>,
+    /// Report the log-probability of each token.
+    pub logprobs: Option<bool>,
+    /// And this many alternatives with it (0-20).
+    pub top_logprobs: Option<u64>,
+    /// The rest.
+    #[serde(flatten)]
+    pub common: CommonFields,
+}
+
+/// One chat message.
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    /// `system`, `developer`, `user` or `assistant`.
+    pub role: String,
+    /// A string, an array of text parts, or null (an assistant turn with no text).
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+/// A message's content.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    /// Plain text.
+    Text(String),
+    /// Parts; only `{"type": "text", "text": ...}` is supported.
+    Parts(Vec<Part>),
+}
+
+/// One content part.
+#[derive(Debug, Deserialize)]
+pub struct Part {
+    /// The part's kind.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Its text, for a text part.
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct CompletionRequest {
+    /// What to continue.
+    pub prompt: Option<Prompt>,
+    /// Report each token's log-probability and this many alternatives (0-5).
+    pub logprobs: Option<u64>,
+    /// Echo the prompt before the completion (not supported; refused when true).
+    pub echo: Option<bool>,
+    /// Text appended after the completion (not supported; refused when given).
+    pub suffix: Option<String>,
+    /// The rest.
+    #[serde(flatten)]
+    pub common: CommonFields,
+}
+
+/// A completions prompt: text or token ids, one or several.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// One text.
+    Text(String),
+    /// One list of token ids.
+    Tokens(Vec<u32>),
+    /// Several texts.
+    Texts(Vec<String>),
+    /// Several lists of token ids.
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// `POST /tokenize`: llama.cpp's `content` or vLLM's `prompt`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct TokenizeRequest {
+    /// The text (llama.cpp's name).
+    pub content: Option<String>,
+    /// The text (vLLM's name).
+    pub prompt: Option<String>,
+    /// Add the tokenizer's special tokens (BOS); llama.cpp's name.
+    pub add_special: Option<bool>,
+    /// The same, vLLM's name.
+    pub add_special_tokens: Option<bool>,
+}
+
+/// `POST /detokenize`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct DetokenizeRequest {
+    /// The ids.
+    pub tokens: Vec<u32>,
+}
+
+/// What a request asks the engine for, per choice, once validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    /// Most new tokens (`None`: up to the end of the context).
+    pub max_tokens: Option<usize>,
+    /// Sampling of choice 0 (choice `i` adds `i` to the seed).
+    pub sampling: SamplingParams,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Choices per prompt.
+    pub n: usize,
+    /// Log-probabilities and how many alternatives.
+    pub logprobs: Option<usize>,
+    /// Server-sent events.
+    pub stream: bool,
+    /// A usage chunk at the end of the stream.
+    pub include_usage: bool,
+    /// No end-of-sequence tokens.
+    pub ignore_eos: bool,
+}
+
+impl Generation {
+    /// Choice `index`'s sampling: its own seed, so `n` choices differ and each is reproducible.
+    pub fn sampling_for(&self, index: usize) -> SamplingParams {
+        SamplingParams {
+            seed: self.sampling.seed.map(|s| s.wrapping_add(index as u64)),
+            ..self.sampling.clone()
+        }
+    }
+}
+
+impl CommonFields {
+    /// Validates the fields, with `logprobs` already read from the endpoint's own spelling.
+    ///
+    /// # Errors
+    /// A 400 naming the first field out of range.
+    pub fn generation(&self, logprobs: Option<usize>) -> Result<Generation, ApiError> {
+        let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
+            Some(0) => {
+                let field = if self.max_completion_tokens.is_some() {
+                    "max_completion_tokens"
+                } else {
+                    "max_tokens"
+                };
+                return Err(ApiError::invalid_field(
+                    field,
+                    format!("{field} must be at least 1"),
+                ));
+            }
+            Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+            None => None,
+        };
+        let top_k = match self.top_k {
+            None | Some(-1 | 0) => 0,
+            Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
+            Some(k) => {
+                return Err(ApiError::invalid_field(
+                    "top_k",
+                    format!("top_k = {k}: expected a positive integer, or 0 or -1 for off"),
+                ));
+            }
+        };
+        let defaults = SamplingParams::default();
+        let sampling = SamplingParams {
+            temperature: self.temperature.unwrap_or(defaults.temperature),
+            top_k,
+            top_p: self.top_p.unwrap_or(defaults.top_p),
+            min_p: self.min_p.unwrap_or(defaults.min_p),
+            repetition_penalty: self
+                .repetition_penalty
+                .unwrap_or(defaults.repetition_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(defaults.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(defaults.frequency_penalty),
+            seed: self.seed.map(|s| s as u64),
+        };
+        sampling.validate().map_err(|e| match &e {
+            SamplingError::Invalid { field, .. } => ApiError::invalid_field(field, e.to_string()),
+            SamplingError::VocabMismatch { .. } => ApiError::invalid(e.to_string()),
+        })?;
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if stop.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::invalid_field(
+                "stop",
+                format!(
+                    "{} stop strings given; at most {MAX_STOP_STRINGS}",
+                    stop.len()
+                ),
+            ));
+        }
+        if stop.iter().any(String::is_empty) {
+            return Err(ApiError::invalid_field(
+                "stop",
+                "stop strings must not be empty",
+            ));
+        }
+        let n = match self.n {
+            None => 1,
+            Some(n) if (1..=MAX_CHOICES as u64).contains(&n) => n as usize,
+            Some(n) => {
+                return Err(ApiError::invalid_field(
+                    "n",
+                    format!("n = {n}: expected 1 to {MAX_CHOICES}"),
+                ));
+            }
+        };
+        let stream = self.stream.unwrap_or(false);
+        let include_usage = self
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false);
+        Ok(Generation {
+            max_tokens,
+            sampling,
+            stop,
+            n,
+            logprobs,
+            stream,
+            include_usage,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+        })
+    }
+}
+
+impl ChatRequest {
+    /// The validated generation settings.
+    ///
+    /// # Errors
+    /// A 400 naming the field at fault.
+    pub fn generation(&self) -> Result<Generation, ApiError> {
+        let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (false, None) => None,
+            (false, Some(_)) => {
+                return Err(ApiError::invalid_field(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs: true",
+                ));
+            }
+            (true, top) => {
+                let top = top.unwrap_or(0);
+                if top > MAX_TOP_LOGPROBS as u64 {
+                    return Err(ApiError::invalid_field(
+                        "top_logprobs",
+                        format!("top_logprobs = {top}: expected 0 to {MAX_TOP_LOGPROBS}"),
+                    ));
+                }
+                Some(top as usize)
+            }
+        };
+        self.common.generation(logprobs)
+    }
+}
+
+impl CompletionRequest {
+    /// The validated generation settings.
+    ///
+    /// # Errors
+    /// A 400 naming the field at fault.
+    pub fn generation(&self) -> Result<Generation, ApiError> {
+        if self.echo == Some(true) {
+            return Err(ApiError::invalid_field("echo", "echo is not supported"));
+        }
+        if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::invalid_field("suffix", "suffix is not supported"));
+        }
+        let logprobs = match self.logprobs {
+            None => None,
+            Some(n) if n <= MAX_COMPLETION_LOGPROBS as u64 => Some(n as usize),
+            Some(n) => {
+                return Err(ApiError::invalid_field(
+                    "logprobs",
+                    format!("logprobs = {n}: expected 0 to {MAX_COMPLETION_LOGPROBS}"),
+                ));
+            }
+        };
+        self.common.generation(logprobs)
+    }
+}
+
+/// The prompts of a completions request: each a text or token ids.
+pub enum PromptInput {
+    /// Text, tokenized with the tokenizer's special tokens (BOS).
+    Text(String),
+    /// Ids, fed as they are.
+    Tokens(Vec<TokenId>),
+}
+
+impl Prompt {
+    /// The prompts, one per list entry.
+    ///
+    /// # Errors
+    /// A 400 for an empty list.
+    pub fn inputs(&self) -> Result<Vec<PromptInput>, ApiError> {
+        let ids = |v: &[u32]| PromptInput::Tokens(v.iter().copied().map(TokenId).collect());
+        let inputs: Vec<PromptInput> = match self {
+            Prompt::Text(t) => vec![PromptInput::Text(t.clone())],
+            Prompt::Texts(v) => v.iter().cloned().map(PromptInput::Text).collect(),
+            // `[]` parses as an empty list of ids.
+            Prompt::Tokens(v) if v.is_empty() => Vec::new(),
+            Prompt::Tokens(v) => vec![ids(v)],
+            Prompt::TokenLists(v) => v.iter().map(|v| ids(v)).collect(),
+        };
+        if inputs.is_empty() {
+            return Err(ApiError::invalid_field(
+                "prompt",
+                "the prompt list is empty",
+            ));
+        }
+        Ok(inputs)
+    }
+}
+
+impl Content {
+    /// The text: the string, or the text parts joined.
+    ///
+    /// # Errors
+    /// A 400 for a part that is not text.
+    pub fn text(&self) -> Result<String, ApiError> {
+        match self {
+            Content::Text(t) => Ok(t.clone()),
+            Content::Parts(parts) => {
+                let mut text = String::new();
+                for part in parts {
+                    match (part.kind.as_str(), &part.text) {
+                        ("text", Some(t)) => text.push_str(t),
+                        (kind, _) => {
+                            return Err(ApiError::invalid_field(
+                                "messages",
+                                format!(
+                                    "content parts of type {kind:?} are not supported; only text parts are"
+                                ),
+                            ));
+                        }
+                    }
+                }
+                Ok(text)
+            }
+        }
+    }
+}
+
+/// Parses a JSON body into `T`, naming the field at fault when a value has the wrong type.
+///
+/// # Errors
+/// A 400 with serde's message and the field's path.
+pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if inner.is_syntax() || inner.is_eof() {
+            ApiError::invalid(format!("the body is not valid JSON: {inner}"))
+        } else if path == "." {
+            ApiError::invalid(format!("unexpected request body: {inner}"))
+        } else {
+            ApiError::invalid_field(&path, format!("{path}: {inner}"))
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clients_nulls_and_unknown_fields_are_accepted() {
+        let body = br#"{"model": "x", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "stop": null, "logprobs": null, "user": "me", "store": false, "max_tokens": null}"#;
+        let request: ChatRequest = parse(body).expect("parses");
+        let generation = request.generation().expect("valid");
+        assert_eq!(generation.n, 1);
+        assert!(generation.stop.is_empty());
+        assert_eq!(generation.max_tokens, None);
+        let text = request.messages[0].content.as_ref().map(Content::text);
+        assert_eq!(text, Some(Ok("hi".to_string())));
+    }
+
+    #[test]
+    fn out_of_range_values_name_their_field() {
+        let field = |body: &str| -> Option<String> {
+            let request: ChatRequest = match parse(body.as_bytes()) {
+                Ok(r) => r,
+                Err(e) => return e.param,
+            };
+            request.generation().err().and_then(|e| e.param)
+        };
+        let m = r#""messages": [{"role": "user", "content": "hi"}]"#;
+        assert_eq!(
+            field(&format!(r#"{{{m}, "temperature": -1}}"#)).as_deref(),
+            Some("temperature")
+        );
+        assert_eq!(
+            field(&format!(r#"{{{m}, "top_p": 0}}"#)).as_deref(),
+            Some("top_p")
+        );
+        assert_eq!(field(&format!(r#"{{{m}, "n": 99}}"#)).as_deref(), Some("n"));
+        assert_eq!(
+            field(&format!(r#"{{{m}, "max_tokens": 0}}"#)).as_deref(),
+            Some("max_tokens")
+        );
+        assert_eq!(
+            field(&format!(r#"{{{m}, "top_k": -5}}"#)).as_deref(),
+            Some("top_k")
+        );
+        assert_eq!(
+            field(&format!(r#"{{{m}, "logprobs": true, "top_logprobs": 21}}"#)).as_deref(),
+            Some("top_logprobs")
+        );
+        assert_eq!(
+            field(&format!(r#"{{{m}, "presence_penalty": 3}}"#)).as_deref(),
+            Some("presence_penalty")
+        );
+        assert_eq!(
+            field(&format!(r#"{{{m}, "stop": [""]}}"#)).as_deref(),
+            Some("stop")
+        );
+        assert_eq!(field(&format!(r#"{{{m}, "temperature": 0.5}}"#)), None);
+    }
+
+    #[test]
+    fn malformed_json_is_a_400() {
+        let err = parse::<ChatRequest>(b"{\"messages\": [").expect_err("truncated");
+        assert_eq!(err.status, axum::http::StatusCode::BAD_REQUEST);
+        assert!(err.message.contains("not valid JSON"), "{}", err.message);
+    }
+
+    #[test]
+    fn completion_prompts_take_every_openai_form() {
+        for (body, n) in [
+            (r#"{"prompt": "a"}"#, 1),
+            (r#"{"prompt": ["a", "b"]}"#, 2),
+            (r#"{"prompt": [1, 2, 3]}"#, 1),
+            (r#"{"prompt": [[1, 2], [3]]}"#, 2),
+        ] {
+            let request: CompletionRequest = parse(body.as_bytes()).expect(body);
+            let inputs = request.prompt.as_ref().map(|p| p.inputs().map(|v| v.len()));
+            assert_eq!(inputs, Some(Ok(n)), "{body}");
+        }
+        let request: CompletionRequest = parse(br#"{"prompt": []}"#).expect("parses");
+        assert!(request.prompt.as_ref().is_some_and(|p| p.inputs().is_err()));
+    }
+}

@@ -1,0 +1,165 @@
+//! Errors as OpenAI sends them: `{"error": {"message", "type", "param", "code"}}` with the
+//! status that says whose fault it is. Every rejection the server makes, the framework's
+//! included (malformed JSON, an oversized body, an unknown path), goes out in this shape.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// An error answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// What went wrong, for a person.
+    pub message: String,
+    /// The request field at fault, if one is.
+    pub param: Option<String>,
+    /// A machine-readable code (`invalid_api_key`, `queue_full`, ...), if there is one.
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            param: None,
+            code: None,
+        }
+    }
+
+    /// 400: a value the server cannot use.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    /// 400 naming the field at fault.
+    pub fn invalid_field(param: &str, message: impl Into<String>) -> Self {
+        Self {
+            param: Some(param.to_string()),
+            ..Self::invalid(message)
+        }
+    }
+
+    /// 401: no key, or the wrong one.
+    pub fn unauthorized() -> Self {
+        Self {
+            code: Some("invalid_api_key"),
+            ..Self::new(
+                StatusCode::UNAUTHORIZED,
+                "missing or invalid API key: send `Authorization: Bearer KEY`",
+            )
+        }
+    }
+
+    /// 404: no such route.
+    pub fn not_found(what: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, what)
+    }
+
+    /// 405: the route exists, the method does not.
+    pub fn method_not_allowed() -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method not allowed on this path",
+        )
+    }
+
+    /// 413: the body is over the limit.
+    pub fn too_large(limit: usize) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is larger than {limit} bytes (--max-body-bytes)"),
+        )
+    }
+
+    /// 503: the model is still loading.
+    pub fn loading() -> Self {
+        Self {
+            code: Some("model_loading"),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the model is still loading",
+            )
+        }
+    }
+
+    /// 503: too many requests waiting already.
+    pub fn queue_full(max_queue: usize) -> Self {
+        Self {
+            code: Some("queue_full"),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "the server is busy: {max_queue} requests are waiting already (--max-queue); retry later"
+                ),
+            )
+        }
+    }
+
+    /// 503: the server is stopping and takes no new work.
+    pub fn shutting_down() -> Self {
+        Self {
+            code: Some("shutting_down"),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server is shutting down",
+            )
+        }
+    }
+
+    /// 500: kiln failed.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, message)
+    }
+
+    /// OpenAI's `type` for this status.
+    fn kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            s if s.is_server_error() => "server_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    /// The body, as sent alone or as a stream's data event.
+    pub fn body(&self) -> serde_json::Value {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind(),
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_carry_openai_type_by_status() {
+        let body = ApiError::invalid_field("temperature", "bad").body();
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert_eq!(body["error"]["param"], "temperature");
+        assert!(body["error"]["code"].is_null());
+        assert_eq!(
+            ApiError::unauthorized().body()["error"]["type"],
+            "authentication_error"
+        );
+        assert_eq!(
+            ApiError::queue_full(3).body()["error"]["type"],
+            "server_error"
+        );
+    }
+}

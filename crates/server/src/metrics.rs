@@ -1,0 +1,273 @@
+//! `/metrics`: what the engine is doing, in Prometheus' text format (version 0.0.4). The
+//! engine thread writes the gauges after every step and the counters and histograms as tokens
+//! and requests finish; scrapes only read.
+
+use std::fmt::Write;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Upper bounds of the latency histograms' buckets, in seconds (vLLM's for time to first token
+/// and inter-token latency, merged).
+const LATENCY_BUCKETS: [f64; 20] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+    10.0, 20.0, 40.0,
+];
+
+/// A cumulative histogram over [`LATENCY_BUCKETS`].
+#[derive(Debug, Default)]
+struct Histogram {
+    counts: [u64; LATENCY_BUCKETS.len()],
+    count: u64,
+    sum: f64,
+}
+
+impl Histogram {
+    fn observe(&mut self, seconds: f64) {
+        for (bound, count) in LATENCY_BUCKETS.iter().zip(&mut self.counts) {
+            if seconds <= *bound {
+                *count += 1;
+            }
+        }
+        self.count += 1;
+        self.sum += seconds;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (bound, count) in LATENCY_BUCKETS.iter().zip(&self.counts) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {count}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum {}", self.sum);
+        let _ = writeln!(out, "{name}_count {}", self.count);
+    }
+}
+
+/// The server's numbers.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    running: AtomicU64,
+    waiting: AtomicU64,
+    kv_blocks_used: AtomicU64,
+    kv_blocks_total: AtomicU64,
+    kv_block_tokens: AtomicU64,
+    kv_cache_bytes: AtomicU64,
+    max_batch: AtomicU64,
+    prompt_tokens: AtomicU64,
+    generation_tokens: AtomicU64,
+    finished_stop: AtomicU64,
+    finished_length: AtomicU64,
+    cancelled: AtomicU64,
+    failed: AtomicU64,
+    rejected: AtomicU64,
+    preemptions: AtomicU64,
+    time_to_first_token: Mutex<Histogram>,
+    inter_token_latency: Mutex<Histogram>,
+}
+
+/// How a request left the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Finished with `finish_reason: "stop"` (EOS or a stop string).
+    Stop,
+    /// Finished with `finish_reason: "length"`.
+    Length,
+    /// Its client went away.
+    Cancelled,
+    /// The engine failed or the server stopped under it.
+    Failed,
+}
+
+impl Metrics {
+    /// The fixed sizes: most sequences at once, the KV pool in blocks, tokens per block and
+    /// bytes.
+    pub fn set_capacity(&self, max_batch: usize, blocks: usize, block_tokens: usize, bytes: u64) {
+        self.max_batch.store(max_batch as u64, Ordering::Relaxed);
+        self.kv_blocks_total.store(blocks as u64, Ordering::Relaxed);
+        self.kv_block_tokens
+            .store(block_tokens as u64, Ordering::Relaxed);
+        self.kv_cache_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// The engine's state after a step.
+    pub fn set_load(&self, running: usize, waiting: usize, kv_blocks_used: usize) {
+        self.running.store(running as u64, Ordering::Relaxed);
+        self.waiting.store(waiting as u64, Ordering::Relaxed);
+        self.kv_blocks_used
+            .store(kv_blocks_used as u64, Ordering::Relaxed);
+    }
+
+    /// Sequences running and waiting, as last published.
+    pub fn load(&self) -> (u64, u64) {
+        (
+            self.running.load(Ordering::Relaxed),
+            self.waiting.load(Ordering::Relaxed),
+        )
+    }
+
+    /// A generated token; `since_previous` is the time since the sequence's previous token,
+    /// `None` for its first (whose latency is `first_token`).
+    pub fn token(&self, since_previous: Option<Duration>, first_token: Option<Duration>) {
+        self.generation_tokens.fetch_add(1, Ordering::Relaxed);
+        if let Some(d) = since_previous {
+            lock(&self.inter_token_latency).observe(d.as_secs_f64());
+        }
+        if let Some(d) = first_token {
+            lock(&self.time_to_first_token).observe(d.as_secs_f64());
+        }
+    }
+
+    /// A request left the engine, having read `prompt_tokens` and been preempted
+    /// `preemptions` times.
+    pub fn finished(&self, outcome: Outcome, prompt_tokens: usize, preemptions: usize) {
+        self.prompt_tokens
+            .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+        self.preemptions
+            .fetch_add(preemptions as u64, Ordering::Relaxed);
+        let counter = match outcome {
+            Outcome::Stop => &self.finished_stop,
+            Outcome::Length => &self.finished_length,
+            Outcome::Cancelled => &self.cancelled,
+            Outcome::Failed => &self.failed,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A request refused before it reached the engine because the queue was full.
+    pub fn rejected(&self) {
+        self.rejected.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The text format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let gauges = [
+            (
+                "kiln_requests_running",
+                "Requests decoding or prefilling now.",
+                get(&self.running),
+            ),
+            (
+                "kiln_requests_waiting",
+                "Requests queued for a free row or KV space.",
+                get(&self.waiting),
+            ),
+            (
+                "kiln_max_batch",
+                "Most requests run at once (--max-batch).",
+                get(&self.max_batch),
+            ),
+            (
+                "kiln_kv_cache_blocks_used",
+                "KV cache blocks holding tokens.",
+                get(&self.kv_blocks_used),
+            ),
+            (
+                "kiln_kv_cache_blocks_free",
+                "KV cache blocks free.",
+                get(&self.kv_blocks_total).saturating_sub(get(&self.kv_blocks_used)),
+            ),
+            (
+                "kiln_kv_cache_blocks_total",
+                "KV cache blocks in the pool.",
+                get(&self.kv_blocks_total),
+            ),
+            (
+                "kiln_kv_cache_block_tokens",
+                "Tokens per KV cache block.",
+                get(&self.kv_block_tokens),
+            ),
+            (
+                "kiln_kv_cache_bytes",
+                "Bytes of the KV cache pool (--kv-cache-mb).",
+                get(&self.kv_cache_bytes),
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+            );
+        }
+        let counters = [
+            (
+                "kiln_prompt_tokens_total",
+                "Prompt tokens of finished requests.",
+                get(&self.prompt_tokens),
+            ),
+            (
+                "kiln_generation_tokens_total",
+                "Tokens generated.",
+                get(&self.generation_tokens),
+            ),
+            (
+                "kiln_preemptions_total",
+                "Times a running request was evicted to make room.",
+                get(&self.preemptions),
+            ),
+            (
+                "kiln_requests_rejected_total",
+                "Requests refused because the queue was full.",
+                get(&self.rejected),
+            ),
+        ];
+        for (name, help, value) in counters {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
+            );
+        }
+        let name = "kiln_requests_finished_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Requests that left the engine, by how.\n# TYPE {name} counter"
+        );
+        for (reason, counter) in [
+            ("stop", &self.finished_stop),
+            ("length", &self.finished_length),
+            ("cancelled", &self.cancelled),
+            ("failed", &self.failed),
+        ] {
+            let _ = writeln!(out, "{name}{{reason=\"{reason}\"}} {}", get(counter));
+        }
+        lock(&self.time_to_first_token).render(
+            &mut out,
+            "kiln_time_to_first_token_seconds",
+            "Time from a request's arrival to its first token.",
+        );
+        lock(&self.inter_token_latency).render(
+            &mut out,
+            "kiln_inter_token_latency_seconds",
+            "Time between a request's consecutive tokens.",
+        );
+        out
+    }
+}
+
+/// The histogram, even if a thread panicked holding it (the numbers are still numbers).
+fn lock(m: &Mutex<Histogram>) -> std::sync::MutexGuard<'_, Histogram> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_are_cumulative_and_counters_add_up() {
+        let m = Metrics::default();
+        m.token(None, Some(Duration::from_millis(30)));
+        m.token(Some(Duration::from_millis(3)), None);
+        m.finished(Outcome::Length, 7, 0);
+        let text = m.render();
+        assert!(text.contains("kiln_generation_tokens_total 2\n"), "{text}");
+        assert!(text.contains("kiln_prompt_tokens_total 7\n"));
+        assert!(text.contains("kiln_requests_finished_total{reason=\"length\"} 1\n"));
+        assert!(text.contains("kiln_time_to_first_token_seconds_bucket{le=\"0.02\"} 0\n"));
+        assert!(text.contains("kiln_time_to_first_token_seconds_bucket{le=\"0.04\"} 1\n"));
+        assert!(text.contains("kiln_inter_token_latency_seconds_bucket{le=\"0.005\"} 1\n"));
+        assert!(text.contains("kiln_inter_token_latency_seconds_count 1\n"));
+    }
+}

@@ -1,0 +1,826 @@
+//! The HTTP side: axum handlers for every endpoint. Handlers validate, tokenize and submit;
+//! the engine thread ([`crate::worker`]) does the rest, and its updates become one JSON body or
+//! a stream of server-sent events in OpenAI's schema.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, OnceLock};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, Method, header};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures_util::StreamExt;
+use kiln_core::TokenId;
+use kiln_engine::{FinishReason, TokenLogprobs};
+use serde_json::{Value, json};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
+
+use crate::ServerOptions;
+use crate::api::{self, ChatRequest, CompletionRequest, Generation, PromptInput};
+use crate::codec::Codec;
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::worker::{Command, Submission, Update, finish_reason};
+
+/// What the handlers share.
+pub(crate) struct AppState {
+    pub options: ServerOptions,
+    /// Set once the model is loaded; `/health` answers 503 until then.
+    pub ready: OnceLock<Ready>,
+    pub commands: Sender<Command>,
+    pub metrics: Arc<Metrics>,
+    pub in_flight: Arc<AtomicUsize>,
+    pub shutting_down: AtomicBool,
+    next_id: AtomicU64,
+    id_prefix: u64,
+}
+
+/// The loaded model, as the handlers need it.
+pub(crate) struct Ready {
+    /// The name `/v1/models` lists and responses carry.
+    pub model: String,
+    /// When it was loaded (Unix seconds).
+    pub created: u64,
+    pub codec: Codec,
+    /// End-of-sequence tokens.
+    pub eos: Vec<TokenId>,
+    /// The model's context.
+    pub max_positions: usize,
+    /// Tokens the KV cache holds: a request's prompt and output must fit.
+    pub kv_tokens: usize,
+    pub max_batch: usize,
+}
+
+impl AppState {
+    pub fn new(
+        options: ServerOptions,
+        commands: Sender<Command>,
+        metrics: Arc<Metrics>,
+        in_flight: Arc<AtomicUsize>,
+    ) -> Self {
+        Self {
+            options,
+            ready: OnceLock::new(),
+            commands,
+            metrics,
+            in_flight,
+            shutting_down: AtomicBool::new(false),
+            next_id: AtomicU64::new(0),
+            id_prefix: unix_time_nanos(),
+        }
+    }
+
+    fn ready(&self) -> Result<&Ready, ApiError> {
+        self.ready.get().ok_or_else(ApiError::loading)
+    }
+
+    /// A fresh response id: `prefix-` then 24 hex digits, unique within this process and
+    /// unlikely to repeat across restarts.
+    fn response_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{:016x}{n:08x}", self.id_prefix)
+    }
+}
+
+fn unix_time_nanos() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn unix_time() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Every route, with the API key on `/v1/*`, CORS when asked, and OpenAI-shaped 404 and 405.
+pub(crate) fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
+    let open = Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize));
+    let cors = state.options.cors;
+    let app = v1
+        .merge(open)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state);
+    if cors {
+        // Mirror the origin and the requested headers: the official JS SDK sends
+        // `x-stainless-*` headers that a fixed list would refuse at the preflight.
+        app.layer(
+            CorsLayer::new()
+                .allow_origin(AllowOrigin::mirror_request())
+                .allow_methods([Method::GET, Method::POST, Method::OPTIONS])
+                .allow_headers(AllowHeaders::mirror_request())
+                .max_age(std::time::Duration::from_secs(600)),
+        )
+    } else {
+        app
+    }
+}
+
+async fn not_found(request: Request) -> ApiError {
+    ApiError::not_found(format!(
+        "no route {} {}",
+        request.method(),
+        request.uri().path()
+    ))
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::method_not_allowed()
+}
+
+/// `/v1/*` needs `Authorization: Bearer KEY` when the server has a key.
+async fn require_key(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    if let Some(key) = &state.options.api_key {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// Compares without stopping at the first difference, so timing does not reveal the key.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The body, within `--max-body-bytes`.
+async fn body(
+    state: &AppState,
+    headers: &HeaderMap,
+    request: Request,
+) -> Result<Vec<u8>, ApiError> {
+    let limit = state.options.max_body_bytes;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(ApiError::too_large(limit));
+    }
+    axum::body::to_bytes(request.into_body(), limit)
+        .await
+        .map(|b| b.to_vec())
+        .map_err(|_| ApiError::too_large(limit))
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    match state.ready() {
+        Ok(_) => axum::Json(json!({"status": "ok"})).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
+    let ready = state.ready()?;
+    Ok(axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": ready.model,
+            "object": "model",
+            "created": ready.created,
+            "owned_by": "kiln",
+            "max_model_len": ready.max_positions,
+        }],
+    }))
+    .into_response())
+}
+
+async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    request: Request,
+) -> Result<Response, ApiError> {
+    let ready = state.ready()?;
+    let body: api::TokenizeRequest = api::parse(&body(&state, &headers, request).await?)?;
+    let text = body
+        .content
+        .or(body.prompt)
+        .ok_or_else(|| ApiError::invalid_field("content", "give the text as `content`"))?;
+    let add_special = body.add_special.or(body.add_special_tokens).unwrap_or(true);
+    let tokens = ready.codec.encode(&text, add_special)?;
+    Ok(axum::Json(json!({
+        "tokens": tokens,
+        "count": tokens.len(),
+        "max_model_len": ready.max_positions,
+    }))
+    .into_response())
+}
+
+async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    request: Request,
+) -> Result<Response, ApiError> {
+    let ready = state.ready()?;
+    let body: api::DetokenizeRequest = api::parse(&body(&state, &headers, request).await?)?;
+    let ids: Vec<TokenId> = body.tokens.into_iter().map(TokenId).collect();
+    let text = ready.codec.decode_all(&ids)?;
+    // llama.cpp answers `content`, vLLM `prompt`.
+    Ok(axum::Json(json!({"content": text, "prompt": text})).into_response())
+}
+
+/// Which endpoint a job answers, for the shape of its bodies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Chat,
+    Completions,
+}
+
+/// A validated request ready for the engine: one prompt per entry, `n` choices each.
+struct Job {
+    endpoint: Endpoint,
+    id: String,
+    created: u64,
+    model: String,
+    prompts: Vec<Vec<TokenId>>,
+    generation: Generation,
+    arrived: Instant,
+}
+
+impl Job {
+    /// Choices in all: choice `i` continues prompt `i / n` (OpenAI's order).
+    fn choices(&self) -> usize {
+        self.prompts.len() * self.generation.n
+    }
+
+    fn prompt_tokens(&self) -> usize {
+        self.prompts.iter().map(Vec::len).sum()
+    }
+
+    /// The engine requests, one per choice.
+    fn requests(&self, ready: &Ready) -> Result<Vec<kiln_engine::Request>, ApiError> {
+        let g = &self.generation;
+        let limit = ready.max_positions.min(ready.kv_tokens);
+        let param = match self.endpoint {
+            Endpoint::Chat => "messages",
+            Endpoint::Completions => "prompt",
+        };
+        let mut requests = Vec::with_capacity(self.choices());
+        for prompt in &self.prompts {
+            if prompt.is_empty() {
+                return Err(ApiError::invalid_field(param, "the prompt is empty"));
+            }
+            if prompt.len() >= limit {
+                let what = if limit == ready.max_positions {
+                    format!("the model's context is {limit} tokens")
+                } else {
+                    format!("the server's KV cache holds {limit} tokens (--kv-cache-mb)")
+                };
+                return Err(ApiError::invalid_field(
+                    param,
+                    format!(
+                        "the prompt has {} tokens; {what}, and at least one must be left to generate",
+                        prompt.len()
+                    ),
+                ));
+            }
+            // Without a limit, or with one past the context, generate up to the context.
+            let room = limit - prompt.len();
+            let max_tokens = g.max_tokens.map_or(room, |m| m.min(room));
+            for choice in 0..g.n {
+                requests.push(kiln_engine::Request {
+                    prompt: prompt.clone(),
+                    max_tokens,
+                    sampling: g.sampling_for(choice),
+                    eos: if g.ignore_eos {
+                        Vec::new()
+                    } else {
+                        ready.eos.clone()
+                    },
+                    stop: g.stop.clone(),
+                    logprobs: g.logprobs,
+                });
+            }
+        }
+        Ok(requests)
+    }
+}
+
+async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    request: Request,
+) -> Response {
+    let arrived = Instant::now();
+    let result = async {
+        let ready = state.ready()?;
+        let body: ChatRequest = api::parse(&body(&state, &headers, request).await?)?;
+        let generation = body.generation()?;
+        let prompt = ready.codec.chat_prompt(&body.messages)?;
+        Ok::<_, ApiError>(Job {
+            endpoint: Endpoint::Chat,
+            id: state.response_id("chatcmpl"),
+            created: unix_time(),
+            model: ready.model.clone(),
+            prompts: vec![prompt],
+            generation,
+            arrived,
+        })
+    }
+    .await;
+    match result {
+        Ok(job) => run(state, job).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    request: Request,
+) -> Response {
+    let arrived = Instant::now();
+    let result = async {
+        let ready = state.ready()?;
+        let body: CompletionRequest = api::parse(&body(&state, &headers, request).await?)?;
+        let generation = body.generation()?;
+        let Some(prompt) = &body.prompt else {
+            return Err(ApiError::invalid_field("prompt", "prompt is required"));
+        };
+        let inputs = prompt.inputs()?;
+        if inputs.len() * generation.n > api::MAX_CHOICES {
+            return Err(ApiError::invalid_field(
+                "n",
+                format!(
+                    "{} prompts times n = {} is more than {} choices",
+                    inputs.len(),
+                    generation.n,
+                    api::MAX_CHOICES
+                ),
+            ));
+        }
+        let mut prompts = Vec::with_capacity(inputs.len());
+        for input in inputs {
+            prompts.push(match input {
+                PromptInput::Text(text) => ready.codec.encode(&text, true)?,
+                PromptInput::Tokens(ids) => ids,
+            });
+        }
+        Ok(Job {
+            endpoint: Endpoint::Completions,
+            id: state.response_id("cmpl"),
+            created: unix_time(),
+            model: ready.model.clone(),
+            prompts,
+            generation,
+            arrived,
+        })
+    }
+    .await;
+    match result {
+        Ok(job) => run(state, job).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Submits `job` and answers with its body or its stream.
+async fn run(state: Arc<AppState>, job: Job) -> Response {
+    let updates = match submit(&state, &job).await {
+        Ok(rx) => rx,
+        Err(e) => return e.into_response(),
+    };
+    if job.generation.stream {
+        stream(state, job, updates).into_response()
+    } else {
+        match collect(&state, &job, updates).await {
+            Ok(body) => axum::Json(body).into_response(),
+            Err(e) => e.into_response(),
+        }
+    }
+}
+
+/// Queues the job's requests on the engine thread, or refuses them: the queue is full, the
+/// server is stopping, or the engine refused them.
+async fn submit(state: &AppState, job: &Job) -> Result<UnboundedReceiver<Update>, ApiError> {
+    let ready = state.ready()?;
+    let requests = job.requests(ready)?;
+    if state.shutting_down.load(Ordering::SeqCst) {
+        return Err(ApiError::shutting_down());
+    }
+    let n = requests.len();
+    let limit = ready.max_batch + state.options.max_queue;
+    let before = state.in_flight.fetch_add(n, Ordering::SeqCst);
+    if before + n > limit {
+        state.in_flight.fetch_sub(n, Ordering::SeqCst);
+        state.metrics.rejected();
+        return Err(ApiError::queue_full(state.options.max_queue));
+    }
+    let (tx, mut rx) = unbounded_channel();
+    let submission = Submission {
+        requests,
+        updates: tx,
+        arrived: job.arrived,
+        tag: job.id.clone(),
+    };
+    if state.commands.send(Command::Submit(submission)).is_err() {
+        state.in_flight.fetch_sub(n, Ordering::SeqCst);
+        return Err(ApiError::shutting_down());
+    }
+    match rx.recv().await {
+        Some(Update::Accepted) => Ok(rx),
+        Some(Update::Rejected(e)) => Err(e),
+        Some(other) => Err(ApiError::internal(format!(
+            "the engine answered {other:?} before accepting the request"
+        ))),
+        None => Err(ApiError::shutting_down()),
+    }
+}
+
+/// What one choice has produced so far.
+#[derive(Default)]
+struct ChoiceState {
+    text: String,
+    tokens: usize,
+    logprobs: Vec<(TokenId, TokenLogprobs)>,
+    finish: Option<FinishReason>,
+}
+
+/// Waits for every choice and builds the whole body.
+async fn collect(
+    state: &AppState,
+    job: &Job,
+    mut updates: UnboundedReceiver<Update>,
+) -> Result<Value, ApiError> {
+    let ready = state.ready()?;
+    let mut choices: Vec<ChoiceState> =
+        (0..job.choices()).map(|_| ChoiceState::default()).collect();
+    let mut open = job.choices();
+    while open > 0 {
+        match updates.recv().await {
+            Some(Update::Token {
+                choice,
+                token,
+                logprobs,
+                ..
+            }) => {
+                if let Some(lp) = logprobs {
+                    choices[choice].logprobs.push((token, lp));
+                }
+            }
+            Some(Update::Finished { choice, completion }) => {
+                let c = &mut choices[choice];
+                c.text = completion.text.unwrap_or_default();
+                c.tokens = completion.tokens.len();
+                c.finish = Some(completion.finish_reason);
+                open -= 1;
+            }
+            Some(Update::Text { .. } | Update::Accepted) => {}
+            Some(Update::Failed(why)) => return Err(ApiError::internal(why)),
+            Some(Update::Rejected(e)) => return Err(e),
+            None => return Err(ApiError::shutting_down()),
+        }
+    }
+    let completion_tokens: usize = choices.iter().map(|c| c.tokens).sum();
+    let body_choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(index, c)| {
+            let reason = c.finish.map(finish_reason);
+            match job.endpoint {
+                Endpoint::Chat => json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": job.generation.logprobs.map(|_| chat_logprobs(&ready.codec, &c.logprobs)),
+                    "finish_reason": reason,
+                }),
+                Endpoint::Completions => json!({
+                    "index": index,
+                    "text": c.text,
+                    "logprobs": job.generation.logprobs.map(|top| completion_logprobs(&ready.codec, &c.logprobs, top, 0)),
+                    "finish_reason": reason,
+                }),
+            }
+        })
+        .collect();
+    let object = match job.endpoint {
+        Endpoint::Chat => "chat.completion",
+        Endpoint::Completions => "text_completion",
+    };
+    Ok(json!({
+        "id": job.id,
+        "object": object,
+        "created": job.created,
+        "model": job.model,
+        "choices": body_choices,
+        "usage": usage(job.prompt_tokens(), completion_tokens),
+    }))
+}
+
+fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    })
+}
+
+/// JSON has no infinities; a token the model rules out entirely reads as -9999 (as vLLM).
+fn finite(logprob: f32) -> f32 {
+    if logprob.is_finite() {
+        logprob
+    } else {
+        -9999.0
+    }
+}
+
+/// One token's entry in a chat `logprobs.content`.
+fn chat_logprob_entry(codec: &Codec, token: TokenId, lp: &TokenLogprobs) -> Value {
+    let entry = |id: TokenId, logprob: f32| {
+        let text = codec.token_text(id);
+        let bytes: Vec<u8> = text.clone().into_bytes();
+        json!({"token": text, "logprob": finite(logprob), "bytes": bytes})
+    };
+    let mut value = entry(token, lp.logprob);
+    value["top_logprobs"] = lp.top.iter().map(|&(id, l)| entry(id, l)).collect();
+    value
+}
+
+fn chat_logprobs(codec: &Codec, tokens: &[(TokenId, TokenLogprobs)]) -> Value {
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|(t, lp)| chat_logprob_entry(codec, *t, lp))
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
+/// The legacy completions `logprobs` object; `offset` is where the first token's text starts
+/// in the choice's text.
+fn completion_logprobs(
+    codec: &Codec,
+    tokens: &[(TokenId, TokenLogprobs)],
+    top: usize,
+    offset: usize,
+) -> Value {
+    let mut texts = Vec::with_capacity(tokens.len());
+    let mut offsets = Vec::with_capacity(tokens.len());
+    let mut at = offset;
+    for (t, _) in tokens {
+        let text = codec.token_text(*t);
+        offsets.push(at);
+        at += text.len();
+        texts.push(text);
+    }
+    let top_logprobs: Vec<Value> = tokens
+        .iter()
+        .map(|(_, lp)| {
+            let map: serde_json::Map<String, Value> = lp
+                .top
+                .iter()
+                .take(top)
+                .map(|&(id, l)| (codec.token_text(id), json!(finite(l))))
+                .collect();
+            Value::Object(map)
+        })
+        .collect();
+    json!({
+        "tokens": texts,
+        "token_logprobs": tokens.iter().map(|(_, lp)| finite(lp.logprob)).collect::<Vec<_>>(),
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    })
+}
+
+/// Server-sent events: chunks as tokens come, then the usage chunk if asked for, then
+/// `[DONE]`. An error after the stream started is sent as a data event, then `[DONE]`.
+fn stream(
+    state: Arc<AppState>,
+    job: Job,
+    updates: UnboundedReceiver<Update>,
+) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
+    let streamer = Streamer {
+        state,
+        open: job.choices(),
+        completion_tokens: 0,
+        text_offsets: HashMap::new(),
+        started: false,
+        done: false,
+        job,
+        updates,
+    };
+    let events = futures_util::stream::unfold(streamer, |mut s| async move {
+        if s.done {
+            return None;
+        }
+        let events = s.next_events().await;
+        Some((events, s))
+    })
+    .flat_map(|events| futures_util::stream::iter(events.into_iter().map(Ok)));
+    Sse::new(events).keep_alive(KeepAlive::default())
+}
+
+struct Streamer {
+    state: Arc<AppState>,
+    job: Job,
+    updates: UnboundedReceiver<Update>,
+    open: usize,
+    completion_tokens: usize,
+    /// Bytes of text sent so far per choice (the completions `text_offset`).
+    text_offsets: HashMap<usize, usize>,
+    started: bool,
+    done: bool,
+}
+
+impl Streamer {
+    fn data(value: &Value) -> SseEvent {
+        SseEvent::default().data(value.to_string())
+    }
+
+    fn done_event() -> SseEvent {
+        SseEvent::default().data("[DONE]")
+    }
+
+    /// A chunk with one choice.
+    fn chunk(&self, choice: Value) -> SseEvent {
+        let object = match self.job.endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completions => "text_completion",
+        };
+        let mut body = json!({
+            "id": self.job.id,
+            "object": object,
+            "created": self.job.created,
+            "model": self.job.model,
+            "choices": [choice],
+        });
+        if self.job.generation.include_usage {
+            body["usage"] = Value::Null;
+        }
+        Self::data(&body)
+    }
+
+    /// A piece of text (and a token's log-probabilities) for choice `index`.
+    fn text_chunk(
+        &mut self,
+        index: usize,
+        text: &str,
+        logprobs: Option<(TokenId, &TokenLogprobs)>,
+    ) -> SseEvent {
+        let Some(ready) = self.state.ready.get() else {
+            return Self::data(&ApiError::loading().body());
+        };
+        let codec = &ready.codec;
+        match self.job.endpoint {
+            Endpoint::Chat => {
+                let lp = logprobs.map(|(t, lp)| {
+                    json!({"content": [chat_logprob_entry(codec, t, lp)], "refusal": null})
+                });
+                self.chunk(json!({
+                    "index": index,
+                    "delta": {"content": text},
+                    "logprobs": lp,
+                    "finish_reason": null,
+                }))
+            }
+            Endpoint::Completions => {
+                let offset = self.text_offsets.entry(index).or_insert(0);
+                let lp = logprobs.map(|(t, lp)| {
+                    completion_logprobs(
+                        codec,
+                        &[(t, lp.clone())],
+                        self.job.generation.logprobs.unwrap_or(0),
+                        *offset,
+                    )
+                });
+                *offset += text.len();
+                self.chunk(json!({
+                    "index": index,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": null,
+                }))
+            }
+        }
+    }
+
+    /// The events for the next update (the role chunks first, for chat).
+    async fn next_events(&mut self) -> Vec<SseEvent> {
+        let mut events = Vec::new();
+        if !self.started {
+            self.started = true;
+            if self.job.endpoint == Endpoint::Chat {
+                for index in 0..self.job.choices() {
+                    events.push(self.chunk(json!({
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": null,
+                        "finish_reason": null,
+                    })));
+                }
+                return events;
+            }
+        }
+        if self.open == 0 {
+            if self.job.generation.include_usage {
+                let object = match self.job.endpoint {
+                    Endpoint::Chat => "chat.completion.chunk",
+                    Endpoint::Completions => "text_completion",
+                };
+                events.push(Self::data(&json!({
+                    "id": self.job.id,
+                    "object": object,
+                    "created": self.job.created,
+                    "model": self.job.model,
+                    "choices": [],
+                    "usage": usage(self.job.prompt_tokens(), self.completion_tokens),
+                })));
+            }
+            events.push(Self::done_event());
+            self.done = true;
+            return events;
+        }
+        match self.updates.recv().await {
+            Some(Update::Token {
+                choice,
+                token,
+                text,
+                logprobs,
+            }) => {
+                if !text.is_empty() || logprobs.is_some() {
+                    events.push(self.text_chunk(
+                        choice,
+                        &text,
+                        logprobs.as_ref().map(|lp| (token, lp)),
+                    ));
+                }
+            }
+            Some(Update::Text { choice, text }) => {
+                if !text.is_empty() {
+                    events.push(self.text_chunk(choice, &text, None));
+                }
+            }
+            Some(Update::Finished { choice, completion }) => {
+                self.open -= 1;
+                self.completion_tokens += completion.tokens.len();
+                let reason = finish_reason(completion.finish_reason);
+                let last = match self.job.endpoint {
+                    Endpoint::Chat => json!({
+                        "index": choice,
+                        "delta": {},
+                        "logprobs": null,
+                        "finish_reason": reason,
+                    }),
+                    Endpoint::Completions => json!({
+                        "index": choice,
+                        "text": "",
+                        "logprobs": null,
+                        "finish_reason": reason,
+                    }),
+                };
+                events.push(self.chunk(last));
+            }
+            Some(Update::Accepted) => {}
+            Some(Update::Failed(why)) => {
+                events.push(Self::data(&ApiError::internal(why).body()));
+                events.push(Self::done_event());
+                self.done = true;
+            }
+            Some(Update::Rejected(e)) => {
+                events.push(Self::data(&e.body()));
+                events.push(Self::done_event());
+                self.done = true;
+            }
+            None => {
+                events.push(Self::data(&ApiError::shutting_down().body()));
+                events.push(Self::done_event());
+                self.done = true;
+            }
+        }
+        events
+    }
+}

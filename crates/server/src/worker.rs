@@ -1,0 +1,327 @@
+//! The engine thread: the one owner of the model and the KV cache. It takes submissions from
+//! the HTTP handlers over a channel, steps the engine while there is work (requests that
+//! arrive meanwhile join the running batch at the next step), and sends each request's tokens
+//! back over the request's own channel. A request whose channel has closed (its client went
+//! away) is cancelled before the next step, and its cache freed.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::{Duration, Instant};
+
+use kiln_core::InferenceBackend;
+use kiln_core::TokenId;
+use kiln_engine::{Completion, Engine, Event, FinishReason, Request, RequestId, TokenLogprobs};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::error::ApiError;
+use crate::metrics::{Metrics, Outcome};
+
+/// What the HTTP side asks of the engine thread.
+pub(crate) enum Command {
+    /// Run these requests (one per choice) and report on `updates`.
+    Submit(Submission),
+    /// Stop taking work; finish what runs within the grace period.
+    Shutdown,
+}
+
+/// One HTTP request's engine requests.
+pub(crate) struct Submission {
+    /// One per choice, in choice order.
+    pub requests: Vec<Request>,
+    /// Where its updates go; closed when the client goes away.
+    pub updates: UnboundedSender<Update>,
+    /// When the HTTP request arrived (time to first token counts from here).
+    pub arrived: Instant,
+    /// The response id, for the log.
+    pub tag: String,
+}
+
+/// What the engine thread reports about a submission.
+#[derive(Debug)]
+pub(crate) enum Update {
+    /// Every choice is queued.
+    Accepted,
+    /// The engine refused the submission; nothing runs.
+    Rejected(ApiError),
+    /// A new token of choice `choice`, with the text it completes.
+    Token {
+        choice: usize,
+        token: TokenId,
+        text: String,
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// Held-back text released at the end of choice `choice`.
+    Text { choice: usize, text: String },
+    /// Choice `choice` ended.
+    Finished {
+        choice: usize,
+        completion: Completion,
+    },
+    /// The engine failed, or the server stopped, before the choice ended.
+    Failed(String),
+}
+
+/// Where one engine request's events go.
+struct Route {
+    updates: UnboundedSender<Update>,
+    choice: usize,
+    arrived: Instant,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    prompt_tokens: usize,
+    tag: String,
+}
+
+/// Shared counters the engine thread keeps up to date.
+pub(crate) struct Shared<'a> {
+    pub metrics: &'a Metrics,
+    /// Engine requests accepted and not yet ended (the queue limit counts them).
+    pub in_flight: &'a AtomicUsize,
+    /// Tokens per KV block, to report blocks from token slots.
+    pub block_tokens: usize,
+}
+
+/// Serves submissions until a shutdown has drained (or the grace period ran out) or every
+/// sender is gone.
+pub(crate) fn run<B: InferenceBackend>(
+    engine: &mut Engine<'_, B>,
+    commands: &Receiver<Command>,
+    shared: &Shared<'_>,
+    grace: Duration,
+) {
+    let mut worker = Worker {
+        routes: HashMap::new(),
+        shared,
+    };
+    let mut deadline: Option<Instant> = None;
+    loop {
+        // Idle: sleep until something arrives. Busy: take what has arrived, then step.
+        let mut next = if engine.is_idle() {
+            if deadline.is_some() {
+                break;
+            }
+            match commands.recv() {
+                Ok(command) => Some(command),
+                Err(_) => break,
+            }
+        } else {
+            None
+        };
+        loop {
+            let command = match next.take() {
+                Some(c) => c,
+                None => match commands.try_recv() {
+                    Ok(c) => c,
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        deadline.get_or_insert_with(|| Instant::now() + grace);
+                        break;
+                    }
+                },
+            };
+            match command {
+                Command::Submit(s) if deadline.is_some() => {
+                    shared
+                        .in_flight
+                        .fetch_sub(s.requests.len(), Ordering::Relaxed);
+                    let _ = s.updates.send(Update::Rejected(ApiError::shutting_down()));
+                }
+                Command::Submit(s) => worker.submit(engine, s),
+                Command::Shutdown => {
+                    deadline.get_or_insert_with(|| Instant::now() + grace);
+                }
+            }
+        }
+        worker.cancel_abandoned(engine);
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            worker.fail_all(engine, "the server shut down before this request finished");
+        }
+        if !engine.is_idle() {
+            match engine.step() {
+                Ok(events) => worker.route(events),
+                Err(e) => {
+                    tracing::error!(target: "kiln::serve", error = %e, "engine step failed; failing every request in flight");
+                    worker.fail_all(engine, &format!("the engine failed: {e}"));
+                }
+            }
+        }
+        let (running, waiting) = engine.load();
+        let used = engine.cache().usage().used;
+        shared
+            .metrics
+            .set_load(running, waiting, used / shared.block_tokens.max(1));
+    }
+    worker.fail_all(engine, "the server shut down before this request finished");
+}
+
+struct Worker<'s, 'a> {
+    routes: HashMap<RequestId, Route>,
+    shared: &'s Shared<'a>,
+}
+
+impl Worker<'_, '_> {
+    /// Queues every choice of `s`, or none.
+    fn submit<B: InferenceBackend>(&mut self, engine: &mut Engine<'_, B>, s: Submission) {
+        let n = s.requests.len();
+        let mut ids = Vec::with_capacity(n);
+        for request in s.requests {
+            let prompt_tokens = request.prompt.len();
+            match engine.submit(request) {
+                Ok(id) => ids.push((id, prompt_tokens)),
+                Err(e) => {
+                    for (id, _) in ids {
+                        engine.cancel(id);
+                    }
+                    self.shared.in_flight.fetch_sub(n, Ordering::Relaxed);
+                    let error = match e {
+                        kiln_engine::EngineError::InvalidRequest(m) => ApiError::invalid(m),
+                        other => ApiError::internal(other.to_string()),
+                    };
+                    let _ = s.updates.send(Update::Rejected(error));
+                    return;
+                }
+            }
+        }
+        for (choice, (id, prompt_tokens)) in ids.into_iter().enumerate() {
+            self.routes.insert(
+                id,
+                Route {
+                    updates: s.updates.clone(),
+                    choice,
+                    arrived: s.arrived,
+                    first_token: None,
+                    last_token: None,
+                    prompt_tokens,
+                    tag: s.tag.clone(),
+                },
+            );
+        }
+        let _ = s.updates.send(Update::Accepted);
+    }
+
+    /// Cancels the requests whose client has gone (their receiver was dropped).
+    fn cancel_abandoned<B: InferenceBackend>(&mut self, engine: &mut Engine<'_, B>) {
+        let gone: Vec<RequestId> = self
+            .routes
+            .iter()
+            .filter(|(_, r)| r.updates.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            engine.cancel(id);
+            if let Some(route) = self.routes.remove(&id) {
+                self.end(&route, Outcome::Cancelled, 0);
+                tracing::info!(
+                    target: "kiln::serve",
+                    id = %route.tag,
+                    choice = route.choice,
+                    "cancelled: the client went away"
+                );
+            }
+        }
+    }
+
+    /// Cancels every request in flight, telling each why.
+    fn fail_all<B: InferenceBackend>(&mut self, engine: &mut Engine<'_, B>, why: &str) {
+        for (id, route) in std::mem::take(&mut self.routes) {
+            engine.cancel(id);
+            let _ = route.updates.send(Update::Failed(why.to_string()));
+            self.end(&route, Outcome::Failed, 0);
+        }
+    }
+
+    fn end(&self, route: &Route, outcome: Outcome, preemptions: usize) {
+        self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.shared
+            .metrics
+            .finished(outcome, route.prompt_tokens, preemptions);
+    }
+
+    /// Sends a step's events to their requests.
+    fn route(&mut self, events: Vec<Event>) {
+        let now = Instant::now();
+        for event in events {
+            match event {
+                Event::Token {
+                    id,
+                    token,
+                    text,
+                    logprobs,
+                } => {
+                    let Some(route) = self.routes.get_mut(&id) else {
+                        continue;
+                    };
+                    let since = route.last_token.map(|t| now.duration_since(t));
+                    let first = since.is_none().then(|| now.duration_since(route.arrived));
+                    route.first_token.get_or_insert(now);
+                    route.last_token = Some(now);
+                    self.shared.metrics.token(since, first);
+                    let _ = route.updates.send(Update::Token {
+                        choice: route.choice,
+                        token,
+                        text,
+                        logprobs,
+                    });
+                }
+                Event::Text { id, text } => {
+                    if let Some(route) = self.routes.get(&id) {
+                        let choice = route.choice;
+                        let _ = route.updates.send(Update::Text { choice, text });
+                    }
+                }
+                Event::Finished(completion) => {
+                    let Some(route) = self.routes.remove(&completion.id) else {
+                        continue;
+                    };
+                    let outcome = match completion.finish_reason {
+                        FinishReason::Length => Outcome::Length,
+                        FinishReason::Eos | FinishReason::Stop => Outcome::Stop,
+                    };
+                    self.end(&route, outcome, completion.preemptions);
+                    log_finished(&route, &completion, now);
+                    let _ = route.updates.send(Update::Finished {
+                        choice: route.choice,
+                        completion,
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// One line per finished request.
+fn log_finished(route: &Route, c: &Completion, now: Instant) {
+    // From the HTTP request's arrival, not the engine's submission.
+    let ttft = route
+        .first_token
+        .map_or(Duration::ZERO, |t| t.duration_since(route.arrived));
+    let total = now.duration_since(route.arrived).as_secs_f64();
+    let decode = c.timings.decode.as_secs_f64();
+    let rate = if decode > 0.0 {
+        c.tokens.len().saturating_sub(1) as f64 / decode
+    } else {
+        0.0
+    };
+    tracing::info!(
+        target: "kiln::serve",
+        id = %route.tag,
+        choice = route.choice,
+        prompt_tokens = c.prompt_tokens,
+        completion_tokens = c.tokens.len(),
+        ttft_ms = (ttft.as_secs_f64() * 1e3).round(),
+        tokens_per_s = (rate * 10.0).round() / 10.0,
+        total_ms = (total * 1e3).round(),
+        preemptions = c.preemptions,
+        finish_reason = finish_reason(c.finish_reason),
+        "finished"
+    );
+}
+
+/// OpenAI's name for why a choice ended.
+pub(crate) fn finish_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Length => "length",
+        FinishReason::Eos | FinishReason::Stop => "stop",
+    }
+}
