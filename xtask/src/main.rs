@@ -3,10 +3,14 @@
 //! - `test`: the README's test command. Makes sure the system has what the tests need (a Vulkan
 //!   driver for wgpu, Mesa's lavapipe without a GPU; tmux for the terminal chat test), installing
 //!   it with apt-get when run as root on Debian/Ubuntu; runs the whole workspace's tests in
-//!   release mode (numeric tests crawl without optimisation), then every example. Extra
-//!   arguments go to `cargo test`, and skip the examples.
+//!   release mode (numeric tests crawl without optimisation), then every example, then the
+//!   `kiln serve` suite (the OpenAI Python SDK and a small load test, with pytest in a virtual
+//!   environment under `target/python`). Extra arguments go to `cargo test`, and skip the
+//!   examples and the server suite.
 //! - `bench`: the benchmark matrix on one backend with `kiln bench`, optionally side by side
 //!   with llama.cpp (interleaved rounds) and Hugging Face transformers (see `bench.rs` and `docs/benchmarks.md`).
+//! - `bench-serve`: `kiln serve` against llama.cpp's `llama-server` on the same GGUF file,
+//!   driven by one load generator at several concurrencies (see `bench_serve.rs`).
 //! - `llama-cpp`: builds llama.cpp's CPU tools (`llama-bench`, `llama-batched-bench`,
 //!   `llama-quantize`, `llama-perplexity`, `llama-server`) once under `target/llama.cpp/` from
 //!   the sources vendored in `llama-cpp-python`'s sdist on PyPI, prints their folder, and with
@@ -18,6 +22,7 @@
 
 mod bench;
 mod bench_llama;
+mod bench_serve;
 mod llama_cpp;
 mod system;
 
@@ -27,6 +32,7 @@ use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask test [args passed on to cargo test]
        cargo xtask bench --backend KIND [--model PATH | --shape NAME] [--dtype D] [--quick] [--compare llama.cpp] [--compare transformers] [--kiln PATH]
+       cargo xtask bench-serve [--kiln PATH] [--model GGUF] [--concurrency 1,8,32] [--requests N] [--max-tokens N] [--rounds N]
        cargo xtask llama-cpp [--quantize MODEL.gguf [--types Q8_0,F32]]
        cargo xtask references";
 
@@ -38,6 +44,7 @@ fn main() -> Result<()> {
         "test" => test(&rest),
         "references" => references(),
         "bench" => bench::bench(&rest),
+        "bench-serve" => bench_serve::bench_serve(&rest),
         "llama-cpp" => llama_cpp::llama_cpp(&rest),
         "" | "help" | "--help" | "-h" => {
             println!("{USAGE}");
@@ -69,7 +76,44 @@ fn test(extra: &[String]) -> Result<()> {
         eprintln!("\n== example {name}");
         run(Command::new(examples.join(name)).args(args))?;
     }
-    Ok(())
+    eprintln!("\n== kiln serve with the OpenAI Python SDK (crates/server/tests/python)");
+    server_tests()
+}
+
+/// The Python packages of the server suite, pinned so a new SDK release cannot change a run.
+const PYTHON_TEST_PACKAGES: [&str; 2] = ["openai==3.57.0", "pytest==9.2.0"];
+
+/// `kiln serve` driven by the official OpenAI SDK and the small load test, with pytest in a
+/// virtual environment under `target/python` (made once).
+fn server_tests() -> Result<()> {
+    let root = workspace_root();
+    let python = python_env(&PYTHON_TEST_PACKAGES)?;
+    run(Command::new(&python)
+        .args([
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "crates/server/tests/python",
+        ])
+        .env("KILN_BIN", root.join("target/release/kiln")))
+}
+
+/// The Python of kiln's virtual environment (`target/python`, made on first use) with
+/// `packages` installed.
+fn python_env(packages: &[&str]) -> Result<std::path::PathBuf> {
+    let venv = workspace_root().join("target/python");
+    let python = venv.join("bin/python");
+    if !python.exists() {
+        run(Command::new("python3").args(["-m", "venv"]).arg(&venv)).context(
+            "making a Python virtual environment (Debian: apt-get install python3-venv)",
+        )?;
+    }
+    run(Command::new(&python)
+        .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
+        .args(packages))?;
+    Ok(python)
 }
 
 fn references() -> Result<()> {

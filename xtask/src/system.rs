@@ -6,7 +6,8 @@ use std::process::Command;
 use anyhow::{Result, bail};
 
 /// What the tests need from the system: a Vulkan driver for the wgpu tests (on a machine
-/// without a GPU, Mesa's lavapipe) and tmux for the terminal test of `kiln chat`. Installs
+/// without a GPU, Mesa's lavapipe), tmux for the terminal test of `kiln chat`, and Python's
+/// venv for the server suite. Installs
 /// what is missing with apt-get when run as root on Debian/Ubuntu.
 pub fn ensure_test_packages() -> Result<()> {
     let mut missing = Vec::new();
@@ -15,6 +16,14 @@ pub fn ensure_test_packages() -> Result<()> {
     }
     if !on_path("tmux") {
         missing.push("tmux");
+    }
+    // The server suite runs pytest in a virtual environment; Debian splits venv out.
+    let has_venv = Command::new("python3")
+        .args(["-c", "import ensurepip, venv"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_venv {
+        missing.push("python3-venv");
     }
     if missing.is_empty() {
         return Ok(());
