@@ -223,7 +223,7 @@ fn check_gguf(model: &Path) -> Result<()> {
 
 /// The threads kiln's kernels run on: `KILN_THREADS` if set to a positive number, else one
 /// per core (kiln-kernels' `pool::default_threads`), so llama.cpp gets as many.
-fn kiln_threads() -> usize {
+pub(crate) fn kiln_threads() -> usize {
     std::env::var("KILN_THREADS")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
@@ -376,7 +376,7 @@ fn print_ratios(ours: &Value, theirs: &Value) {
 
 /// Today's date (UTC) as `YYYY-MM-DD`, from the system clock (Howard Hinnant's
 /// days-to-civil algorithm; no date crate needed for a file name).
-fn today() -> String {
+pub(crate) fn today() -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
