@@ -429,10 +429,28 @@ pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
         if inner.is_syntax() || inner.is_eof() {
             ApiError::invalid(format!("the body is not valid JSON: {inner}"))
         } else if path == "." {
-            ApiError::invalid(format!("unexpected request body: {inner}"))
+            match field_at_fault::<T>(body) {
+                Some((field, why)) => ApiError::invalid_field(&field, format!("{field}: {why}")),
+                None => ApiError::invalid(format!("unexpected request body: {inner}")),
+            }
         } else {
             ApiError::invalid_field(&path, format!("{path}: {inner}"))
         }
+    })
+}
+
+/// The first top-level field of a JSON object body that `T` refuses on its own, with serde's
+/// reason. `#[serde(flatten)]` (the common fields) hides the path from `serde_path_to_error`;
+/// every field is optional, so an object holding only the bad one fails and any other passes.
+fn field_at_fault<T: serde::de::DeserializeOwned>(body: &[u8]) -> Option<(String, String)> {
+    let serde_json::Value::Object(fields) = serde_json::from_slice(body).ok()? else {
+        return None;
+    };
+    fields.into_iter().find_map(|(key, value)| {
+        let alone = serde_json::Value::Object([(key.clone(), value)].into_iter().collect());
+        serde_json::from_value::<T>(alone)
+            .err()
+            .map(|e| (key, e.to_string()))
     })
 }
 
@@ -492,6 +510,18 @@ mod tests {
             field(&format!(r#"{{{m}, "stop": [""]}}"#)).as_deref(),
             Some("stop")
         );
+        assert_eq!(
+            field(&format!(r#"{{{m}, "max_tokens": "ten"}}"#)).as_deref(),
+            Some("max_tokens")
+        );
+        assert_eq!(
+            field(&format!(
+                r#"{{{m}, "stream_options": {{"include_usage": 1}}}}"#
+            ))
+            .as_deref(),
+            Some("stream_options")
+        );
+        assert_eq!(field(r#"{"messages": "hi"}"#).as_deref(), Some("messages"));
         assert_eq!(field(&format!(r#"{{{m}, "temperature": 0.5}}"#)), None);
     }
 

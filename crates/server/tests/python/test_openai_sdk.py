@@ -209,6 +209,8 @@ def test_invalid_values_are_400_naming_the_field(client):
         ({"max_tokens": 0}, "max_tokens"),
         ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
         ({"extra_body": {"top_k": -3}}, "top_k"),
+        # A wrong type, not only a wrong value.
+        ({"max_tokens": "ten"}, "max_tokens"),
     ]:
         with pytest.raises(openai.BadRequestError) as err:
             chat(client, **kw)
