@@ -165,12 +165,19 @@ pub fn bench_serve(args: &[String]) -> Result<()> {
                     let cell: Value = serde_json::from_slice(&output.stdout)
                         .context("the load generator printed no JSON")?;
                     eprintln!(
-                        "round {} {:>12} c={concurrency:<3} {:>7.1} tok/s  TTFT p50 {:>7.1} ms  ITL p50 {:>6.1} ms",
+                        "round {} {:>12} c={concurrency:<3} {:>7.1} tok/s  TTFT p50 {:>7.1} ms  ITL p50 {:>6.1} ms{}",
                         round + 1,
                         server.name,
                         cell["output_tokens_per_s"].as_f64().unwrap_or(f64::NAN),
                         cell["ttft_p50_ms"].as_f64().unwrap_or(f64::NAN),
                         cell["itl_p50_ms"].as_f64().unwrap_or(f64::NAN),
+                        match cell["errors"].as_u64() {
+                            Some(n) if n > 0 => format!(
+                                "  {n} requests failed, the first: {}",
+                                cell["first_error"].as_str().unwrap_or("?")
+                            ),
+                            _ => String::new(),
+                        },
                     );
                     results[s][c].push(cell);
                 }
