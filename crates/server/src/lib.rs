@@ -220,6 +220,7 @@ impl Server {
             codec,
             eos: loaded.generation.eos.clone(),
             max_positions: shape.max_positions,
+            vocab: shape.vocab,
             kv_tokens,
             max_batch: model.config.max_batch,
         });

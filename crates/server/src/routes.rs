@@ -54,6 +54,8 @@ pub(crate) struct Ready {
     pub eos: Vec<TokenId>,
     /// The model's context.
     pub max_positions: usize,
+    /// The model's vocabulary: prompt token ids must lie below it.
+    pub vocab: usize,
     /// Tokens the KV cache holds: a request's prompt and output must fit.
     pub kv_tokens: usize,
     pub max_batch: usize,
@@ -295,6 +297,12 @@ impl Job {
         for prompt in &self.prompts {
             if prompt.is_empty() {
                 return Err(ApiError::invalid_field(param, "the prompt is empty"));
+            }
+            if let Some(t) = prompt.iter().find(|t| t.0 as usize >= ready.vocab) {
+                return Err(ApiError::invalid_field(
+                    param,
+                    format!("token id {t} is outside the vocabulary of {}", ready.vocab),
+                ));
             }
             if prompt.len() >= limit {
                 let what = if limit == ready.max_positions {

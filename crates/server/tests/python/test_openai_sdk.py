@@ -138,6 +138,9 @@ def test_token_id_prompts(client, server):
     by_ids = client.completions.create(model="kiln", prompt=ids, max_tokens=8, temperature=0)
     by_text = client.completions.create(model="kiln", prompt="Paris is", max_tokens=8, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="kiln", prompt=[ids[0], 10**9], max_tokens=1)
+    assert err.value.param == "prompt" and "vocabulary" in err.value.message
 
 
 def test_seed_reproduces(client):
