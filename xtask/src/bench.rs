@@ -90,24 +90,21 @@ fn absolute(path: &str) -> Result<PathBuf> {
     std::path::absolute(path).with_context(|| format!("locating {path}"))
 }
 
+/// The kiln binary to measure: `given`, or the release build of `cargo xtask test` (the same
+/// build, so dev-dependencies unify features and the binary the tests built is reused rather
+/// than rebuilt with another feature set).
+pub(crate) fn kiln_binary(given: Option<&Path>) -> Result<PathBuf> {
+    if let Some(kiln) = given {
+        return Ok(kiln.to_path_buf());
+    }
+    run(Command::new(cargo()).args(["build", "--workspace", "--release", "--locked", "--tests"]))?;
+    Ok(workspace_root().join("target/release/kiln"))
+}
+
 pub fn bench(args: &[String]) -> Result<()> {
     let options = parse(args)?;
     let root = workspace_root();
-    let kiln = match &options.kiln {
-        Some(kiln) => kiln.clone(),
-        None => {
-            // The same build as `cargo xtask test` (dev-dependencies unify features), so the
-            // binary the tests built is reused rather than rebuilt with another feature set.
-            run(Command::new(cargo()).args([
-                "build",
-                "--workspace",
-                "--release",
-                "--locked",
-                "--tests",
-            ]))?;
-            root.join("target/release/kiln")
-        }
-    };
+    let kiln = kiln_binary(options.kiln.as_deref())?;
 
     let out = root.join("target/bench").join(format!(
         "{}-{}{}.json",

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use crate::{cargo, run, workspace_root};
+use crate::workspace_root;
 
 const USAGE: &str = "usage: cargo xtask bench-serve [--kiln PATH] [--model GGUF] [--concurrency 1,8,32] [--requests N] [--max-tokens N] [--rounds N]";
 
@@ -78,19 +78,7 @@ struct ServerKind {
 pub fn bench_serve(args: &[String]) -> Result<()> {
     let options = parse(args)?;
     let root = workspace_root();
-    let kiln = match &options.kiln {
-        Some(k) => k.clone(),
-        None => {
-            run(Command::new(cargo()).args([
-                "build",
-                "--workspace",
-                "--release",
-                "--locked",
-                "--tests",
-            ]))?;
-            root.join("target/release/kiln")
-        }
-    };
+    let kiln = crate::bench::kiln_binary(options.kiln.as_deref())?;
     let model = match &options.model {
         Some(m) => m.clone(),
         None => default_model(&kiln)?,
