@@ -47,11 +47,7 @@ fn parse(args: &[String]) -> Result<Options> {
     let mut options = Options::default();
     let mut args = args.iter();
     while let Some(arg) = args.next() {
-        let mut value = || {
-            args.next()
-                .cloned()
-                .with_context(|| format!("{arg} needs a value\n{USAGE}"))
-        };
+        let mut value = || crate::flag_value(&mut args, arg, USAGE);
         match arg.as_str() {
             "--backend" => options.backend = value()?,
             "--model" => options.model = Some(absolute(&value()?)?),

@@ -39,11 +39,7 @@ fn parse(args: &[String]) -> Result<Options> {
     };
     let mut args = args.iter();
     while let Some(arg) = args.next() {
-        let mut value = || {
-            args.next()
-                .cloned()
-                .with_context(|| format!("{arg} needs a value\n{USAGE}"))
-        };
+        let mut value = || crate::flag_value(&mut args, arg, USAGE);
         let number = |v: String| -> Result<usize> {
             v.parse::<usize>()
                 .ok()

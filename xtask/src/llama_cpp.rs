@@ -51,11 +51,7 @@ pub fn llama_cpp(args: &[String]) -> Result<()> {
     let mut types = vec!["Q8_0".to_string(), "F32".to_string()];
     let mut args = args.iter();
     while let Some(arg) = args.next() {
-        let mut value = || {
-            args.next()
-                .cloned()
-                .with_context(|| format!("{arg} needs a value\n{USAGE}"))
-        };
+        let mut value = || crate::flag_value(&mut args, arg, USAGE);
         match arg.as_str() {
             "--quantize" => quantize = Some(PathBuf::from(value()?)),
             "--types" => types = value()?.split(',').map(str::to_string).collect(),

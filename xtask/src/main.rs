@@ -139,6 +139,13 @@ fn references() -> Result<()> {
     Ok(())
 }
 
+/// The value that follows `flag` on the command line, or an error that shows `usage`.
+fn flag_value(args: &mut std::slice::Iter<'_, String>, flag: &str, usage: &str) -> Result<String> {
+    args.next()
+        .cloned()
+        .with_context(|| format!("{flag} needs a value\n{usage}"))
+}
+
 fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
 }
