@@ -68,6 +68,22 @@ def request_plan(i: int, drop_share: float, rng: random.Random) -> dict:
     }
 
 
+async def read_stream(stream, plan: dict, stats: Stats, piece) -> tuple | None:
+    """The streamed text (`piece` of each choice chunk) and finish reason, or None when the plan
+    drops the stream: it is closed at its third chunk."""
+    text, reason, n = "", None, 0
+    async for chunk in stream:
+        n += 1
+        if plan["drop"] and n == 3:
+            await stream.close()
+            stats.dropped += 1
+            return None
+        for c in chunk.choices:
+            text += piece(c)
+            reason = c.finish_reason or reason
+    return text, reason
+
+
 async def send(clients: tuple, plan: dict, stats: Stats, record: bool = True) -> str | None:
     """Runs one request; returns its text, or None when dropped or refused."""
     sampling = {"temperature": 0} if plan["greedy"] else {"temperature": 0.8, "top_p": 0.95, "seed": plan["seed"]}
@@ -78,32 +94,20 @@ async def send(clients: tuple, plan: dict, stats: Stats, record: bool = True) ->
             messages = [{"role": "user", "content": plan["prompt"]}]
             if plan["stream"]:
                 stream = await client.chat.completions.create(messages=messages, stream=True, **common)
-                text, reason, n = "", None, 0
-                async for chunk in stream:
-                    n += 1
-                    if plan["drop"] and n == 3:
-                        await stream.close()
-                        stats.dropped += 1
-                        return None
-                    for c in chunk.choices:
-                        text += c.delta.content or ""
-                        reason = c.finish_reason or reason
+                read = await read_stream(stream, plan, stats, lambda c: c.delta.content or "")
+                if read is None:
+                    return None
+                text, reason = read
             else:
                 reply = await client.chat.completions.create(messages=messages, **common)
                 text, reason = reply.choices[0].message.content, reply.choices[0].finish_reason
         else:
             if plan["stream"]:
                 stream = await stream_client.completions.create(prompt=plan["prompt"], stream=True, **common)
-                text, reason, n = "", None, 0
-                async for chunk in stream:
-                    n += 1
-                    if plan["drop"] and n == 3:
-                        await stream.close()
-                        stats.dropped += 1
-                        return None
-                    for c in chunk.choices:
-                        text += c.text
-                        reason = c.finish_reason or reason
+                read = await read_stream(stream, plan, stats, lambda c: c.text)
+                if read is None:
+                    return None
+                text, reason = read
             else:
                 done = await client.completions.create(prompt=plan["prompt"], **common)
                 text, reason = done.choices[0].text, done.choices[0].finish_reason
