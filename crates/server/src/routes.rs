@@ -170,12 +170,12 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// The body, within `--max-body-bytes`.
-async fn body(
+/// The JSON body as `T`, read within `--max-body-bytes`.
+async fn json_body<T: serde::de::DeserializeOwned>(
     state: &AppState,
     headers: &HeaderMap,
     request: Request,
-) -> Result<Vec<u8>, ApiError> {
+) -> Result<T, ApiError> {
     let limit = state.options.max_body_bytes;
     let declared = headers
         .get(header::CONTENT_LENGTH)
@@ -184,10 +184,10 @@ async fn body(
     if declared.is_some_and(|n| n > limit) {
         return Err(ApiError::too_large(limit));
     }
-    axum::body::to_bytes(request.into_body(), limit)
+    let bytes = axum::body::to_bytes(request.into_body(), limit)
         .await
-        .map(|b| b.to_vec())
-        .map_err(|_| ApiError::too_large(limit))
+        .map_err(|_| ApiError::too_large(limit))?;
+    api::parse(&bytes)
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
@@ -229,7 +229,7 @@ async fn tokenize(
     request: Request,
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
-    let body: api::TokenizeRequest = api::parse(&body(&state, &headers, request).await?)?;
+    let body: api::TokenizeRequest = json_body(&state, &headers, request).await?;
     let text = body
         .content
         .or(body.prompt)
@@ -250,7 +250,7 @@ async fn detokenize(
     request: Request,
 ) -> Result<Response, ApiError> {
     let ready = state.ready()?;
-    let body: api::DetokenizeRequest = api::parse(&body(&state, &headers, request).await?)?;
+    let body: api::DetokenizeRequest = json_body(&state, &headers, request).await?;
     let ids: Vec<TokenId> = body.tokens.into_iter().map(TokenId).collect();
     let text = ready.codec.decode_all(&ids)?;
     // llama.cpp answers `content`, vLLM `prompt`.
@@ -348,7 +348,7 @@ async fn chat_completions(
     let arrived = Instant::now();
     let result = async {
         let ready = state.ready()?;
-        let body: ChatRequest = api::parse(&body(&state, &headers, request).await?)?;
+        let body: ChatRequest = json_body(&state, &headers, request).await?;
         let generation = body.generation()?;
         let prompt = ready.codec.chat_prompt(&body.messages)?;
         Ok::<_, ApiError>(Job {
@@ -376,7 +376,7 @@ async fn completions(
     let arrived = Instant::now();
     let result = async {
         let ready = state.ready()?;
-        let body: CompletionRequest = api::parse(&body(&state, &headers, request).await?)?;
+        let body: CompletionRequest = json_body(&state, &headers, request).await?;
         let generation = body.generation()?;
         let Some(prompt) = &body.prompt else {
             return Err(ApiError::invalid_field("prompt", "prompt is required"));
