@@ -14,7 +14,9 @@ use kiln_core::{Batch, CausalLm, CoreError, InferenceBackend, LogitsFor};
 use crate::detok::Detokenizer;
 use crate::error::EngineError;
 use crate::generate::FinishReason;
-use crate::request::{Completion, Event, MAX_TOP_LOGPROBS, Request, RequestId, TokenLogprobs};
+use crate::request::{
+    Completion, Event, MAX_TOP_LOGPROBS, Request, RequestId, TokenLogprobs, prompt_problem,
+};
 use crate::sequence::Sequence;
 
 /// Scheduling limits.
@@ -130,21 +132,8 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     fn check(&self, request: &Request) -> Result<Sampler, EngineError> {
         let shape = self.model.shape();
         let invalid = |m: String| Err(EngineError::InvalidRequest(m));
-        if request.prompt.is_empty() {
-            return invalid("the prompt is empty".into());
-        }
-        if request.prompt.len() >= shape.max_positions {
-            return invalid(format!(
-                "the prompt has {} tokens; the model's context is {} tokens",
-                request.prompt.len(),
-                shape.max_positions
-            ));
-        }
-        if let Some(t) = request.prompt.iter().find(|t| t.0 as usize >= shape.vocab) {
-            return invalid(format!(
-                "token id {t} is outside the vocabulary of {}",
-                shape.vocab
-            ));
+        if let Some(why) = prompt_problem(&request.prompt, &shape) {
+            return invalid(why);
         }
         if !request.stop.is_empty() && self.detok.is_none() {
             return invalid("stop strings need a tokenizer to decode text".into());

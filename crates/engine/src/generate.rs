@@ -10,6 +10,8 @@ use kiln_core::{
 };
 use serde::Serialize;
 
+use crate::request::prompt_problem;
+
 /// Why a sequence ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -84,15 +86,8 @@ pub(crate) fn continue_sequence<B: InferenceBackend>(
 ) -> Result<Generation, CoreError> {
     let shape = model.shape();
     let prompt = &request.prompt;
-    if prompt.is_empty() {
-        return Err(CoreError::ModelInput("the prompt is empty".into()));
-    }
-    if prompt.len() >= shape.max_positions {
-        return Err(CoreError::ModelInput(format!(
-            "the prompt has {} tokens; the model's context is {} tokens",
-            prompt.len(),
-            shape.max_positions
-        )));
+    if let Some(why) = prompt_problem(prompt, &shape) {
+        return Err(CoreError::ModelInput(why));
     }
     debug_assert!(held < prompt.len(), "at least one prompt token must be fed");
     let mut sampler = Sampler::new(&request.sampling, shape.vocab)?;

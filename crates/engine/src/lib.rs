@@ -63,7 +63,7 @@ pub use engine::{Engine, EngineConfig, StepPolicy};
 pub use error::EngineError;
 pub use generate::{FinishReason, GenerateRequest, Generation, generate};
 pub use request::{
-    Completion, Event, MAX_TOP_LOGPROBS, Request, RequestId, Timings, TokenLogprobs,
+    Completion, Event, MAX_TOP_LOGPROBS, Request, RequestId, Timings, TokenLogprobs, prompt_problem,
 };
 pub use session::{Reply, Session};
 pub use snapshot::Snapshot;

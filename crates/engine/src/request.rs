@@ -3,11 +3,33 @@
 
 use std::time::Duration;
 
-use kiln_core::TokenId;
 use kiln_core::sampling::SamplingParams;
+use kiln_core::{ModelShape, TokenId};
 use serde::Serialize;
 
 use crate::generate::FinishReason;
+
+/// Why `prompt` cannot be run by a model of `shape`, or `None` when it can: it is empty, it
+/// fills the context (at least one position must be left to generate), or it holds an id
+/// outside the vocabulary. The engine and [`generate`](crate::generate()) refuse such prompts
+/// with this message; a server calls it first to name its own field.
+pub fn prompt_problem(prompt: &[TokenId], shape: &ModelShape) -> Option<String> {
+    if prompt.is_empty() {
+        return Some("the prompt is empty".into());
+    }
+    if prompt.len() >= shape.max_positions {
+        return Some(format!(
+            "the prompt has {} tokens; the model's context is {} tokens",
+            prompt.len(),
+            shape.max_positions
+        ));
+    }
+    let t = prompt.iter().find(|t| t.0 as usize >= shape.vocab)?;
+    Some(format!(
+        "token id {t} is outside the vocabulary of {}",
+        shape.vocab
+    ))
+}
 
 /// The engine's name for a submitted request, in submission order from 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]

@@ -219,8 +219,7 @@ impl Server {
                 .map_or(0, |d| d.as_secs()),
             codec,
             eos: loaded.generation.eos.clone(),
-            max_positions: shape.max_positions,
-            vocab: shape.vocab,
+            shape,
             kv_tokens,
             max_batch: model.config.max_batch,
         });

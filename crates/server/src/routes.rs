@@ -17,7 +17,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::StreamExt;
-use kiln_core::TokenId;
+use kiln_core::{ModelShape, TokenId};
 use kiln_engine::{FinishReason, TokenLogprobs};
 use serde_json::{Value, json};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -52,10 +52,8 @@ pub(crate) struct Ready {
     pub codec: Codec,
     /// End-of-sequence tokens.
     pub eos: Vec<TokenId>,
-    /// The model's context.
-    pub max_positions: usize,
-    /// The model's vocabulary: prompt token ids must lie below it.
-    pub vocab: usize,
+    /// The model's context, vocabulary and cache layout (what a prompt must fit).
+    pub shape: ModelShape,
     /// Tokens the KV cache holds: a request's prompt and output must fit.
     pub kv_tokens: usize,
     pub max_batch: usize,
@@ -217,7 +215,7 @@ async fn models(State(state): State<Arc<AppState>>) -> Result<Response, ApiError
             "object": "model",
             "created": ready.created,
             "owned_by": "kiln",
-            "max_model_len": ready.max_positions,
+            "max_model_len": ready.shape.max_positions,
         }],
     }))
     .into_response())
@@ -239,7 +237,7 @@ async fn tokenize(
     Ok(axum::Json(json!({
         "tokens": tokens,
         "count": tokens.len(),
-        "max_model_len": ready.max_positions,
+        "max_model_len": ready.shape.max_positions,
     }))
     .into_response())
 }
@@ -288,32 +286,23 @@ impl Job {
     /// The engine requests, one per choice.
     fn requests(&self, ready: &Ready) -> Result<Vec<kiln_engine::Request>, ApiError> {
         let g = &self.generation;
-        let limit = ready.max_positions.min(ready.kv_tokens);
+        let limit = ready.shape.max_positions.min(ready.kv_tokens);
         let param = match self.endpoint {
             Endpoint::Chat => "messages",
             Endpoint::Completions => "prompt",
         };
         let mut requests = Vec::with_capacity(self.choices());
         for prompt in &self.prompts {
-            if prompt.is_empty() {
-                return Err(ApiError::invalid_field(param, "the prompt is empty"));
+            if let Some(why) = kiln_engine::prompt_problem(prompt, &ready.shape) {
+                return Err(ApiError::invalid_field(param, why));
             }
-            if let Some(t) = prompt.iter().find(|t| t.0 as usize >= ready.vocab) {
-                return Err(ApiError::invalid_field(
-                    param,
-                    format!("token id {t} is outside the vocabulary of {}", ready.vocab),
-                ));
-            }
+            // The engine knows the context; the pool this server gave the cache may be smaller.
             if prompt.len() >= limit {
-                let what = if limit == ready.max_positions {
-                    format!("the model's context is {limit} tokens")
-                } else {
-                    format!("the server's KV cache holds {limit} tokens (--kv-cache-mb)")
-                };
                 return Err(ApiError::invalid_field(
                     param,
                     format!(
-                        "the prompt has {} tokens; {what}, and at least one must be left to generate",
+                        "the prompt has {} tokens; the server's KV cache holds {limit} tokens \
+                         (--kv-cache-mb), and at least one must be left to generate",
                         prompt.len()
                     ),
                 ));
