@@ -123,13 +123,15 @@ impl Cell {
     }
 
     /// The engine a cell runs on (its warm-up too): every sequence at once, prefill steps of
-    /// whole prompts up to `max_step_tokens` (a longer prompt in one step), and prefill apart
-    /// from decode.
+    /// whole prompts up to `max_step_tokens` (a longer prompt in one step), prefill apart
+    /// from decode, and no prefix caching: a cell times computing its prompts, and its runs
+    /// repeat them.
     pub fn engine_config(&self) -> EngineConfig {
         EngineConfig {
             max_batch: self.batch,
             max_step_tokens: self.max_step_tokens.max(self.prompt_len),
             policy: StepPolicy::PrefillFirst,
+            prefix_cache: false,
         }
     }
 

@@ -2,14 +2,21 @@
 //! every running sequence that has a sampled token feeds it (decode), sequences still reading
 //! their prompt feed their next chunk (prefill), fresh prompts run packed with a block-causal
 //! mask, and new requests are admitted while there is room. [`StepPolicy`] says whether one
-//! step mixes decodes with prompt chunks or keeps them apart. When the cache runs out, the
-//! newest running sequence is preempted and later recomputed.
+//! step mixes decodes with prompt chunks or keeps them apart.
+//!
+//! A step first starts fresh sequences on the cached blocks of any earlier request with the
+//! same leading tokens (prefix caching, paged cache), then reserves the cache space of the
+//! whole step ([`kiln_core::kv_cache::CacheBook::reserve`]) before the model runs: when the cache is full, the
+//! newest running sequence is preempted (and later recomputed) up front, and the forward never
+//! fails for lack of space.
 
 use std::collections::VecDeque;
 
+use std::hash::{Hash, Hasher};
+
 use kiln_core::kv_cache::{CacheError, KvCache};
 use kiln_core::sampling::Sampler;
-use kiln_core::{Batch, CausalLm, CoreError, InferenceBackend, LogitsFor};
+use kiln_core::{Batch, CausalLm, CoreError, InferenceBackend, LogitsFor, SeqId};
 
 use crate::detok::Detokenizer;
 use crate::error::EngineError;
@@ -29,6 +36,9 @@ pub struct EngineConfig {
     pub max_step_tokens: usize,
     /// How a step shares its forward between prompts and decodes.
     pub policy: StepPolicy,
+    /// Reuse the K/V of earlier requests' identical leading tokens (where the cache kind
+    /// supports it: paged).
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineConfig {
@@ -37,8 +47,18 @@ impl Default for EngineConfig {
             max_batch: 8,
             max_step_tokens: 512,
             policy: StepPolicy::default(),
+            prefix_cache: true,
         }
     }
+}
+
+/// Prompt tokens looked up in the prefix cache and found there, since the engine started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Prompt tokens of requests started (each request counted once, at its first start).
+    pub queried: u64,
+    /// Of those, tokens whose K/V came from the cache instead of a forward.
+    pub hits: u64,
 }
 
 /// How one step shares its forward between sequences reading their prompt (prefill) and
@@ -70,6 +90,16 @@ pub struct Engine<'a, B: InferenceBackend> {
     /// In admission order: the last is preempted first.
     running: Vec<Sequence>,
     next_id: u64,
+    prefix: PrefixStats,
+}
+
+/// The prefix cache's key space for `model`: its fingerprint and dtype, so no two models (or
+/// precisions) can ever share a block.
+fn prefix_key_space<B: InferenceBackend>(model: &dyn CausalLm<B>) -> u64 {
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    model.fingerprint().hash(&mut hasher);
+    model.dtype().name().hash(&mut hasher);
+    hasher.finish()
 }
 
 impl<'a, B: InferenceBackend> Engine<'a, B> {
@@ -79,13 +109,17 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// [`EngineError::InvalidConfig`] for zero limits.
     pub fn new(
         model: &'a dyn CausalLm<B>,
-        cache: Box<dyn KvCache<B>>,
+        mut cache: Box<dyn KvCache<B>>,
         config: EngineConfig,
     ) -> Result<Self, EngineError> {
         if config.max_batch == 0 || config.max_step_tokens == 0 {
             return Err(EngineError::InvalidConfig(
                 "max_batch and max_step_tokens must be positive".into(),
             ));
+        }
+        if config.prefix_cache {
+            // Kinds without prefix caching (sliding, dense) simply decline.
+            cache.enable_prefix_cache(prefix_key_space(model));
         }
         Ok(Self {
             model,
@@ -95,6 +129,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_id: 0,
+            prefix: PrefixStats::default(),
         })
     }
 
@@ -127,6 +162,17 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// Sequences running, and waiting.
     pub fn load(&self) -> (usize, usize) {
         (self.running.len(), self.waiting.len())
+    }
+
+    /// Whether requests reuse cached prefixes (the config asks for it and the cache kind
+    /// supports it).
+    pub fn prefix_cache_enabled(&self) -> bool {
+        self.cache.prefix_cache_enabled()
+    }
+
+    /// Prompt tokens looked up in the prefix cache and found there so far.
+    pub fn prefix_stats(&self) -> PrefixStats {
+        self.prefix
     }
 
     fn check(&self, request: &Request) -> Result<Sampler, EngineError> {
@@ -221,11 +267,59 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         }
     }
 
+    /// Starts each fresh running sequence on the cached blocks its context begins with, and
+    /// says which fresh sequences wait this step instead: those that share more whole blocks
+    /// with an earlier sequence still reading its prompt than the cache holds now (siblings of
+    /// an `n`-choice request, requests with one system prompt). They start next step on the
+    /// blocks the earlier one has registered by then, instead of computing them too.
+    fn attach_prefixes(&mut self) -> Vec<bool> {
+        let mut waits = vec![false; self.running.len()];
+        if !self.cache.prefix_cache_enabled() {
+            return waits;
+        }
+        for i in 0..self.running.len() {
+            let seq = &self.running[i];
+            if !seq.is_fresh() || seq.pending_logits.is_some() {
+                continue;
+            }
+            let context = seq.context();
+            let cached = self.cache.cached_prefix(&context);
+            let coming = self.running[..i]
+                .iter()
+                .filter(|earlier| earlier.wants_prefill())
+                .map(|earlier| {
+                    let common = earlier
+                        .context()
+                        .iter()
+                        .zip(&context)
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    self.cache.shareable(common.min(context.len() - 1))
+                })
+                .max()
+                .unwrap_or(0);
+            if coming > cached {
+                waits[i] = true;
+                continue;
+            }
+            let seq_id = seq.seq();
+            let held = self.cache.attach_prefix(seq_id, &context);
+            let seq = &mut self.running[i];
+            seq.in_cache = held;
+            if seq.cached_tokens.is_none() {
+                seq.cached_tokens = Some(held);
+                self.prefix.queried += seq.request.prompt.len() as u64;
+                self.prefix.hits += held.min(seq.request.prompt.len()) as u64;
+            }
+        }
+        waits
+    }
+
     /// Which running sequences feed how many tokens this step, by the config's
-    /// [`StepPolicy`].
-    fn plan_step(&self) -> Vec<(usize, usize)> {
+    /// [`StepPolicy`]; sequences marked in `waits` sit this step out.
+    fn plan_step(&self, waits: &[bool]) -> Vec<(usize, usize)> {
         let mut budget = self.config.max_step_tokens;
-        let running = self.running.iter().enumerate();
+        let running = self.running.iter().enumerate().filter(|&(i, _)| !waits[i]);
         let decodes = running
             .clone()
             .filter(|(_, s)| s.wants_decode())
@@ -297,28 +391,43 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         }
         if finished.is_empty() {
             self.admit();
-            let (fed, logits) = loop {
-                let fed = self.plan_step();
+            let fed = loop {
+                let waits = self.attach_prefixes();
+                let fed = self.plan_step(&waits);
                 if fed.is_empty() {
                     return Ok(events);
                 }
-                let mut batch = Batch::new();
-                for &(i, n) in &fed {
-                    let seq = &self.running[i];
-                    let (tokens, start) = seq.next_chunk(n);
-                    batch.push(seq.seq(), &tokens, start)?;
-                }
-                match self
-                    .model
-                    .forward(&batch, self.cache.as_mut(), LogitsFor::LastOfEachSequence)
-                {
-                    Ok(logits) => break (fed, logits),
-                    Err(CoreError::Cache(
-                        CacheError::OutOfBlocks { .. } | CacheError::NoFreeSlot { .. },
-                    )) if self.preempt() => continue,
-                    Err(e) => return Err(e.into()),
+                let step: Vec<(SeqId, usize)> = fed
+                    .iter()
+                    .map(|&(i, n)| (self.running[i].seq(), n))
+                    .collect();
+                match self.cache.reserve(&step) {
+                    Ok(()) => break fed,
+                    Err(CacheError::OutOfBlocks { .. } | CacheError::NoFreeSlot { .. })
+                        if self.preempt() =>
+                    {
+                        continue;
+                    }
+                    Err(e) => return Err(CoreError::from(e).into()),
                 }
             };
+            let mut batch = Batch::new();
+            for &(i, n) in &fed {
+                let seq = &self.running[i];
+                let (tokens, start) = seq.next_chunk(n);
+                batch.push(seq.seq(), &tokens, start)?;
+            }
+            let logits = self
+                .model
+                .forward(&batch, self.cache.as_mut(), LogitsFor::LastOfEachSequence)
+                .inspect_err(|_| {
+                    // The step's K/V may be half written (and its full blocks registered):
+                    // nothing cached can be trusted after a failed forward.
+                    self.cache.clear();
+                    for seq in &mut self.running {
+                        seq.in_cache = 0;
+                    }
+                })?;
             let vocab = self.model.shape().vocab;
             let rows: Vec<f32> = logits.into_data().iter::<f32>().collect();
             for (row, &(i, n)) in rows.chunks_exact(vocab).zip(&fed) {

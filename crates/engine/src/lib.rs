@@ -59,7 +59,7 @@ pub mod stop;
 
 pub use cache::CacheSpec;
 pub use detok::Detokenizer;
-pub use engine::{Engine, EngineConfig, StepPolicy};
+pub use engine::{Engine, EngineConfig, PrefixStats, StepPolicy};
 pub use error::EngineError;
 pub use generate::{FinishReason, GenerateRequest, Generation, generate};
 pub use request::{

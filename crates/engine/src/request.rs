@@ -137,6 +137,8 @@ pub struct Completion {
     pub id: RequestId,
     /// Prompt length in tokens.
     pub prompt_tokens: usize,
+    /// Prompt tokens whose K/V came from the prefix cache when it started (not computed).
+    pub cached_tokens: usize,
     /// Every sampled token, in order (no EOS; the tokens of a stop string are included).
     pub tokens: Vec<TokenId>,
     /// The decoded output without any stop string (`None` without a detokenizer).

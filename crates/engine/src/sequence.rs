@@ -30,6 +30,8 @@ pub(crate) struct Sequence {
     pub preemptions: usize,
     /// Logits to sample from before any forward (a resumed snapshot's last position).
     pub pending_logits: Option<Vec<f32>>,
+    /// Prompt tokens found in the prefix cache when it first started (None until then).
+    pub cached_tokens: Option<usize>,
 }
 
 impl Sequence {
@@ -50,6 +52,7 @@ impl Sequence {
             first_token: None,
             preemptions: 0,
             pending_logits: None,
+            cached_tokens: None,
         }
     }
 
@@ -60,6 +63,13 @@ impl Sequence {
 
     pub fn context_len(&self) -> usize {
         self.request.prompt.len() + self.generated.len()
+    }
+
+    /// The prompt followed by what it generated.
+    pub fn context(&self) -> Vec<TokenId> {
+        let mut context = self.request.prompt.clone();
+        context.extend_from_slice(&self.generated);
+        context
     }
 
     /// Context tokens not yet in the cache.
@@ -124,6 +134,10 @@ impl Sequence {
                 decode: now.duration_since(first),
             },
             preemptions: self.preemptions,
+            cached_tokens: self
+                .cached_tokens
+                .unwrap_or(0)
+                .min(self.request.prompt.len()),
         };
         (completion, tail)
     }

@@ -71,15 +71,7 @@ impl Snapshot {
         let batch = Batch::single(SeqId(0), prompt, Position(0))?;
         let logits = model.forward(&batch, &mut cache, LogitsFor::LastOfEachSequence)?;
         let logits: Vec<f32> = logits.into_data().iter::<f32>().collect();
-        // The first sequence of a dynamic cache is its row 0, position p in slot p.
-        let per_token = layout.n_kv_heads * layout.head_dim;
-        let n = prompt.len() * per_token;
-        let layers = cache
-            .storage()
-            .to_host()
-            .into_iter()
-            .map(|(k, v)| (k[..n].to_vec(), v[..n].to_vec()))
-            .collect();
+        let layers = cache.export(SeqId(0)).map_err(kiln_core::CoreError::from)?;
         Ok(Self {
             model: model.fingerprint(),
             dtype: model.dtype(),

@@ -290,6 +290,7 @@ fn prefill_first_keeps_prompts_and_decodes_in_separate_steps() {
         max_batch: 8,
         max_step_tokens: 8,
         policy: StepPolicy::PrefillFirst,
+        ..EngineConfig::default()
     };
     let mut engine = Engine::new(&model, paged(64, 4), config).unwrap();
     for r in &requests {
@@ -462,4 +463,149 @@ fn bad_requests_are_refused_with_a_reason() {
     r.sampling.temperature = -1.0;
     assert!(engine.submit(r).is_err());
     assert!(engine.is_idle());
+}
+
+/// A [`Scripted`] model that counts the tokens it is fed.
+struct Counting<'a> {
+    inner: &'a Scripted,
+    fed: std::cell::Cell<usize>,
+}
+
+impl CausalLm<B> for Counting<'_> {
+    fn shape(&self) -> ModelShape {
+        self.inner.shape()
+    }
+
+    fn dtype(&self) -> Dtype {
+        self.inner.dtype()
+    }
+
+    fn device(&self) -> <B as burn::tensor::backend::BackendTypes>::Device {
+        self.inner.device()
+    }
+
+    fn forward(
+        &self,
+        batch: &Batch,
+        cache: &mut dyn KvCache<B>,
+        logits: LogitsFor,
+    ) -> kiln_core::Result<Tensor<B, 2>> {
+        self.fed.set(self.fed.get() + batch.n_tokens());
+        self.inner.forward(batch, cache, logits)
+    }
+}
+
+/// 32 requests sharing a 1,000-token system prompt, each with its own 8-token question,
+/// submitted at once: the shared prompt is computed once (the others wait for its blocks
+/// instead of computing it alongside), so the model is fed about 1,000 + 32 x (suffix) prompt
+/// tokens, not 32 x 1,008; every answer equals its request alone; afterwards no block is held
+/// and the prompt's blocks stay cached. With prefix caching off every prompt is computed whole.
+#[test]
+fn a_shared_system_prompt_is_computed_once() {
+    let model = Scripted { script: count_up };
+    let system: Vec<u32> = (0..1000).map(|i| 2 + (i * 7 % 29)).collect();
+    let requests: Vec<Request> = (0..32u32)
+        .map(|r| {
+            let mut prompt = system.clone();
+            prompt.extend((0..8).map(|i| 2 + (r * 3 + i * 5) % 29));
+            request(&prompt, 4)
+        })
+        .collect();
+    let (block, decode_fed) = (16, 32 * 3);
+    let run = |prefix_cache: bool| {
+        let counting = Counting {
+            inner: &model,
+            fed: std::cell::Cell::new(0),
+        };
+        let config = EngineConfig {
+            prefix_cache,
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::new(&counting, paged(600, block), config).unwrap();
+        for r in &requests {
+            engine.submit(r.clone()).unwrap();
+        }
+        let done = engine.run(|_| {}).unwrap();
+        let stats = engine.prefix_stats();
+        let usage = engine.cache().usage();
+        (done, counting.fed.get(), stats, usage)
+    };
+    let (done, fed, stats, usage) = run(true);
+    // 992 tokens (62 whole blocks) of the 1,008 are shared; each later request computes 16.
+    let shared = 1000 / block * block;
+    assert_eq!(fed, 1008 + 31 * (1008 - shared) + decode_fed);
+    assert_eq!(stats.queried, 32 * 1008);
+    assert_eq!(stats.hits, 31 * shared as u64);
+    assert_eq!(done[0].cached_tokens, 0);
+    assert!(done[1..].iter().all(|c| c.cached_tokens == shared));
+    assert_eq!(
+        (usage.used, usage.sequences),
+        (0, 0),
+        "a block is still held"
+    );
+    assert!(
+        usage.cached >= shared,
+        "the system prompt's blocks stay cached"
+    );
+
+    let (done_off, fed_off, stats_off, _) = run(false);
+    assert_eq!(fed_off, 32 * 1008 + decode_fed);
+    assert_eq!(stats_off.hits, 0);
+    assert!(done_off.iter().all(|c| c.cached_tokens == 0));
+    for (on, off) in done.iter().zip(&done_off) {
+        assert_eq!(tokens(on), tokens(off));
+    }
+}
+
+/// Prefix caching under pressure: a pool too small for every sequence, prompts sharing
+/// blocks, preemption (the preempted sequence finds its own released blocks again) and a
+/// cancellation; every answer equals its request alone and no block leaks.
+#[test]
+fn shared_blocks_survive_preemption_and_cancellation() {
+    let model = Scripted { script: count_up };
+    let common: Vec<u32> = (0..12).map(|i| 2 + i).collect();
+    let requests: Vec<Request> = (0..5u32)
+        .map(|r| {
+            let mut prompt = common.clone();
+            prompt.push(20 + r);
+            request(&prompt, 10)
+        })
+        .collect();
+    let mut engine = Engine::new(&model, paged(14, 4), EngineConfig::default()).unwrap();
+    let ids: Vec<_> = requests
+        .iter()
+        .map(|r| engine.submit(r.clone()).unwrap())
+        .collect();
+    let mut done = Vec::new();
+    let mut steps = 0;
+    while !engine.is_idle() {
+        for event in engine.step().unwrap() {
+            if let Event::Finished(c) = event {
+                done.push(c);
+            }
+        }
+        steps += 1;
+        if steps == 4 {
+            assert!(engine.cancel(ids[2]));
+        }
+    }
+    done.sort_by_key(|c| c.id);
+    assert!(done.iter().any(|c| c.preemptions > 0), "no preemption");
+    assert!(
+        done.iter().any(|c| c.cached_tokens > 0),
+        "nothing was shared"
+    );
+    let expected = alone(&model, &requests);
+    assert_eq!(done.len(), 4);
+    for ours in &done {
+        let i = ids.iter().position(|&id| id == ours.id).unwrap();
+        assert_ne!(i, 2, "the cancelled request finished");
+        assert_eq!(tokens(ours), tokens(&expected[i]), "request {i}");
+    }
+    let usage = engine.cache().usage();
+    assert_eq!(
+        (usage.used, usage.sequences),
+        (0, 0),
+        "a block is still held"
+    );
 }

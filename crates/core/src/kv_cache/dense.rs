@@ -5,8 +5,11 @@ use std::collections::HashMap;
 
 use crate::backend::InferenceBackend;
 
+use burn::tensor::Tensor;
+
 use super::plan::{FreshSpan, HistorySpan, Incoming, ReadPlan, StepPlan, WriteRun, incoming};
-use super::{CacheError, CacheKind, CacheUsage, KvLayout, SlotStorage};
+use super::storage::{CachedKv, ReadIndex, SlotStorage};
+use super::{CacheError, CacheKind, CacheUsage, KvLayout};
 use crate::batch::Batch;
 use crate::dtype::Dtype;
 use crate::ids::{Position, SeqId};
@@ -66,12 +69,32 @@ impl<B: InferenceBackend> DenseCache<B> {
         }
     }
 
-    pub fn storage(&self) -> &SlotStorage<B> {
-        &self.storage
+    pub fn layout(&self) -> KvLayout {
+        self.storage.layout()
     }
 
-    pub fn storage_mut(&mut self) -> &mut SlotStorage<B> {
-        &mut self.storage
+    pub fn write(&mut self, layer: usize, plan: &StepPlan, k: Tensor<B, 3>, v: Tensor<B, 3>) {
+        self.storage.write(layer, &plan.writes, k, v);
+    }
+
+    pub fn read<'a>(&self, layer: usize, index: &'a ReadIndex<B>) -> CachedKv<'a, B> {
+        self.storage.read(layer, index)
+    }
+
+    pub fn export(&self, seq: SeqId) -> Result<Vec<(Vec<f32>, Vec<f32>)>, CacheError> {
+        let Some(entry) = self.seqs.get(&seq) else {
+            return Ok(self.storage.gather_host(&[]));
+        };
+        let slots = entry.slot_positions.len();
+        if entry.len > slots {
+            return Err(CacheError::NotAllHeld {
+                seq,
+                held: entry.len,
+                kept: slots,
+            });
+        }
+        let places: Vec<(usize, usize)> = (0..entry.len).map(|t| (entry.row, t)).collect();
+        Ok(self.storage.gather_host(&places))
     }
 
     pub fn window(&self) -> Option<usize> {
@@ -90,6 +113,7 @@ impl<B: InferenceBackend> DenseCache<B> {
         CacheUsage {
             capacity: self.storage.targets() * slots,
             used: self.seqs.values().map(|s| s.len.min(slots)).sum(),
+            cached: 0,
             sequences: self.seqs.len(),
         }
     }
@@ -145,9 +169,42 @@ impl<B: InferenceBackend> DenseCache<B> {
         self.check(&incoming).map(|_| ())
     }
 
+    /// Claims rows (and grows a dynamic cache) for a step's sequences before the forward.
+    pub fn reserve(&mut self, step: &[(SeqId, usize)]) -> Result<(), CacheError> {
+        let incoming: Vec<Incoming> = step
+            .iter()
+            .map(|&(seq, n)| Incoming {
+                seq,
+                tokens: 0..n,
+                held: self.seq_len(seq),
+            })
+            .collect();
+        let (rows, slots) = self.check(&incoming)?;
+        self.grow_to(rows, slots);
+        for s in &incoming {
+            self.row_for(s.seq);
+        }
+        Ok(())
+    }
+
+    /// `seq`'s entry, with a row taken from the free ones if it has none yet.
+    fn row_for(&mut self, seq: SeqId) -> &mut DenseSeq {
+        let slots = self.storage.slots();
+        let free_rows = &mut self.free_rows;
+        self.seqs.entry(seq).or_insert_with(|| DenseSeq {
+            row: free_rows.pop().expect("checked: a free row exists"),
+            len: 0,
+            slot_positions: vec![None; slots],
+        })
+    }
+
     /// Validates a step; returns the rows and slots the storage must have for it.
     fn check(&self, incoming: &[Incoming]) -> Result<(usize, usize), CacheError> {
-        let new_rows = incoming.iter().filter(|s| s.held == 0).count();
+        // A sequence reserved ahead of its first plan already has its row.
+        let new_rows = incoming
+            .iter()
+            .filter(|s| !self.seqs.contains_key(&s.seq))
+            .count();
         let longest = incoming
             .iter()
             .map(|s| s.held + s.n_new())
@@ -203,17 +260,7 @@ impl<B: InferenceBackend> DenseCache<B> {
         };
         let mut read_rows = Vec::new();
         for s in &incoming {
-            let entry = match self.seqs.get_mut(&s.seq) {
-                Some(entry) => entry,
-                None => {
-                    let row = self.free_rows.pop().expect("checked: a free row exists");
-                    self.seqs.entry(s.seq).or_insert(DenseSeq {
-                        row,
-                        len: 0,
-                        slot_positions: vec![None; slots],
-                    })
-                }
-            };
+            let entry = self.row_for(s.seq);
             entry.slot_positions.resize(slots, None);
             // A ring keeps only the last `slots` tokens: older new tokens would be overwritten
             // within this very step, so they are not written at all.
@@ -299,7 +346,7 @@ macro_rules! delegate_dense_cache {
                 self.inner.kind()
             }
             fn layout(&self) -> $crate::kv_cache::KvLayout {
-                self.inner.storage().layout()
+                self.inner.layout()
             }
             fn usage(&self) -> $crate::kv_cache::CacheUsage {
                 self.inner.usage()
@@ -327,6 +374,12 @@ macro_rules! delegate_dense_cache {
             ) -> Result<(), $crate::kv_cache::CacheError> {
                 self.inner.truncate(seq, keep)
             }
+            fn reserve(
+                &mut self,
+                step: &[($crate::ids::SeqId, usize)],
+            ) -> Result<(), $crate::kv_cache::CacheError> {
+                self.inner.reserve(step)
+            }
             fn clear(&mut self) {
                 self.inner.clear()
             }
@@ -339,11 +392,27 @@ macro_rules! delegate_dense_cache {
             ) -> Result<$crate::kv_cache::StepPlan, $crate::kv_cache::CacheError> {
                 self.inner.plan(batch)
             }
-            fn storage(&self) -> &$crate::kv_cache::SlotStorage<B> {
-                self.inner.storage()
+            fn write(
+                &mut self,
+                layer: usize,
+                plan: &$crate::kv_cache::StepPlan,
+                k: burn::tensor::Tensor<B, 3>,
+                v: burn::tensor::Tensor<B, 3>,
+            ) {
+                self.inner.write(layer, plan, k, v)
             }
-            fn storage_mut(&mut self) -> &mut $crate::kv_cache::SlotStorage<B> {
-                self.inner.storage_mut()
+            fn read<'a>(
+                &self,
+                layer: usize,
+                index: &'a $crate::kv_cache::ReadIndex<B>,
+            ) -> $crate::kv_cache::CachedKv<'a, B> {
+                self.inner.read(layer, index)
+            }
+            fn export(
+                &self,
+                seq: $crate::ids::SeqId,
+            ) -> Result<Vec<(Vec<f32>, Vec<f32>)>, $crate::kv_cache::CacheError> {
+                self.inner.export(seq)
             }
         }
     };

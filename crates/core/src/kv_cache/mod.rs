@@ -7,7 +7,7 @@
 //!   the batch's new tokens and returns a [`StepPlan`]; then each layer writes its new K/V
 //!   ([`KvCache::write`]) and reads the K/V to attend over ([`KvCache::read`]).
 //!
-//! All four kinds store K/V the same way ([`SlotStorage`]: per layer a
+//! All four kinds store K/V the same way (a private `SlotStorage`: per layer a
 //! `[targets, n_kv_heads, slots, head_dim]` tensor written in place) and differ only in how they
 //! map a sequence's tokens to `(target, slot)`:
 //!
@@ -37,15 +37,15 @@ use burn::tensor::Tensor;
 use crate::backend::InferenceBackend;
 
 pub use dynamic::DynamicKvCache;
-pub use paged::{BlockPool, DEFAULT_BLOCK_SIZE, PagedKvCache};
+pub use paged::{BlockKey, BlockPool, DEFAULT_BLOCK_SIZE, PagedKvCache};
 pub use plan::{FreshSpan, HistorySpan, ReadPlan, StepPlan, WriteRun};
 pub use sliding::SlidingKvCache;
 pub use static_::StaticKvCache;
-pub use storage::{CachedKv, ReadIndex, RowPick, SlotStorage};
+pub use storage::{CachedKv, ReadIndex, RowPick};
 
 use crate::batch::Batch;
 use crate::dtype::Dtype;
-use crate::ids::SeqId;
+use crate::ids::{SeqId, TokenId};
 
 /// The per-layer shape of the K/V a cache holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,6 +180,16 @@ pub enum CacheError {
         /// The most this cache can drop.
         max: usize,
     },
+    /// [`KvCache::export`] of a sequence whose oldest tokens a sliding ring has overwritten.
+    #[error("sequence {seq}: the cache keeps only the last {kept} of its {held} tokens")]
+    NotAllHeld {
+        /// The sequence.
+        seq: SeqId,
+        /// Tokens appended to it.
+        held: usize,
+        /// Tokens the cache still holds.
+        kept: usize,
+    },
     /// A configuration value out of range.
     #[error("invalid cache configuration: {0}")]
     InvalidConfig(String),
@@ -204,12 +214,15 @@ pub struct CacheUsage {
     pub capacity: usize,
     /// Slots holding a token (for a paged cache: whole blocks in use).
     pub used: usize,
+    /// Slots in blocks no sequence holds that keep a prefix for later requests (paged cache
+    /// with prefix caching; evicted when room is needed, so they count as free).
+    pub cached: usize,
     /// Sequences with at least one token.
     pub sequences: usize,
 }
 
 impl CacheUsage {
-    /// Slots not in use.
+    /// Slots not in use (cached ones included: they are evicted on demand).
     pub fn free(&self) -> usize {
         self.capacity - self.used
     }
@@ -240,6 +253,16 @@ pub trait CacheBook {
     /// The error [`KvCache::plan`] would return.
     fn check_append(&self, seq: SeqId, n_new: usize) -> Result<(), CacheError>;
 
+    /// Reserves the space for one step before the model runs: each `(seq, n_new)` will append
+    /// `n_new` tokens to `seq` (a sequence the cache does not know yet gets its row or first
+    /// blocks now). The scheduler calls this before the forward, so it decides preemption up
+    /// front; a [`KvCache::plan`] for a reserved step then cannot run out of space. All or
+    /// nothing.
+    ///
+    /// # Errors
+    /// The [`CacheError`] the step would hit (out of blocks or rows, a sequence too long).
+    fn reserve(&mut self, step: &[(SeqId, usize)]) -> Result<(), CacheError>;
+
     /// Forgets `seq` and frees its space. Unknown sequences are ignored.
     fn release(&mut self, seq: SeqId);
 
@@ -253,8 +276,44 @@ pub trait CacheBook {
     /// tokens' successors would attend over. Nothing changes on error.
     fn truncate(&mut self, seq: SeqId, keep: usize) -> Result<(), CacheError>;
 
-    /// Forgets every sequence.
+    /// Forgets every sequence (and every cached prefix).
     fn clear(&mut self);
+
+    /// Turns prefix caching on, in the key space `key_space` (derive it from the model and
+    /// dtype, so nothing is shared across models); returns false if this kind does not
+    /// support it (only the paged cache does: a sliding ring overwrites what it would share).
+    fn enable_prefix_cache(&mut self, key_space: u64) -> bool {
+        let _ = key_space;
+        false
+    }
+
+    /// Whether prefix caching is on.
+    fn prefix_cache_enabled(&self) -> bool {
+        false
+    }
+
+    /// How many of `common` leading tokens that two sequences have in common the cache could
+    /// share between them (whole blocks; 0 with prefix caching off).
+    fn shareable(&self, common: usize) -> usize {
+        let _ = common;
+        0
+    }
+
+    /// How many leading tokens of `tokens` [`CacheBook::attach_prefix`] would find cached now
+    /// (whole blocks, never the last token). Changes nothing.
+    fn cached_prefix(&self, tokens: &[TokenId]) -> usize {
+        let _ = tokens;
+        0
+    }
+
+    /// Starts `seq`, which the cache must not hold yet, on the cached blocks that `tokens`
+    /// (its context from position 0) begin with, shared with whoever else holds them; returns
+    /// how many tokens it now holds (0: nothing cached, prefix caching off, or `seq` known).
+    /// The caller feeds the rest from there.
+    fn attach_prefix(&mut self, seq: SeqId, tokens: &[TokenId]) -> usize {
+        let _ = (seq, tokens);
+        0
+    }
 }
 
 /// Attention's view of a cache.
@@ -269,25 +328,25 @@ pub trait KvCache<B: InferenceBackend>: CacheBook {
     /// [`CacheError`] when the step does not fit.
     fn plan(&mut self, batch: &Batch) -> Result<StepPlan, CacheError>;
 
-    /// The K/V tensors of every layer.
-    fn storage(&self) -> &SlotStorage<B>;
-
-    /// The K/V tensors of every layer, to write.
-    fn storage_mut(&mut self) -> &mut SlotStorage<B>;
-
     /// Writes one layer's new K/V where the plan says, in place.
     ///
     /// # Shapes
     /// - `k`, `v`: `[n_tokens, n_kv_heads, head_dim]`, packed like the batch.
-    fn write(&mut self, layer: usize, plan: &StepPlan, k: Tensor<B, 3>, v: Tensor<B, 3>) {
-        self.storage_mut().write(layer, &plan.writes, k, v);
-    }
+    fn write(&mut self, layer: usize, plan: &StepPlan, k: Tensor<B, 3>, v: Tensor<B, 3>);
 
     /// The K/V that the plan's history rows attend over (after this step's write), where
     /// they are stored.
-    fn read<'a>(&self, layer: usize, index: &'a ReadIndex<B>) -> CachedKv<'a, B> {
-        self.storage().read(layer, index)
-    }
+    fn read<'a>(&self, layer: usize, index: &'a ReadIndex<B>) -> CachedKv<'a, B>;
+
+    /// Copies the K/V of every token `seq` holds to the host, in token order, for snapshots
+    /// and tests.
+    ///
+    /// # Shapes
+    /// - returns per layer `(k, v)`, each `[seq_len, n_kv_heads, head_dim]` as f32
+    ///
+    /// # Errors
+    /// [`CacheError::NotAllHeld`] if a sliding ring has overwritten some of them.
+    fn export(&self, seq: SeqId) -> Result<Vec<(Vec<f32>, Vec<f32>)>, CacheError>;
 }
 
 #[cfg(test)]

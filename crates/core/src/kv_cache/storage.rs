@@ -21,7 +21,7 @@ use crate::dtype::Dtype;
 /// (with token-major slots burn-flex copied the transposed K/V element by element, most of a
 /// batched decode step). A write pays instead: `n_kv_heads` short runs per sequence.
 #[derive(Debug)]
-pub struct SlotStorage<B: InferenceBackend> {
+pub(crate) struct SlotStorage<B: InferenceBackend> {
     layout: KvLayout,
     dtype: Dtype,
     device: B::Device,
@@ -160,16 +160,6 @@ impl<B: InferenceBackend> SlotStorage<B> {
         self.layout
     }
 
-    /// The precision stored.
-    pub fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-
-    /// The device the tensors live on.
-    pub fn device(&self) -> &B::Device {
-        &self.device
-    }
-
     /// Rows or blocks per layer.
     pub fn targets(&self) -> usize {
         self.targets
@@ -178,16 +168,6 @@ impl<B: InferenceBackend> SlotStorage<B> {
     /// Slots per target.
     pub fn slots(&self) -> usize {
         self.slots
-    }
-
-    /// Bytes held by the K and V tensors of all layers.
-    pub fn bytes(&self) -> usize {
-        2 * self.layout.n_layers
-            * self.targets
-            * self.slots
-            * self.layout.n_kv_heads
-            * self.layout.head_dim
-            * self.dtype.size_bytes()
     }
 
     /// Reallocates to at least `targets` x `slots`, keeping what is stored (the dynamic
@@ -249,19 +229,40 @@ impl<B: InferenceBackend> SlotStorage<B> {
         }
     }
 
-    /// Copies every layer's K/V to the host, for snapshots and tests.
+    /// Copies `src`'s slots of every layer over `dst`'s (copy-on-write of a shared block).
+    pub fn copy_target(&mut self, src: usize, dst: usize) {
+        let (heads, slots, dim) = (self.layout.n_kv_heads, self.slots, self.layout.head_dim);
+        for tensor in self.k.iter_mut().chain(self.v.iter_mut()) {
+            let values = tensor
+                .clone()
+                .slice([src..src + 1, 0..heads, 0..slots, 0..dim]);
+            B::write_in_place(tensor, [dst..dst + 1, 0..heads, 0..slots, 0..dim], values);
+        }
+    }
+
+    /// Copies the K/V at `places` (`(target, slot)`, one per token) of every layer to the
+    /// host.
     ///
     /// # Shapes
-    /// - returns per layer `(k, v)`, each `[targets, slots, n_kv_heads, head_dim]` as f32
-    ///   (token-major, the order snapshots store)
-    pub fn to_host(&self) -> Vec<(Vec<f32>, Vec<f32>)> {
+    /// - returns per layer `(k, v)`, each `[places.len(), n_kv_heads, head_dim]` as f32
+    pub fn gather_host(&self, places: &[(usize, usize)]) -> Vec<(Vec<f32>, Vec<f32>)> {
+        let (heads, slots, dim) = (self.layout.n_kv_heads, self.slots, self.layout.head_dim);
         let host = |t: &Tensor<B, 4>| -> Vec<f32> {
-            t.clone()
-                .swap_dims(1, 2)
+            // [targets, heads, slots, dim] on the host, read token by token.
+            let all: Vec<f32> = t
+                .clone()
                 .cast(burn::tensor::FloatDType::F32)
                 .into_data()
                 .iter::<f32>()
-                .collect()
+                .collect();
+            let mut out = Vec::with_capacity(places.len() * heads * dim);
+            for &(target, slot) in places {
+                for h in 0..heads {
+                    let at = ((target * heads + h) * slots + slot) * dim;
+                    out.extend_from_slice(&all[at..at + dim]);
+                }
+            }
+            out
         };
         self.k
             .iter()

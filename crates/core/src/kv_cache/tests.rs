@@ -236,7 +236,204 @@ fn all_kinds<B: InferenceBackend>(device: &B::Device) -> Vec<Box<dyn KvCache<B>>
         Box::new(SlidingKvCache::new(LAYOUT, 4, 3, 2, Dtype::F32, device).unwrap()),
         Box::new(PagedKvCache::new(LAYOUT, 16, 4, Dtype::F32, device).unwrap()),
         Box::new(PagedKvCache::new(LAYOUT, 64, 1, Dtype::F32, device).unwrap()),
+        // Prefix caching registers full blocks as they fill and unregisters them on a
+        // truncation into them; attention must not change.
+        Box::new(with_prefix_cache(
+            PagedKvCache::new(LAYOUT, 16, 4, Dtype::F32, device).unwrap(),
+        )),
     ]
+}
+
+fn with_prefix_cache<B: InferenceBackend>(mut cache: PagedKvCache<B>) -> PagedKvCache<B> {
+    assert!(cache.enable_prefix_cache(11));
+    cache
+}
+
+/// Appends `tokens` to `seq` from position `start` and writes random K/V for them.
+fn append<B: InferenceBackend>(
+    cache: &mut dyn KvCache<B>,
+    seq: u64,
+    tokens: &[u32],
+    start: u32,
+    rand: &mut Rand,
+    device: &B::Device,
+) {
+    let ids: Vec<TokenId> = tokens.iter().copied().map(TokenId).collect();
+    let batch = Batch::single(SeqId(seq), &ids, Position(start)).unwrap();
+    let plan = cache.plan(&batch).unwrap();
+    let shape = [tokens.len(), LAYOUT.n_kv_heads, LAYOUT.head_dim];
+    for layer in 0..LAYOUT.n_layers {
+        let k = tensor3::<B>(rand.values(shape.iter().product()), shape, device);
+        let v = tensor3::<B>(rand.values(shape.iter().product()), shape, device);
+        cache.write(layer, &plan, k, v);
+    }
+}
+
+/// The first `n` tokens' K/V of one exported layer list.
+fn head(export: &[(Vec<f32>, Vec<f32>)], n: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let per_token = LAYOUT.n_kv_heads * LAYOUT.head_dim;
+    export
+        .iter()
+        .map(|(k, v)| (k[..n * per_token].to_vec(), v[..n * per_token].to_vec()))
+        .collect()
+}
+
+/// Prefix caching on the paged cache: a later sequence with the same leading tokens shares
+/// their full blocks (and reads the very K/V the first one wrote), never the last token's
+/// block; a released sequence's blocks stay cached until evicted; a truncation into a shared
+/// block copies it; positions other than 0, 1, 2... are never shared.
+fn prefix_sharing_on<B: InferenceBackend>(device: &B::Device) {
+    let mut rand = Rand(ChaCha8Rng::seed_from_u64(5));
+    let mut cache =
+        with_prefix_cache(PagedKvCache::<B>::new(LAYOUT, 8, 4, Dtype::F32, device).unwrap());
+    let prompt: Vec<u32> = (100..110).collect();
+    let ids = |t: &[u32]| -> Vec<TokenId> { t.iter().copied().map(TokenId).collect() };
+    append(&mut cache, 0, &prompt, 0, &mut rand, device);
+    let first = cache.export(SeqId(0)).unwrap();
+    assert_eq!(
+        cache.cached_prefix(&ids(&prompt)),
+        8,
+        "two full blocks, not the third"
+    );
+    assert_eq!(
+        cache.cached_prefix(&ids(&prompt[..8])),
+        4,
+        "never the last token"
+    );
+    let mut other = prompt.clone();
+    other[5] = 7;
+    assert_eq!(
+        cache.cached_prefix(&ids(&other)),
+        4,
+        "the chain breaks at block 1"
+    );
+
+    // Shared while the first still runs.
+    assert_eq!(cache.attach_prefix(SeqId(1), &ids(&prompt)), 8);
+    assert_eq!(
+        cache.block_table(SeqId(1)),
+        &cache.block_table(SeqId(0))[..2]
+    );
+    assert_eq!(cache.pool().refs(cache.block_table(SeqId(0))[0]), 2);
+    assert_eq!(head(&cache.export(SeqId(1)).unwrap(), 8), head(&first, 8));
+    assert_eq!(
+        cache.attach_prefix(SeqId(1), &ids(&prompt)),
+        0,
+        "already started"
+    );
+    append(&mut cache, 1, &prompt[8..], 8, &mut rand, device);
+    assert_ne!(
+        cache.block_table(SeqId(1))[2],
+        cache.block_table(SeqId(0))[2]
+    );
+
+    // Cached after release, and taken back.
+    cache.release(SeqId(0));
+    cache.release(SeqId(1));
+    let usage = cache.usage();
+    assert_eq!((usage.used, usage.cached, usage.sequences), (0, 8, 0));
+    assert_eq!(cache.attach_prefix(SeqId(2), &ids(&prompt)), 8);
+    assert_eq!(head(&cache.export(SeqId(2)).unwrap(), 8), head(&first, 8));
+
+    // A truncation into a shared block copies it: the other holder's K/V do not change.
+    assert_eq!(cache.attach_prefix(SeqId(3), &ids(&prompt)), 8);
+    let shared = cache.block_table(SeqId(3))[1];
+    cache.truncate(SeqId(3), 6).unwrap();
+    assert_ne!(cache.block_table(SeqId(3))[1], shared, "a private copy");
+    assert_eq!(cache.pool().refs(shared), 1);
+    assert_eq!(head(&cache.export(SeqId(3)).unwrap(), 6), head(&first, 6));
+    append(&mut cache, 3, &[1, 2], 6, &mut rand, device);
+    assert_eq!(head(&cache.export(SeqId(2)).unwrap(), 8), head(&first, 8));
+    assert_eq!(
+        cache.cached_prefix(&ids(&prompt)),
+        8,
+        "the original is still registered"
+    );
+    assert_eq!(
+        cache.cached_prefix(&ids(&[100, 101, 102, 103, 104, 105, 1, 2, 0])),
+        8,
+        "and so is the copy, once full"
+    );
+
+    // Eviction: a pool that needs room drops cached blocks, last released first.
+    cache.clear();
+    assert_eq!(
+        cache.cached_prefix(&ids(&prompt)),
+        0,
+        "clear forgets the prefixes"
+    );
+    append(&mut cache, 4, &prompt, 0, &mut rand, device);
+    cache.release(SeqId(4));
+    append(
+        &mut cache,
+        5,
+        &(0..28).collect::<Vec<u32>>(),
+        0,
+        &mut rand,
+        device,
+    );
+    assert_eq!(
+        cache.cached_prefix(&ids(&prompt)),
+        4,
+        "block 1 went first, block 0 is left"
+    );
+    append(&mut cache, 6, &[9, 9], 0, &mut rand, device);
+    assert_eq!(cache.cached_prefix(&ids(&prompt)), 0);
+
+    // Tokens at positions other than their index are never shared.
+    cache.clear();
+    append(&mut cache, 7, &prompt, 3, &mut rand, device);
+    assert_eq!(cache.cached_prefix(&ids(&prompt)), 0);
+
+    // Off: nothing is registered.
+    let mut off = PagedKvCache::<B>::new(LAYOUT, 8, 4, Dtype::F32, device).unwrap();
+    append(&mut off, 0, &prompt, 0, &mut rand, device);
+    assert!(!off.prefix_cache_enabled());
+    assert_eq!(off.attach_prefix(SeqId(1), &ids(&prompt)), 0);
+}
+
+/// The scheduler's reservation: after `reserve`, the step's plan cannot run out of space, and
+/// a refused reservation changes nothing.
+fn reserve_on<B: InferenceBackend>(device: &B::Device) {
+    let mut rand = Rand(ChaCha8Rng::seed_from_u64(6));
+    let mut paged = PagedKvCache::<B>::new(LAYOUT, 3, 2, Dtype::F32, device).unwrap();
+    paged.reserve(&[(SeqId(0), 3)]).unwrap();
+    assert_eq!(paged.pool().available(), 1);
+    assert_eq!(
+        paged.reserve(&[(SeqId(1), 3), (SeqId(0), 1)]).unwrap_err(),
+        CacheError::OutOfBlocks { needed: 2, free: 1 }
+    );
+    assert_eq!(
+        paged.pool().available(),
+        1,
+        "a refused reservation takes nothing"
+    );
+    paged.reserve(&[(SeqId(1), 2)]).unwrap();
+    assert_eq!(paged.pool().available(), 0);
+    let mut both = one(0, 3, 0);
+    both.push(SeqId(1), &[TokenId(4), TokenId(5)], Position(0))
+        .unwrap();
+    paged.plan(&both).unwrap();
+    assert_eq!(paged.seq_len(SeqId(0)), 3);
+    paged.release(SeqId(0));
+    paged.release(SeqId(1));
+    assert_eq!(paged.pool().available(), 3);
+
+    let mut rows = StaticKvCache::<B>::new(LAYOUT, 1, 4, Dtype::F32, device).unwrap();
+    rows.reserve(&[(SeqId(0), 2)]).unwrap();
+    assert_eq!(
+        rows.reserve(&[(SeqId(1), 1)]).unwrap_err(),
+        CacheError::NoFreeSlot { max_sequences: 1 }
+    );
+    append(&mut rows, 0, &[1, 2], 0, &mut rand, device);
+    assert_eq!(
+        rows.reserve(&[(SeqId(0), 3)]).unwrap_err(),
+        CacheError::SequenceTooLong {
+            seq: SeqId(0),
+            needed: 5,
+            max: 4
+        }
+    );
 }
 
 fn conformance_on<B: InferenceBackend>(device: &B::Device) {
@@ -285,13 +482,13 @@ fn limits_on<B: InferenceBackend>(device: &B::Device) {
         CacheError::OutOfBlocks { needed: 2, free: 1 }
     );
     assert_eq!(
-        paged.pool().free_count(),
+        paged.pool().available(),
         1,
         "a refused step reserves nothing"
     );
     assert!(paged.check_append(SeqId(0), 1).is_ok());
     paged.release(SeqId(0));
-    assert_eq!(paged.pool().free_count(), 3);
+    assert_eq!(paged.pool().available(), 3);
     paged.plan(&one(1, 6, 0)).unwrap();
     assert_eq!(paged.block_table(SeqId(1)).len(), 3);
 
@@ -343,7 +540,7 @@ fn limits_on<B: InferenceBackend>(device: &B::Device) {
     );
     paged.truncate(SeqId(1), 4).unwrap();
     assert_eq!(
-        paged.pool().free_count(),
+        paged.pool().available(),
         1,
         "an emptied block goes back to the pool"
     );
@@ -366,6 +563,16 @@ mod flex {
     #[test]
     fn limits() {
         limits_on::<B>(&Default::default());
+    }
+
+    #[test]
+    fn prefix_sharing() {
+        prefix_sharing_on::<B>(&Default::default());
+    }
+
+    #[test]
+    fn reserve() {
+        reserve_on::<B>(&Default::default());
     }
 }
 
@@ -393,5 +600,10 @@ mod wgpu {
     #[test]
     fn limits() {
         limits_on::<B>(&Default::default());
+    }
+
+    #[test]
+    fn prefix_sharing() {
+        prefix_sharing_on::<B>(&Default::default());
     }
 }

@@ -1,19 +1,24 @@
 //! [`PagedKvCache`]: a pool of fixed-size blocks and a block table per sequence (vLLM's
-//! PagedAttention layout, read by gathering each sequence's blocks).
+//! PagedAttention layout, read by gathering each sequence's blocks), with prefix caching:
+//! every full block is registered under a key chained over the tokens before it, so a later
+//! sequence starting with the same tokens shares those blocks instead of computing them.
 
 mod block_pool;
 
 use std::collections::HashMap;
 
+use burn::tensor::Tensor;
+
 use crate::backend::InferenceBackend;
 
-pub use block_pool::BlockPool;
+pub use block_pool::{BlockKey, BlockPool};
 
 use super::plan::{FreshSpan, HistorySpan, ReadPlan, StepPlan, WriteRun, incoming, runs_by_chunk};
-use super::{CacheBook, CacheError, CacheKind, CacheUsage, KvCache, KvLayout, SlotStorage};
+use super::storage::{CachedKv, ReadIndex, SlotStorage};
+use super::{CacheBook, CacheError, CacheKind, CacheUsage, KvCache, KvLayout};
 use crate::batch::Batch;
 use crate::dtype::Dtype;
-use crate::ids::{BlockId, Position, SeqId};
+use crate::ids::{BlockId, Position, SeqId, TokenId};
 
 /// The default number of tokens per block.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
@@ -22,21 +27,36 @@ pub const DEFAULT_BLOCK_SIZE: usize = 16;
 struct PagedSeq {
     blocks: Vec<BlockId>,
     positions: Vec<Position>,
+    /// The tokens stored, while prefix caching is on and the positions run 0, 1, 2...
+    tokens: Vec<TokenId>,
+    /// The key of each full block registered so far, in order.
+    keys: Vec<BlockKey>,
+    /// False once a token sits at a position other than its index: such a sequence's blocks
+    /// are not registered (their K/V depend on positions, not only tokens).
+    unhashable: bool,
 }
 
-/// Per layer a `[n_blocks, block_size, n_kv_heads, head_dim]` pool. Sequences take blocks as
+/// Per layer a `[n_blocks, n_kv_heads, block_size, head_dim]` pool. Sequences take blocks as
 /// they grow and give them back when released; memory is shared by all sequences, so a long
 /// one and many short ones fit in the same pool. Running out of blocks is a recoverable
 /// [`CacheError::OutOfBlocks`]: the scheduler preempts a sequence and retries.
+///
+/// With prefix caching on ([`CacheBook::enable_prefix_cache`]) a block that fills up is
+/// registered; [`CacheBook::attach_prefix`] gives a new sequence the registered blocks its
+/// tokens begin with (shared, reference-counted); a released sequence's registered blocks stay
+/// cached until the pool needs them (least recently released first). A shared block is never
+/// written: a truncation that would leave a sequence writing into one copies it first.
 #[derive(Debug)]
 pub struct PagedKvCache<B: InferenceBackend> {
     storage: SlotStorage<B>,
     pool: BlockPool,
     seqs: HashMap<SeqId, PagedSeq>,
+    /// The key space (model and dtype) when prefix caching is on.
+    prefix_space: Option<BlockKey>,
 }
 
 impl<B: InferenceBackend> PagedKvCache<B> {
-    /// A pool of `n_blocks` blocks of `block_size` tokens.
+    /// A pool of `n_blocks` blocks of `block_size` tokens, prefix caching off.
     ///
     /// # Errors
     /// [`CacheError::InvalidConfig`] if either size is 0.
@@ -56,6 +76,7 @@ impl<B: InferenceBackend> PagedKvCache<B> {
             storage: SlotStorage::new(layout, n_blocks, block_size, dtype, device),
             pool: BlockPool::new(n_blocks),
             seqs: HashMap::new(),
+            prefix_space: None,
         })
     }
 
@@ -69,16 +90,43 @@ impl<B: InferenceBackend> PagedKvCache<B> {
         &self.pool
     }
 
-    /// The blocks `seq` owns, in order.
+    /// The blocks `seq` holds, in order.
     pub fn block_table(&self, seq: SeqId) -> &[BlockId] {
         self.seqs.get(&seq).map_or(&[], |s| s.blocks.as_slice())
     }
 
-    /// Blocks that appending `n_new` tokens to a sequence holding `held` needs beyond those
-    /// it owns.
-    pub fn blocks_needed(&self, held: usize, n_new: usize) -> usize {
+    /// Blocks that a sequence holding `held` tokens in `owned` blocks needs beyond those to
+    /// append `n_new` tokens.
+    fn blocks_needed(&self, owned: usize, held: usize, n_new: usize) -> usize {
+        (held + n_new)
+            .div_ceil(self.block_size())
+            .saturating_sub(owned)
+    }
+
+    fn owned(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.blocks.len())
+    }
+
+    /// Registers every block of `seq` that is full and not registered yet.
+    fn register_full_blocks(&mut self, seq: SeqId) {
+        let Some(space) = self.prefix_space else {
+            return;
+        };
         let bs = self.block_size();
-        (held + n_new).div_ceil(bs) - held.div_ceil(bs)
+        let Some(entry) = self.seqs.get_mut(&seq) else {
+            return;
+        };
+        if entry.unhashable {
+            return;
+        }
+        while entry.keys.len() < entry.tokens.len() / bs {
+            let i = entry.keys.len();
+            let parent = entry.keys.last().copied().unwrap_or(space);
+            let key = self
+                .pool
+                .register(entry.blocks[i], parent, &entry.tokens[i * bs..][..bs]);
+            entry.keys.push(key);
+        }
     }
 }
 
@@ -92,9 +140,11 @@ impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
     }
 
     fn usage(&self) -> CacheUsage {
+        let bs = self.block_size();
         CacheUsage {
-            capacity: self.pool.total() * self.block_size(),
-            used: self.pool.used_count() * self.block_size(),
+            capacity: self.pool.total() * bs,
+            used: self.pool.used_count() * bs,
+            cached: self.pool.cached_count() * bs,
             sequences: self.seqs.len(),
         }
     }
@@ -104,19 +154,40 @@ impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
     }
 
     fn check_append(&self, seq: SeqId, n_new: usize) -> Result<(), CacheError> {
-        let needed = self.blocks_needed(self.seq_len(seq), n_new);
-        if needed > self.pool.free_count() {
+        let needed = self.blocks_needed(self.owned(seq), self.seq_len(seq), n_new);
+        if needed > self.pool.available() {
             return Err(CacheError::OutOfBlocks {
                 needed,
-                free: self.pool.free_count(),
+                free: self.pool.available(),
             });
+        }
+        Ok(())
+    }
+
+    fn reserve(&mut self, step: &[(SeqId, usize)]) -> Result<(), CacheError> {
+        let needed: usize = step
+            .iter()
+            .map(|&(seq, n)| self.blocks_needed(self.owned(seq), self.seq_len(seq), n))
+            .sum();
+        if needed > self.pool.available() {
+            return Err(CacheError::OutOfBlocks {
+                needed,
+                free: self.pool.available(),
+            });
+        }
+        for &(seq, n) in step {
+            let extra = self.blocks_needed(self.owned(seq), self.seq_len(seq), n);
+            let blocks = self.pool.allocate(extra).expect("checked: enough blocks");
+            self.seqs.entry(seq).or_default().blocks.extend(blocks);
         }
         Ok(())
     }
 
     fn release(&mut self, seq: SeqId) {
         if let Some(s) = self.seqs.remove(&seq) {
-            self.pool.free(&s.blocks);
+            // Last block first: the tail of a cached prefix is evicted before its head.
+            let blocks: Vec<BlockId> = s.blocks.into_iter().rev().collect();
+            self.pool.release(&blocks);
         }
     }
 
@@ -127,18 +198,107 @@ impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
             self.release(seq);
             return Ok(());
         }
-        let blocks_kept = keep.div_ceil(self.block_size());
-        if let Some(entry) = self.seqs.get_mut(&seq) {
-            entry.positions.truncate(keep);
-            let dropped = entry.blocks.split_off(blocks_kept);
-            self.pool.free(&dropped);
+        let bs = self.block_size();
+        let blocks_kept = keep.div_ceil(bs);
+        let last = blocks_kept - 1;
+        let partial = keep % bs != 0;
+        let last_block = self.seqs[&seq].blocks[last];
+        // The kept tokens' successors will be written into the last kept block: if others
+        // share it, this sequence takes a private copy; if it is registered, it leaves the
+        // index (its content changes).
+        let copy = partial && self.pool.refs(last_block) > 1;
+        let replacement = if copy {
+            let [fresh] = self.pool.allocate(1)?[..] else {
+                unreachable!("one block asked for")
+            };
+            self.storage.copy_target(last_block.index(), fresh.index());
+            Some(fresh)
+        } else {
+            if partial {
+                self.pool.unregister(last_block);
+            }
+            None
+        };
+        let entry = self.seqs.get_mut(&seq).expect("a sequence with tokens");
+        entry.positions.truncate(keep);
+        entry.tokens.truncate(keep);
+        entry.keys.truncate(keep / bs);
+        let mut dropped = entry.blocks.split_off(blocks_kept);
+        if let Some(fresh) = replacement {
+            dropped.push(std::mem::replace(&mut entry.blocks[last], fresh));
         }
+        dropped.reverse();
+        self.pool.release(&dropped);
         Ok(())
     }
 
     fn clear(&mut self) {
         self.seqs.clear();
         self.pool.reset();
+    }
+
+    fn enable_prefix_cache(&mut self, key_space: u64) -> bool {
+        self.prefix_space = Some(BlockKey(key_space));
+        true
+    }
+
+    fn prefix_cache_enabled(&self) -> bool {
+        self.prefix_space.is_some()
+    }
+
+    fn shareable(&self, common: usize) -> usize {
+        if self.prefix_space.is_none() {
+            return 0;
+        }
+        common / self.block_size() * self.block_size()
+    }
+
+    fn cached_prefix(&self, tokens: &[TokenId]) -> usize {
+        self.matching_blocks(tokens).len() * self.block_size()
+    }
+
+    fn attach_prefix(&mut self, seq: SeqId, tokens: &[TokenId]) -> usize {
+        if self.seqs.contains_key(&seq) {
+            return 0;
+        }
+        let matched = self.matching_blocks(tokens);
+        if matched.is_empty() {
+            return 0;
+        }
+        let n = matched.len() * self.block_size();
+        let mut entry = PagedSeq {
+            positions: (0..n as u32).map(Position).collect(),
+            tokens: tokens[..n].to_vec(),
+            ..PagedSeq::default()
+        };
+        for (block, key) in matched {
+            self.pool.share(block);
+            entry.blocks.push(block);
+            entry.keys.push(key);
+        }
+        self.seqs.insert(seq, entry);
+        n
+    }
+}
+
+impl<B: InferenceBackend> PagedKvCache<B> {
+    /// The registered blocks `tokens` begin with, and their keys: whole blocks only, and
+    /// never the last token (a sequence must compute at least one token to have logits).
+    fn matching_blocks(&self, tokens: &[TokenId]) -> Vec<(BlockId, BlockKey)> {
+        let Some(mut parent) = self.prefix_space else {
+            return Vec::new();
+        };
+        let bs = self.block_size();
+        let reusable = tokens.len().saturating_sub(1) / bs;
+        let mut found = Vec::new();
+        for chunk in tokens.chunks_exact(bs).take(reusable) {
+            let Some((block, key)) = self.pool.lookup(parent, chunk) else {
+                break;
+            };
+            found.push((block, key));
+            parent = key;
+        }
+        found
     }
 }
 
@@ -147,16 +307,17 @@ impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
         let incoming = incoming(batch, |seq| self.seq_len(seq));
         let needed: usize = incoming
             .iter()
-            .map(|s| self.blocks_needed(s.held, s.n_new()))
+            .map(|s| self.blocks_needed(self.owned(s.seq), s.held, s.n_new()))
             .sum();
-        if needed > self.pool.free_count() {
+        if needed > self.pool.available() {
             return Err(CacheError::OutOfBlocks {
                 needed,
-                free: self.pool.free_count(),
+                free: self.pool.available(),
             });
         }
 
         let bs = self.block_size();
+        let tracking = self.prefix_space.is_some();
         let mut plan = StepPlan {
             n_tokens: batch.n_tokens(),
             window: None,
@@ -166,23 +327,38 @@ impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
             read: ReadPlan::None,
         };
         for s in &incoming {
-            let extra = self.blocks_needed(s.held, s.n_new());
+            let extra = self.blocks_needed(self.owned(s.seq), s.held, s.n_new());
             let new_blocks = self
                 .pool
-                .allocate(s.seq, extra)
+                .allocate(extra)
                 .expect("checked: enough blocks are free");
             let entry = self.seqs.entry(s.seq).or_default();
             entry.blocks.extend(new_blocks);
             for (chunk, slot, run) in runs_by_chunk(s.held, s.tokens.clone(), bs) {
+                let block = entry.blocks[chunk];
+                // Checked always: a write here would corrupt another sequence's K/V.
+                assert!(
+                    self.pool.refs(block) == 1 && !self.pool.is_registered(block),
+                    "writing into a shared or registered block"
+                );
                 plan.writes.push(WriteRun {
-                    target: entry.blocks[chunk].index(),
+                    target: block.index(),
                     slot,
                     tokens: run,
                 });
             }
-            entry
-                .positions
-                .extend_from_slice(&batch.positions()[s.tokens.clone()]);
+            let positions = &batch.positions()[s.tokens.clone()];
+            if tracking && !entry.unhashable {
+                let first = entry.positions.len();
+                entry.unhashable = positions
+                    .iter()
+                    .enumerate()
+                    .any(|(i, p)| p.0 as usize != first + i);
+                entry
+                    .tokens
+                    .extend_from_slice(&batch.tokens()[s.tokens.clone()]);
+            }
+            entry.positions.extend_from_slice(positions);
             if s.held == 0 {
                 plan.fresh.push(FreshSpan {
                     seq: s.seq,
@@ -195,6 +371,7 @@ impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
                     key_positions: entry.positions.iter().copied().map(Some).collect(),
                 });
             }
+            self.register_full_blocks(s.seq);
         }
         if !plan.history.is_empty() {
             let blocks_per_row = plan
@@ -219,11 +396,21 @@ impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
         Ok(plan)
     }
 
-    fn storage(&self) -> &SlotStorage<B> {
-        &self.storage
+    fn write(&mut self, layer: usize, plan: &StepPlan, k: Tensor<B, 3>, v: Tensor<B, 3>) {
+        self.storage.write(layer, &plan.writes, k, v);
     }
 
-    fn storage_mut(&mut self) -> &mut SlotStorage<B> {
-        &mut self.storage
+    fn read<'a>(&self, layer: usize, index: &'a ReadIndex<B>) -> CachedKv<'a, B> {
+        self.storage.read(layer, index)
+    }
+
+    fn export(&self, seq: SeqId) -> Result<Vec<(Vec<f32>, Vec<f32>)>, CacheError> {
+        let places: Vec<(usize, usize)> = (0..self.seq_len(seq))
+            .map(|t| {
+                let bs = self.block_size();
+                (self.seqs[&seq].blocks[t / bs].index(), t % bs)
+            })
+            .collect();
+        Ok(self.storage.gather_host(&places))
     }
 }
