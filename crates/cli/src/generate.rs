@@ -68,6 +68,10 @@ pub struct Args {
     /// Paged cache: tokens per block.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_BLOCK_SIZE, help_heading = "KV cache and batching")]
     page_size: usize,
+    /// Compute every prompt in full instead of reusing the K/V of earlier requests' identical
+    /// leading tokens (prefix caching is on by default with the paged cache).
+    #[arg(long, help_heading = "KV cache and batching")]
+    no_prefix_cache: bool,
     /// Most sequences decoded together.
     #[arg(
         long,
@@ -238,6 +242,7 @@ impl BackendTask for Task {
         let max_len = (longest + args.max_tokens).min(shape.max_positions).max(1);
         let config = EngineConfig {
             max_batch: args.max_batch.min(prompts.len()),
+            prefix_cache: !args.no_prefix_cache,
             ..EngineConfig::default()
         };
         let spec = CacheSpec {
@@ -379,6 +384,7 @@ fn report_json(
             "prefill_tokens_per_s": per_second(prompt.len(), ttft),
             "decode_tokens_per_s": per_second(c.tokens.len().saturating_sub(1), decode),
         },
+        "cached_tokens": c.cached_tokens,
         "preemptions": c.preemptions,
     });
     if with_index {
@@ -390,6 +396,7 @@ fn report_json(
 /// One line: prompts, tokens in and out, and rates over the whole run.
 fn summary(completions: &[Completion], elapsed: std::time::Duration) -> String {
     let prompt: usize = completions.iter().map(|c| c.prompt_tokens).sum();
+    let cached: usize = completions.iter().map(|c| c.cached_tokens).sum();
     let generated: usize = completions.iter().map(|c| c.tokens.len()).sum();
     let ttft = completions
         .iter()
@@ -408,8 +415,8 @@ fn summary(completions: &[Completion], elapsed: std::time::Duration) -> String {
         format!("{} prompts", completions.len())
     };
     format!(
-        "prompt {prompt} tokens, generated {generated} tokens ({reasons}); prefill {:.1} tok/s, decode {:.1} tok/s, time to first token {:.0} ms",
-        per_second(prompt, ttft.as_secs_f64()),
+        "prompt {prompt} tokens ({cached} cached), generated {generated} tokens ({reasons}); prefill {:.1} tok/s, decode {:.1} tok/s, time to first token {:.0} ms",
+        per_second(prompt - cached, ttft.as_secs_f64()),
         per_second(decoded, decode),
         ttft.as_secs_f64() * 1e3
     )

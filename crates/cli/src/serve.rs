@@ -86,6 +86,10 @@ pub struct Args {
     /// Paged cache: tokens per block.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_BLOCK_SIZE, help_heading = "KV cache and batching")]
     page_size: usize,
+    /// Compute every prompt in full instead of reusing the K/V of earlier requests' identical
+    /// leading tokens (prefix caching is on by default with the paged cache).
+    #[arg(long, help_heading = "KV cache and batching")]
+    no_prefix_cache: bool,
 }
 
 pub fn run(mut args: Args) -> Result<()> {
@@ -177,6 +181,7 @@ impl BackendTask for Task {
         let config = EngineConfig {
             max_batch: args.max_batch,
             max_step_tokens: args.max_step_tokens,
+            prefix_cache: !args.no_prefix_cache,
             ..EngineConfig::default()
         };
         let (spec, bytes) = cache_spec(&args, shape.max_positions, per_token);
@@ -191,13 +196,18 @@ impl BackendTask for Task {
             .map(|(kind, count, _)| format!("{count} {kind}"))
             .collect();
         tracing::info!(
-            "serving {name} on {} (weights: {}): max batch {}, KV cache {} MiB = {tokens} tokens ({} cache, {} KiB per token)",
+            "serving {name} on {} (weights: {}): max batch {}, KV cache {} MiB = {tokens} tokens ({} cache, {} KiB per token), prefix caching {}",
             backend.name(),
             weights.join(", "),
             args.max_batch,
             bytes >> 20,
             spec.kind,
             per_token / 1024,
+            if args.no_prefix_cache || spec.kind != CacheKind::Paged {
+                "off"
+            } else {
+                "on"
+            },
         );
         let block_tokens = if spec.kind == CacheKind::Paged {
             spec.page_size

@@ -7,6 +7,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use kiln_engine::PrefixStats;
+
 /// Upper bounds of the latency histograms' buckets, in seconds (vLLM's for time to first token
 /// and inter-token latency, merged).
 const LATENCY_BUCKETS: [f64; 20] = [
@@ -50,7 +52,10 @@ pub struct Metrics {
     running: AtomicU64,
     waiting: AtomicU64,
     kv_blocks_used: AtomicU64,
+    kv_blocks_cached: AtomicU64,
     kv_blocks_total: AtomicU64,
+    prefix_queries: AtomicU64,
+    prefix_hits: AtomicU64,
     kv_block_tokens: AtomicU64,
     kv_cache_bytes: AtomicU64,
     max_batch: AtomicU64,
@@ -64,6 +69,21 @@ pub struct Metrics {
     preemptions: AtomicU64,
     time_to_first_token: Mutex<Histogram>,
     inter_token_latency: Mutex<Histogram>,
+}
+
+/// The engine's state after a step, as [`Metrics::set_load`] publishes it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Load {
+    /// Requests running.
+    pub running: usize,
+    /// Requests waiting.
+    pub waiting: usize,
+    /// KV blocks held by running requests.
+    pub kv_blocks_used: usize,
+    /// KV blocks no request holds that keep a cached prefix.
+    pub kv_blocks_cached: usize,
+    /// Prompt tokens looked up in the prefix cache and found there.
+    pub prefix: PrefixStats,
 }
 
 /// How a request left the engine.
@@ -91,11 +111,16 @@ impl Metrics {
     }
 
     /// The engine's state after a step.
-    pub fn set_load(&self, running: usize, waiting: usize, kv_blocks_used: usize) {
-        self.running.store(running as u64, Ordering::Relaxed);
-        self.waiting.store(waiting as u64, Ordering::Relaxed);
+    pub fn set_load(&self, load: Load) {
+        self.running.store(load.running as u64, Ordering::Relaxed);
+        self.waiting.store(load.waiting as u64, Ordering::Relaxed);
         self.kv_blocks_used
-            .store(kv_blocks_used as u64, Ordering::Relaxed);
+            .store(load.kv_blocks_used as u64, Ordering::Relaxed);
+        self.kv_blocks_cached
+            .store(load.kv_blocks_cached as u64, Ordering::Relaxed);
+        self.prefix_queries
+            .store(load.prefix.queried, Ordering::Relaxed);
+        self.prefix_hits.store(load.prefix.hits, Ordering::Relaxed);
     }
 
     /// Sequences running and waiting, as last published.
@@ -166,8 +191,14 @@ impl Metrics {
             ),
             (
                 "kiln_kv_cache_blocks_free",
-                "KV cache blocks free.",
-                get(&self.kv_blocks_total).saturating_sub(get(&self.kv_blocks_used)),
+                "KV cache blocks holding nothing.",
+                get(&self.kv_blocks_total)
+                    .saturating_sub(get(&self.kv_blocks_used) + get(&self.kv_blocks_cached)),
+            ),
+            (
+                "kiln_kv_cache_blocks_cached",
+                "KV cache blocks no request holds that keep a prefix for later requests (evicted least recently used when room is needed).",
+                get(&self.kv_blocks_cached),
             ),
             (
                 "kiln_kv_cache_blocks_total",
@@ -191,11 +222,32 @@ impl Metrics {
                 "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
             );
         }
+        let (queries, hits) = (get(&self.prefix_queries), get(&self.prefix_hits));
+        let name = "kiln_prefix_cache_hit_rate";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Share of prompt tokens found in the prefix cache since the start.\n# TYPE {name} gauge\n{name} {}",
+            if queries == 0 {
+                0.0
+            } else {
+                hits as f64 / queries as f64
+            }
+        );
         let counters = [
             (
                 "kiln_prompt_tokens_total",
                 "Prompt tokens of finished requests.",
                 get(&self.prompt_tokens),
+            ),
+            (
+                "kiln_prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache.",
+                get(&self.prefix_queries),
+            ),
+            (
+                "kiln_prefix_cache_hits_total",
+                "Prompt tokens found in the prefix cache (not computed).",
+                get(&self.prefix_hits),
             ),
             (
                 "kiln_generation_tokens_total",
@@ -269,5 +321,33 @@ mod tests {
         assert!(text.contains("kiln_time_to_first_token_seconds_bucket{le=\"0.04\"} 1\n"));
         assert!(text.contains("kiln_inter_token_latency_seconds_bucket{le=\"0.005\"} 1\n"));
         assert!(text.contains("kiln_inter_token_latency_seconds_count 1\n"));
+        assert!(text.contains("kiln_prefix_cache_hit_rate 0\n"));
+    }
+
+    #[test]
+    fn blocks_and_the_prefix_cache_are_reported() {
+        let m = Metrics::default();
+        m.set_capacity(4, 10, 16, 1 << 20);
+        m.set_load(Load {
+            running: 1,
+            waiting: 0,
+            kv_blocks_used: 3,
+            kv_blocks_cached: 5,
+            prefix: PrefixStats {
+                queried: 400,
+                hits: 100,
+            },
+        });
+        let text = m.render();
+        for line in [
+            "kiln_kv_cache_blocks_used 3\n",
+            "kiln_kv_cache_blocks_cached 5\n",
+            "kiln_kv_cache_blocks_free 2\n",
+            "kiln_prefix_cache_queries_total 400\n",
+            "kiln_prefix_cache_hits_total 100\n",
+            "kiln_prefix_cache_hit_rate 0.25\n",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
     }
 }

@@ -283,6 +283,17 @@ impl Job {
         self.prompts.iter().map(Vec::len).sum()
     }
 
+    /// The usage object, from each choice's cached prompt tokens.
+    fn usage(&self, completion_tokens: usize, cached_by_choice: &[usize]) -> Value {
+        // A prompt counts once however many choices continue it, and so do its cached
+        // tokens: those of its first choice (its siblings may have shared what it computed).
+        let cached = cached_by_choice
+            .chunks(self.generation.n.max(1))
+            .map(|choices| choices.first().copied().unwrap_or(0))
+            .sum();
+        usage(self.prompt_tokens(), completion_tokens, cached)
+    }
+
     /// The engine requests, one per choice.
     fn requests(&self, ready: &Ready) -> Result<Vec<kiln_engine::Request>, ApiError> {
         let g = &self.generation;
@@ -464,6 +475,7 @@ async fn submit(state: &AppState, job: &Job) -> Result<UnboundedReceiver<Update>
 struct ChoiceState {
     text: String,
     tokens: usize,
+    cached_tokens: usize,
     logprobs: Vec<(TokenId, TokenLogprobs)>,
     finish: Option<FinishReason>,
 }
@@ -494,6 +506,7 @@ async fn collect(
                 let c = &mut choices[choice];
                 c.text = completion.text.unwrap_or_default();
                 c.tokens = completion.tokens.len();
+                c.cached_tokens = completion.cached_tokens;
                 c.finish = Some(completion.finish_reason);
                 open -= 1;
             }
@@ -504,6 +517,7 @@ async fn collect(
         }
     }
     let completion_tokens: usize = choices.iter().map(|c| c.tokens).sum();
+    let cached: Vec<usize> = choices.iter().map(|c| c.cached_tokens).collect();
     let body_choices: Vec<Value> = choices
         .iter()
         .enumerate()
@@ -535,15 +549,18 @@ async fn collect(
         "created": job.created,
         "model": job.model,
         "choices": body_choices,
-        "usage": usage(job.prompt_tokens(), completion_tokens),
+        "usage": job.usage(completion_tokens, &cached),
     }))
 }
 
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+/// OpenAI's usage object; `cached_tokens` are prompt tokens whose K/V came from the prefix
+/// cache.
+fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Value {
     json!({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     })
 }
 
@@ -624,6 +641,7 @@ fn stream(
         state,
         open: job.choices(),
         completion_tokens: 0,
+        cached_tokens: vec![0; job.choices()],
         text_offsets: HashMap::new(),
         started: false,
         done: false,
@@ -647,6 +665,8 @@ struct Streamer {
     updates: UnboundedReceiver<Update>,
     open: usize,
     completion_tokens: usize,
+    /// Prompt tokens found in the prefix cache, per choice.
+    cached_tokens: Vec<usize>,
     /// Bytes of text sent so far per choice (the completions `text_offset`).
     text_offsets: HashMap<usize, usize>,
     started: bool,
@@ -754,7 +774,7 @@ impl Streamer {
                     "created": self.job.created,
                     "model": self.job.model,
                     "choices": [],
-                    "usage": usage(self.job.prompt_tokens(), self.completion_tokens),
+                    "usage": self.job.usage(self.completion_tokens, &self.cached_tokens),
                 })));
             }
             events.push(Self::done_event());
@@ -784,6 +804,7 @@ impl Streamer {
             Some(Update::Finished { choice, completion }) => {
                 self.open -= 1;
                 self.completion_tokens += completion.tokens.len();
+                self.cached_tokens[choice] = completion.cached_tokens;
                 let reason = finish_reason(completion.finish_reason);
                 let last = match self.job.endpoint {
                     Endpoint::Chat => json!({

@@ -15,7 +15,7 @@ use kiln_engine::{Completion, Engine, Event, FinishReason, Request, RequestId, T
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ApiError;
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{Load, Metrics, Outcome};
 
 /// What the HTTP side asks of the engine thread.
 pub(crate) enum Command {
@@ -147,10 +147,15 @@ pub(crate) fn run<B: InferenceBackend>(
             }
         }
         let (running, waiting) = engine.load();
-        let used = engine.cache().usage().used;
-        shared
-            .metrics
-            .set_load(running, waiting, used / shared.block_tokens.max(1));
+        let usage = engine.cache().usage();
+        let block = shared.block_tokens.max(1);
+        shared.metrics.set_load(Load {
+            running,
+            waiting,
+            kv_blocks_used: usage.used / block,
+            kv_blocks_cached: usage.cached / block,
+            prefix: engine.prefix_stats(),
+        });
     }
     worker.fail_all(engine, "the server shut down before this request finished");
 }
@@ -308,6 +313,7 @@ fn log_finished(route: &Route, c: &Completion, now: Instant) {
         id = %route.tag,
         choice = route.choice,
         prompt_tokens = c.prompt_tokens,
+        cached_tokens = c.cached_tokens,
         completion_tokens = c.tokens.len(),
         ttft_ms = (ttft.as_secs_f64() * 1e3).round(),
         tokens_per_s = (rate * 10.0).round() / 10.0,
