@@ -6,6 +6,11 @@
 //! rounds; each server is started fresh per round and runs every concurrency. Prints the
 //! medians over rounds (output tokens/s, TTFT p50/p99, ITL p50/p99) and kiln/llama-server
 //! ratios, and writes them to `target/bench/serve-<date>.json`.
+//!
+//! `--shared-prefix N` is the prefix-caching scenario: every request starts with the same
+//! system prompt of about N tokens, and a third server joins the rounds, `kiln serve
+//! --no-prefix-cache`, so one command shows kiln with and without prefix caching (and
+//! llama-server, which reuses each slot's last prompt).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -16,7 +21,7 @@ use serde_json::{Value, json};
 
 use crate::workspace_root;
 
-const USAGE: &str = "usage: cargo xtask bench-serve [--kiln PATH] [--model GGUF] [--concurrency 1,8,32] [--requests N] [--max-tokens N] [--rounds N]";
+const USAGE: &str = "usage: cargo xtask bench-serve [--kiln PATH] [--model GGUF] [--concurrency 1,8,32] [--requests N] [--max-tokens N] [--rounds N] [--shared-prefix TOKENS]";
 
 struct Options {
     kiln: Option<PathBuf>,
@@ -26,6 +31,8 @@ struct Options {
     requests_per_client: usize,
     max_tokens: usize,
     rounds: usize,
+    /// Tokens of a system prompt every request shares (0: none).
+    shared_prefix: usize,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
@@ -36,6 +43,7 @@ fn parse(args: &[String]) -> Result<Options> {
         requests_per_client: 4,
         max_tokens: 128,
         rounds: 2,
+        shared_prefix: 0,
     };
     let mut args = args.iter();
     while let Some(arg) = args.next() {
@@ -58,6 +66,7 @@ fn parse(args: &[String]) -> Result<Options> {
             "--requests" => o.requests_per_client = number(value()?)?,
             "--max-tokens" => o.max_tokens = number(value()?)?,
             "--rounds" => o.rounds = number(value()?)?,
+            "--shared-prefix" => o.shared_prefix = number(value()?)?,
             other => bail!("unknown flag `{other}`\n{USAGE}"),
         }
     }
@@ -66,7 +75,7 @@ fn parse(args: &[String]) -> Result<Options> {
 
 /// A server under test: how to start it on a port.
 struct ServerKind {
-    name: &'static str,
+    name: String,
     program: PathBuf,
     args: Vec<String>,
 }
@@ -86,18 +95,20 @@ pub fn bench_serve(args: &[String]) -> Result<()> {
     let slots_arg = slots.to_string();
     let threads_arg = threads.to_string();
     let model_arg = model.display().to_string();
-    let servers = [
+    let kiln_args: Vec<String> = ["serve", "--model", &model_arg, "--max-batch", &slots_arg]
+        .map(String::from)
+        .to_vec();
+    // 512 tokens of context per slot: the longest question and the output fit.
+    let context_per_slot = 512 + options.shared_prefix * 5 / 4;
+    let mut servers = vec![
         ServerKind {
-            name: "kiln",
+            name: "kiln".into(),
             program: kiln.clone(),
-            args: ["serve", "--model", &model_arg, "--max-batch", &slots_arg]
-                .map(String::from)
-                .to_vec(),
+            args: kiln_args.clone(),
         },
         ServerKind {
-            name: "llama-server",
+            name: "llama-server".into(),
             program: llama_server,
-            // 512 tokens of context per slot: the longest prompt and the output fit.
             args: vec![
                 "-m".into(),
                 model_arg.clone(),
@@ -108,27 +119,43 @@ pub fn bench_serve(args: &[String]) -> Result<()> {
                 "-np".into(),
                 slots_arg.clone(),
                 "-c".into(),
-                (512 * slots).to_string(),
+                (context_per_slot * slots).to_string(),
                 "--host".into(),
                 "127.0.0.1".into(),
             ],
         },
     ];
+    if options.shared_prefix > 0 {
+        servers.insert(
+            1,
+            ServerKind {
+                name: "kiln --no-prefix-cache".into(),
+                program: kiln.clone(),
+                args: [kiln_args, vec!["--no-prefix-cache".into()]].concat(),
+            },
+        );
+    }
     eprintln!(
-        "bench-serve: {} on {threads} threads, {slots} slots, concurrency {:?}, {} rounds",
+        "bench-serve: {} on {threads} threads, {slots} slots, concurrency {:?}, {} rounds{}",
         model.display(),
         options.concurrency,
-        options.rounds
+        options.rounds,
+        if options.shared_prefix > 0 {
+            format!(", a shared prompt of ~{} tokens", options.shared_prefix)
+        } else {
+            String::new()
+        }
     );
     // results[server][concurrency index] = one JSON cell per round.
-    let mut results: Vec<Vec<Vec<Value>>> = vec![vec![Vec::new(); options.concurrency.len()]; 2];
+    let mut results: Vec<Vec<Vec<Value>>> =
+        vec![vec![Vec::new(); options.concurrency.len()]; servers.len()];
     for round in 0..options.rounds {
         for (s, server) in servers.iter().enumerate() {
             let port = free_port()?;
             let mut child = start(server, port)?;
             let url = format!("http://127.0.0.1:{port}");
             let outcome = (|| -> Result<()> {
-                wait_healthy(&url, &mut child, server.name)?;
+                wait_healthy(&url, &mut child, &server.name)?;
                 for (c, &concurrency) in options.concurrency.iter().enumerate() {
                     let requests = (concurrency * options.requests_per_client).max(8);
                     let output = Command::new(&python)
@@ -137,6 +164,7 @@ pub fn bench_serve(args: &[String]) -> Result<()> {
                         .args(["--concurrency", &concurrency.to_string()])
                         .args(["--requests", &requests.to_string()])
                         .args(["--max-tokens", &options.max_tokens.to_string()])
+                        .args(["--shared-prefix", &options.shared_prefix.to_string()])
                         .output()
                         .context("running scripts/serve/bench_serve.py")?;
                     if !output.status.success() {
@@ -149,7 +177,7 @@ pub fn bench_serve(args: &[String]) -> Result<()> {
                     let cell: Value = serde_json::from_slice(&output.stdout)
                         .context("the load generator printed no JSON")?;
                     eprintln!(
-                        "round {} {:>12} c={concurrency:<3} {:>7.1} tok/s  TTFT p50 {:>7.1} ms  ITL p50 {:>6.1} ms{}",
+                        "round {} {:>23} c={concurrency:<3} {:>7.1} tok/s  TTFT p50 {:>7.1} ms  ITL p50 {:>6.1} ms{}",
                         round + 1,
                         server.name,
                         cell["output_tokens_per_s"].as_f64().unwrap_or(f64::NAN),
@@ -171,7 +199,8 @@ pub fn bench_serve(args: &[String]) -> Result<()> {
             outcome?;
         }
     }
-    let report = summarise(&options, &results, &model, threads);
+    let names: Vec<&str> = servers.iter().map(|s| s.name.as_str()).collect();
+    let report = summarise(&options, &names, &results, &model, threads);
     let out = root
         .join("target/bench")
         .join(format!("serve-{}.json", crate::bench::today()));
@@ -184,6 +213,7 @@ pub fn bench_serve(args: &[String]) -> Result<()> {
 /// Medians over rounds per server and concurrency, printed as a markdown table with ratios.
 fn summarise(
     options: &Options,
+    names: &[&str],
     results: &[Vec<Vec<Value>>],
     model: &Path,
     threads: usize,
@@ -210,7 +240,7 @@ fn summarise(
     let mut rows = Vec::new();
     for (c, &concurrency) in options.concurrency.iter().enumerate() {
         let mut medians = Vec::new();
-        for (s, name) in ["kiln", "llama-server"].iter().enumerate() {
+        for (s, name) in names.iter().enumerate() {
             let m: Vec<f64> = fields
                 .iter()
                 .map(|f| median_of(&results[s][c], f))
@@ -227,14 +257,15 @@ fn summarise(
             }));
             medians.push(m);
         }
-        println!(
-            "| {concurrency} | kiln / llama-server | **{:.2}x** | {:.2}x | {:.2}x | {:.2}x | {:.2}x |",
-            medians[0][0] / medians[1][0],
-            medians[0][1] / medians[1][1],
-            medians[0][2] / medians[1][2],
-            medians[0][3] / medians[1][3],
-            medians[0][4] / medians[1][4],
-        );
+        for (other, name) in names.iter().enumerate().skip(1) {
+            let r: Vec<f64> = (0..fields.len())
+                .map(|f| medians[0][f] / medians[other][f])
+                .collect();
+            println!(
+                "| {concurrency} | kiln / {name} | **{:.2}x** | {:.2}x | {:.2}x | {:.2}x | {:.2}x |",
+                r[0], r[1], r[2], r[3], r[4]
+            );
+        }
     }
     println!("(throughput: above 1 kiln is faster; latencies: below 1 kiln is faster)");
     json!({
@@ -242,6 +273,7 @@ fn summarise(
         "threads": threads,
         "max_tokens": options.max_tokens,
         "rounds": options.rounds,
+        "shared_prefix": options.shared_prefix,
         "cells": rows,
     })
 }

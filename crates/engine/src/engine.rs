@@ -277,7 +277,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         if !self.cache.prefix_cache_enabled() {
             return waits;
         }
-        for i in 0..self.running.len() {
+        for (i, wait) in waits.iter_mut().enumerate() {
             let seq = &self.running[i];
             if !seq.is_fresh() || seq.pending_logits.is_some() {
                 continue;
@@ -299,7 +299,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
                 .max()
                 .unwrap_or(0);
             if coming > cached {
-                waits[i] = true;
+                *wait = true;
                 continue;
             }
             let seq_id = seq.seq();

@@ -9,7 +9,7 @@ use burn::tensor::Tensor;
 
 use super::plan::{FreshSpan, HistorySpan, Incoming, ReadPlan, StepPlan, WriteRun, incoming};
 use super::storage::{CachedKv, ReadIndex, SlotStorage};
-use super::{CacheError, CacheKind, CacheUsage, KvLayout};
+use super::{CacheError, CacheKind, CacheUsage, HostKv, KvLayout};
 use crate::batch::Batch;
 use crate::dtype::Dtype;
 use crate::ids::{Position, SeqId};
@@ -81,7 +81,7 @@ impl<B: InferenceBackend> DenseCache<B> {
         self.storage.read(layer, index)
     }
 
-    pub fn export(&self, seq: SeqId) -> Result<Vec<(Vec<f32>, Vec<f32>)>, CacheError> {
+    pub fn export(&self, seq: SeqId) -> Result<HostKv, CacheError> {
         let Some(entry) = self.seqs.get(&seq) else {
             return Ok(self.storage.gather_host(&[]));
         };
@@ -411,7 +411,7 @@ macro_rules! delegate_dense_cache {
             fn export(
                 &self,
                 seq: $crate::ids::SeqId,
-            ) -> Result<Vec<(Vec<f32>, Vec<f32>)>, $crate::kv_cache::CacheError> {
+            ) -> Result<$crate::kv_cache::HostKv, $crate::kv_cache::CacheError> {
                 self.inner.export(seq)
             }
         }

@@ -47,6 +47,9 @@ use crate::batch::Batch;
 use crate::dtype::Dtype;
 use crate::ids::{SeqId, TokenId};
 
+/// K/V copied to the host: per layer `(k, v)`, each `[tokens, n_kv_heads, head_dim]` as f32.
+pub type HostKv = Vec<(Vec<f32>, Vec<f32>)>;
+
 /// The per-layer shape of the K/V a cache holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvLayout {
@@ -346,7 +349,7 @@ pub trait KvCache<B: InferenceBackend>: CacheBook {
     ///
     /// # Errors
     /// [`CacheError::NotAllHeld`] if a sliding ring has overwritten some of them.
-    fn export(&self, seq: SeqId) -> Result<Vec<(Vec<f32>, Vec<f32>)>, CacheError>;
+    fn export(&self, seq: SeqId) -> Result<HostKv, CacheError>;
 }
 
 #[cfg(test)]

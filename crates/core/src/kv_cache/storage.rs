@@ -9,8 +9,8 @@ use burn::tensor::{Int, Tensor};
 
 use crate::tensor::int_tensor;
 
-use super::KvLayout;
 use super::plan::{ReadPlan, WriteRun};
+use super::{HostKv, KvLayout};
 use crate::dtype::Dtype;
 
 /// Per layer one K and one V tensor of shape `[targets, n_kv_heads, slots, head_dim]`.
@@ -245,7 +245,7 @@ impl<B: InferenceBackend> SlotStorage<B> {
     ///
     /// # Shapes
     /// - returns per layer `(k, v)`, each `[places.len(), n_kv_heads, head_dim]` as f32
-    pub fn gather_host(&self, places: &[(usize, usize)]) -> Vec<(Vec<f32>, Vec<f32>)> {
+    pub fn gather_host(&self, places: &[(usize, usize)]) -> HostKv {
         let (heads, slots, dim) = (self.layout.n_kv_heads, self.slots, self.layout.head_dim);
         let host = |t: &Tensor<B, 4>| -> Vec<f32> {
             // [targets, heads, slots, dim] on the host, read token by token.

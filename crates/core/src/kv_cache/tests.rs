@@ -270,7 +270,7 @@ fn append<B: InferenceBackend>(
 }
 
 /// The first `n` tokens' K/V of one exported layer list.
-fn head(export: &[(Vec<f32>, Vec<f32>)], n: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
+fn head(export: &[(Vec<f32>, Vec<f32>)], n: usize) -> HostKv {
     let per_token = LAYOUT.n_kv_heads * LAYOUT.head_dim;
     export
         .iter()

@@ -15,7 +15,7 @@ pub use block_pool::{BlockKey, BlockPool};
 
 use super::plan::{FreshSpan, HistorySpan, ReadPlan, StepPlan, WriteRun, incoming, runs_by_chunk};
 use super::storage::{CachedKv, ReadIndex, SlotStorage};
-use super::{CacheBook, CacheError, CacheKind, CacheUsage, KvCache, KvLayout};
+use super::{CacheBook, CacheError, CacheKind, CacheUsage, HostKv, KvCache, KvLayout};
 use crate::batch::Batch;
 use crate::dtype::Dtype;
 use crate::ids::{BlockId, Position, SeqId, TokenId};
@@ -201,7 +201,7 @@ impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
         let bs = self.block_size();
         let blocks_kept = keep.div_ceil(bs);
         let last = blocks_kept - 1;
-        let partial = keep % bs != 0;
+        let partial = !keep.is_multiple_of(bs);
         let last_block = self.seqs[&seq].blocks[last];
         // The kept tokens' successors will be written into the last kept block: if others
         // share it, this sequence takes a private copy; if it is registered, it leaves the
@@ -404,7 +404,7 @@ impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
         self.storage.read(layer, index)
     }
 
-    fn export(&self, seq: SeqId) -> Result<Vec<(Vec<f32>, Vec<f32>)>, CacheError> {
+    fn export(&self, seq: SeqId) -> Result<HostKv, CacheError> {
         let places: Vec<(usize, usize)> = (0..self.seq_len(seq))
             .map(|t| {
                 let bs = self.block_size();
