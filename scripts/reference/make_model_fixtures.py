@@ -11,6 +11,8 @@ Writes crates/models/tests/fixtures/<name>/ for:
   llama-tiny-meta    the same weights as Meta's original format: params.json,
                      consolidated.00.pth (wq/wk in Meta's interleaved RoPE order), tokenizer.model
   llama-tiny-tied    Llama-3.2 style: tied head, bf16 weights, transformers-4 config keys
+  mistral-tiny       Mistral: Llama's architecture with `sliding_window` 5 (every layer attends
+                     over the last 5 positions); no tokenizer (prompts are ids), eager attention
 and in each, reference.json (prompts, greedy continuations, versions) and logits.safetensors
 (transformers' full f32 logits per prompt). Run from the repository root:
 
@@ -30,7 +32,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "crates", "models", "tests", "fixtures")
 SEED = 20261121
@@ -398,12 +400,41 @@ def llama():
     return min(results)
 
 
+def mistral():
+    """A sliding attention window shorter than the prompts, so every greedy step depends on it:
+    kiln must apply the model's window with every cache kind."""
+    torch.manual_seed(SEED + 7)
+    config = MistralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        sliding_window=5,
+        initializer_range=0.15,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
+    model = MistralForCausalLM(config)
+    out = fresh_dir("mistral-tiny")
+    model.save_pretrained(out, safe_serialization=True)
+    reloaded = MistralForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    prompts = [[1, 17, 200, 5, 41, 98, 33, 7, 250, 12, 64, 3], [1, 9, 9, 9, 100], [1] + list(range(30, 60))]
+    return reference(reloaded, prompts, out, "Mistral: Llama with sliding_window 5, GQA 4/2, f32, untied head")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "llama"], help="rewrite one family of fixtures")
+    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "llama", "mistral"], help="rewrite one family of fixtures")
     only = parser.parse_args().only
     torch.set_grad_enabled(False)
-    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("llama", llama)]:
+    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("llama", llama), ("mistral", mistral)]:
         if only in (None, name):
             print(f"{name}: smallest top-1/top-2 logit margin on the greedy paths {make():.4f}", file=sys.stderr)
     for name in sorted(n for n in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, n))):

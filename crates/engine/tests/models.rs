@@ -303,6 +303,39 @@ fn prefix_cache_matches_alone<B: InferenceBackend>(path: &std::path::Path, weigh
     assert_eq!(cached, vec![0, 68, 40, 72, 68, 44, 0]);
 }
 
+/// The attention window belongs to the model: the Mistral fixture (`sliding_window` 5, shorter
+/// than its prompts) gives transformers' greedy continuations through the engine on every
+/// cache kind, the default paged one included, with prefix caching on.
+fn model_window_holds_on_every_cache_kind<B: InferenceBackend>() {
+    let dir = fixture("mistral-tiny");
+    let loaded = load::<B>(&dir, Dtype::F32);
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<TokenId> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| TokenId(t.as_u64().unwrap() as u32))
+            .collect()
+    };
+    let cases = reference["cases"].as_array().unwrap();
+    let prompts: Vec<Vec<TokenId>> = cases.iter().map(|c| ids(&c["prompt_ids"])).collect();
+    let expected: Vec<Vec<TokenId>> = cases.iter().map(|c| ids(&c["greedy"])).collect();
+    let greedy = vec![SamplingParams::greedy(); prompts.len()];
+    for kind in CacheKind::ALL {
+        let spec = CacheSpec {
+            kind,
+            window: 64,
+            max_step: 64,
+            page_size: 4,
+            ..CacheSpec::paged(prompts.len(), 64)
+        };
+        let ours = engine_outputs(&loaded.model, spec, &prompts, 20, &greedy);
+        assert_eq!(ours, expected, "{kind}");
+    }
+}
+
 /// A chat session keeps its cache between turns: turn 2 extends what turn 1 left, turn 3
 /// diverges inside the cached tokens and rolls the cache back. Every turn gives exactly the
 /// tokens of a full recompute of its context, with every cache kind.
@@ -539,6 +572,11 @@ mod cpu {
     }
 
     #[test]
+    fn model_window_holds_on_every_cache_kind() {
+        super::model_window_holds_on_every_cache_kind::<B>();
+    }
+
+    #[test]
     fn snapshots_resume_exactly() {
         super::snapshots_resume_exactly::<B>();
     }
@@ -613,5 +651,10 @@ mod wgpu {
     fn prefix_cache_matches_alone() {
         let path = super::fixture("llama-tiny");
         super::prefix_cache_matches_alone::<B>(&path, super::WeightStorage::Dequantized);
+    }
+
+    #[test]
+    fn model_window_holds_on_every_cache_kind() {
+        super::model_window_holds_on_every_cache_kind::<B>();
     }
 }

@@ -114,9 +114,19 @@ pub struct TransformerConfig {
     pub bos: Option<TokenId>,
     /// End-of-sequence tokens (Llama-3 instruct has several).
     pub eos: Vec<TokenId>,
+    /// Per layer, the attention window: a query attends to at most this many positions back,
+    /// itself included (Mistral's `sliding_window`). Empty: every layer attends to everything.
+    /// An attention property of the model, applied with every cache kind (the sliding cache's
+    /// own window only narrows it further).
+    pub attention_windows: Vec<Option<usize>>,
 }
 
 impl TransformerConfig {
+    /// Layer `layer`'s attention window, if it has one.
+    pub fn attention_window(&self, layer: usize) -> Option<usize> {
+        self.attention_windows.get(layer).copied().flatten()
+    }
+
     /// What the engine and caches need.
     pub fn shape(&self) -> ModelShape {
         ModelShape {
@@ -146,6 +156,16 @@ impl TransformerConfig {
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} must be positive"));
+        }
+        if !self.attention_windows.is_empty() && self.attention_windows.len() != self.n_layers {
+            return Err(format!(
+                "{} attention windows for {} layers",
+                self.attention_windows.len(),
+                self.n_layers
+            ));
+        }
+        if self.attention_windows.contains(&Some(0)) {
+            return Err("sliding_window must be positive".into());
         }
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(format!(

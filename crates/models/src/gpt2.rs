@@ -137,6 +137,7 @@ impl Gpt2HfConfig {
             tied_head: true,
             bos: self.bos_token_id.map(TokenId),
             eos: self.eos_token_id.map(TokenId).into_iter().collect(),
+            attention_windows: Vec::new(),
         };
         config.validate().map_err(|e| ModelError::config(path, e))?;
         Ok(config)

@@ -59,6 +59,9 @@ pub struct LlamaHfConfig {
     bos_token_id: Option<u32>,
     #[serde(default = "defaults::eos_token_id")]
     eos_token_id: Option<Value>,
+    /// Mistral: every layer attends over the last `sliding_window` positions (null: all).
+    #[serde(default)]
+    sliding_window: Option<usize>,
 }
 
 /// `LlamaConfig`'s defaults (transformers 5).
@@ -136,6 +139,14 @@ fn rope_scaling(value: &Value, path: &Path) -> Result<Option<Llama3Scaling>> {
 }
 
 impl LlamaHfConfig {
+    /// One window per layer when the config has a sliding window, none otherwise.
+    fn attention_windows(&self) -> Vec<Option<usize>> {
+        match self.sliding_window {
+            Some(w) => vec![Some(w); self.num_hidden_layers],
+            None => Vec::new(),
+        }
+    }
+
     /// The validated configuration.
     ///
     /// # Errors
@@ -194,6 +205,7 @@ impl LlamaHfConfig {
             tied_head: self.tie_word_embeddings,
             bos: self.bos_token_id.map(TokenId),
             eos: token_ids(self.eos_token_id.as_ref()),
+            attention_windows: self.attention_windows(),
         };
         config.validate().map_err(|e| ModelError::config(path, e))?;
         Ok(config)
@@ -283,6 +295,7 @@ impl MetaParams {
             tied_head: false,
             bos: None,
             eos: Vec::new(),
+            attention_windows: Vec::new(),
         };
         config.validate().map_err(|e| ModelError::config(path, e))?;
         Ok(config)

@@ -119,6 +119,7 @@ fn llama3(
         tied_head,
         bos: Some(TokenId(128_000)),
         eos: vec![TokenId(128_001), TokenId(128_008), TokenId(128_009)],
+        attention_windows: Vec::new(),
     }
 }
 
@@ -142,6 +143,7 @@ fn gpt2_config(d_model: usize, n_layers: usize, n_heads: usize) -> TransformerCo
         tied_head: true,
         bos: Some(TokenId(50_256)),
         eos: vec![TokenId(50_256)],
+        attention_windows: Vec::new(),
     }
 }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use burn::tensor::{FloatDType, Tensor};
 use kiln_core::attention::AttentionPlan;
-use kiln_core::kv_cache::KvCache;
+use kiln_core::kv_cache::{KvCache, StepPlan};
 use kiln_core::tensor::int_tensor;
 use kiln_core::{Batch, CausalLm, CoreError, Dtype, InferenceBackend, LogitsFor, ModelShape};
 use kiln_kernels::QuantMatrix;
@@ -199,7 +199,32 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
         let device = &self.device;
         let cfg = &self.config;
         let step = cache.plan(batch)?;
-        let plan = AttentionPlan::new(batch, step, cfg.n_heads, cfg.n_kv_heads, device);
+        // The window is the model's, per layer; a sliding cache's ring may narrow it. One
+        // plan (masks) per distinct window, usually one.
+        let window_of = |layer: usize| match (cfg.attention_window(layer), step.window) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let mut plans: Vec<(Option<usize>, AttentionPlan<B>)> = Vec::new();
+        for layer in 0..cfg.n_layers {
+            let window = window_of(layer);
+            if !plans.iter().any(|(w, _)| *w == window) {
+                let step = StepPlan {
+                    window,
+                    ..step.clone()
+                };
+                let plan = AttentionPlan::new(batch, step, cfg.n_heads, cfg.n_kv_heads, device);
+                plans.push((window, plan));
+            }
+        }
+        let plan_of = |layer: usize| {
+            let window = window_of(layer);
+            &plans
+                .iter()
+                .find(|(w, _)| *w == window)
+                .expect("built above")
+                .1
+        };
 
         let tokens: Vec<usize> = batch.tokens().iter().map(|t| t.0 as usize).collect();
         let mut x = self.embed.lookup(tokens, device);
@@ -219,7 +244,9 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
         };
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = block.attn_norm.forward(x.clone());
-            x = x + block.attn.forward(h, layer, cache, &plan, rope.as_ref());
+            x = x + block
+                .attn
+                .forward(h, layer, cache, plan_of(layer), rope.as_ref());
             let h = block.mlp_norm.forward(x.clone());
             x = x + block.mlp.forward(h);
         }

@@ -115,6 +115,8 @@ pub(super) fn config(file: &GgufFile) -> Result<TransformerConfig> {
         tied_head: !file.contains("output.weight"),
         bos: bos.map(TokenId),
         eos: eos.into_iter().map(TokenId).collect(),
+        // llama.cpp's Llama GGUFs carry no attention window (its Mistral conversions drop it).
+        attention_windows: Vec::new(),
     };
     config.validate().map_err(|e| ModelError::config(path, e))?;
     Ok(config)

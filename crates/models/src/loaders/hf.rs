@@ -45,7 +45,8 @@ pub(super) fn read_config(dir: &Path) -> Result<TransformerConfig> {
         .to_string();
     match model_type {
         "gpt2" => parse::<Gpt2HfConfig>(value, &path)?.to_config(&path),
-        "llama" => parse::<LlamaHfConfig>(value, &path)?.to_config(&path),
+        // Mistral is Llama's architecture with a sliding attention window.
+        "llama" | "mistral" => parse::<LlamaHfConfig>(value, &path)?.to_config(&path),
         _ => Err(ModelError::UnsupportedArchitecture {
             path,
             architecture: if architecture.is_empty() {

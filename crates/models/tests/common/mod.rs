@@ -9,13 +9,14 @@ use kiln_core::kv_cache::DynamicKvCache;
 use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, SeqId, TokenId};
 use serde_json::Value;
 
-pub const FIXTURES: [&str; 6] = [
+pub const FIXTURES: [&str; 7] = [
     "gpt2-tiny",
     "gpt2-tiny-legacy",
     "gpt2-tiny-lenient",
     "llama-tiny",
     "llama-tiny-meta",
     "llama-tiny-tied",
+    "mistral-tiny",
 ];
 
 pub fn fixture(name: &str) -> PathBuf {
