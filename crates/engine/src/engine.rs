@@ -24,7 +24,7 @@ use crate::generate::FinishReason;
 use crate::request::{
     Completion, Event, MAX_TOP_LOGPROBS, Request, RequestId, TokenLogprobs, prompt_problem,
 };
-use crate::sequence::Sequence;
+use crate::sequence::{Sequence, common_prefix};
 
 /// Scheduling limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -288,12 +288,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
                 .iter()
                 .filter(|earlier| earlier.wants_prefill())
                 .map(|earlier| {
-                    let common = earlier
-                        .context()
-                        .iter()
-                        .zip(&context)
-                        .take_while(|(a, b)| a == b)
-                        .count();
+                    let common = common_prefix(earlier.context_tokens(), &context);
                     self.cache.shareable(common.min(context.len() - 1))
                 })
                 .max()

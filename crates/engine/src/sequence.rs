@@ -65,11 +65,14 @@ impl Sequence {
         self.request.prompt.len() + self.generated.len()
     }
 
+    /// The prompt followed by what it generated, without copying.
+    pub fn context_tokens(&self) -> impl Iterator<Item = &TokenId> {
+        self.request.prompt.iter().chain(&self.generated)
+    }
+
     /// The prompt followed by what it generated.
     pub fn context(&self) -> Vec<TokenId> {
-        let mut context = self.request.prompt.clone();
-        context.extend_from_slice(&self.generated);
-        context
+        self.context_tokens().copied().collect()
     }
 
     /// Context tokens not yet in the cache.
@@ -95,8 +98,12 @@ impl Sequence {
 
     /// The next `n` context tokens to feed, and the position of the first.
     pub fn next_chunk(&self, n: usize) -> (Vec<TokenId>, Position) {
-        let context = self.request.prompt.iter().chain(&self.generated);
-        let tokens = context.skip(self.in_cache).take(n).copied().collect();
+        let tokens = self
+            .context_tokens()
+            .skip(self.in_cache)
+            .take(n)
+            .copied()
+            .collect();
         (tokens, Position(self.in_cache as u32))
     }
 
@@ -140,5 +147,26 @@ impl Sequence {
                 .min(self.request.prompt.len()),
         };
         (completion, tail)
+    }
+}
+
+/// How many leading tokens `a` and `b` share.
+pub(crate) fn common_prefix<'t>(
+    a: impl IntoIterator<Item = &'t TokenId>,
+    b: impl IntoIterator<Item = &'t TokenId>,
+) -> usize {
+    a.into_iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn common_prefix_stops_at_the_first_difference() {
+        let ids = |v: &[u32]| v.iter().copied().map(TokenId).collect::<Vec<_>>();
+        assert_eq!(common_prefix(&ids(&[1, 2, 3]), &ids(&[1, 2, 4, 5])), 2);
+        assert_eq!(common_prefix(&ids(&[]), &ids(&[1])), 0);
+        assert_eq!(common_prefix(&ids(&[1, 2]), &ids(&[1, 2, 3])), 2);
     }
 }

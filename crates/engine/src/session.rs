@@ -11,6 +11,7 @@ use kiln_core::kv_cache::KvCache;
 use kiln_core::{CausalLm, CoreError, InferenceBackend, SeqId, TokenId};
 
 use crate::generate::{GenerateRequest, Generation, continue_sequence};
+use crate::sequence::common_prefix;
 
 /// The one sequence a session keeps in its cache.
 const SEQ: SeqId = SeqId(0);
@@ -110,23 +111,5 @@ impl<'a, B: InferenceBackend> Session<'a, B> {
                 Err(e)
             }
         }
-    }
-}
-
-/// How many leading tokens `a` and `b` share.
-fn common_prefix(a: &[TokenId], b: &[TokenId]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn common_prefix_stops_at_the_first_difference() {
-        let ids = |v: &[u32]| v.iter().copied().map(TokenId).collect::<Vec<_>>();
-        assert_eq!(common_prefix(&ids(&[1, 2, 3]), &ids(&[1, 2, 4, 5])), 2);
-        assert_eq!(common_prefix(&ids(&[]), &ids(&[1])), 0);
-        assert_eq!(common_prefix(&ids(&[1, 2]), &ids(&[1, 2, 3])), 2);
     }
 }

@@ -246,6 +246,10 @@ impl<B: InferenceBackend> SlotStorage<B> {
     /// # Shapes
     /// - returns per layer `(k, v)`, each `[places.len(), n_kv_heads, head_dim]` as f32
     pub fn gather_host(&self, places: &[(usize, usize)]) -> HostKv {
+        if places.is_empty() {
+            // Nothing to read: skip downloading every layer.
+            return vec![(Vec::new(), Vec::new()); self.layout.n_layers];
+        }
         let (heads, slots, dim) = (self.layout.n_kv_heads, self.slots, self.layout.head_dim);
         let host = |t: &Tensor<B, 4>| -> Vec<f32> {
             // [targets, heads, slots, dim] on the host, read token by token.

@@ -405,11 +405,10 @@ impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
     }
 
     fn export(&self, seq: SeqId) -> Result<HostKv, CacheError> {
+        let bs = self.block_size();
+        let table = self.block_table(seq);
         let places: Vec<(usize, usize)> = (0..self.seq_len(seq))
-            .map(|t| {
-                let bs = self.block_size();
-                (self.seqs[&seq].blocks[t / bs].index(), t % bs)
-            })
+            .map(|t| (table[t / bs].index(), t % bs))
             .collect();
         Ok(self.storage.gather_host(&places))
     }
