@@ -14,7 +14,7 @@ use kiln_core::backend::{BackendTask, run_on};
 use kiln_core::kv_cache::CacheKind;
 use kiln_core::sampling::SamplingParams;
 use kiln_core::{CausalLm, InferenceBackend, TokenId};
-use kiln_engine::{CacheSpec, GenerateRequest, Reply, Session};
+use kiln_engine::{CacheSpec, Completion, EngineConfig, Request, Session};
 use kiln_models::LoadedModel;
 use kiln_models::chat::{ChatMessage, ChatTemplate, Role};
 
@@ -241,25 +241,28 @@ fn token_text<B: InferenceBackend>(loaded: &LoadedModel<B>, id: Option<TokenId>)
 
 /// `/stats`: the last reply's speed and what the cache holds.
 fn stats<B: InferenceBackend>(
-    last: Option<&Reply>,
+    last: Option<&Completion>,
     session: &Session<'_, B>,
     turns: usize,
 ) -> String {
     let mut out = String::new();
     if let Some(reply) = last {
-        let g = &reply.generation;
-        let ttft = g.prefill.as_secs_f64();
+        let ttft = reply.timings.time_to_first_token.as_secs_f64();
+        let computed = reply.prompt_tokens - reply.cached_tokens;
         out += &format!(
             "last reply: {} tokens ({}); prompt {} tokens: {} reused from the cache, {} computed\n\
              time to first token {:.0} ms, prefill {:.1} tok/s, decode {:.1} tok/s\n",
-            g.tokens.len(),
-            format!("{:?}", g.finish_reason).to_lowercase(),
-            reply.reused + reply.prefilled,
-            reply.reused,
-            reply.prefilled,
+            reply.tokens.len(),
+            format!("{:?}", reply.finish_reason).to_lowercase(),
+            reply.prompt_tokens,
+            reply.cached_tokens,
+            computed,
             ttft * 1e3,
-            per_second(reply.prefilled, ttft),
-            per_second(g.tokens.len().saturating_sub(1), g.decode.as_secs_f64()),
+            per_second(computed, ttft),
+            per_second(
+                reply.tokens.len().saturating_sub(1),
+                reply.timings.decode.as_secs_f64()
+            ),
         );
     } else {
         out += "no reply yet\n";
@@ -306,11 +309,11 @@ impl BackendTask for Task {
             max_sequences: 1,
             max_len: shape.max_positions,
             window: args.window,
-            max_step: kiln_engine::EngineConfig::default().max_step_tokens,
+            max_step: EngineConfig::default().max_step_tokens,
             ..CacheSpec::paged(1, shape.max_positions)
         };
         let cache = spec.build::<B>(shape.kv_layout(), args.model.dtype(), &device)?;
-        let mut session = Session::new(&loaded.model, cache);
+        let mut session = Session::new(&loaded.model, cache, EngineConfig::default())?;
         let mut settings = Settings {
             sampling: args.sampling.params()?,
             max_tokens: args.max_tokens,
@@ -328,7 +331,7 @@ impl BackendTask for Task {
         }
         let mut system = args.system.clone();
         let mut turns: Vec<ChatMessage> = Vec::new();
-        let mut last: Option<Reply> = None;
+        let mut last: Option<Completion> = None;
         let mut stdout = std::io::stdout();
         let mut lines: Box<dyn Iterator<Item = std::io::Result<String>>> = match &args.message {
             Some(message) => Box::new(std::iter::once(Ok(message.clone()))),
@@ -391,16 +394,17 @@ impl BackendTask for Task {
                 .map(|s| ChatMessage::new(Role::System, s.clone()))
                 .chain(turns.iter().cloned())
                 .collect();
-            let request = GenerateRequest {
+            let request = Request {
                 prompt: tokenizer.encode(&template.render(&messages, true)?, false)?,
                 max_tokens: settings.max_tokens,
                 sampling: settings.sampling.clone(),
                 eos: loaded.generation.eos.clone(),
+                ..Request::default()
             };
             let mut stream = tokenizer.inner().decode_stream(true);
             STOP_REPLY.store(false, Ordering::SeqCst);
             REPLYING.store(true, Ordering::SeqCst);
-            let result = session.reply(&request, |token| {
+            let result = session.reply(request, |token| {
                 if STOP_REPLY.load(Ordering::SeqCst) {
                     return ControlFlow::Break(());
                 }
@@ -418,7 +422,7 @@ impl BackendTask for Task {
                     if STOP_REPLY.load(Ordering::SeqCst) {
                         eprintln!("(stopped)");
                     }
-                    let text = tokenizer.decode(&reply.generation.tokens, true)?;
+                    let text = tokenizer.decode(&reply.tokens, true)?;
                     turns.push(ChatMessage::new(Role::Assistant, text));
                     last = Some(reply);
                 }

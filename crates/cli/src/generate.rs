@@ -89,7 +89,7 @@ pub struct Args {
     )]
     save_snapshot: Option<PathBuf>,
     /// Start from a KV-cache snapshot (saved with --save-snapshot by the same model and
-    /// dtype) instead of a prompt: no prefill runs.
+    /// dtype) instead of a prompt: only the prompt's last token is computed.
     #[arg(long, value_name = "FILE", help_heading = "KV cache and batching", conflicts_with_all = ["prompt", "prompt_option", "token_ids", "prompts_file", "save_snapshot"])]
     from_snapshot: Option<PathBuf>,
     /// Print JSON instead of streaming text: one object per prompt, in input order.
@@ -274,7 +274,7 @@ impl BackendTask for Task {
                 sampling: sampling.clone(),
                 eos: eos.clone(),
                 stop: args.stop.clone(),
-                logprobs: None,
+                ..Request::default()
             };
             match &snapshot {
                 Some(snapshot) => engine.submit_snapshot(snapshot, request),

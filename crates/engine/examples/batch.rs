@@ -52,7 +52,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             sampling: SamplingParams::greedy(),
             eos: loaded.generation.eos.clone(),
             stop: vec!["\n\n".into()],
-            logprobs: None,
+            ..Request::default()
         })?;
     }
     // More prompts than `max_batch`: the last two wait until a sequence finishes.

@@ -9,7 +9,7 @@ use std::ops::ControlFlow;
 use kiln_core::kv_cache::DynamicKvCache;
 use kiln_core::sampling::SamplingParams;
 use kiln_core::{CausalLm, InferenceBackend};
-use kiln_engine::{GenerateRequest, generate};
+use kiln_engine::{Request, generate};
 use kiln_models::default_model::{SMOLLM2_135M_INSTRUCT, kiln_home};
 use kiln_models::{LoadOptions, load};
 
@@ -33,15 +33,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         loaded.model.dtype(),
         &device,
     );
-    let request = GenerateRequest {
+    let request = Request {
         prompt: tokenizer.encode(&prompt, true)?,
         max_tokens: 32,
         sampling: SamplingParams::greedy(),
         eos: loaded.generation.eos.clone(),
+        ..Request::default()
     };
-    let generation = generate(&loaded.model, &mut cache, &request, |_| {
+    let completion = generate(&loaded.model, &mut cache, request, |_| {
         ControlFlow::Continue(())
     })?;
-    println!("{prompt}{}", tokenizer.decode(&generation.tokens, true)?);
+    println!("{prompt}{}", tokenizer.decode(&completion.tokens, true)?);
     Ok(())
 }

@@ -253,8 +253,7 @@ pub fn run_cell<B: InferenceBackend>(
             sampling: cell.sampling.params(i),
             // No EOS and no stop strings: every sequence generates all `new_tokens`.
             eos: Vec::new(),
-            stop: Vec::new(),
-            logprobs: None,
+            ..Request::default()
         })?;
         index.insert(id, i);
     }

@@ -9,14 +9,19 @@
 //! whole step ([`kiln_core::kv_cache::CacheBook::reserve`]) before the model runs: when the cache is full, the
 //! newest running sequence is preempted (and later recomputed) up front, and the forward never
 //! fails for lack of space.
+//!
+//! Everything that generates runs on this loop: [`crate::generate()`] is an engine with one
+//! request on a lent cache, a [`crate::Session`] is an engine whose requests continue each
+//! other's kept cache ([`Request::keep_cache`], [`Request::continues`]), and
+//! [`crate::Snapshot::prefill`] keeps one prompt's cache to export it.
 
-use std::collections::VecDeque;
-
+use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
+use std::ops::{Deref, DerefMut};
 
-use kiln_core::kv_cache::{CacheError, KvCache};
+use kiln_core::kv_cache::{CacheError, HostKv, KvCache};
 use kiln_core::sampling::Sampler;
-use kiln_core::{Batch, CausalLm, CoreError, InferenceBackend, LogitsFor, SeqId};
+use kiln_core::{Batch, CausalLm, CoreError, InferenceBackend, LogitsFor, SeqId, TokenId};
 
 use crate::detok::Detokenizer;
 use crate::error::EngineError;
@@ -80,15 +85,50 @@ pub enum StepPolicy {
     PrefillFirst,
 }
 
+/// The cache an engine works on: its own, or one the caller lends it for the engine's life.
+enum EngineCache<'a, B: InferenceBackend> {
+    Owned(Box<dyn KvCache<B>>),
+    Lent(&'a mut dyn KvCache<B>),
+}
+
+impl<'a, B: InferenceBackend> Deref for EngineCache<'a, B> {
+    type Target = dyn KvCache<B> + 'a;
+
+    fn deref(&self) -> &Self::Target {
+        match self {
+            Self::Owned(cache) => cache.as_ref(),
+            Self::Lent(cache) => &**cache,
+        }
+    }
+}
+
+impl<B: InferenceBackend> DerefMut for EngineCache<'_, B> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        match self {
+            Self::Owned(cache) => cache.as_mut(),
+            Self::Lent(cache) => &mut **cache,
+        }
+    }
+}
+
+/// The cache a finished request kept ([`Request::keep_cache`]).
+struct Kept {
+    seq: SeqId,
+    /// Exactly the context tokens the cache holds for `seq`, in order.
+    tokens: Vec<TokenId>,
+}
+
 /// Serves requests on one model and one cache.
 pub struct Engine<'a, B: InferenceBackend> {
     model: &'a dyn CausalLm<B>,
-    cache: Box<dyn KvCache<B>>,
+    cache: EngineCache<'a, B>,
     detok: Option<&'a dyn Detokenizer>,
     config: EngineConfig,
     waiting: VecDeque<Sequence>,
     /// In admission order: the last is preempted first.
     running: Vec<Sequence>,
+    /// Finished requests' caches kept for a later request to continue.
+    kept: HashMap<RequestId, Kept>,
     next_id: u64,
     prefix: PrefixStats,
 }
@@ -109,7 +149,29 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// [`EngineError::InvalidConfig`] for zero limits.
     pub fn new(
         model: &'a dyn CausalLm<B>,
-        mut cache: Box<dyn KvCache<B>>,
+        cache: Box<dyn KvCache<B>>,
+        config: EngineConfig,
+    ) -> Result<Self, EngineError> {
+        Self::on(model, EngineCache::Owned(cache), config)
+    }
+
+    /// An engine over `model` working on the caller's `cache` (which must hold no sequences)
+    /// for as long as the engine lives; requests that finish release their space in it, and
+    /// with prefix caching their full blocks stay there for the next engine on it.
+    ///
+    /// # Errors
+    /// [`EngineError::InvalidConfig`] for zero limits.
+    pub fn borrowing(
+        model: &'a dyn CausalLm<B>,
+        cache: &'a mut dyn KvCache<B>,
+        config: EngineConfig,
+    ) -> Result<Self, EngineError> {
+        Self::on(model, EngineCache::Lent(cache), config)
+    }
+
+    fn on(
+        model: &'a dyn CausalLm<B>,
+        mut cache: EngineCache<'a, B>,
         config: EngineConfig,
     ) -> Result<Self, EngineError> {
         if config.max_batch == 0 || config.max_step_tokens == 0 {
@@ -128,6 +190,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             config,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            kept: HashMap::new(),
             next_id: 0,
             prefix: PrefixStats::default(),
         })
@@ -141,7 +204,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
 
     /// The cache (to inspect its use).
     pub fn cache(&self) -> &dyn KvCache<B> {
-        self.cache.as_ref()
+        &*self.cache
     }
 
     /// The model.
@@ -154,7 +217,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         self.config
     }
 
-    /// Whether nothing is waiting or running.
+    /// Whether nothing is waiting or running (kept caches do not count).
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty()
     }
@@ -207,12 +270,79 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// # Errors
     /// [`EngineError::InvalidRequest`]: an empty prompt, one that fills the model's context,
     /// ids outside the vocabulary, invalid sampling values, stop strings without a
-    /// detokenizer, more than [`MAX_TOP_LOGPROBS`] alternatives.
+    /// detokenizer, more than [`MAX_TOP_LOGPROBS`] alternatives, a request to continue that
+    /// kept no cache.
     pub fn submit(&mut self, request: Request) -> Result<RequestId, EngineError> {
-        let seq = self.sequence(request)?;
+        let mut seq = self.sequence(request)?;
+        if let Some(earlier) = seq.request.continues {
+            let kept = self.kept.remove(&earlier).ok_or_else(|| {
+                EngineError::InvalidRequest(format!(
+                    "request {} kept no cache to continue (it did not ask to keep it, or it \
+                     was released or continued already)",
+                    earlier.0
+                ))
+            })?;
+            // The last prompt token is always fed: its logits pick the first new token.
+            let prompt = &seq.request.prompt;
+            let shared = common_prefix(&kept.tokens, prompt).min(prompt.len() - 1);
+            let held = if shared > 0 && self.cache.truncate(kept.seq, shared).is_ok() {
+                shared
+            } else {
+                self.cache.release(kept.seq);
+                0
+            };
+            seq.seq = kept.seq;
+            seq.in_cache = held;
+            if held > 0 {
+                seq.cached_tokens = Some(held);
+            }
+        }
         let id = seq.id;
         self.waiting.push_back(seq);
         Ok(id)
+    }
+
+    /// Ends a request, waiting or running, at the next step as if a stop string had ended it
+    /// ([`FinishReason::Stop`]): it reports its completion, and keeps its cache if it asked
+    /// to. Returns whether the request was still there.
+    pub fn stop(&mut self, id: RequestId) -> bool {
+        let found = self
+            .running
+            .iter_mut()
+            .chain(&mut self.waiting)
+            .find(|s| s.id == id);
+        match found {
+            Some(seq) => {
+                seq.stop_requested = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The context tokens whose cache request `id` kept, if it did and still does.
+    pub fn kept_tokens(&self, id: RequestId) -> Option<&[TokenId]> {
+        self.kept.get(&id).map(|k| k.tokens.as_slice())
+    }
+
+    /// The K/V request `id` kept, on the host ([`KvCache::export`]).
+    ///
+    /// # Errors
+    /// [`EngineError::InvalidRequest`] if it kept none; the cache's error if it cannot export.
+    pub fn export_kept(&self, id: RequestId) -> Result<HostKv, EngineError> {
+        let kept = self.kept.get(&id).ok_or_else(|| {
+            EngineError::InvalidRequest(format!("request {} kept no cache", id.0))
+        })?;
+        Ok(self.cache.export(kept.seq).map_err(CoreError::from)?)
+    }
+
+    /// Frees the cache request `id` kept; returns whether it had kept one.
+    pub fn release_kept(&mut self, id: RequestId) -> bool {
+        let Some(kept) = self.kept.remove(&id) else {
+            return false;
+        };
+        self.cache.release(kept.seq);
+        true
     }
 
     /// Drops a request, waiting or running, at once: its cache is freed now, nothing more is
@@ -221,33 +351,44 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// (false once it has finished or was cancelled before).
     pub fn cancel(&mut self, id: RequestId) -> bool {
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
-            // A preempted sequence waits with its cache already released.
-            self.waiting.remove(i);
+            // A waiting sequence holds cache only when it continues a kept one.
+            let seq = self.waiting.remove(i).expect("the position exists");
+            self.cache.release(seq.seq);
             return true;
         }
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let seq = self.running.remove(i);
-            self.cache.release(seq.seq());
+            self.cache.release(seq.seq);
             return true;
         }
         false
     }
 
-    /// Starts a request whose prompt is already in `cache` form: `logits` are the prompt's
-    /// last-position logits, and `fill` writes the prompt's K/V into the cache for the given
-    /// sequence (see [`crate::snapshot`]).
+    /// Queues a request whose first `held` prompt tokens are written into the cache by
+    /// `fill` (for the given sequence) instead of computed (see [`crate::snapshot`]).
     pub(crate) fn submit_prefilled(
         &mut self,
         request: Request,
-        logits: Vec<f32>,
-        fill: impl FnOnce(&mut dyn KvCache<B>, kiln_core::SeqId) -> Result<(), EngineError>,
+        held: usize,
+        fill: impl FnOnce(&mut dyn KvCache<B>, SeqId) -> Result<(), EngineError>,
     ) -> Result<RequestId, EngineError> {
+        if request.continues.is_some() {
+            return Err(EngineError::InvalidRequest(
+                "a request that starts from written K/V cannot continue another".into(),
+            ));
+        }
         let mut seq = self.sequence(request)?;
-        fill(self.cache.as_mut(), seq.seq())?;
-        seq.in_cache = seq.context_len();
-        seq.pending_logits = Some(logits);
+        debug_assert!(held < seq.request.prompt.len(), "the last token is fed");
+        if held > 0 {
+            if let Err(e) = fill(&mut *self.cache, seq.seq) {
+                self.cache.release(seq.seq);
+                return Err(e);
+            }
+            seq.in_cache = held;
+            seq.cached_tokens = Some(held);
+        }
         let id = seq.id;
-        self.running.push(seq);
+        self.waiting.push_back(seq);
         Ok(id)
     }
 
@@ -259,7 +400,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
                 break;
             };
             let chunk = next.pending().min(self.config.max_step_tokens);
-            if self.cache.check_append(next.seq(), chunk).is_err() && !self.running.is_empty() {
+            if self.cache.check_append(next.seq, chunk).is_err() && !self.running.is_empty() {
                 break;
             }
             let seq = self.waiting.pop_front().expect("front exists");
@@ -279,7 +420,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         }
         for (i, wait) in waits.iter_mut().enumerate() {
             let seq = &self.running[i];
-            if !seq.is_fresh() || seq.pending_logits.is_some() {
+            if !seq.is_fresh() {
                 continue;
             }
             let context = seq.context();
@@ -297,7 +438,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
                 *wait = true;
                 continue;
             }
-            let seq_id = seq.seq();
+            let seq_id = seq.seq;
             let held = self.cache.attach_prefix(seq_id, &context);
             let seq = &mut self.running[i];
             seq.in_cache = held;
@@ -362,7 +503,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             return false;
         }
         let mut seq = self.running.pop().expect("more than one running");
-        self.cache.release(seq.seq());
+        self.cache.release(seq.seq);
         seq.in_cache = 0;
         seq.preemptions += 1;
         self.waiting.push_front(seq);
@@ -375,78 +516,93 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// A model failure, or a request that cannot fit in the cache even alone.
     pub fn step(&mut self) -> Result<Vec<Event>, EngineError> {
         let mut events = Vec::new();
-        let mut finished: Vec<(usize, FinishReason)> = Vec::new();
-        // Resumed snapshots sample from their stored logits first.
-        for i in 0..self.running.len() {
-            if let Some(logits) = self.running[i].pending_logits.take()
-                && let Some(reason) = self.sample(i, &logits, &mut events)?
-            {
-                finished.push((i, reason));
-            }
+        // Requests the caller stopped end before anything runs.
+        let (stopped, running): (Vec<_>, Vec<_>) =
+            self.running.drain(..).partition(|s| s.stop_requested);
+        self.running = running;
+        let (stopped_waiting, waiting): (Vec<_>, Vec<_>) =
+            self.waiting.drain(..).partition(|s| s.stop_requested);
+        self.waiting = waiting.into();
+        for seq in stopped.into_iter().chain(stopped_waiting) {
+            self.retire(seq, FinishReason::Stop, &mut events);
         }
-        if finished.is_empty() {
-            self.admit();
-            let fed = loop {
-                let waits = self.attach_prefixes();
-                let fed = self.plan_step(&waits);
-                if fed.is_empty() {
-                    return Ok(events);
-                }
-                let step: Vec<(SeqId, usize)> = fed
-                    .iter()
-                    .map(|&(i, n)| (self.running[i].seq(), n))
-                    .collect();
-                match self.cache.reserve(&step) {
-                    Ok(()) => break fed,
-                    Err(CacheError::OutOfBlocks { .. } | CacheError::NoFreeSlot { .. })
-                        if self.preempt() =>
-                    {
-                        continue;
-                    }
-                    Err(e) => return Err(CoreError::from(e).into()),
-                }
-            };
-            let mut batch = Batch::new();
-            for &(i, n) in &fed {
-                let seq = &self.running[i];
-                let (tokens, start) = seq.next_chunk(n);
-                batch.push(seq.seq(), &tokens, start)?;
+        let mut finished: Vec<(usize, FinishReason)> = Vec::new();
+        self.admit();
+        let fed = loop {
+            let waits = self.attach_prefixes();
+            let fed = self.plan_step(&waits);
+            if fed.is_empty() {
+                return Ok(events);
             }
-            let logits = self
-                .model
-                .forward(&batch, self.cache.as_mut(), LogitsFor::LastOfEachSequence)
-                .inspect_err(|_| {
-                    // The step's K/V may be half written (and its full blocks registered):
-                    // nothing cached can be trusted after a failed forward.
-                    self.cache.clear();
-                    for seq in &mut self.running {
-                        seq.in_cache = 0;
-                    }
-                })?;
-            let vocab = self.model.shape().vocab;
-            let rows: Vec<f32> = logits.into_data().iter::<f32>().collect();
-            for (row, &(i, n)) in rows.chunks_exact(vocab).zip(&fed) {
-                self.running[i].in_cache += n;
-                if self.running[i].pending() > 0 {
+            let step: Vec<(SeqId, usize)> =
+                fed.iter().map(|&(i, n)| (self.running[i].seq, n)).collect();
+            match self.cache.reserve(&step) {
+                Ok(()) => break fed,
+                Err(CacheError::OutOfBlocks { .. } | CacheError::NoFreeSlot { .. })
+                    if self.preempt() =>
+                {
                     continue;
                 }
-                if let Some(reason) = self.sample(i, row, &mut events)? {
-                    finished.push((i, reason));
+                Err(e) => return Err(CoreError::from(e).into()),
+            }
+        };
+        let mut batch = Batch::new();
+        for &(i, n) in &fed {
+            let seq = &self.running[i];
+            let (tokens, start) = seq.next_chunk(n);
+            batch.push(seq.seq, &tokens, start)?;
+        }
+        let logits = self
+            .model
+            .forward(&batch, &mut *self.cache, LogitsFor::LastOfEachSequence)
+            .inspect_err(|_| {
+                // The step's K/V may be half written (and its full blocks registered):
+                // nothing cached can be trusted after a failed forward.
+                self.cache.clear();
+                self.kept.clear();
+                for seq in self.running.iter_mut().chain(&mut self.waiting) {
+                    seq.in_cache = 0;
                 }
+            })?;
+        let vocab = self.model.shape().vocab;
+        let rows: Vec<f32> = logits.into_data().iter::<f32>().collect();
+        for (row, &(i, n)) in rows.chunks_exact(vocab).zip(&fed) {
+            self.running[i].in_cache += n;
+            if self.running[i].pending() > 0 {
+                continue;
+            }
+            if let Some(reason) = self.sample(i, row, &mut events)? {
+                finished.push((i, reason));
             }
         }
         finished.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
         for (i, reason) in finished {
             let seq = self.running.remove(i);
-            self.cache.release(seq.seq());
-            let id = seq.id;
-            let (completion, tail) = seq.finish(reason, self.detok.is_some());
-            if !tail.is_empty() {
-                events.push(Event::Text { id, text: tail });
-            }
-            events.push(Event::Finished(completion));
+            self.retire(seq, reason, &mut events);
         }
         Ok(events)
+    }
+
+    /// Ends `seq`: its cache is freed or kept, and its completion reported.
+    fn retire(&mut self, seq: Sequence, reason: FinishReason, events: &mut Vec<Event>) {
+        if seq.request.keep_cache {
+            let tokens = seq.context_tokens().take(seq.in_cache).copied().collect();
+            self.kept.insert(
+                seq.id,
+                Kept {
+                    seq: seq.seq,
+                    tokens,
+                },
+            );
+        } else {
+            self.cache.release(seq.seq);
+        }
+        let id = seq.id;
+        let (completion, tail) = seq.finish(reason, self.detok.is_some());
+        if !tail.is_empty() {
+            events.push(Event::Text { id, text: tail });
+        }
+        events.push(Event::Finished(completion));
     }
 
     /// Samples sequence `i`'s next token from `logits`; returns why it ended, if it did.

@@ -5,12 +5,15 @@
 //!   prefill of fresh prompts, batched decode, chunked prefill, admission of new requests
 //!   whenever there is room, preemption when the cache runs out, EOS / stop strings / length,
 //!   streaming text ([`Event`]).
-//! - [`generate()`]: one sequence, the plain loop the engine is tested against.
+//! - [`generate()`]: one request with a callback per token (an engine with one request).
 //! - [`Session`]: one conversation whose KV cache is kept between replies, so each turn
-//!   computes only what is new.
+//!   computes only what is new (an engine whose requests continue each other's cache).
 //! - [`bench`](mod@bench): one cell of the benchmark matrix (`kiln bench`): an [`Engine`]'s steps
 //!   timed, prefill and decode apart.
 //! - [`snapshot`]: a prefilled prompt's KV cache saved to a file and resumed later.
+//!
+//! All of them generate through [`Engine::step`], so what the engine does (chunked prefill,
+//! prefix caching, preemption) they all do.
 //!
 //! The engine knows models only through `CausalLm`, and text only through a [`Detokenizer`].
 //!
@@ -61,9 +64,9 @@ pub use cache::CacheSpec;
 pub use detok::Detokenizer;
 pub use engine::{Engine, EngineConfig, PrefixStats, StepPolicy};
 pub use error::EngineError;
-pub use generate::{FinishReason, GenerateRequest, Generation, generate};
+pub use generate::{FinishReason, generate};
 pub use request::{
     Completion, Event, MAX_TOP_LOGPROBS, Request, RequestId, Timings, TokenLogprobs, prompt_problem,
 };
-pub use session::{Reply, Session};
+pub use session::Session;
 pub use snapshot::Snapshot;

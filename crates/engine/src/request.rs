@@ -11,8 +11,8 @@ use crate::generate::FinishReason;
 
 /// Why `prompt` cannot be run by a model of `shape`, or `None` when it can: it is empty, it
 /// fills the context (at least one position must be left to generate), or it holds an id
-/// outside the vocabulary. The engine and [`generate`](crate::generate()) refuse such prompts
-/// with this message; a server calls it first to name its own field.
+/// outside the vocabulary. The engine refuses such prompts with this message; a server calls
+/// it first to name its own field.
 pub fn prompt_problem(prompt: &[TokenId], shape: &ModelShape) -> Option<String> {
     if prompt.is_empty() {
         return Some("the prompt is empty".into());
@@ -56,6 +56,15 @@ pub struct Request {
     /// Report each sampled token's log-probability and this many most likely alternatives
     /// with it (`Some(0)`: the token's alone); `None` reports none.
     pub logprobs: Option<usize>,
+    /// Keep the K/V of the prompt and output in the cache when the request ends, for a later
+    /// request to continue ([`Request::continues`]); until then it takes cache space like a
+    /// running sequence. [`crate::Engine::release_kept`] frees it.
+    pub keep_cache: bool,
+    /// Continue on the cache kept by this earlier request ([`Request::keep_cache`]): the
+    /// leading tokens its prompt and output share with this prompt are not computed again
+    /// (the cache is rolled back to them, or recomputed whole where it cannot roll back that
+    /// far, as a sliding window). The kept cache passes to this request.
+    pub continues: Option<RequestId>,
 }
 
 /// The most alternatives [`Request::logprobs`] may ask for (OpenAI's `top_logprobs` limit).
@@ -137,7 +146,8 @@ pub struct Completion {
     pub id: RequestId,
     /// Prompt length in tokens.
     pub prompt_tokens: usize,
-    /// Prompt tokens whose K/V came from the prefix cache when it started (not computed).
+    /// Prompt tokens whose K/V were already in the cache when it started, and were not
+    /// computed: from the prefix cache, or kept by the request it continues.
     pub cached_tokens: usize,
     /// Every sampled token, in order (no EOS; the tokens of a stop string are included).
     pub tokens: Vec<TokenId>,

@@ -17,6 +17,8 @@ use crate::stop::StopMatcher;
 /// and the sampler's state survives, so the continuation is the same.
 pub(crate) struct Sequence {
     pub id: RequestId,
+    /// The cache's name for it: its own id's, or that of the kept request it continues.
+    pub seq: SeqId,
     pub request: Request,
     pub generated: Vec<TokenId>,
     pub in_cache: usize,
@@ -28,10 +30,10 @@ pub(crate) struct Sequence {
     pub submitted: Instant,
     pub first_token: Option<Instant>,
     pub preemptions: usize,
-    /// Logits to sample from before any forward (a resumed snapshot's last position).
-    pub pending_logits: Option<Vec<f32>>,
-    /// Prompt tokens found in the prefix cache when it first started (None until then).
+    /// Prompt tokens found in the cache when it first started (None until then).
     pub cached_tokens: Option<usize>,
+    /// The caller asked it to end ([`crate::Engine::stop`]); it ends at the next step.
+    pub stop_requested: bool,
 }
 
 impl Sequence {
@@ -40,6 +42,7 @@ impl Sequence {
         let stops = StopMatcher::new(&request.stop);
         Self {
             id,
+            seq: SeqId(id.0),
             request,
             generated: Vec::new(),
             in_cache: 0,
@@ -51,14 +54,9 @@ impl Sequence {
             submitted: Instant::now(),
             first_token: None,
             preemptions: 0,
-            pending_logits: None,
             cached_tokens: None,
+            stop_requested: false,
         }
-    }
-
-    /// The cache's name for this sequence.
-    pub fn seq(&self) -> SeqId {
-        SeqId(self.id.0)
     }
 
     pub fn context_len(&self) -> usize {
@@ -87,13 +85,13 @@ impl Sequence {
 
     /// Whether its next step feeds the one token it sampled last (decode).
     pub fn wants_decode(&self) -> bool {
-        !self.is_fresh() && self.pending() == 1 && self.pending_logits.is_none()
+        !self.is_fresh() && self.pending() == 1
     }
 
     /// Whether its next step feeds prompt (or recomputed context) tokens: it is fresh, or has
     /// more than one context token left to read.
     pub fn wants_prefill(&self) -> bool {
-        self.pending_logits.is_none() && (self.is_fresh() || self.pending() > 1)
+        self.is_fresh() || self.pending() > 1
     }
 
     /// The next `n` context tokens to feed, and the position of the first.

@@ -1,25 +1,30 @@
-//! Cache snapshots: prefill a prompt once, save its KV cache (and its last logits) to a file,
-//! and resume decoding from it any number of times, in this process or a later one.
+//! Cache snapshots: prefill a prompt once, save its KV cache to a file, and resume decoding
+//! from it any number of times, in this process or a later one. A resumed request computes
+//! only the prompt's last token (whose logits pick the first new token), as a request that
+//! finds the rest of its prompt in the prefix cache does.
 //!
-//! File layout (little-endian): the magic `KILNKV01`, a u64 header length, a JSON header
-//! (model fingerprint, dtype, KV layout, vocabulary, prompt tokens), the prompt's
-//! last-position logits (`vocab` f32), then for each layer K and V as `[tokens, n_kv_heads,
-//! head_dim]` f32. A snapshot is refused by a model with another fingerprint
-//! ([`kiln_core::CausalLm::fingerprint`]) or dtype.
+//! File layout (little-endian): the magic `KILNKV02`, a u64 header length, a JSON header
+//! (model fingerprint, dtype, KV layout, prompt tokens), then for each layer K and V as
+//! `[tokens, n_kv_heads, head_dim]` f32. A snapshot is refused by a model with another
+//! fingerprint ([`kiln_core::CausalLm::fingerprint`]) or dtype. (`KILNKV01` files, which also
+//! stored the last logits, are refused with a request to make them again.)
 
 use std::io::{Read, Write};
 use std::path::Path;
 
 use burn::tensor::{Tensor, TensorData};
-use kiln_core::kv_cache::{DynamicKvCache, KvCache, KvLayout};
-use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, SeqId, TokenId};
+use kiln_core::kv_cache::{DynamicKvCache, KvLayout};
+use kiln_core::sampling::SamplingParams;
+use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, Position, TokenId};
 use serde::{Deserialize, Serialize};
 
-use crate::engine::Engine;
+use crate::engine::{Engine, EngineConfig};
 use crate::error::EngineError;
 use crate::request::{Request, RequestId};
 
-const MAGIC: &[u8; 8] = b"KILNKV01";
+const MAGIC: &[u8; 8] = b"KILNKV02";
+/// The first format, which also stored the prompt's last logits.
+const MAGIC_V1: &[u8; 8] = b"KILNKV01";
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Header {
@@ -28,7 +33,6 @@ struct Header {
     n_layers: usize,
     n_kv_heads: usize,
     head_dim: usize,
-    vocab: usize,
     tokens: Vec<u32>,
 }
 
@@ -43,41 +47,43 @@ pub struct Snapshot {
     pub layout: KvLayout,
     /// The prompt.
     pub tokens: Vec<TokenId>,
-    /// The prompt's last-position logits (`vocab` values).
-    pub logits: Vec<f32>,
     /// Per layer, K and V as `[tokens, n_kv_heads, head_dim]`, row-major.
     pub layers: Vec<(Vec<f32>, Vec<f32>)>,
 }
 
 impl Snapshot {
-    /// Prefills `prompt` on `model` alone and captures the result.
+    /// Prefills `prompt` on `model` alone (an engine request that keeps its cache) and
+    /// captures the result.
     ///
     /// # Errors
-    /// An empty or too-long prompt, or a model failure.
+    /// A prompt the engine refuses (empty, too long, ids outside the vocabulary), or a model
+    /// failure.
     pub fn prefill<B: InferenceBackend>(
         model: &dyn CausalLm<B>,
         prompt: &[TokenId],
     ) -> Result<Self, EngineError> {
-        let shape = model.shape();
-        if prompt.is_empty() || prompt.len() >= shape.max_positions {
-            return Err(EngineError::InvalidRequest(format!(
-                "a snapshot needs a prompt of 1 to {} tokens, not {}",
-                shape.max_positions - 1,
-                prompt.len()
-            )));
-        }
-        let layout = shape.kv_layout();
-        let mut cache = DynamicKvCache::<B>::new(layout, model.dtype(), &model.device());
-        let batch = Batch::single(SeqId(0), prompt, Position(0))?;
-        let logits = model.forward(&batch, &mut cache, LogitsFor::LastOfEachSequence)?;
-        let logits: Vec<f32> = logits.into_data().iter::<f32>().collect();
-        let layers = cache.export(SeqId(0)).map_err(kiln_core::CoreError::from)?;
+        let layout = model.shape().kv_layout();
+        let cache = DynamicKvCache::<B>::new(layout, model.dtype(), &model.device());
+        let config = EngineConfig {
+            max_batch: 1,
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::new(model, Box::new(cache), config)?;
+        // One token is sampled (and not kept): the cache then holds the whole prompt.
+        let id = engine.submit(Request {
+            prompt: prompt.to_vec(),
+            max_tokens: 1,
+            sampling: SamplingParams::greedy(),
+            keep_cache: true,
+            ..Request::default()
+        })?;
+        engine.run(|_| {})?;
+        let layers = engine.export_kept(id)?;
         Ok(Self {
             model: model.fingerprint(),
             dtype: model.dtype(),
             layout,
             tokens: prompt.to_vec(),
-            logits,
             layers,
         })
     }
@@ -97,7 +103,6 @@ impl Snapshot {
             n_layers: self.layout.n_layers,
             n_kv_heads: self.layout.n_kv_heads,
             head_dim: self.layout.head_dim,
-            vocab: self.logits.len(),
             tokens: self.tokens.iter().map(|t| t.0).collect(),
         };
         let header = serde_json::to_vec(&header).expect("a header serializes");
@@ -106,9 +111,7 @@ impl Snapshot {
         out.write_all(&(header.len() as u64).to_le_bytes())
             .map_err(fail)?;
         out.write_all(&header).map_err(fail)?;
-        let floats =
-            std::iter::once(&self.logits).chain(self.layers.iter().flat_map(|(k, v)| [k, v]));
-        for values in floats {
+        for values in self.layers.iter().flat_map(|(k, v)| [k, v]) {
             for x in values {
                 out.write_all(&x.to_le_bytes()).map_err(fail)?;
             }
@@ -130,6 +133,11 @@ impl Snapshot {
         let mut magic = [0u8; 8];
         r.read_exact(&mut magic)
             .map_err(|_| fail("too short to be a kiln snapshot".into()))?;
+        if &magic == MAGIC_V1 {
+            return Err(fail(
+                "an older kiln snapshot format (KILNKV01); make it again with this version".into(),
+            ));
+        }
         if &magic != MAGIC {
             return Err(fail("not a kiln KV-cache snapshot".into()));
         }
@@ -148,7 +156,7 @@ impl Snapshot {
             .parse()
             .map_err(|_| fail(format!("unknown dtype {}", header.dtype)))?;
         let per_layer = header.tokens.len() * header.n_kv_heads * header.head_dim;
-        let expected = (header.vocab + 2 * header.n_layers * per_layer) * 4;
+        let expected = 2 * header.n_layers * per_layer * 4;
         if r.len() != expected {
             return Err(fail(format!(
                 "{} data bytes, the header implies {expected}",
@@ -159,7 +167,6 @@ impl Snapshot {
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
         let mut take = |n: usize| -> Vec<f32> { floats.by_ref().take(n).collect() };
-        let logits = take(header.vocab);
         let layers = (0..header.n_layers)
             .map(|_| (take(per_layer), take(per_layer)))
             .collect();
@@ -172,16 +179,16 @@ impl Snapshot {
                 head_dim: header.head_dim,
             },
             tokens: header.tokens.into_iter().map(TokenId).collect(),
-            logits,
             layers,
         })
     }
 }
 
 impl<B: InferenceBackend> Engine<'_, B> {
-    /// Starts `request` from `snapshot` instead of its prompt (which is replaced by the
-    /// snapshot's): the K/V are written into the engine's cache and the first token is sampled
-    /// from the stored logits, so no prefill runs.
+    /// Queues `request` from `snapshot` instead of its prompt (which is replaced by the
+    /// snapshot's): the K/V of every prompt token but the last are written into the engine's
+    /// cache (on a paged cache with prefix caching, their full blocks become cached prefixes
+    /// for any later request), and only the last is computed.
     ///
     /// # Errors
     /// [`EngineError::Snapshot`] if another model or dtype made it; a cache without room.
@@ -216,14 +223,15 @@ impl<B: InferenceBackend> Engine<'_, B> {
         let device = model.device();
         let dtype = model.dtype().burn_float();
         let layout = snapshot.layout;
-        let shape = [snapshot.tokens.len(), layout.n_kv_heads, layout.head_dim];
-        self.submit_prefilled(request, snapshot.logits.clone(), |cache, seq| {
-            let batch = Batch::single(seq, &snapshot.tokens, Position(0))?;
+        let held = snapshot.tokens.len().saturating_sub(1);
+        let shape = [held, layout.n_kv_heads, layout.head_dim];
+        self.submit_prefilled(request, held, |cache, seq| {
+            let batch = Batch::single(seq, &snapshot.tokens[..held], Position(0))?;
             let plan = cache.plan(&batch).map_err(kiln_core::CoreError::from)?;
             for (layer, (k, v)) in snapshot.layers.iter().enumerate() {
                 let tensor = |x: &Vec<f32>| {
-                    Tensor::<B, 3>::from_data(TensorData::new(x.clone(), shape), &device)
-                        .cast(dtype)
+                    let values = x[..held * layout.n_kv_heads * layout.head_dim].to_vec();
+                    Tensor::<B, 3>::from_data(TensorData::new(values, shape), &device).cast(dtype)
                 };
                 cache.write(layer, &plan, tensor(k), tensor(v));
             }

@@ -9,12 +9,12 @@ use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use kiln_core::kv_cache::{CacheKind, DynamicKvCache, SlidingKvCache, StaticKvCache};
-use kiln_core::sampling::SamplingParams;
+use kiln_core::kv_cache::{CacheKind, DynamicKvCache, SlidingKvCache};
+use kiln_core::sampling::{Sampler, SamplingParams, TokenHistory};
 use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, SeqId, TokenId};
 use kiln_engine::bench::{Cell, Sampling, run_cell, synthetic_prompts};
 use kiln_engine::{
-    CacheSpec, Engine, EngineConfig, EngineError, GenerateRequest, Request, Session, Snapshot,
+    CacheSpec, Engine, EngineConfig, EngineError, FinishReason, Request, Session, Snapshot,
     generate,
 };
 use kiln_models::default_model::{SMOLLM2_135M_INSTRUCT, kiln_home};
@@ -85,7 +85,10 @@ fn prompts(lengths: &[usize], vocab: usize) -> Vec<Vec<TokenId>> {
         .collect()
 }
 
-/// The reference: one prompt alone through `generate` on a static cache.
+/// The reference every path is held to, without the engine: the prompt in one forward on a
+/// fresh dynamic cache, then one forward per new token, each picked by the request's own
+/// sampler. (`crates/models/tests/golden.rs` holds this loop to a full recompute and to
+/// transformers; recomputing here instead would cost minutes on lavapipe.)
 fn alone<B: InferenceBackend>(
     model: &dyn CausalLm<B>,
     prompt: &[TokenId],
@@ -93,23 +96,19 @@ fn alone<B: InferenceBackend>(
     sampling: &SamplingParams,
 ) -> Vec<TokenId> {
     let shape = model.shape();
-    let mut cache = StaticKvCache::<B>::new(
-        shape.kv_layout(),
-        1,
-        prompt.len() + n,
-        model.dtype(),
-        &model.device(),
-    )
-    .unwrap();
-    let request = GenerateRequest {
-        prompt: prompt.to_vec(),
-        max_tokens: n,
-        sampling: sampling.clone(),
-        eos: Vec::new(),
-    };
-    generate(model, &mut cache, &request, |_| ControlFlow::Continue(()))
-        .unwrap()
-        .tokens
+    let mut sampler = Sampler::new(sampling, shape.vocab).unwrap();
+    let mut history = TokenHistory::with_prompt(prompt);
+    let mut cache = DynamicKvCache::<B>::new(shape.kv_layout(), model.dtype(), &model.device());
+    let mut batch = Batch::single(SeqId(0), prompt, Position(0)).unwrap();
+    for fed in prompt.len()..prompt.len() + n {
+        let logits = model
+            .forward(&batch, &mut cache, LogitsFor::LastOfEachSequence)
+            .unwrap();
+        let token = sampler.try_sample(&rows(logits), &history).unwrap();
+        history.push(token);
+        batch = Batch::single(SeqId(0), &[token], Position(fed as u32)).unwrap();
+    }
+    history.generated().to_vec()
 }
 
 fn engine_outputs<B: InferenceBackend>(
@@ -345,11 +344,11 @@ fn session_reuses_its_cache_exactly<B: InferenceBackend>(weights: WeightStorage)
     let tokenizer = loaded.tokenizer.as_ref().unwrap();
     let encode = |text: &str| tokenizer.encode(text, false).unwrap();
     let n = 10;
-    let request = |prompt: Vec<TokenId>| GenerateRequest {
+    let request = |prompt: Vec<TokenId>| Request {
         prompt,
         max_tokens: n,
         sampling: SamplingParams::greedy(),
-        eos: Vec::new(),
+        ..Request::default()
     };
     for kind in CacheKind::ALL {
         let spec = CacheSpec {
@@ -361,42 +360,103 @@ fn session_reuses_its_cache_exactly<B: InferenceBackend>(weights: WeightStorage)
         let cache = spec
             .build::<B>(model.shape().kv_layout(), model.dtype(), &model.device())
             .unwrap();
-        let mut session = Session::new(model, cache);
+        let mut session = Session::new(model, cache, EngineConfig::default()).unwrap();
         let mut turn = |context: Vec<TokenId>| {
             let reply = session
-                .reply(&request(context.clone()), |_| ControlFlow::Continue(()))
+                .reply(request(context.clone()), |_| ControlFlow::Continue(()))
                 .unwrap();
             let expected = alone(model, &context, n, &SamplingParams::greedy());
-            assert_eq!(reply.generation.tokens, expected, "{kind}");
-            reply
+            assert_eq!(reply.tokens, expected, "{kind}");
+            let computed = reply.prompt_tokens - reply.cached_tokens;
+            (reply.tokens, reply.cached_tokens, computed)
         };
         let first = encode(
             "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
         );
-        let reply = turn(first.clone());
-        assert_eq!((reply.reused, reply.prefilled), (0, first.len()), "{kind}");
+        let (tokens, reused, computed) = turn(first.clone());
+        assert_eq!((reused, computed), (0, first.len()), "{kind}");
 
         let mut second = first.clone();
-        second.extend(&reply.generation.tokens);
+        second.extend(&tokens);
         second.extend(encode(
             "<|im_end|>\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n",
         ));
-        let reply = turn(second.clone());
+        let (_, reused, computed) = turn(second.clone());
         // The last token of turn 1 was sampled but never fed.
         let held = first.len() + n - 1;
-        assert_eq!((reply.reused, reply.prefilled), (held, second.len() - held));
+        assert_eq!((reused, computed), (held, second.len() - held));
 
         let keep = second.len() - 6;
         let mut third = second[..keep].to_vec();
         third.extend(encode(" Germany?<|im_end|>\n<|im_start|>assistant\n"));
-        let reply = turn(third.clone());
-        assert_eq!(
-            reply.reused, keep,
-            "{kind}: rolled back to the shared prefix"
-        );
+        let (_, reused, _) = turn(third.clone());
+        assert_eq!(reused, keep, "{kind}: rolled back to the shared prefix");
         assert_eq!(session.cached().len(), third.len() + n - 1);
         assert_eq!(session.cache().seq_len(SeqId(0)), session.cached().len());
+
+        // Stopped by the caller after its first token (Ctrl-C in `kiln chat`): the reply
+        // ends with `Stop` and its cache is kept for the next turn.
+        let reply = session
+            .reply(request(third.clone()), |_| ControlFlow::Break(()))
+            .unwrap();
+        assert_eq!(reply.finish_reason, FinishReason::Stop, "{kind}");
+        assert_eq!(reply.tokens.len(), 1);
+        assert_eq!(session.cached(), &third[..], "{kind}");
+        assert_eq!(session.cache().usage().sequences, 1);
+        session.reset();
+        assert_eq!(session.cache().usage().sequences, 0);
     }
+}
+
+/// `generate` is one engine request on the caller's cache: the reference tokens, `Stop` when
+/// the callback breaks, the cache left without sequences, and (paged) the prompt's full blocks
+/// left cached for the next call.
+fn generate_runs_one_request_on_a_lent_cache<B: InferenceBackend>() {
+    let loaded = load::<B>(&fixture("llama-tiny"), Dtype::F32);
+    let model = &loaded.model;
+    let prompt = prompts(&[37], model.shape().vocab).remove(0);
+    let n = 7;
+    let request = Request {
+        prompt: prompt.clone(),
+        max_tokens: n,
+        sampling: SamplingParams::greedy(),
+        ..Request::default()
+    };
+    let mut cache = CacheSpec {
+        page_size: 16,
+        ..CacheSpec::paged(1, 64)
+    }
+    .build::<B>(model.shape().kv_layout(), model.dtype(), &model.device())
+    .unwrap();
+    let mut streamed = Vec::new();
+    let done = generate(model, cache.as_mut(), request.clone(), |t| {
+        streamed.push(t);
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    assert_eq!(
+        done.tokens,
+        alone(model, &prompt, n, &SamplingParams::greedy())
+    );
+    assert_eq!(streamed, done.tokens);
+    assert_eq!(
+        (done.finish_reason, done.cached_tokens),
+        (FinishReason::Length, 0)
+    );
+    assert_eq!(cache.usage().sequences, 0);
+
+    let stopped = generate(model, cache.as_mut(), request, |_| ControlFlow::Break(())).unwrap();
+    assert_eq!(stopped.tokens, done.tokens[..1]);
+    assert_eq!(stopped.finish_reason, FinishReason::Stop);
+    assert_eq!(
+        stopped.cached_tokens, 32,
+        "two whole blocks of the first call"
+    );
+    assert_eq!(cache.usage().sequences, 0);
+
+    let empty = Request::default();
+    let err = generate(model, cache.as_mut(), empty, |_| ControlFlow::Continue(())).unwrap_err();
+    assert!(matches!(err, EngineError::InvalidRequest(_)), "{err}");
 }
 
 /// Prefill once, save, load, resume: the same tokens as generating alone; another model or
@@ -443,6 +503,11 @@ fn snapshots_resume_exactly<B: InferenceBackend>() {
     };
     let tied = load::<B>(&fixture("llama-tiny-tied"), Dtype::F32);
     assert!(refuse(&tied.model).contains("another model"));
+    let mut old = std::fs::read(&path).unwrap();
+    old[..8].copy_from_slice(b"KILNKV01");
+    std::fs::write(&path, old).unwrap();
+    let err = Snapshot::load(&path).unwrap_err().to_string();
+    assert!(err.contains("older kiln snapshot format"), "{err}");
     let half = load::<B>(&fixture("llama-tiny"), Dtype::F16);
     assert!(refuse(&half.model).contains("dtype"));
 }
@@ -556,6 +621,11 @@ mod cpu {
     #[test]
     fn mixed_batch_matches_alone() {
         super::mixed_batch_matches_alone::<B>(super::WeightStorage::Dequantized);
+    }
+
+    #[test]
+    fn generate_runs_one_request_on_a_lent_cache() {
+        super::generate_runs_one_request_on_a_lent_cache::<B>();
     }
 
     #[test]

@@ -97,8 +97,7 @@ fn request(prompt: &[u32], max_tokens: usize) -> Request {
         max_tokens,
         sampling: SamplingParams::greedy(),
         eos: vec![EOS],
-        stop: Vec::new(),
-        logprobs: None,
+        ..Request::default()
     }
 }
 
@@ -608,4 +607,143 @@ fn shared_blocks_survive_preemption_and_cancellation() {
         (0, 0),
         "a block is still held"
     );
+}
+
+/// A request that keeps its cache is continued by a later one, which computes only what the
+/// kept tokens do not cover (rolling back where the prompts diverge), on every cache kind,
+/// beside an unrelated request; the tokens are each request's alone; a cache can be continued
+/// once; `stop` ends a waiting or running request with `Stop` (a stopped one keeps its cache);
+/// a cancelled or released continuation frees it.
+#[test]
+fn kept_caches_are_continued_computing_only_what_is_new() {
+    let model = Scripted { script: count_up };
+    let keep = |prompt: &[u32], n: usize, continues: Option<kiln_engine::RequestId>| Request {
+        keep_cache: true,
+        continues,
+        ..request(prompt, n)
+    };
+    let first_prompt: Vec<u32> = (0..20).map(|i| 2 + (i * 7) % 29).collect();
+    for kind in CacheKind::ALL {
+        let counting = Counting {
+            inner: &model,
+            fed: std::cell::Cell::new(0),
+        };
+        let spec = CacheSpec {
+            kind,
+            window: 512,
+            max_step: 512,
+            ..CacheSpec::paged(4, 128)
+        };
+        let cache = spec
+            .build::<B>(layout(), Dtype::F32, &Default::default())
+            .unwrap();
+        let mut engine = Engine::new(&counting, cache, EngineConfig::default()).unwrap();
+        let run_fed = |engine: &mut Engine<'_, B>| {
+            let before = counting.fed.get();
+            let done = engine.run(|_| {}).unwrap();
+            (done, counting.fed.get() - before)
+        };
+
+        let first = engine.submit(keep(&first_prompt, 5, None)).unwrap();
+        let (done, fed) = run_fed(&mut engine);
+        let generated: Vec<u32> = tokens(&done[0]);
+        assert_eq!(fed, 20 + 4, "{kind}");
+        // The last sampled token was never fed.
+        let held: Vec<u32> = first_prompt
+            .iter()
+            .chain(&generated[..4])
+            .copied()
+            .collect();
+        let as_ids = |v: &[u32]| v.iter().copied().map(TokenId).collect::<Vec<_>>();
+        assert_eq!(
+            engine.kept_tokens(first),
+            Some(&as_ids(&held)[..]),
+            "{kind}"
+        );
+
+        // Continue it with the whole conversation so far plus 6 new tokens, beside another.
+        let mut second_prompt = first_prompt.clone();
+        second_prompt.extend(&generated);
+        second_prompt.extend([9, 8, 7, 6, 5, 4]);
+        let second = engine.submit(keep(&second_prompt, 3, Some(first))).unwrap();
+        engine.submit(request(&[3, 4, 5], 2)).unwrap();
+        let (done, fed) = run_fed(&mut engine);
+        assert_eq!(fed, (31 - 24) + 2 + 3 + 1, "{kind}: only the new tokens");
+        assert_eq!(done[0].cached_tokens, 24, "{kind}");
+        let plain = [request(&second_prompt, 3), request(&[3, 4, 5], 2)];
+        for (ours, theirs) in done.iter().zip(&alone(&model, &plain)) {
+            assert_eq!(tokens(ours), tokens(theirs), "{kind}");
+        }
+        assert_eq!(engine.kept_tokens(first), None, "continued once only");
+        let again = engine.submit(keep(&second_prompt, 3, Some(first)));
+        assert!(
+            matches!(again, Err(EngineError::InvalidRequest(_))),
+            "{kind}"
+        );
+        let unkept = engine.submit(keep(&second_prompt, 3, Some(done[1].id)));
+        assert!(
+            matches!(unkept, Err(EngineError::InvalidRequest(_))),
+            "{kind}"
+        );
+
+        // Diverge inside the kept tokens: rolled back to the 10 shared ones.
+        let mut third_prompt = first_prompt[..10].to_vec();
+        third_prompt.extend([30, 29, 28]);
+        let third = engine.submit(keep(&third_prompt, 4, Some(second))).unwrap();
+        let (done, fed) = run_fed(&mut engine);
+        assert_eq!((done[0].cached_tokens, fed), (10, 3 + 3), "{kind}");
+        assert_eq!(
+            tokens(&done[0]),
+            tokens(&alone(&model, &[request(&third_prompt, 4)])[0])
+        );
+        assert_eq!(engine.cache().usage().sequences, 1, "{kind}");
+
+        // Stop: a waiting request ends without tokens, a running one after its first token
+        // and keeps its cache; a cancelled continuation frees it.
+        let waiting = engine.submit(request(&[7, 7], 5)).unwrap();
+        assert!(engine.stop(waiting));
+        let events = engine.step().unwrap();
+        let Some(Event::Finished(stopped)) = events.first() else {
+            panic!("{kind}: {events:?}");
+        };
+        assert_eq!(
+            (stopped.id, stopped.finish_reason),
+            (waiting, FinishReason::Stop)
+        );
+        assert!(stopped.tokens.is_empty());
+        let running = engine.submit(keep(&[4, 4, 4], 9, Some(third))).unwrap();
+        let events = engine.step().unwrap();
+        assert!(
+            matches!(events[..], [Event::Token { .. }]),
+            "{kind}: {events:?}"
+        );
+        assert!(engine.stop(running));
+        let done = engine.run(|_| {}).unwrap();
+        assert_eq!(
+            (done[0].finish_reason, done[0].tokens.len()),
+            (FinishReason::Stop, 1)
+        );
+        assert_eq!(
+            engine.kept_tokens(running),
+            Some(&as_ids(&[4, 4, 4])[..]),
+            "{kind}"
+        );
+        let cancelled = engine
+            .submit(keep(&[4, 4, 4, 5], 2, Some(running)))
+            .unwrap();
+        assert!(engine.cancel(cancelled));
+        assert!(!engine.stop(cancelled));
+        assert_eq!(
+            engine.cache().usage().sequences,
+            0,
+            "{kind}: the cancel freed it"
+        );
+        assert!(!engine.release_kept(running));
+
+        let last = engine.submit(keep(&[6, 6], 2, None)).unwrap();
+        engine.run(|_| {}).unwrap();
+        assert_eq!(engine.cache().usage().sequences, 1, "{kind}");
+        assert!(engine.release_kept(last));
+        assert_eq!(engine.cache().usage().sequences, 0, "{kind}");
+    }
 }

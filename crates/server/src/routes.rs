@@ -333,6 +333,7 @@ impl Job {
                     },
                     stop: g.stop.clone(),
                     logprobs: g.logprobs,
+                    ..kiln_engine::Request::default()
                 });
             }
         }
