@@ -83,11 +83,9 @@ impl CausalLm<B> for Toy {
         let v = split(x.clone().matmul(self.wv.clone()));
         let h = attend(cache, 0, &plan, q, k, v); // [tokens, D]
         let all = h.matmul(self.embed.clone().transpose()); // [tokens, VOCAB]
-        Ok(match logits {
-            LogitsFor::All => all,
-            LogitsFor::LastOfEachSequence => {
-                all.select(0, int_tensor(batch.last_indices(), &device))
-            }
+        Ok(match logits.rows(batch)? {
+            None => all,
+            Some(rows) => all.select(0, int_tensor(rows, &device)),
         })
     }
 }

@@ -6,7 +6,7 @@ use crate::backend::InferenceBackend;
 
 use crate::batch::Batch;
 use crate::dtype::Dtype;
-use crate::error::Result;
+use crate::error::{CoreError, Result};
 use crate::kv_cache::{KvCache, KvLayout};
 
 /// The dimensions of a decoder-only model that the engine and the caches need.
@@ -38,12 +38,51 @@ impl ModelShape {
 }
 
 /// Which positions of a batch a forward returns logits for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LogitsFor {
     /// Every token: `[n_tokens, vocab]` (tests, scoring).
     All,
     /// The last token of each sequence, in packing order: `[n_sequences, vocab]` (generation).
     LastOfEachSequence,
+    /// The last `n[i]` tokens of sequence `i`, in packing order: `[sum of n, vocab]`
+    /// (speculative decoding verifies a sequence's drafted tokens and the token before them
+    /// in one forward). Each `n[i]` is between 1 and the sequence's tokens in the batch.
+    LastOfEach(Vec<usize>),
+}
+
+impl LogitsFor {
+    /// The batch rows (token indices, ascending) whose logits this asks for; `None` for all.
+    ///
+    /// # Errors
+    /// [`CoreError::ModelInput`] if a [`LogitsFor::LastOfEach`] count does not fit its
+    /// sequence, or there is not one count per sequence.
+    pub fn rows(&self, batch: &Batch) -> Result<Option<Vec<usize>>> {
+        Ok(match self {
+            Self::All => None,
+            Self::LastOfEachSequence => Some(batch.last_indices()),
+            Self::LastOfEach(counts) => {
+                if counts.len() != batch.spans().len() {
+                    return Err(CoreError::ModelInput(format!(
+                        "{} logits counts for a batch of {} sequences",
+                        counts.len(),
+                        batch.spans().len()
+                    )));
+                }
+                let mut rows = Vec::with_capacity(counts.iter().sum());
+                for ((seq, range), &n) in batch.ranges().zip(counts) {
+                    if n == 0 || n > range.len() {
+                        return Err(CoreError::ModelInput(format!(
+                            "logits for the last {n} tokens of sequence {seq}, which has {} \
+                             in the batch",
+                            range.len()
+                        )));
+                    }
+                    rows.extend(range.end - n..range.end);
+                }
+                Some(rows)
+            }
+        })
+    }
 }
 
 /// A causal language model the engine can drive.

@@ -250,11 +250,9 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
             let h = block.mlp_norm.forward(x.clone());
             x = x + block.mlp.forward(h);
         }
-        let x = match logits {
-            LogitsFor::All => x,
-            LogitsFor::LastOfEachSequence => {
-                x.select(0, int_tensor::<B>(batch.last_indices(), device))
-            }
+        let x = match logits.rows(batch)? {
+            None => x,
+            Some(rows) => x.select(0, int_tensor::<B>(rows, device)),
         };
         let x = self.final_norm.forward(x);
         Ok(self.head.forward(x).cast(FloatDType::F32))

@@ -188,6 +188,86 @@ impl Sampler {
     }
 }
 
+/// The outcome of checking one drafted token against the target model ([`Sampler::verify`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The draft stands: it is the next token.
+    Accepted,
+    /// The draft is refused and this token takes its place (later drafts are discarded).
+    Rejected(TokenId),
+}
+
+impl Sampler {
+    /// Speculative decoding's acceptance rule (Leviathan et al. 2023; Chen et al. 2023) for a
+    /// token `draft` that a draft source proposed from its distribution `q` over the
+    /// vocabulary (`None`: a certain draft, q = 1 on `draft`, as prompt lookup's). With p the
+    /// distribution [`Sampler::try_sample`] draws from (every processor applied), the draft is
+    /// accepted with probability min(1, p(draft) / q(draft)); otherwise a token is drawn from
+    /// max(0, p - q), renormalised. Either way the token that results is distributed exactly
+    /// as p. Greedy: the draft stands when it is the argmax; otherwise the argmax replaces it.
+    ///
+    /// # Errors
+    /// [`SamplingError::VocabMismatch`] if `logits` (or `q`) is not one entry per vocabulary
+    /// token.
+    pub fn verify(
+        &mut self,
+        logits: &[f32],
+        history: &TokenHistory,
+        draft: TokenId,
+        q: Option<&[f32]>,
+    ) -> Result<Verdict, SamplingError> {
+        if let Some(q) = q.filter(|q| q.len() != self.vocab) {
+            return Err(SamplingError::VocabMismatch {
+                got: q.len(),
+                vocab: self.vocab,
+            });
+        }
+        let candidates = self.candidates(logits, history)?;
+        let ids = candidates.ids();
+        if self.selection == Selection::Greedy {
+            let best = ids[candidates.argmax_index()];
+            return Ok(if best == draft {
+                Verdict::Accepted
+            } else {
+                Verdict::Rejected(best)
+            });
+        }
+        let p = candidates.probabilities();
+        let q_of = |t: TokenId| match q {
+            Some(q) => f64::from(q[t.0 as usize]),
+            None => f64::from(u8::from(t == draft)),
+        };
+        let p_draft = ids
+            .iter()
+            .position(|&t| t == draft)
+            .map_or(0.0, |i| f64::from(p[i]));
+        let q_draft = q_of(draft);
+        let u: f64 = self.rng.random();
+        if q_draft > 0.0 && u < p_draft / q_draft {
+            return Ok(Verdict::Accepted);
+        }
+        let mut residual: Vec<f32> = ids
+            .iter()
+            .zip(&p)
+            .map(|(&t, &pt)| (f64::from(pt) - q_of(t)).max(0.0) as f32)
+            .collect();
+        let total: f64 = residual.iter().map(|&r| f64::from(r)).sum();
+        if total > 0.0 {
+            residual
+                .iter_mut()
+                .for_each(|r| *r = (f64::from(*r) / total) as f32);
+        } else {
+            // p <= q everywhere means p == q: a rejection had probability 0 and only rounding
+            // got here; p itself is then the residual.
+            residual = p;
+        }
+        let u: f64 = self.rng.random();
+        let mut by_id: Vec<usize> = (0..ids.len()).collect();
+        by_id.sort_unstable_by_key(|&i| ids[i]);
+        Ok(Verdict::Rejected(ids[inverse_cdf(by_id, &residual, u)]))
+    }
+}
+
 /// The first index in `order` at which the running sum of `probs` exceeds `u` (the last
 /// index when rounding leaves the sum just short of it).
 fn inverse_cdf(order: impl IntoIterator<Item = usize>, probs: &[f32], u: f64) -> usize {

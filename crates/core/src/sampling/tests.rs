@@ -171,3 +171,99 @@ fn logits_of_the_wrong_width_are_an_error() {
         .unwrap_err();
     assert_eq!(err, SamplingError::VocabMismatch { got: 3, vocab: 4 });
 }
+
+/// The tokens `verify` yields (the draft when accepted, the replacement otherwise) over many
+/// draws, as frequencies, and the share of drafts accepted. Each draft is drawn from `q`
+/// (with its own RNG), or is `certain` when `q` is `None`.
+fn verified_frequencies(
+    sampler: &mut Sampler,
+    logits: &[f32],
+    certain: TokenId,
+    q: Option<&[f32]>,
+    draws: usize,
+) -> (Vec<f64>, f64) {
+    let history = TokenHistory::default();
+    let mut drafter = ChaCha8Rng::seed_from_u64(99);
+    let mut counts = vec![0usize; logits.len()];
+    let mut accepted = 0;
+    for _ in 0..draws {
+        let draft = match q {
+            None => certain,
+            Some(q) => TokenId(inverse_cdf(0..q.len(), q, drafter.random()) as u32),
+        };
+        let token = match sampler.verify(logits, &history, draft, q).unwrap() {
+            Verdict::Accepted => {
+                accepted += 1;
+                draft
+            }
+            Verdict::Rejected(t) => t,
+        };
+        counts[token.0 as usize] += 1;
+    }
+    let freq = counts.iter().map(|&c| c as f64 / draws as f64).collect();
+    (freq, accepted as f64 / draws as f64)
+}
+
+fn total_variation(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f64>() / 2.0
+}
+
+/// Whatever the draft distribution q, the verified token is distributed as the target's p
+/// (after every processor), and drafts are accepted as often as sum min(p, q) says. The
+/// total-variation bound: with 200,000 draws over 6 tokens the expected distance is about
+/// 0.002 (sum of sqrt(p(1-p)/(2 pi N))); 0.01 is five times that, and a wrong rule (accepting
+/// every draft) is off by more than 0.3 for the bad drafts here.
+#[test]
+fn verify_keeps_the_target_distribution() {
+    let logits = [1.0f32, 2.5, 0.3, 2.0, -1.0, 1.7];
+    let params = SamplingParams {
+        temperature: 0.9,
+        top_k: 5,
+        seed: Some(7),
+        ..SamplingParams::default()
+    };
+    let mut sampler = Sampler::new(&params, logits.len()).unwrap();
+    let history = TokenHistory::default();
+    let candidates = sampler.candidates(&logits, &history).unwrap();
+    let mut p = vec![0f64; logits.len()];
+    for (t, pt) in candidates.ids().iter().zip(candidates.probabilities()) {
+        p[t.0 as usize] = f64::from(pt);
+    }
+    let draws = 200_000;
+    let q_close: Vec<f32> = p.iter().map(|&x| (0.8 * x + 0.2 / 6.0) as f32).collect();
+    let q_bad = [0.05f32, 0.05, 0.05, 0.05, 0.75, 0.05];
+    let cases: [(TokenId, Option<&[f32]>); 5] = [
+        (TokenId(1), None), // a certain draft of the likeliest token
+        (TokenId(2), None), // a certain draft of an unlikely one
+        (TokenId(4), None), // a certain draft outside top-k: p = 0, always rejected
+        (TokenId(0), Some(&q_close)),
+        (TokenId(0), Some(&q_bad)),
+    ];
+    for (certain, q) in cases {
+        let (freq, accepted) = verified_frequencies(&mut sampler, &logits, certain, q, draws);
+        let tv = total_variation(&freq, &p);
+        assert!(tv < 0.01, "{certain} {q:?}: {freq:?} vs {p:?} ({tv})");
+        let expected: f64 = match q {
+            None => p[certain.0 as usize],
+            Some(q) => p.iter().zip(q).map(|(&a, &b)| a.min(f64::from(b))).sum(),
+        };
+        assert!(
+            (accepted - expected).abs() < 0.01,
+            "{accepted} vs {expected}"
+        );
+    }
+}
+
+#[test]
+fn greedy_verify_accepts_only_the_argmax() {
+    let mut sampler = Sampler::new(&SamplingParams::greedy(), 4).unwrap();
+    let history = TokenHistory::default();
+    let logits = [0.1f32, 3.0, 2.0, 3.0];
+    let mut verify = |t| sampler.verify(&logits, &history, TokenId(t), None).unwrap();
+    // Ties go to the lower id, as `sample` does.
+    assert_eq!(verify(1), Verdict::Accepted);
+    assert_eq!(verify(3), Verdict::Rejected(TokenId(1)));
+    assert_eq!(verify(0), Verdict::Rejected(TokenId(1)));
+    let short = sampler.verify(&logits[..3], &history, TokenId(1), None);
+    assert!(short.is_err());
+}
