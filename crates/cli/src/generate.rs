@@ -8,12 +8,14 @@ use anyhow::{Context, Result, bail};
 use kiln_core::backend::{BackendTask, run_on};
 use kiln_core::kv_cache::{CacheKind, DEFAULT_BLOCK_SIZE};
 use kiln_core::{CausalLm, InferenceBackend, TokenId};
-use kiln_engine::{CacheSpec, Completion, Engine, EngineConfig, Event, Request, Snapshot};
+use kiln_engine::{
+    CacheSpec, Completion, Engine, EngineConfig, Event, Request, Snapshot, SpecCounts,
+};
 use kiln_models::LoadedModel;
 use serde_json::json;
 
 use crate::exit::UsageError;
-use crate::model_args::{ModelArgs, SamplingArgs};
+use crate::model_args::{ModelArgs, SamplingArgs, SpeculationArgs};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
@@ -80,6 +82,8 @@ pub struct Args {
         help_heading = "KV cache and batching"
     )]
     max_batch: usize,
+    #[command(flatten)]
+    speculation: SpeculationArgs,
     /// Prefill the prompt, save its KV cache to FILE, then generate as usual.
     #[arg(
         long,
@@ -102,6 +106,7 @@ pub struct Args {
 
 pub fn run(mut args: Args) -> Result<()> {
     args.sampling.params()?;
+    args.speculation.speculation()?;
     let other_input =
         args.token_ids.is_some() || args.prompts_file.is_some() || args.from_snapshot.is_some();
     args.prompt = prompt_text(&args, other_input)?;
@@ -243,6 +248,7 @@ impl BackendTask for Task {
         let config = EngineConfig {
             max_batch: args.max_batch.min(prompts.len()),
             prefix_cache: !args.no_prefix_cache,
+            speculation: args.speculation.speculation()?,
             ..EngineConfig::default()
         };
         let spec = CacheSpec {
@@ -386,6 +392,12 @@ fn report_json(
         },
         "cached_tokens": c.cached_tokens,
         "preemptions": c.preemptions,
+        "speculation": {
+            "drafted_tokens": c.speculation.drafted,
+            "accepted_tokens": c.speculation.accepted,
+            "acceptance_rate": c.speculation.acceptance_rate(),
+            "tokens_per_forward": c.speculation.tokens_per_forward(),
+        },
     });
     if with_index {
         value["index"] = json!(index);
@@ -414,8 +426,23 @@ fn summary(completions: &[Completion], elapsed: std::time::Duration) -> String {
     } else {
         format!("{} prompts", completions.len())
     };
+    let mut counts = SpecCounts::default();
+    for c in completions {
+        counts.add(&c.speculation);
+    }
+    let speculation = if counts.drafted > 0 {
+        format!(
+            "; speculation: {} of {} drafts accepted ({:.0} %), {:.2} tokens per forward",
+            counts.accepted,
+            counts.drafted,
+            counts.acceptance_rate() * 100.0,
+            counts.tokens_per_forward()
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "prompt {prompt} tokens ({cached} cached), generated {generated} tokens ({reasons}); prefill {:.1} tok/s, decode {:.1} tok/s, time to first token {:.0} ms",
+        "prompt {prompt} tokens ({cached} cached), generated {generated} tokens ({reasons}); prefill {:.1} tok/s, decode {:.1} tok/s, time to first token {:.0} ms{speculation}",
         per_second(prompt - cached, ttft.as_secs_f64()),
         per_second(decoded, decode),
         ttft.as_secs_f64() * 1e3

@@ -1,5 +1,5 @@
-//! Flags every model-running command shares: which model, where, in what precision, and how to
-//! sample. With no `--model`, the embedded default (SmolLM2-135M-Instruct) is fetched once into
+//! Flags every model-running command shares: which model, where, in what precision, how to
+//! sample, and how to speculate. With no `--model`, the embedded default (SmolLM2-135M-Instruct) is fetched once into
 //! kiln's model cache.
 
 use std::io::Write;
@@ -10,9 +10,11 @@ use indicatif::ProgressBar;
 use kiln_core::backend::BackendKind;
 use kiln_core::sampling::SamplingParams;
 use kiln_core::{Dtype, InferenceBackend};
+use kiln_engine::{DraftSource, Speculation};
 use kiln_models::default_model::{FetchEvent, SMOLLM2_135M_INSTRUCT, kiln_home};
 use kiln_models::{LoadOptions, LoadedModel, WeightStorage};
 
+use crate::exit::UsageError;
 use crate::progress;
 
 /// Which model to run, and on what.
@@ -175,5 +177,61 @@ impl SamplingArgs {
         };
         params.validate()?;
         Ok(params)
+    }
+}
+
+/// Speculative decoding.
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Speculative decoding")]
+pub struct SpeculationArgs {
+    /// Speculative decoding with prompt lookup: draft the tokens that followed the latest
+    /// earlier occurrence of the context's last N tokens (N down to --prompt-lookup-min) and
+    /// verify them in one forward. Same greedy output, same sampling distribution; faster when the output copies
+    /// from the input (rewriting, summarising, editing code).
+    #[arg(long, value_name = "N")]
+    pub prompt_lookup: Option<usize>,
+    /// Prompt lookup: the shortest n-gram looked up (a single recurring token predicts
+    /// poorly); at most N.
+    #[arg(
+        long,
+        value_name = "M",
+        default_value_t = 2,
+        requires = "prompt_lookup"
+    )]
+    pub prompt_lookup_min: usize,
+    /// Most draft tokens per sequence and step.
+    #[arg(
+        long,
+        value_name = "K",
+        default_value_t = 4,
+        requires = "prompt_lookup"
+    )]
+    pub draft_tokens: usize,
+    /// Always propose K drafts, instead of one more than the last check accepted (up to K).
+    #[arg(long, requires = "prompt_lookup")]
+    pub fixed_draft_tokens: bool,
+}
+
+impl SpeculationArgs {
+    /// The engine's setting (`None`: off).
+    ///
+    /// # Errors
+    /// [`UsageError`] for a zero n-gram or draft length.
+    pub fn speculation(&self) -> Result<Option<Speculation>> {
+        let Some(max_ngram) = self.prompt_lookup else {
+            return Ok(None);
+        };
+        let speculation = Speculation {
+            source: DraftSource::PromptLookup {
+                min_ngram: self.prompt_lookup_min.min(max_ngram),
+                max_ngram,
+            },
+            draft_tokens: self.draft_tokens,
+            adaptive: !self.fixed_draft_tokens,
+        };
+        match speculation.problem() {
+            Some(why) => Err(UsageError(why).into()),
+            None => Ok(Some(speculation)),
+        }
     }
 }

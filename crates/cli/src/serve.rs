@@ -12,7 +12,7 @@ use kiln_engine::{CacheSpec, EngineConfig};
 use kiln_server::{ServedModel, Server, ServerOptions};
 
 use crate::exit::UsageError;
-use crate::model_args::ModelArgs;
+use crate::model_args::{ModelArgs, SpeculationArgs};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
@@ -90,6 +90,8 @@ pub struct Args {
     /// leading tokens (prefix caching is on by default with the paged cache).
     #[arg(long, help_heading = "KV cache and batching")]
     no_prefix_cache: bool,
+    #[command(flatten)]
+    speculation: SpeculationArgs,
 }
 
 pub fn run(mut args: Args) -> Result<()> {
@@ -182,6 +184,7 @@ impl BackendTask for Task {
             max_batch: args.max_batch,
             max_step_tokens: args.max_step_tokens,
             prefix_cache: !args.no_prefix_cache,
+            speculation: args.speculation.speculation()?,
             ..EngineConfig::default()
         };
         let (spec, bytes) = cache_spec(&args, shape.max_positions, per_token);
@@ -196,7 +199,7 @@ impl BackendTask for Task {
             .map(|(kind, count, _)| format!("{count} {kind}"))
             .collect();
         tracing::info!(
-            "serving {name} on {} (weights: {}): max batch {}, KV cache {} MiB = {tokens} tokens ({} cache, {} KiB per token), prefix caching {}",
+            "serving {name} on {} (weights: {}): max batch {}, KV cache {} MiB = {tokens} tokens ({} cache, {} KiB per token), prefix caching {}, speculative decoding {}",
             backend.name(),
             weights.join(", "),
             args.max_batch,
@@ -207,6 +210,13 @@ impl BackendTask for Task {
                 "off"
             } else {
                 "on"
+            },
+            match &args.speculation.prompt_lookup {
+                Some(n) => format!(
+                    "prompt lookup (n-grams of up to {n}, {} drafts)",
+                    args.speculation.draft_tokens
+                ),
+                None => "off".into(),
             },
         );
         let block_tokens = if spec.kind == CacheKind::Paged {

@@ -132,6 +132,7 @@ impl Cell {
             max_step_tokens: self.max_step_tokens.max(self.prompt_len),
             policy: StepPolicy::PrefillFirst,
             prefix_cache: false,
+            speculation: None,
         }
     }
 
@@ -361,14 +362,15 @@ mod tests {
             &self,
             batch: &Batch,
             cache: &mut dyn KvCache<B>,
-            _logits: LogitsFor,
+            logits: LogitsFor,
         ) -> kiln_core::Result<Tensor<B, 2>> {
             cache.plan(batch)?;
             self.forwards
                 .borrow_mut()
                 .push((batch.spans().len(), batch.n_tokens()));
             let mut rows = Vec::new();
-            for i in batch.last_indices() {
+            let wanted = logits.rows(batch)?;
+            for i in wanted.unwrap_or_else(|| (0..batch.n_tokens()).collect()) {
                 let mut row = vec![0f32; VOCAB];
                 row[(batch.tokens()[i].0 as usize + 1) % VOCAB] = 10.0;
                 rows.extend(row);

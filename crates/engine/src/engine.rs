@@ -20,7 +20,7 @@ use std::hash::{Hash, Hasher};
 use std::ops::{Deref, DerefMut};
 
 use kiln_core::kv_cache::{CacheError, HostKv, KvCache};
-use kiln_core::sampling::Sampler;
+use kiln_core::sampling::{Sampler, Verdict};
 use kiln_core::{Batch, CausalLm, CoreError, InferenceBackend, LogitsFor, SeqId, TokenId};
 
 use crate::detok::Detokenizer;
@@ -30,6 +30,7 @@ use crate::request::{
     Completion, Event, MAX_TOP_LOGPROBS, Request, RequestId, TokenLogprobs, prompt_problem,
 };
 use crate::sequence::{Sequence, common_prefix};
+use crate::speculate::{SpecCounts, Speculation};
 
 /// Scheduling limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +45,8 @@ pub struct EngineConfig {
     /// Reuse the K/V of earlier requests' identical leading tokens (where the cache kind
     /// supports it: paged).
     pub prefix_cache: bool,
+    /// Speculative decoding for every decoding sequence (`None`: off).
+    pub speculation: Option<Speculation>,
 }
 
 impl Default for EngineConfig {
@@ -53,6 +56,7 @@ impl Default for EngineConfig {
             max_step_tokens: 512,
             policy: StepPolicy::default(),
             prefix_cache: true,
+            speculation: None,
         }
     }
 }
@@ -131,6 +135,7 @@ pub struct Engine<'a, B: InferenceBackend> {
     kept: HashMap<RequestId, Kept>,
     next_id: u64,
     prefix: PrefixStats,
+    speculation: SpecCounts,
 }
 
 /// The prefix cache's key space for `model`: its fingerprint and dtype, so no two models (or
@@ -179,6 +184,9 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
                 "max_batch and max_step_tokens must be positive".into(),
             ));
         }
+        if let Some(why) = config.speculation.as_ref().and_then(Speculation::problem) {
+            return Err(EngineError::InvalidConfig(why));
+        }
         if config.prefix_cache {
             // Kinds without prefix caching (sliding, dense) simply decline.
             cache.enable_prefix_cache(prefix_key_space(model));
@@ -193,6 +201,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             kept: HashMap::new(),
             next_id: 0,
             prefix: PrefixStats::default(),
+            speculation: SpecCounts::default(),
         })
     }
 
@@ -236,6 +245,12 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// Prompt tokens looked up in the prefix cache and found there so far.
     pub fn prefix_stats(&self) -> PrefixStats {
         self.prefix
+    }
+
+    /// Drafts proposed and accepted, target forwards and the tokens they produced, summed over
+    /// the requests finished so far.
+    pub fn speculation_stats(&self) -> SpecCounts {
+        self.speculation
     }
 
     fn check(&self, request: &Request) -> Result<Sampler, EngineError> {
@@ -504,6 +519,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         }
         let mut seq = self.running.pop().expect("more than one running");
         self.cache.release(seq.seq);
+        seq.drafts.clear();
         seq.in_cache = 0;
         seq.preemptions += 1;
         self.waiting.push_front(seq);
@@ -534,6 +550,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             if fed.is_empty() {
                 return Ok(events);
             }
+            let fed = self.draft(fed);
             let step: Vec<(SeqId, usize)> =
                 fed.iter().map(|&(i, n)| (self.running[i].seq, n)).collect();
             match self.cache.reserve(&step) {
@@ -547,14 +564,23 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             }
         };
         let mut batch = Batch::new();
+        let mut rows_of = Vec::with_capacity(fed.len());
         for &(i, n) in &fed {
             let seq = &self.running[i];
-            let (tokens, start) = seq.next_chunk(n);
+            let drafts = seq.drafts.len();
+            let (mut tokens, start) = seq.next_chunk(n - drafts);
+            tokens.extend(&seq.drafts);
             batch.push(seq.seq, &tokens, start)?;
+            rows_of.push(1 + drafts);
         }
+        let wanted = if rows_of.iter().all(|&n| n == 1) {
+            LogitsFor::LastOfEachSequence
+        } else {
+            LogitsFor::LastOfEach(rows_of.clone())
+        };
         let logits = self
             .model
-            .forward(&batch, &mut *self.cache, LogitsFor::LastOfEachSequence)
+            .forward(&batch, &mut *self.cache, wanted)
             .inspect_err(|_| {
                 // The step's K/V may be half written (and its full blocks registered):
                 // nothing cached can be trusted after a failed forward.
@@ -566,12 +592,20 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             })?;
         let vocab = self.model.shape().vocab;
         let rows: Vec<f32> = logits.into_data().iter::<f32>().collect();
-        for (row, &(i, n)) in rows.chunks_exact(vocab).zip(&fed) {
-            self.running[i].in_cache += n;
-            if self.running[i].pending() > 0 {
-                continue;
-            }
-            if let Some(reason) = self.sample(i, row, &mut events)? {
+        let mut rows = rows.chunks_exact(vocab);
+        for (&(i, n), &n_rows) in fed.iter().zip(&rows_of) {
+            let seq_rows: Vec<&[f32]> = rows.by_ref().take(n_rows).collect();
+            let reason = if n_rows > 1 {
+                self.verify_drafts(i, &seq_rows, &mut events)?
+            } else {
+                self.running[i].in_cache += n;
+                if self.running[i].pending() > 0 {
+                    continue;
+                }
+                self.running[i].counts.forwards += 1;
+                self.sample(i, seq_rows[0], &mut events)?
+            };
+            if let Some(reason) = reason {
                 finished.push((i, reason));
             }
         }
@@ -585,6 +619,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
 
     /// Ends `seq`: its cache is freed or kept, and its completion reported.
     fn retire(&mut self, seq: Sequence, reason: FinishReason, events: &mut Vec<Event>) {
+        self.speculation.add(&seq.counts);
         if seq.request.keep_cache {
             let tokens = seq.context_tokens().take(seq.in_cache).copied().collect();
             self.kept.insert(
@@ -605,6 +640,89 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         events.push(Event::Finished(completion));
     }
 
+    /// Gives each decoding sequence of the planned step its drafts, when speculation is on:
+    /// the step then feeds its last sampled token and the drafts. Drafts never outrun the
+    /// request's budget (the token after the last accepted draft always comes too).
+    fn draft(&mut self, fed: Vec<(usize, usize)>) -> Vec<(usize, usize)> {
+        let Some(speculation) = self.config.speculation else {
+            return fed;
+        };
+        fed.into_iter()
+            .map(|(i, n)| {
+                let seq = &mut self.running[i];
+                seq.drafts.clear();
+                if seq.wants_decode() {
+                    let room = seq.budget.saturating_sub(seq.generated.len() + 1);
+                    seq.drafts = speculation.draft(&seq.context(), room.min(seq.draft_limit));
+                }
+                (i, n + seq.drafts.len())
+            })
+            .collect()
+    }
+
+    /// Checks sequence `i`'s drafts against the target's `rows` (one for the token before the
+    /// drafts, one per draft): accepted drafts and the token after them are taken in order,
+    /// until a draft is rejected or the sequence ends; the cache is rolled back to what the
+    /// context really holds. Returns why the sequence ended, if it did.
+    fn verify_drafts(
+        &mut self,
+        i: usize,
+        rows: &[&[f32]],
+        events: &mut Vec<Event>,
+    ) -> Result<Option<FinishReason>, EngineError> {
+        let seq = &mut self.running[i];
+        let drafts = std::mem::take(&mut seq.drafts);
+        let before = seq.in_cache;
+        seq.counts.forwards += 1;
+        seq.counts.drafted += drafts.len() as u64;
+        let mut reason = None;
+        let mut accepted_drafts = 0;
+        for (j, row) in rows.iter().enumerate() {
+            let seq = &mut self.running[i];
+            let (token, accepted) = match drafts.get(j) {
+                Some(&draft) => {
+                    let verdict = seq
+                        .sampler
+                        .verify(row, &seq.history, draft, None)
+                        .map_err(CoreError::from)?;
+                    match verdict {
+                        Verdict::Accepted => (draft, true),
+                        Verdict::Rejected(token) => (token, false),
+                    }
+                }
+                None => {
+                    let token = seq
+                        .sampler
+                        .try_sample(row, &seq.history)
+                        .map_err(CoreError::from)?;
+                    (token, false)
+                }
+            };
+            seq.counts.accepted += u64::from(accepted);
+            accepted_drafts += usize::from(accepted);
+            reason = self.take(i, token, row, events);
+            if reason.is_some() || !accepted {
+                break;
+            }
+        }
+        if let Some(speculation) = self.config.speculation {
+            let seq = &mut self.running[i];
+            seq.draft_limit = speculation.next_limit(accepted_drafts);
+        }
+        // The forward wrote the last token and every draft; the context holds the token and
+        // the accepted drafts (less an accepted EOS, which is not part of it).
+        let seq = &mut self.running[i];
+        let fed = 1 + drafts.len();
+        let held = (before + 1 + accepted_drafts).min(seq.context_len());
+        seq.in_cache = held;
+        if held < before + fed && self.cache.truncate(seq.seq, held).is_err() {
+            // A cache that cannot roll back (a sliding ring) recomputes the context instead.
+            self.cache.release(seq.seq);
+            seq.in_cache = 0;
+        }
+        Ok(reason)
+    }
+
     /// Samples sequence `i`'s next token from `logits`; returns why it ended, if it did.
     fn sample(
         &mut self,
@@ -612,14 +730,28 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         logits: &[f32],
         events: &mut Vec<Event>,
     ) -> Result<Option<FinishReason>, EngineError> {
-        let detok = self.detok;
         let seq = &mut self.running[i];
         let token = seq
             .sampler
             .try_sample(logits, &seq.history)
             .map_err(CoreError::from)?;
+        Ok(self.take(i, token, logits, events))
+    }
+
+    /// Sequence `i` takes `token`, sampled from `logits`: an EOS ends it, anything else is
+    /// output (and may complete a stop string or the budget). Returns why it ended, if it did.
+    fn take(
+        &mut self,
+        i: usize,
+        token: TokenId,
+        logits: &[f32],
+        events: &mut Vec<Event>,
+    ) -> Option<FinishReason> {
+        let detok = self.detok;
+        let seq = &mut self.running[i];
+        seq.counts.tokens += 1;
         if seq.request.eos.contains(&token) {
-            return Ok(Some(FinishReason::Eos));
+            return Some(FinishReason::Eos);
         }
         let logprobs = seq
             .request
@@ -632,13 +764,13 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             text,
             logprobs,
         });
-        Ok(if stopped {
+        if stopped {
             Some(FinishReason::Stop)
         } else if seq.generated.len() >= seq.budget {
             Some(FinishReason::Length)
         } else {
             None
-        })
+        }
     }
 
     /// Steps until every request has finished, passing each event to `on_event`; returns the

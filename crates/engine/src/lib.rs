@@ -58,6 +58,7 @@ pub mod request;
 mod sequence;
 pub mod session;
 pub mod snapshot;
+pub mod speculate;
 pub mod stop;
 
 pub use cache::CacheSpec;
@@ -70,3 +71,4 @@ pub use request::{
 };
 pub use session::Session;
 pub use snapshot::Snapshot;
+pub use speculate::{DraftSource, SpecCounts, Speculation};

@@ -8,6 +8,7 @@ use kiln_core::{ModelShape, TokenId};
 use serde::Serialize;
 
 use crate::generate::FinishReason;
+use crate::speculate::SpecCounts;
 
 /// Why `prompt` cannot be run by a model of `shape`, or `None` when it can: it is empty, it
 /// fills the context (at least one position must be left to generate), or it holds an id
@@ -159,6 +160,9 @@ pub struct Completion {
     pub timings: Timings,
     /// How many times the scheduler evicted it to make room (its cache was recomputed).
     pub preemptions: usize,
+    /// Forwards that produced its tokens and, with speculative decoding, the drafts proposed
+    /// and accepted ([`SpecCounts::tokens_per_forward`], [`SpecCounts::acceptance_rate`]).
+    pub speculation: SpecCounts,
 }
 
 /// A request's times.

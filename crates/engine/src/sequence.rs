@@ -8,6 +8,7 @@ use kiln_core::{Position, SeqId, TokenId};
 use crate::detok::{Detokenizer, IncrementalDecoder};
 use crate::generate::FinishReason;
 use crate::request::{Completion, Request, RequestId, Timings};
+use crate::speculate::SpecCounts;
 use crate::stop::StopMatcher;
 
 /// A request being served. Its *context* is the prompt followed by what it generated; the
@@ -34,6 +35,12 @@ pub(crate) struct Sequence {
     pub cached_tokens: Option<usize>,
     /// The caller asked it to end ([`crate::Engine::stop`]); it ends at the next step.
     pub stop_requested: bool,
+    /// Draft tokens this step feeds after its last sampled token (speculative decoding).
+    pub drafts: Vec<TokenId>,
+    /// Speculation's counts: drafts, accepted drafts, forwards and the tokens they produced.
+    pub counts: SpecCounts,
+    /// Most drafts it proposes next step (adaptive speculation moves it after each check).
+    pub draft_limit: usize,
 }
 
 impl Sequence {
@@ -56,6 +63,9 @@ impl Sequence {
             preemptions: 0,
             cached_tokens: None,
             stop_requested: false,
+            drafts: Vec::new(),
+            counts: SpecCounts::default(),
+            draft_limit: usize::MAX,
         }
     }
 
@@ -139,6 +149,7 @@ impl Sequence {
                 decode: now.duration_since(first),
             },
             preemptions: self.preemptions,
+            speculation: self.counts,
             cached_tokens: self
                 .cached_tokens
                 .unwrap_or(0)

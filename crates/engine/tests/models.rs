@@ -14,8 +14,8 @@ use kiln_core::sampling::{Sampler, SamplingParams, TokenHistory};
 use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, SeqId, TokenId};
 use kiln_engine::bench::{Cell, Sampling, run_cell, synthetic_prompts};
 use kiln_engine::{
-    CacheSpec, Engine, EngineConfig, EngineError, FinishReason, Request, Session, Snapshot,
-    generate,
+    CacheSpec, DraftSource, Engine, EngineConfig, EngineError, FinishReason, Request, Session,
+    Snapshot, SpecCounts, Speculation, generate,
 };
 use kiln_models::default_model::{SMOLLM2_135M_INSTRUCT, kiln_home};
 use kiln_models::{LoadOptions, LoadedModel, WeightStorage};
@@ -610,6 +610,116 @@ fn bench_cell_generates_what_generate_does<B: InferenceBackend>() {
     }
 }
 
+/// Speculative decoding with prompt lookup gives exactly the plain greedy tokens of each
+/// prompt alone, on every cache kind, one request at a time and all in one batch. Returns the
+/// counts over every run (so a caller can check that drafts were proposed and accepted).
+fn speculative_greedy_matches_alone<B: InferenceBackend>(
+    model: &dyn CausalLm<B>,
+    prompts: &[Vec<TokenId>],
+    n: usize,
+) -> SpecCounts {
+    let greedy = SamplingParams::greedy();
+    let expected: Vec<Vec<TokenId>> = prompts
+        .iter()
+        .map(|p| alone(model, p, n, &greedy))
+        .collect();
+    let speculation = Speculation {
+        source: DraftSource::PromptLookup {
+            min_ngram: 2,
+            max_ngram: 3,
+        },
+        draft_tokens: 4,
+        adaptive: true,
+    };
+    let mut counts = SpecCounts::default();
+    for kind in CacheKind::ALL {
+        let spec = CacheSpec {
+            kind,
+            window: 512,
+            max_step: 512,
+            ..CacheSpec::paged(prompts.len(), 256)
+        };
+        for batch in [1, prompts.len()] {
+            let cache = spec
+                .build::<B>(model.shape().kv_layout(), model.dtype(), &model.device())
+                .unwrap();
+            let config = EngineConfig {
+                max_batch: batch,
+                speculation: Some(speculation),
+                ..EngineConfig::default()
+            };
+            let mut engine = Engine::new(model, cache, config).unwrap();
+            for prompt in prompts {
+                let request = Request {
+                    prompt: prompt.clone(),
+                    max_tokens: n,
+                    sampling: greedy.clone(),
+                    ..Request::default()
+                };
+                engine.submit(request).unwrap();
+            }
+            let done = engine.run(|_| {}).unwrap();
+            for (i, (ours, theirs)) in done.iter().zip(&expected).enumerate() {
+                assert_eq!(&ours.tokens, theirs, "{kind}, batch {batch}, prompt {i}");
+            }
+            assert_eq!(engine.cache().usage().sequences, 0, "{kind}");
+            counts.add(&engine.speculation_stats());
+        }
+    }
+    counts
+}
+
+/// SmolLM2: the reference prompts (whose greedy continuations transformers wrote) and a
+/// prompt that asks for a copy. Exact weights must also give transformers' tokens.
+fn speculative_greedy_on_smollm2<B: InferenceBackend>(weights: WeightStorage) {
+    let loaded = load_with::<B>(&smollm2(), Dtype::F32, weights);
+    let model = &loaded.model;
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("smollm2/reference.json")).unwrap())
+            .unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<TokenId> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| TokenId(x.as_u64().unwrap() as u32))
+            .collect()
+    };
+    let n = 16;
+    let cases = reference["greedy_cases"].as_array().unwrap();
+    let mut prompts: Vec<Vec<TokenId>> = cases.iter().map(|c| ids(&c["prompt_ids"])).collect();
+    let tokenizer = loaded.tokenizer.as_ref().unwrap();
+    prompts.push(
+        tokenizer
+            .encode(
+                "<|im_start|>user\nRepeat this sentence exactly: The quick brown fox jumps over \
+                 the lazy dog near the river bank.<|im_end|>\n<|im_start|>assistant\n",
+                false,
+            )
+            .unwrap(),
+    );
+    let counts = speculative_greedy_matches_alone(model, &prompts, n);
+    assert!(counts.accepted > 0, "{counts:?}");
+    if weights == WeightStorage::Dequantized {
+        let greedy = SamplingParams::greedy();
+        for (case, prompt) in cases.iter().zip(&prompts) {
+            let reference = ids(&case["greedy"]);
+            assert_eq!(alone(model, prompt, n, &greedy), reference[..n]);
+        }
+    }
+}
+
+/// The tiny Llama on prompts that repeat themselves (lavapipe runs SmolLM2 too slowly).
+fn speculative_greedy_on_llama_tiny<B: InferenceBackend>() {
+    let loaded = load::<B>(&fixture("llama-tiny"), Dtype::F32);
+    let model = &loaded.model;
+    let prompts: Vec<Vec<TokenId>> = prompts(&[9, 14, 5], model.shape().vocab)
+        .into_iter()
+        .map(|p| p.iter().chain(&p).chain(&p[..3]).copied().collect())
+        .collect();
+    let counts = speculative_greedy_matches_alone(model, &prompts, 12);
+    assert!(counts.drafted > 0, "{counts:?}");
+}
+
 mod cpu {
     type B = burn::backend::Flex;
 
@@ -621,6 +731,11 @@ mod cpu {
     #[test]
     fn mixed_batch_matches_alone() {
         super::mixed_batch_matches_alone::<B>(super::WeightStorage::Dequantized);
+    }
+
+    #[test]
+    fn speculative_greedy_on_smollm2() {
+        super::speculative_greedy_on_smollm2::<B>(super::WeightStorage::Dequantized);
     }
 
     #[test]
@@ -691,6 +806,11 @@ mod cpu_quantized {
     fn prefix_cache_matches_alone() {
         super::prefix_cache_matches_alone::<B>(&super::smollm2(), WeightStorage::Quantized);
     }
+
+    #[test]
+    fn speculative_greedy_on_smollm2() {
+        super::speculative_greedy_on_smollm2::<B>(WeightStorage::Quantized);
+    }
 }
 
 mod wgpu {
@@ -726,5 +846,10 @@ mod wgpu {
     #[test]
     fn model_window_holds_on_every_cache_kind() {
         super::model_window_holds_on_every_cache_kind::<B>();
+    }
+
+    #[test]
+    fn speculative_greedy_on_llama_tiny() {
+        super::speculative_greedy_on_llama_tiny::<B>();
     }
 }

@@ -9,8 +9,8 @@ use kiln_core::kv_cache::{CacheKind, KvCache, KvLayout};
 use kiln_core::sampling::SamplingParams;
 use kiln_core::{Batch, CausalLm, Dtype, LogitsFor, ModelShape, TokenId};
 use kiln_engine::{
-    CacheSpec, Completion, Engine, EngineConfig, EngineError, Event, FinishReason, Request,
-    StepPolicy,
+    CacheSpec, Completion, DraftSource, Engine, EngineConfig, EngineError, Event, FinishReason,
+    Request, Speculation, StepPolicy,
 };
 
 type B = burn::backend::Flex;
@@ -47,11 +47,12 @@ impl CausalLm<B> for Scripted {
         &self,
         batch: &Batch,
         cache: &mut dyn KvCache<B>,
-        _logits: LogitsFor,
+        logits: LogitsFor,
     ) -> kiln_core::Result<Tensor<B, 2>> {
         cache.plan(batch)?;
         let mut rows = Vec::new();
-        for i in batch.last_indices() {
+        let wanted = logits.rows(batch)?;
+        for i in wanted.unwrap_or_else(|| (0..batch.n_tokens()).collect()) {
             let next = (self.script)(batch.tokens()[i].0, batch.positions()[i].0);
             let mut row = vec![0f32; VOCAB];
             row[next as usize] = 10.0;
@@ -745,5 +746,115 @@ fn kept_caches_are_continued_computing_only_what_is_new() {
         assert_eq!(engine.cache().usage().sequences, 1, "{kind}");
         assert!(engine.release_kept(last));
         assert_eq!(engine.cache().usage().sequences, 0, "{kind}");
+    }
+}
+
+/// EOS after token 9; otherwise counts up.
+fn eos_after_9(token: u32, position: u32) -> u32 {
+    if token == 9 {
+        EOS.0
+    } else {
+        count_up(token, position)
+    }
+}
+
+/// Speculative decoding with prompt lookup gives every request exactly its tokens, text and
+/// finish reason without speculation, on every cache kind: drafts accepted in long runs (a
+/// prompt that already counts through the cycle), cut inside an accepted run by a stop string,
+/// by `max_tokens`, and by an accepted EOS; drafts rejected (a prompt whose repeats mislead
+/// the lookup). Accepted runs save forwards, rejected drafts are rolled back, and no cache
+/// space is left held.
+#[test]
+fn speculation_changes_no_greedy_token() {
+    // Every draft a lookup finds, always 5 of them; and the CLI's defaults (n-grams of 2 or
+    // more, adaptive length).
+    let eager = Speculation {
+        source: DraftSource::PromptLookup {
+            min_ngram: 1,
+            max_ngram: 3,
+        },
+        draft_tokens: 5,
+        adaptive: false,
+    };
+    let careful = Speculation {
+        source: DraftSource::PromptLookup {
+            min_ngram: 2,
+            max_ngram: 3,
+        },
+        adaptive: true,
+        ..eager
+    };
+    let cycle = |n: u32| -> Vec<u32> { (0..n).map(|i| 2 + i % 30).collect() };
+    let mut stopped = request(&cycle(58), 20);
+    stopped.stop = vec!["###".into()];
+    let counting = [
+        stopped,
+        request(&cycle(40), 23),
+        // After 5 the lookup drafts 6 9 9 9 2; the model says 6 7: one draft stands.
+        request(&[5, 6, 9, 9, 9, 2, 3, 4], 12),
+        request(&[7], 9),
+    ];
+    let ending = [request(&[7, 8, 9, 1, 2, 3, 4, 5, 6], 10)];
+    type Script = fn(u32, u32) -> u32;
+    let cases: [(Script, &[Request]); 2] = [(count_up, &counting), (eos_after_9, &ending)];
+    for (case, (script, requests)) in cases.into_iter().enumerate() {
+        let model = Scripted { script };
+        for kind in CacheKind::ALL {
+            let run = |speculation: Option<Speculation>| {
+                let spec = CacheSpec {
+                    kind,
+                    window: 512,
+                    max_step: 64,
+                    ..CacheSpec::paged(4, 128)
+                };
+                let cache = spec
+                    .build::<B>(layout(), Dtype::F32, &Default::default())
+                    .unwrap();
+                let config = EngineConfig {
+                    max_step_tokens: 64,
+                    speculation,
+                    ..EngineConfig::default()
+                };
+                let mut engine = Engine::new(&model, cache, config)
+                    .unwrap()
+                    .with_detokenizer(&pieces);
+                for r in requests {
+                    engine.submit(r.clone()).unwrap();
+                }
+                let (_, done) = stream(&mut engine);
+                assert_eq!(engine.cache().usage().sequences, 0, "{kind}");
+                (done, engine.speculation_stats())
+            };
+            let (plain, plain_stats) = run(None);
+            for speculation in [eager, careful] {
+                let (fast, stats) = run(Some(speculation));
+                for (ours, theirs) in fast.iter().zip(&plain) {
+                    assert_eq!(tokens(ours), tokens(theirs), "{kind}");
+                    assert_eq!(ours.text, theirs.text, "{kind}");
+                    assert_eq!(ours.finish_reason, theirs.finish_reason, "{kind}");
+                    assert_eq!(theirs.speculation.drafted, 0);
+                    let tokens_produced = theirs.speculation.tokens;
+                    assert_eq!(ours.speculation.tokens, tokens_produced, "{kind}");
+                }
+                assert_eq!(
+                    plain_stats.forwards, plain_stats.tokens,
+                    "one token per forward"
+                );
+                assert!(stats.forwards < plain_stats.forwards, "{kind}: {stats:?}");
+                if case == 0 {
+                    assert_eq!(fast[0].finish_reason, FinishReason::Stop);
+                    assert_eq!(fast[1].tokens.len(), 23);
+                    let misled = fast[2].speculation;
+                    if speculation == eager {
+                        assert!(misled.drafted > misled.accepted, "{kind}: {misled:?}");
+                    }
+                    let copied = fast[1].speculation;
+                    assert!(copied.tokens_per_forward() > 3.0, "{kind}: {copied:?}");
+                } else {
+                    assert_eq!(fast[0].finish_reason, FinishReason::Eos);
+                    assert_eq!(tokens(&fast[0]), [7, 8, 9]);
+                }
+            }
+        }
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use kiln_engine::PrefixStats;
+use kiln_engine::{PrefixStats, SpecCounts};
 
 /// Upper bounds of the latency histograms' buckets, in seconds (vLLM's for time to first token
 /// and inter-token latency, merged).
@@ -56,6 +56,10 @@ pub struct Metrics {
     kv_blocks_total: AtomicU64,
     prefix_queries: AtomicU64,
     prefix_hits: AtomicU64,
+    spec_drafted: AtomicU64,
+    spec_accepted: AtomicU64,
+    spec_forwards: AtomicU64,
+    spec_tokens: AtomicU64,
     kv_block_tokens: AtomicU64,
     kv_cache_bytes: AtomicU64,
     max_batch: AtomicU64,
@@ -84,6 +88,8 @@ pub struct Load {
     pub kv_blocks_cached: usize,
     /// Prompt tokens looked up in the prefix cache and found there.
     pub prefix: PrefixStats,
+    /// Speculative decoding's counts over finished requests.
+    pub speculation: SpecCounts,
 }
 
 /// How a request left the engine.
@@ -121,6 +127,11 @@ impl Metrics {
         self.prefix_queries
             .store(load.prefix.queried, Ordering::Relaxed);
         self.prefix_hits.store(load.prefix.hits, Ordering::Relaxed);
+        let spec = load.speculation;
+        self.spec_drafted.store(spec.drafted, Ordering::Relaxed);
+        self.spec_accepted.store(spec.accepted, Ordering::Relaxed);
+        self.spec_forwards.store(spec.forwards, Ordering::Relaxed);
+        self.spec_tokens.store(spec.tokens, Ordering::Relaxed);
     }
 
     /// Sequences running and waiting, as last published.
@@ -233,7 +244,40 @@ impl Metrics {
                 hits as f64 / queries as f64
             }
         );
+        let spec = SpecCounts {
+            drafted: get(&self.spec_drafted),
+            accepted: get(&self.spec_accepted),
+            forwards: get(&self.spec_forwards),
+            tokens: get(&self.spec_tokens),
+        };
+        for (name, help, value) in [
+            (
+                "kiln_spec_decode_acceptance_rate",
+                "Share of speculative draft tokens the model accepted (finished requests).",
+                spec.acceptance_rate(),
+            ),
+            (
+                "kiln_spec_decode_tokens_per_forward",
+                "Tokens produced per forward of the model that produced any (finished requests; 1 without speculation).",
+                spec.tokens_per_forward(),
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+            );
+        }
         let counters = [
+            (
+                "kiln_spec_decode_draft_tokens_total",
+                "Speculative draft tokens proposed (finished requests).",
+                spec.drafted,
+            ),
+            (
+                "kiln_spec_decode_accepted_tokens_total",
+                "Speculative draft tokens accepted (finished requests).",
+                spec.accepted,
+            ),
             (
                 "kiln_prompt_tokens_total",
                 "Prompt tokens of finished requests.",
@@ -325,7 +369,7 @@ mod tests {
     }
 
     #[test]
-    fn blocks_and_the_prefix_cache_are_reported() {
+    fn blocks_the_prefix_cache_and_speculation_are_reported() {
         let m = Metrics::default();
         m.set_capacity(4, 10, 16, 1 << 20);
         m.set_load(Load {
@@ -337,9 +381,19 @@ mod tests {
                 queried: 400,
                 hits: 100,
             },
+            speculation: SpecCounts {
+                drafted: 40,
+                accepted: 30,
+                forwards: 20,
+                tokens: 50,
+            },
         });
         let text = m.render();
         for line in [
+            "kiln_spec_decode_draft_tokens_total 40\n",
+            "kiln_spec_decode_accepted_tokens_total 30\n",
+            "kiln_spec_decode_acceptance_rate 0.75\n",
+            "kiln_spec_decode_tokens_per_forward 2.5\n",
             "kiln_kv_cache_blocks_used 3\n",
             "kiln_kv_cache_blocks_cached 5\n",
             "kiln_kv_cache_blocks_free 2\n",

@@ -155,6 +155,7 @@ pub(crate) fn run<B: InferenceBackend>(
             kv_blocks_used: usage.used / block,
             kv_blocks_cached: usage.cached / block,
             prefix: engine.prefix_stats(),
+            speculation: engine.speculation_stats(),
         });
     }
     worker.fail_all(engine, "the server shut down before this request finished");

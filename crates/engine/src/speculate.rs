@@ -1,0 +1,210 @@
+//! Speculative decoding: a decoding sequence proposes up to K draft tokens, one forward of the
+//! target over the last sampled token and the drafts scores them all, and
+//! [`kiln_core::sampling::Sampler::verify`] accepts a prefix of them and supplies the token
+//! after it, so one forward yields 1 to K+1 tokens. Greedy output is exactly the
+//! non-speculative output; sampled output has exactly its distribution (the standard
+//! rejection rule). The engine rolls the cache back over rejected drafts.
+
+use kiln_core::TokenId;
+
+/// Where drafts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftSource {
+    /// Prompt lookup: the tokens that followed the most recent earlier occurrence of the
+    /// context's last n-gram (the longest, from `max_ngram` tokens down to `min_ngram`, that
+    /// occurred before). No second model; it pays when the output copies from the input
+    /// (rewriting, summarising, editing code) and costs one wider forward when it does not.
+    PromptLookup {
+        /// The shortest n-gram looked up (a single recurring token predicts poorly: 2 is
+        /// the CLI's default).
+        min_ngram: usize,
+        /// The longest n-gram looked up.
+        max_ngram: usize,
+    },
+}
+
+/// Speculative decoding settings ([`crate::EngineConfig::speculation`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Speculation {
+    /// Where drafts come from.
+    pub source: DraftSource,
+    /// Most draft tokens proposed per sequence and step (K).
+    pub draft_tokens: usize,
+    /// Adapt each sequence's draft length to how its drafts fare: after a check, the next
+    /// draft is one longer than what was accepted (up to K), so a sequence whose drafts keep
+    /// failing proposes one token at a time, and one copying its input goes back to K.
+    pub adaptive: bool,
+}
+
+impl Speculation {
+    /// Why these settings cannot be used, or `None`.
+    pub fn problem(&self) -> Option<String> {
+        if self.draft_tokens == 0 {
+            return Some("speculative decoding needs at least 1 draft token".into());
+        }
+        match self.source {
+            DraftSource::PromptLookup {
+                min_ngram,
+                max_ngram,
+            } if min_ngram == 0 || min_ngram > max_ngram => Some(format!(
+                "prompt lookup needs n-grams of 1 token or more, the shortest no longer than the longest (not {min_ngram} to {max_ngram})"
+            )),
+            DraftSource::PromptLookup { .. } => None,
+        }
+    }
+
+    /// The most drafts a sequence proposes next, after `accepted` of its last drafts stood.
+    pub fn next_limit(&self, accepted: usize) -> usize {
+        if self.adaptive {
+            (accepted + 1).min(self.draft_tokens)
+        } else {
+            self.draft_tokens
+        }
+    }
+
+    /// Up to `limit` draft tokens to follow `context`.
+    pub fn draft(&self, context: &[TokenId], limit: usize) -> Vec<TokenId> {
+        let k = self.draft_tokens.min(limit);
+        if k == 0 {
+            return Vec::new();
+        }
+        match self.source {
+            DraftSource::PromptLookup {
+                min_ngram,
+                max_ngram,
+            } => prompt_lookup(context, min_ngram, max_ngram, k),
+        }
+    }
+}
+
+/// Prompt lookup: for n from `max_ngram` down to `min_ngram`, the last n tokens of `context`
+/// are looked for earlier in it; at the most recent earlier occurrence of the longest that
+/// occurs, up to `k` of the tokens that followed it are the draft. Empty when no such suffix
+/// recurs.
+pub fn prompt_lookup(
+    context: &[TokenId],
+    min_ngram: usize,
+    max_ngram: usize,
+    k: usize,
+) -> Vec<TokenId> {
+    let len = context.len();
+    for n in (min_ngram.max(1)..=max_ngram.min(len.saturating_sub(1))).rev() {
+        let tail = &context[len - n..];
+        // Occurrences that end before the context does; the latest is the most relevant.
+        if let Some(start) = (0..len - n).rev().find(|&s| &context[s..s + n] == tail) {
+            let from = start + n;
+            return context[from..(from + k).min(len)].to_vec();
+        }
+    }
+    Vec::new()
+}
+
+/// Speculation's counts for one request, or summed over an engine's requests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SpecCounts {
+    /// Draft tokens proposed.
+    pub drafted: u64,
+    /// Of those, accepted by the target.
+    pub accepted: u64,
+    /// Forwards of the target that produced tokens (the prompt's last and every decode step).
+    pub forwards: u64,
+    /// Tokens those forwards produced.
+    pub tokens: u64,
+}
+
+impl SpecCounts {
+    /// Accepted drafts per proposed draft (0 when none was proposed).
+    pub fn acceptance_rate(&self) -> f64 {
+        if self.drafted == 0 {
+            0.0
+        } else {
+            self.accepted as f64 / self.drafted as f64
+        }
+    }
+
+    /// Tokens per target forward (1 without speculation).
+    pub fn tokens_per_forward(&self) -> f64 {
+        if self.forwards == 0 {
+            0.0
+        } else {
+            self.tokens as f64 / self.forwards as f64
+        }
+    }
+
+    /// Adds `other`'s counts.
+    pub fn add(&mut self, other: &SpecCounts) {
+        self.drafted += other.drafted;
+        self.accepted += other.accepted;
+        self.forwards += other.forwards;
+        self.tokens += other.tokens;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(v: &[u32]) -> Vec<TokenId> {
+        v.iter().copied().map(TokenId).collect()
+    }
+
+    #[test]
+    fn prompt_lookup_follows_the_latest_occurrence_of_the_longest_suffix() {
+        // "7 8" occurs twice before the end: the later one (followed by 4 5) wins.
+        let context = ids(&[7, 8, 1, 2, 9, 7, 8, 4, 5, 6, 7, 8]);
+        assert_eq!(prompt_lookup(&context, 1, 3, 2), ids(&[4, 5]));
+        assert_eq!(prompt_lookup(&context, 1, 3, 10), ids(&[4, 5, 6, 7, 8]));
+        // The 2-gram "2 3" occurred before: its match is used (the 1-gram "3" gives the same
+        // place here).
+        let context = ids(&[1, 2, 3, 9, 1, 2, 3]);
+        assert_eq!(prompt_lookup(&context, 1, 2, 3), ids(&[9, 1, 2]));
+        assert_eq!(prompt_lookup(&context, 1, 1, 3), ids(&[9, 1, 2]));
+        assert!(prompt_lookup(&ids(&[1, 2, 3]), 1, 3, 4).is_empty());
+        assert!(prompt_lookup(&ids(&[5]), 1, 3, 4).is_empty());
+        assert!(prompt_lookup(&[], 1, 3, 4).is_empty());
+        // A run of one token drafts more of it.
+        assert_eq!(prompt_lookup(&ids(&[4, 4, 4]), 1, 2, 5), ids(&[4]));
+        // With a shortest n-gram of 2, a lone recurring token drafts nothing.
+        let context = ids(&[3, 9, 8, 7, 3]);
+        assert_eq!(prompt_lookup(&context, 1, 3, 2), ids(&[9, 8]));
+        assert!(prompt_lookup(&context, 2, 3, 2).is_empty());
+    }
+
+    #[test]
+    fn drafts_never_exceed_the_limit() {
+        let spec = Speculation {
+            source: DraftSource::PromptLookup {
+                min_ngram: 1,
+                max_ngram: 2,
+            },
+            draft_tokens: 3,
+            adaptive: false,
+        };
+        let context = ids(&[1, 2, 3, 4, 5, 1, 2]);
+        assert_eq!(spec.draft(&context, 10), ids(&[3, 4, 5]));
+        assert_eq!(spec.draft(&context, 1), ids(&[3]));
+        assert!(spec.draft(&context, 0).is_empty());
+        assert!(spec.problem().is_none());
+        let zero = Speculation {
+            draft_tokens: 0,
+            ..spec
+        };
+        assert!(zero.problem().is_some());
+        let inverted = Speculation {
+            source: DraftSource::PromptLookup {
+                min_ngram: 3,
+                max_ngram: 2,
+            },
+            ..spec
+        };
+        assert!(inverted.problem().is_some());
+        assert_eq!(spec.next_limit(0), 3, "fixed");
+        let adaptive = Speculation {
+            adaptive: true,
+            ..spec
+        };
+        assert_eq!(adaptive.next_limit(0), 1);
+        assert_eq!(adaptive.next_limit(1), 2);
+        assert_eq!(adaptive.next_limit(3), 3);
+    }
+}
