@@ -1,0 +1,213 @@
+//! `cargo xtask bench-spec [--kiln PATH] [--prompts FILE] [--max-tokens N] [--rounds N]
+//! [--prompt-lookup N] [--draft-tokens K] [-- kiln generate flags]`: decode speed at batch 1
+//! with and without speculative decoding, in one command. `kiln generate --prompts-file FILE
+//! --max-batch 1 --temperature 0 --json` runs the prompt set (default
+//! `benches/prompts/grounded.jsonl`: rewriting, code edits, reformatting, summaries, where the
+//! output copies from the input) plainly and with `--prompt-lookup`, alternating, for
+//! `--rounds` rounds. Each run's decode rate is its decoded tokens (every generated token after
+//! each prompt's first) over its decode time, summed over the prompts; the command prints the
+//! median over rounds of each mode, their ratio, the acceptance rate and tokens per forward,
+//! checks that both modes generated the same tokens (greedy), and writes
+//! `target/bench/spec-<date>.json`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+
+use crate::bench::{kiln_binary, today};
+use crate::bench_llama::median;
+use crate::workspace_root;
+
+const USAGE: &str = "usage: cargo xtask bench-spec [--kiln PATH] [--prompts FILE] [--max-tokens N] [--rounds N] [--prompt-lookup N] [--draft-tokens K] [-- kiln generate flags]";
+
+struct Options {
+    kiln: Option<PathBuf>,
+    prompts: PathBuf,
+    max_tokens: usize,
+    rounds: usize,
+    prompt_lookup: usize,
+    draft_tokens: usize,
+    /// More `kiln generate` flags for both modes (a model, a dtype, a backend).
+    extra: Vec<String>,
+}
+
+fn parse(args: &[String]) -> Result<Options> {
+    let mut o = Options {
+        kiln: None,
+        prompts: workspace_root().join("benches/prompts/grounded.jsonl"),
+        max_tokens: 128,
+        rounds: 5,
+        prompt_lookup: 3,
+        draft_tokens: 4,
+        extra: Vec::new(),
+    };
+    let mut args = args.iter();
+    while let Some(arg) = args.next() {
+        if arg == "--" {
+            o.extra = args.cloned().collect();
+            break;
+        }
+        let mut value = || crate::flag_value(&mut args, arg, USAGE);
+        let number = |v: String| -> Result<usize> {
+            v.parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .with_context(|| format!("{arg} takes a positive number, not `{v}`"))
+        };
+        match arg.as_str() {
+            "--kiln" => o.kiln = Some(std::path::absolute(value()?)?),
+            "--prompts" => o.prompts = std::path::absolute(value()?)?,
+            "--max-tokens" => o.max_tokens = number(value()?)?,
+            "--rounds" => o.rounds = number(value()?)?,
+            "--prompt-lookup" => o.prompt_lookup = number(value()?)?,
+            "--draft-tokens" => o.draft_tokens = number(value()?)?,
+            other => bail!("unknown flag `{other}`\n{USAGE}"),
+        }
+    }
+    Ok(o)
+}
+
+/// One `kiln generate` run over the prompt set.
+#[derive(Debug)]
+struct Run {
+    /// Decoded tokens per second over the whole set.
+    decode_tokens_per_s: f64,
+    /// Every prompt's tokens, in order.
+    tokens: Vec<Value>,
+    drafted: u64,
+    accepted: u64,
+    /// Tokens per forward over the whole set.
+    tokens_per_forward: f64,
+}
+
+fn generate(kiln: &Path, o: &Options, speculate: bool) -> Result<Run> {
+    let mut command = Command::new(kiln);
+    command
+        .args(["generate", "--json", "--quiet", "--max-batch", "1"])
+        .args([
+            "--temperature",
+            "0",
+            "--max-tokens",
+            &o.max_tokens.to_string(),
+        ])
+        .arg("--prompts-file")
+        .arg(&o.prompts)
+        .args(&o.extra);
+    if speculate {
+        command.args([
+            "--prompt-lookup",
+            &o.prompt_lookup.to_string(),
+            "--draft-tokens",
+            &o.draft_tokens.to_string(),
+        ]);
+    }
+    let output = command
+        .output()
+        .with_context(|| format!("running {}", kiln.display()))?;
+    if !output.status.success() {
+        bail!(
+            "kiln generate failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let mut decoded = 0.0;
+    let mut decode_ms = 0.0;
+    let (mut drafted, mut accepted, mut forwards_tokens, mut forwards) = (0, 0, 0.0, 0.0);
+    let mut tokens = Vec::new();
+    for line in String::from_utf8(output.stdout)?.lines() {
+        let report: Value = serde_json::from_str(line).context("kiln generate's JSON")?;
+        let n = report["tokens"].as_array().map_or(0, Vec::len);
+        decoded += n.saturating_sub(1) as f64;
+        decode_ms += report["timings"]["decode_ms"].as_f64().unwrap_or(0.0);
+        let spec = &report["speculation"];
+        drafted += spec["drafted_tokens"].as_u64().unwrap_or(0);
+        accepted += spec["accepted_tokens"].as_u64().unwrap_or(0);
+        let per_forward = spec["tokens_per_forward"].as_f64().unwrap_or(0.0);
+        if per_forward > 0.0 {
+            forwards += n as f64 / per_forward;
+            forwards_tokens += n as f64;
+        }
+        tokens.push(report["tokens"].clone());
+    }
+    Ok(Run {
+        decode_tokens_per_s: decoded / (decode_ms / 1e3),
+        tokens,
+        drafted,
+        accepted,
+        tokens_per_forward: forwards_tokens / forwards,
+    })
+}
+
+pub fn bench_spec(args: &[String]) -> Result<()> {
+    let o = parse(args)?;
+    let kiln = kiln_binary(o.kiln.as_deref())?;
+    let (mut plain, mut fast) = (Vec::new(), Vec::new());
+    for round in 1..=o.rounds {
+        for speculate in [false, true] {
+            let run = generate(&kiln, &o, speculate)?;
+            eprintln!(
+                "round {round}/{}: {:<13} {:7.1} decode tok/s",
+                o.rounds,
+                if speculate { "prompt lookup" } else { "plain" },
+                run.decode_tokens_per_s
+            );
+            if speculate { &mut fast } else { &mut plain }.push(run);
+        }
+    }
+    for (a, b) in plain.iter().zip(&fast) {
+        if a.tokens != b.tokens {
+            bail!("speculative decoding changed the greedy tokens");
+        }
+    }
+    let rate = |runs: &[Run]| {
+        median(
+            &runs
+                .iter()
+                .map(|r| r.decode_tokens_per_s)
+                .collect::<Vec<_>>(),
+        )
+    };
+    let (plain_rate, fast_rate) = (rate(&plain), rate(&fast));
+    let last = fast.last().context("at least one round")?;
+    let acceptance = last.accepted as f64 / last.drafted.max(1) as f64;
+    println!(
+        "decode at batch 1, {} prompts from {}, {} tokens each at most, median of {} rounds:",
+        last.tokens.len(),
+        o.prompts.display(),
+        o.max_tokens,
+        o.rounds
+    );
+    println!("  plain                      {plain_rate:7.1} tok/s");
+    println!(
+        "  prompt lookup (n {}, K {})   {fast_rate:7.1} tok/s   {:.2}x   acceptance {:.0} % ({} of {} drafts), {:.2} tokens per forward",
+        o.prompt_lookup,
+        o.draft_tokens,
+        fast_rate / plain_rate,
+        acceptance * 100.0,
+        last.accepted,
+        last.drafted,
+        last.tokens_per_forward
+    );
+    let out = workspace_root()
+        .join("target/bench")
+        .join(format!("spec-{}.json", today()));
+    std::fs::create_dir_all(out.parent().context("a parent")?)?;
+    let report = json!({
+        "prompts": o.prompts,
+        "max_tokens": o.max_tokens,
+        "rounds": o.rounds,
+        "prompt_lookup": o.prompt_lookup,
+        "draft_tokens": o.draft_tokens,
+        "extra_flags": o.extra,
+        "plain_decode_tokens_per_s": plain.iter().map(|r| r.decode_tokens_per_s).collect::<Vec<_>>(),
+        "speculative_decode_tokens_per_s": fast.iter().map(|r| r.decode_tokens_per_s).collect::<Vec<_>>(),
+        "median_ratio": fast_rate / plain_rate,
+        "acceptance_rate": acceptance,
+        "tokens_per_forward": last.tokens_per_forward,
+    });
+    std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
