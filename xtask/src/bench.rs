@@ -160,11 +160,7 @@ fn compare_llama(options: &Options, kiln: &Path, out: &Path) -> Result<()> {
         1
     } else {
         match options.matrix.iter().find(|(flag, _)| flag == "--repeats") {
-            Some((_, n)) => n
-                .parse::<usize>()
-                .ok()
-                .filter(|&n| n > 0)
-                .with_context(|| format!("--repeats takes a positive number, not `{n}`"))?,
+            Some((_, n)) => crate::positive_number("--repeats", n)?,
             None => 3,
         }
     };

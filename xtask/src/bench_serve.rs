@@ -48,12 +48,7 @@ fn parse(args: &[String]) -> Result<Options> {
     let mut args = args.iter();
     while let Some(arg) = args.next() {
         let mut value = || crate::flag_value(&mut args, arg, USAGE);
-        let number = |v: String| -> Result<usize> {
-            v.parse::<usize>()
-                .ok()
-                .filter(|&n| n > 0)
-                .with_context(|| format!("{arg} takes a positive number, not `{v}`"))
-        };
+        let number = |v: String| crate::positive_number(arg, &v);
         match arg.as_str() {
             "--kiln" => o.kiln = Some(std::path::absolute(value()?)?),
             "--model" => o.model = Some(std::path::absolute(value()?)?),

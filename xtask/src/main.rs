@@ -151,6 +151,15 @@ fn flag_value(args: &mut std::slice::Iter<'_, String>, flag: &str, usage: &str) 
         .with_context(|| format!("{flag} needs a value\n{usage}"))
 }
 
+/// `value`, the value given to `flag`, as a positive number.
+fn positive_number(flag: &str, value: &str) -> Result<usize> {
+    value
+        .parse::<usize>()
+        .ok()
+        .filter(|&n| n > 0)
+        .with_context(|| format!("{flag} takes a positive number, not `{value}`"))
+}
+
 fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
 }
