@@ -175,14 +175,7 @@ impl Sampler {
                 // single one) moves each boundary of the CDF by about as much, whereas an order
                 // by probability would swap near-equal tokens and pick the neighbour.
                 let u: f64 = self.rng.random();
-                let pick = if ids.is_sorted() {
-                    inverse_cdf(0..ids.len(), &probs, u)
-                } else {
-                    let mut by_id: Vec<usize> = (0..ids.len()).collect();
-                    by_id.sort_unstable_by_key(|&i| ids[i]);
-                    inverse_cdf(by_id, &probs, u)
-                };
-                ids[pick]
+                ids[draw_in_id_order(ids, &probs, u)]
             }
         })
     }
@@ -262,9 +255,19 @@ impl Sampler {
             residual = p;
         }
         let u: f64 = self.rng.random();
+        Ok(Verdict::Rejected(ids[draw_in_id_order(ids, &residual, u)]))
+    }
+}
+
+/// The index of `ids` (and `probs`) that `u` picks when the distribution is walked in token-id
+/// order.
+fn draw_in_id_order(ids: &[TokenId], probs: &[f32], u: f64) -> usize {
+    if ids.is_sorted() {
+        inverse_cdf(0..ids.len(), probs, u)
+    } else {
         let mut by_id: Vec<usize> = (0..ids.len()).collect();
         by_id.sort_unstable_by_key(|&i| ids[i]);
-        Ok(Verdict::Rejected(ids[inverse_cdf(by_id, &residual, u)]))
+        inverse_cdf(by_id, probs, u)
     }
 }
 
