@@ -532,16 +532,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// A model failure, or a request that cannot fit in the cache even alone.
     pub fn step(&mut self) -> Result<Vec<Event>, EngineError> {
         let mut events = Vec::new();
-        // Requests the caller stopped end before anything runs.
-        let (stopped, running): (Vec<_>, Vec<_>) =
-            self.running.drain(..).partition(|s| s.stop_requested);
-        self.running = running;
-        let (stopped_waiting, waiting): (Vec<_>, Vec<_>) =
-            self.waiting.drain(..).partition(|s| s.stop_requested);
-        self.waiting = waiting.into();
-        for seq in stopped.into_iter().chain(stopped_waiting) {
-            self.retire(seq, FinishReason::Stop, &mut events);
-        }
+        self.retire_stopped(&mut events);
         let mut finished: Vec<(usize, FinishReason)> = Vec::new();
         self.admit();
         let fed = loop {
@@ -592,18 +583,19 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             })?;
         let vocab = self.model.shape().vocab;
         let rows: Vec<f32> = logits.into_data().iter::<f32>().collect();
-        let mut rows = rows.chunks_exact(vocab);
+        let mut first_row = 0;
         for (&(i, n), &n_rows) in fed.iter().zip(&rows_of) {
-            let seq_rows: Vec<&[f32]> = rows.by_ref().take(n_rows).collect();
+            let seq_rows = &rows[first_row * vocab..(first_row + n_rows) * vocab];
+            first_row += n_rows;
             let reason = if n_rows > 1 {
-                self.verify_drafts(i, &seq_rows, &mut events)?
+                self.verify_drafts(i, seq_rows, &mut events)?
             } else {
                 self.running[i].in_cache += n;
                 if self.running[i].pending() > 0 {
                     continue;
                 }
                 self.running[i].counts.forwards += 1;
-                self.sample(i, seq_rows[0], &mut events)?
+                self.sample(i, seq_rows, &mut events)?
             };
             if let Some(reason) = reason {
                 finished.push((i, reason));
@@ -615,6 +607,27 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             self.retire(seq, reason, &mut events);
         }
         Ok(events)
+    }
+
+    /// Ends the requests the caller stopped ([`Engine::stop`]), before anything runs.
+    fn retire_stopped(&mut self, events: &mut Vec<Event>) {
+        if !self
+            .running
+            .iter()
+            .chain(&self.waiting)
+            .any(|s| s.stop_requested)
+        {
+            return;
+        }
+        let (stopped, running): (Vec<_>, Vec<_>) =
+            self.running.drain(..).partition(|s| s.stop_requested);
+        self.running = running;
+        let (stopped_waiting, waiting): (Vec<_>, Vec<_>) =
+            self.waiting.drain(..).partition(|s| s.stop_requested);
+        self.waiting = waiting.into();
+        for seq in stopped.into_iter().chain(stopped_waiting) {
+            self.retire(seq, FinishReason::Stop, events);
+        }
     }
 
     /// Ends `seq`: its cache is freed or kept, and its completion reported.
@@ -664,56 +677,52 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// drafts, one per draft): accepted drafts and the token after them are taken in order,
     /// until a draft is rejected or the sequence ends; the cache is rolled back to what the
     /// context really holds. Returns why the sequence ended, if it did.
+    ///
+    /// # Shapes
+    /// `rows`: `[1 + drafts, vocab]`, row-major.
     fn verify_drafts(
         &mut self,
         i: usize,
-        rows: &[&[f32]],
+        rows: &[f32],
         events: &mut Vec<Event>,
     ) -> Result<Option<FinishReason>, EngineError> {
-        let seq = &mut self.running[i];
-        let drafts = std::mem::take(&mut seq.drafts);
-        let before = seq.in_cache;
-        seq.counts.forwards += 1;
-        seq.counts.drafted += drafts.len() as u64;
+        let vocab = self.model.shape().vocab;
+        let drafts = std::mem::take(&mut self.running[i].drafts);
         let mut reason = None;
-        let mut accepted_drafts = 0;
-        for (j, row) in rows.iter().enumerate() {
-            let seq = &mut self.running[i];
-            let (token, accepted) = match drafts.get(j) {
-                Some(&draft) => {
-                    let verdict = seq
-                        .sampler
-                        .verify(row, &seq.history, draft, None)
-                        .map_err(CoreError::from)?;
-                    match verdict {
-                        Verdict::Accepted => (draft, true),
-                        Verdict::Rejected(token) => (token, false),
-                    }
-                }
-                None => {
-                    let token = seq
-                        .sampler
-                        .try_sample(row, &seq.history)
-                        .map_err(CoreError::from)?;
-                    (token, false)
-                }
+        let mut accepted = 0;
+        for (j, row) in rows.chunks_exact(vocab).enumerate() {
+            let Some(&draft) = drafts.get(j) else {
+                // Every draft stood: the last row picks the token after them.
+                reason = self.sample(i, row, events)?;
+                break;
             };
-            seq.counts.accepted += u64::from(accepted);
-            accepted_drafts += usize::from(accepted);
+            let seq = &mut self.running[i];
+            let verdict = seq
+                .sampler
+                .verify(row, &seq.history, draft, None)
+                .map_err(CoreError::from)?;
+            let token = match verdict {
+                Verdict::Accepted => draft,
+                Verdict::Rejected(token) => token,
+            };
+            accepted += usize::from(verdict == Verdict::Accepted);
             reason = self.take(i, token, row, events);
-            if reason.is_some() || !accepted {
+            if reason.is_some() || verdict != Verdict::Accepted {
                 break;
             }
         }
+        let seq = &mut self.running[i];
+        seq.counts.forwards += 1;
+        seq.counts.drafted += drafts.len() as u64;
+        seq.counts.accepted += accepted as u64;
         if let Some(speculation) = self.config.speculation {
-            let seq = &mut self.running[i];
-            seq.draft_limit = speculation.next_limit(accepted_drafts);
+            seq.draft_limit = speculation.next_limit(accepted);
         }
         // The forward wrote the last token and every draft; the context holds the token and
         // the accepted drafts (less an accepted EOS, which is not part of it).
-        let seq = &mut self.running[i];
+        let before = seq.in_cache;
         let fed = 1 + drafts.len();
-        let held = (before + 1 + accepted_drafts).min(seq.context_len());
+        let held = (before + 1 + accepted).min(seq.context_len());
         seq.in_cache = held;
         if held < before + fed && self.cache.truncate(seq.seq, held).is_err() {
             // A cache that cannot roll back (a sliding ring) recomputes the context instead.

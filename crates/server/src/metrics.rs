@@ -234,16 +234,6 @@ impl Metrics {
             );
         }
         let (queries, hits) = (get(&self.prefix_queries), get(&self.prefix_hits));
-        let name = "kiln_prefix_cache_hit_rate";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Share of prompt tokens found in the prefix cache since the start.\n# TYPE {name} gauge\n{name} {}",
-            if queries == 0 {
-                0.0
-            } else {
-                hits as f64 / queries as f64
-            }
-        );
         let spec = SpecCounts {
             drafted: get(&self.spec_drafted),
             accepted: get(&self.spec_accepted),
@@ -251,6 +241,15 @@ impl Metrics {
             tokens: get(&self.spec_tokens),
         };
         for (name, help, value) in [
+            (
+                "kiln_prefix_cache_hit_rate",
+                "Share of prompt tokens found in the prefix cache since the start.",
+                if queries == 0 {
+                    0.0
+                } else {
+                    hits as f64 / queries as f64
+                },
+            ),
             (
                 "kiln_spec_decode_acceptance_rate",
                 "Share of speculative draft tokens the model accepted (finished requests).",
