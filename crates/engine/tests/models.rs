@@ -111,21 +111,19 @@ fn alone<B: InferenceBackend>(
     history.generated().to_vec()
 }
 
+/// Every prompt through one engine with `config` on a cache of `spec`: each prompt's tokens, in
+/// submission order, and the engine's speculation counts; no cache is left held.
 fn engine_outputs<B: InferenceBackend>(
     model: &dyn CausalLm<B>,
     spec: CacheSpec,
+    config: EngineConfig,
     prompts: &[Vec<TokenId>],
     n: usize,
     sampling: &[SamplingParams],
-) -> Vec<Vec<TokenId>> {
+) -> (Vec<Vec<TokenId>>, SpecCounts) {
     let cache = spec
         .build::<B>(model.shape().kv_layout(), model.dtype(), &model.device())
         .unwrap();
-    let config = EngineConfig {
-        max_batch: prompts.len(),
-        max_step_tokens: 512,
-        ..EngineConfig::default()
-    };
     let mut engine = Engine::new(model, cache, config).unwrap();
     for (prompt, sampling) in prompts.iter().zip(sampling) {
         engine
@@ -139,7 +137,17 @@ fn engine_outputs<B: InferenceBackend>(
     }
     let done = engine.run(|_| {}).unwrap();
     assert_eq!(engine.cache().usage().sequences, 0);
-    done.into_iter().map(|c| c.tokens).collect()
+    let tokens = done.into_iter().map(|c| c.tokens).collect();
+    (tokens, engine.speculation_stats())
+}
+
+/// All prompts in one batch, prompts up to 512 tokens in one step.
+fn one_batch(prompts: usize) -> EngineConfig {
+    EngineConfig {
+        max_batch: prompts,
+        max_step_tokens: 512,
+        ..EngineConfig::default()
+    }
 }
 
 /// Several fresh prompts in one packed forward: each last-position row equals the prompt's
@@ -221,7 +229,14 @@ fn mixed_batch_matches_alone<B: InferenceBackend>(weights: WeightStorage) {
             max_step: 512,
             ..CacheSpec::paged(prompts.len(), 320)
         };
-        let ours = engine_outputs(model, spec, &prompts, n, &sampling);
+        let (ours, _) = engine_outputs(
+            model,
+            spec,
+            one_batch(prompts.len()),
+            &prompts,
+            n,
+            &sampling,
+        );
         assert_eq!(ours, expected, "{kind}");
     }
 }
@@ -330,7 +345,8 @@ fn model_window_holds_on_every_cache_kind<B: InferenceBackend>() {
             page_size: 4,
             ..CacheSpec::paged(prompts.len(), 64)
         };
-        let ours = engine_outputs(&loaded.model, spec, &prompts, 20, &greedy);
+        let config = one_batch(prompts.len());
+        let (ours, _) = engine_outputs(&loaded.model, spec, config, &prompts, 20, &greedy);
         assert_eq!(ours, expected, "{kind}");
     }
 }
@@ -640,30 +656,17 @@ fn speculative_greedy_matches_alone<B: InferenceBackend>(
             ..CacheSpec::paged(prompts.len(), 256)
         };
         for batch in [1, prompts.len()] {
-            let cache = spec
-                .build::<B>(model.shape().kv_layout(), model.dtype(), &model.device())
-                .unwrap();
             let config = EngineConfig {
                 max_batch: batch,
                 speculation: Some(speculation),
                 ..EngineConfig::default()
             };
-            let mut engine = Engine::new(model, cache, config).unwrap();
-            for prompt in prompts {
-                let request = Request {
-                    prompt: prompt.clone(),
-                    max_tokens: n,
-                    sampling: greedy.clone(),
-                    ..Request::default()
-                };
-                engine.submit(request).unwrap();
+            let sampling = vec![greedy.clone(); prompts.len()];
+            let (ours, stats) = engine_outputs(model, spec, config, prompts, n, &sampling);
+            for (i, (ours, theirs)) in ours.iter().zip(&expected).enumerate() {
+                assert_eq!(ours, theirs, "{kind}, batch {batch}, prompt {i}");
             }
-            let done = engine.run(|_| {}).unwrap();
-            for (i, (ours, theirs)) in done.iter().zip(&expected).enumerate() {
-                assert_eq!(&ours.tokens, theirs, "{kind}, batch {batch}, prompt {i}");
-            }
-            assert_eq!(engine.cache().usage().sequences, 0, "{kind}");
-            counts.add(&engine.speculation_stats());
+            counts.add(&stats);
         }
     }
     counts

@@ -112,6 +112,19 @@ fn paged(blocks: usize, page: usize) -> Box<dyn KvCache<B>> {
         .unwrap()
 }
 
+/// A cache of `kind` for 4 sequences of 128 tokens, whose window (512) no test outgrows, taking
+/// steps of up to `max_step` tokens.
+fn of_kind(kind: CacheKind, max_step: usize) -> Box<dyn KvCache<B>> {
+    let spec = CacheSpec {
+        kind,
+        window: 512,
+        max_step,
+        ..CacheSpec::paged(4, 128)
+    };
+    spec.build::<B>(layout(), Dtype::F32, &Default::default())
+        .unwrap()
+}
+
 fn tokens(c: &Completion) -> Vec<u32> {
     c.tokens.iter().map(|t| t.0).collect()
 }
@@ -346,15 +359,7 @@ fn chunked_prefill_gives_the_same_tokens() {
         ..EngineConfig::default()
     };
     for kind in CacheKind::ALL {
-        let spec = CacheSpec {
-            kind,
-            window: 512,
-            max_step: 7,
-            ..CacheSpec::paged(4, 128)
-        };
-        let cache = spec
-            .build::<B>(layout(), Dtype::F32, &Default::default())
-            .unwrap();
+        let cache = of_kind(kind, 7);
         let mut engine = Engine::new(&model, cache, config).unwrap();
         for r in &requests {
             engine.submit(r.clone()).unwrap();
@@ -629,15 +634,7 @@ fn kept_caches_are_continued_computing_only_what_is_new() {
             inner: &model,
             fed: std::cell::Cell::new(0),
         };
-        let spec = CacheSpec {
-            kind,
-            window: 512,
-            max_step: 512,
-            ..CacheSpec::paged(4, 128)
-        };
-        let cache = spec
-            .build::<B>(layout(), Dtype::F32, &Default::default())
-            .unwrap();
+        let cache = of_kind(kind, 512);
         let mut engine = Engine::new(&counting, cache, EngineConfig::default()).unwrap();
         let run_fed = |engine: &mut Engine<'_, B>| {
             let before = counting.fed.get();
@@ -801,15 +798,7 @@ fn speculation_changes_no_greedy_token() {
         let model = Scripted { script };
         for kind in CacheKind::ALL {
             let run = |speculation: Option<Speculation>| {
-                let spec = CacheSpec {
-                    kind,
-                    window: 512,
-                    max_step: 64,
-                    ..CacheSpec::paged(4, 128)
-                };
-                let cache = spec
-                    .build::<B>(layout(), Dtype::F32, &Default::default())
-                    .unwrap();
+                let cache = of_kind(kind, 64);
                 let config = EngineConfig {
                     max_step_tokens: 64,
                     speculation,
