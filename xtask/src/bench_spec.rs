@@ -1,14 +1,14 @@
 //! `cargo xtask bench-spec [--kiln PATH] [--prompts FILE] [--max-tokens N] [--rounds N]
-//! [--prompt-lookup N] [--draft-tokens K] [-- kiln generate flags]`: decode speed at batch 1
-//! with and without speculative decoding, in one command. `kiln generate --prompts-file FILE
-//! --max-batch 1 --temperature 0 --json` runs the prompt set (default
-//! `benches/prompts/grounded.jsonl`: rewriting, code edits, reformatting, summaries, where the
-//! output copies from the input) plainly and with `--prompt-lookup`, alternating, for
-//! `--rounds` rounds. Each run's decode rate is its decoded tokens (every generated token after
-//! each prompt's first) over its decode time, summed over the prompts; the command prints the
-//! median over rounds of each mode, their ratio, the acceptance rate and tokens per forward,
-//! checks that both modes generated the same tokens (greedy), and writes
-//! `target/bench/spec-<date>.json`.
+//! [--prompt-lookup N] [--draft-tokens K] [--draft-model PATH] [-- kiln generate flags]`:
+//! decode speed at batch 1 with and without speculative decoding, in one command. `kiln
+//! generate --prompts-file FILE --max-batch 1 --temperature 0 --json` runs the prompt set
+//! (default `benches/prompts/grounded.jsonl`: rewriting, code edits, reformatting, summaries,
+//! where the output copies from the input) plainly, with `--prompt-lookup`, and with
+//! `--draft-model` when one is named, alternating, for `--rounds` rounds. Each run's decode
+//! rate is its decoded tokens (every generated token after each prompt's first) over its
+//! decode time, summed over the prompts; the command prints the median over rounds of each
+//! mode, its ratio to plain decoding, the acceptance rate and tokens per forward, checks that
+//! every mode generated the same tokens (greedy), and writes `target/bench/spec-<date>.json`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,7 +20,7 @@ use crate::bench::{kiln_binary, today};
 use crate::bench_llama::median;
 use crate::workspace_root;
 
-const USAGE: &str = "usage: cargo xtask bench-spec [--kiln PATH] [--prompts FILE] [--max-tokens N] [--rounds N] [--prompt-lookup N] [--draft-tokens K] [-- kiln generate flags]";
+const USAGE: &str = "usage: cargo xtask bench-spec [--kiln PATH] [--prompts FILE] [--max-tokens N] [--rounds N] [--prompt-lookup N] [--draft-tokens K] [--draft-model PATH] [-- kiln generate flags]";
 
 struct Options {
     kiln: Option<PathBuf>,
@@ -29,6 +29,8 @@ struct Options {
     rounds: usize,
     prompt_lookup: usize,
     draft_tokens: usize,
+    /// A draft model for a third mode (`default`: the embedded default model).
+    draft_model: Option<String>,
     /// More `kiln generate` flags for both modes (a model, a dtype, a backend).
     extra: Vec<String>,
 }
@@ -41,6 +43,7 @@ fn parse(args: &[String]) -> Result<Options> {
         rounds: 5,
         prompt_lookup: 3,
         draft_tokens: 4,
+        draft_model: None,
         extra: Vec::new(),
     };
     let mut args = args.iter();
@@ -58,6 +61,7 @@ fn parse(args: &[String]) -> Result<Options> {
             "--rounds" => o.rounds = number(value()?)?,
             "--prompt-lookup" => o.prompt_lookup = number(value()?)?,
             "--draft-tokens" => o.draft_tokens = number(value()?)?,
+            "--draft-model" => o.draft_model = Some(value()?),
             other => bail!("unknown flag `{other}`\n{USAGE}"),
         }
     }
@@ -77,7 +81,25 @@ struct Run {
     tokens_per_forward: f64,
 }
 
-fn generate(kiln: &Path, o: &Options, speculate: bool) -> Result<Run> {
+/// How a run decodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Plain,
+    PromptLookup,
+    DraftModel,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Plain => "plain",
+            Self::PromptLookup => "prompt lookup",
+            Self::DraftModel => "draft model",
+        }
+    }
+}
+
+fn generate(kiln: &Path, o: &Options, mode: Mode) -> Result<Run> {
     let mut command = Command::new(kiln);
     command
         .args(["generate", "--json", "--quiet", "--max-batch", "1"])
@@ -90,13 +112,18 @@ fn generate(kiln: &Path, o: &Options, speculate: bool) -> Result<Run> {
         .arg("--prompts-file")
         .arg(&o.prompts)
         .args(&o.extra);
-    if speculate {
-        command.args([
-            "--prompt-lookup",
-            &o.prompt_lookup.to_string(),
-            "--draft-tokens",
-            &o.draft_tokens.to_string(),
-        ]);
+    match (mode, &o.draft_model) {
+        (Mode::Plain, _) => {}
+        (Mode::PromptLookup, _) => {
+            command.args(["--prompt-lookup", &o.prompt_lookup.to_string()]);
+        }
+        (Mode::DraftModel, Some(path)) => {
+            command.args(["--draft-model", path]);
+        }
+        (Mode::DraftModel, None) => bail!("no draft model named"),
+    }
+    if mode != Mode::Plain {
+        command.args(["--draft-tokens", &o.draft_tokens.to_string()]);
     }
     let output = command
         .output()
@@ -138,22 +165,31 @@ fn generate(kiln: &Path, o: &Options, speculate: bool) -> Result<Run> {
 pub fn bench_spec(args: &[String]) -> Result<()> {
     let o = parse(args)?;
     let kiln = kiln_binary(o.kiln.as_deref())?;
-    let (mut plain, mut fast) = (Vec::new(), Vec::new());
+    let mut modes = vec![Mode::Plain, Mode::PromptLookup];
+    if o.draft_model.is_some() {
+        modes.push(Mode::DraftModel);
+    }
+    let mut runs: Vec<Vec<Run>> = modes.iter().map(|_| Vec::new()).collect();
     for round in 1..=o.rounds {
-        for speculate in [false, true] {
-            let run = generate(&kiln, &o, speculate)?;
+        for (&mode, runs) in modes.iter().zip(&mut runs) {
+            let run = generate(&kiln, &o, mode)?;
             eprintln!(
                 "round {round}/{}: {:<13} {:7.1} decode tok/s",
                 o.rounds,
-                if speculate { "prompt lookup" } else { "plain" },
+                mode.name(),
                 run.decode_tokens_per_s
             );
-            if speculate { &mut fast } else { &mut plain }.push(run);
+            runs.push(run);
         }
     }
-    for (a, b) in plain.iter().zip(&fast) {
-        if a.tokens != b.tokens {
-            bail!("speculative decoding changed the greedy tokens");
+    for (mode, mode_runs) in modes.iter().zip(&runs).skip(1) {
+        for (a, b) in runs[0].iter().zip(mode_runs) {
+            if a.tokens != b.tokens {
+                bail!(
+                    "speculative decoding ({}) changed the greedy tokens",
+                    mode.name()
+                );
+            }
         }
     }
     let rate = |runs: &[Run]| {
@@ -164,27 +200,43 @@ pub fn bench_spec(args: &[String]) -> Result<()> {
                 .collect::<Vec<_>>(),
         )
     };
-    let (plain_rate, fast_rate) = (rate(&plain), rate(&fast));
-    let last = fast.last().context("at least one round")?;
-    let acceptance = last.accepted as f64 / last.drafted.max(1) as f64;
+    let plain_rate = rate(&runs[0]);
+    let prompts = runs[0].last().context("at least one round")?.tokens.len();
     println!(
-        "decode at batch 1, {} prompts from {}, {} tokens each at most, median of {} rounds:",
-        last.tokens.len(),
+        "decode at batch 1, {prompts} prompts from {}, {} tokens each at most, median of {} rounds:",
         o.prompts.display(),
         o.max_tokens,
         o.rounds
     );
-    println!("  plain                      {plain_rate:7.1} tok/s");
-    println!(
-        "  prompt lookup (n {}, K {})   {fast_rate:7.1} tok/s   {:.2}x   acceptance {:.0} % ({} of {} drafts), {:.2} tokens per forward",
-        o.prompt_lookup,
-        o.draft_tokens,
-        fast_rate / plain_rate,
-        acceptance * 100.0,
-        last.accepted,
-        last.drafted,
-        last.tokens_per_forward
-    );
+    println!("  {:<32} {plain_rate:7.1} tok/s", "plain");
+    let mut report_modes = Vec::new();
+    for (&mode, mode_runs) in modes.iter().zip(&runs).skip(1) {
+        let speed = rate(mode_runs);
+        let last = mode_runs.last().context("at least one round")?;
+        let acceptance = last.accepted as f64 / last.drafted.max(1) as f64;
+        let label = match mode {
+            Mode::PromptLookup => format!(
+                "prompt lookup (n {}, K {})",
+                o.prompt_lookup, o.draft_tokens
+            ),
+            _ => format!("draft model (K {})", o.draft_tokens),
+        };
+        println!(
+            "  {label:<32} {speed:7.1} tok/s   {:.2}x   acceptance {:.0} % ({} of {} drafts), {:.2} tokens per forward",
+            speed / plain_rate,
+            acceptance * 100.0,
+            last.accepted,
+            last.drafted,
+            last.tokens_per_forward
+        );
+        report_modes.push(json!({
+            "mode": mode.name(),
+            "decode_tokens_per_s": mode_runs.iter().map(|r| r.decode_tokens_per_s).collect::<Vec<_>>(),
+            "median_ratio": speed / plain_rate,
+            "acceptance_rate": acceptance,
+            "tokens_per_forward": last.tokens_per_forward,
+        }));
+    }
     let out = workspace_root()
         .join("target/bench")
         .join(format!("spec-{}.json", today()));
@@ -195,12 +247,10 @@ pub fn bench_spec(args: &[String]) -> Result<()> {
         "rounds": o.rounds,
         "prompt_lookup": o.prompt_lookup,
         "draft_tokens": o.draft_tokens,
+        "draft_model": o.draft_model,
         "extra_flags": o.extra,
-        "plain_decode_tokens_per_s": plain.iter().map(|r| r.decode_tokens_per_s).collect::<Vec<_>>(),
-        "speculative_decode_tokens_per_s": fast.iter().map(|r| r.decode_tokens_per_s).collect::<Vec<_>>(),
-        "median_ratio": fast_rate / plain_rate,
-        "acceptance_rate": acceptance,
-        "tokens_per_forward": last.tokens_per_forward,
+        "plain_decode_tokens_per_s": runs[0].iter().map(|r| r.decode_tokens_per_s).collect::<Vec<_>>(),
+        "speculative": report_modes,
     });
     std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
     println!("wrote {}", out.display());

@@ -11,8 +11,8 @@
 //!   with llama.cpp (interleaved rounds) and Hugging Face transformers (see `bench.rs` and `docs/benchmarks.md`).
 //! - `bench-serve`: `kiln serve` against llama.cpp's `llama-server` on the same GGUF file,
 //!   driven by one load generator at several concurrencies (see `bench_serve.rs`).
-//! - `bench-spec`: decode at batch 1 with and without speculative decoding (prompt lookup) on
-//!   an input-grounded prompt set, interleaved (see `bench_spec.rs`).
+//! - `bench-spec`: decode at batch 1 with and without speculative decoding (prompt lookup, a
+//!   draft model) on an input-grounded prompt set, interleaved (see `bench_spec.rs`).
 //! - `llama-cpp`: builds llama.cpp's CPU tools (`llama-bench`, `llama-batched-bench`,
 //!   `llama-quantize`, `llama-perplexity`, `llama-server`) once under `target/llama.cpp/` from
 //!   the sources vendored in `llama-cpp-python`'s sdist on PyPI, prints their folder, and with
@@ -36,7 +36,7 @@ use anyhow::{Context, Result, bail};
 const USAGE: &str = "usage: cargo xtask test [args passed on to cargo test]
        cargo xtask bench --backend KIND [--model PATH | --shape NAME] [--dtype D] [--quick] [--compare llama.cpp] [--compare transformers] [--kiln PATH]
        cargo xtask bench-serve [--kiln PATH] [--model GGUF] [--concurrency 1,8,32] [--requests N] [--max-tokens N] [--rounds N]
-       cargo xtask bench-spec [--kiln PATH] [--prompts FILE] [--max-tokens N] [--rounds N] [--prompt-lookup N] [--draft-tokens K] [-- kiln generate flags]
+       cargo xtask bench-spec [--kiln PATH] [--prompts FILE] [--max-tokens N] [--rounds N] [--prompt-lookup N] [--draft-tokens K] [--draft-model PATH] [-- kiln generate flags]
        cargo xtask llama-cpp [--quantize MODEL.gguf [--types Q8_0,F32]]
        cargo xtask references";
 

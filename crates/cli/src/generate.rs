@@ -231,6 +231,9 @@ impl BackendTask for Task {
     fn run<B: InferenceBackend>(self, device: B::Device) -> Result<()> {
         let args = &self.args;
         let loaded: LoadedModel<B> = args.model.load(&device)?;
+        let draft = args
+            .speculation
+            .load_draft(args.model.backend, &loaded, &device)?;
         let snapshot = match &args.from_snapshot {
             Some(path) => Some(Snapshot::load(path)?),
             None => None,
@@ -264,6 +267,11 @@ impl BackendTask for Task {
         let tokenizer = loaded.tokenizer.as_ref();
         let detok = tokenizer.map(|t| move |ids: &[TokenId]| t.decode(ids, false).ok());
         let mut engine = Engine::new(&loaded.model, cache, config)?;
+        if let Some(draft) = &draft {
+            let layout = draft.model.shape().kv_layout();
+            let cache = spec.build::<B>(layout, draft.model.dtype(), &device)?;
+            engine = engine.with_draft_model(&draft.model, cache)?;
+        }
         if let Some(detok) = &detok {
             engine = engine.with_detokenizer(detok);
         }

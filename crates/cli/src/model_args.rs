@@ -183,6 +183,7 @@ impl SamplingArgs {
 /// Speculative decoding.
 #[derive(Debug, Clone, clap::Args)]
 #[command(next_help_heading = "Speculative decoding")]
+#[command(group(clap::ArgGroup::new("draft_source").args(["prompt_lookup", "draft_model"])))]
 pub struct SpeculationArgs {
     /// Speculative decoding with prompt lookup: draft the tokens that followed the latest
     /// earlier occurrence of the context's last N tokens (N down to --prompt-lookup-min) and
@@ -190,6 +191,15 @@ pub struct SpeculationArgs {
     /// from the input (rewriting, summarising, editing code).
     #[arg(long, value_name = "N")]
     pub prompt_lookup: Option<usize>,
+    /// Speculative decoding with a draft model: a smaller or quantized model sharing the
+    /// model's tokenizer proposes the drafts (e.g. the quantized GGUF drafting for its own
+    /// --dtype f32 copy). `default` names the embedded default model.
+    #[arg(long, value_name = "PATH")]
+    pub draft_model: Option<PathBuf>,
+    /// The draft model's precision (as --dtype; default: its weights kept quantized on the
+    /// cpu backend, f32 otherwise).
+    #[arg(long, value_name = "DTYPE", requires = "draft_model")]
+    pub draft_dtype: Option<Dtype>,
     /// Prompt lookup: the shortest n-gram looked up (a single recurring token predicts
     /// poorly); at most N.
     #[arg(
@@ -200,15 +210,10 @@ pub struct SpeculationArgs {
     )]
     pub prompt_lookup_min: usize,
     /// Most draft tokens per sequence and step.
-    #[arg(
-        long,
-        value_name = "K",
-        default_value_t = 4,
-        requires = "prompt_lookup"
-    )]
+    #[arg(long, value_name = "K", default_value_t = 4, requires = "draft_source")]
     pub draft_tokens: usize,
     /// Always propose K drafts, instead of one more than the last check accepted (up to K).
-    #[arg(long, requires = "prompt_lookup")]
+    #[arg(long, requires = "draft_source")]
     pub fixed_draft_tokens: bool,
 }
 
@@ -218,14 +223,16 @@ impl SpeculationArgs {
     /// # Errors
     /// [`UsageError`] for a zero n-gram or draft length.
     pub fn speculation(&self) -> Result<Option<Speculation>> {
-        let Some(max_ngram) = self.prompt_lookup else {
-            return Ok(None);
-        };
-        let speculation = Speculation {
-            source: DraftSource::PromptLookup {
+        let source = match (self.prompt_lookup, &self.draft_model) {
+            (Some(max_ngram), _) => DraftSource::PromptLookup {
                 min_ngram: self.prompt_lookup_min.min(max_ngram),
                 max_ngram,
             },
+            (None, Some(_)) => DraftSource::Model,
+            (None, None) => return Ok(None),
+        };
+        let speculation = Speculation {
+            source,
             draft_tokens: self.draft_tokens,
             adaptive: !self.fixed_draft_tokens,
         };
@@ -233,5 +240,66 @@ impl SpeculationArgs {
             Some(why) => Err(UsageError(why).into()),
             None => Ok(Some(speculation)),
         }
+    }
+}
+
+impl SpeculationArgs {
+    /// Loads the draft model (`--draft-model`) on `backend`, if one was named, and checks that
+    /// it shares `target`'s tokenizer.
+    ///
+    /// # Errors
+    /// A draft model that does not load, or whose tokenizer differs from the target's
+    /// ([`UsageError`]).
+    pub fn load_draft<B: InferenceBackend>(
+        &self,
+        backend: BackendKind,
+        target: &LoadedModel<B>,
+        device: &B::Device,
+    ) -> Result<Option<LoadedModel<B>>> {
+        let Some(path) = &self.draft_model else {
+            return Ok(None);
+        };
+        let args = ModelArgs {
+            model: (path.as_os_str() != "default").then(|| path.clone()),
+            backend,
+            dtype: self.draft_dtype,
+            rope_scaling_factor: None,
+        };
+        let draft: LoadedModel<B> = args.load(device).context("loading the draft model")?;
+        if let Some(why) = tokenizer_mismatch(target, &draft) {
+            return Err(UsageError(format!(
+                "the draft model {} cannot draft for {}: {why}",
+                draft.path.display(),
+                target.path.display()
+            ))
+            .into());
+        }
+        Ok(Some(draft))
+    }
+}
+
+/// Why `draft` cannot propose tokens for `target`, or `None`: their vocabularies must be the
+/// same size and their tokenizers must agree (checked on a probe text that exercises words,
+/// digits, accents, punctuation and whitespace).
+fn tokenizer_mismatch<B: InferenceBackend>(
+    target: &LoadedModel<B>,
+    draft: &LoadedModel<B>,
+) -> Option<String> {
+    let (ours, theirs) = (
+        kiln_core::CausalLm::shape(&target.model).vocab,
+        kiln_core::CausalLm::shape(&draft.model).vocab,
+    );
+    if ours != theirs {
+        return Some(format!(
+            "its vocabulary has {theirs} tokens, the model's {ours}"
+        ));
+    }
+    const PROBE: &str = "The quick brown fox, 12345 naïve café!\n\tdef f(x): return x ** 2  # ok";
+    match (&target.tokenizer, &draft.tokenizer) {
+        (Some(a), Some(b)) => {
+            let (a, b) = (a.encode(PROBE, false).ok(), b.encode(PROBE, false).ok());
+            (a != b).then(|| "its tokenizer splits text differently".into())
+        }
+        _ => None,
     }
 }

@@ -9,7 +9,7 @@ use kiln_core::InferenceBackend;
 use kiln_core::backend::{BackendTask, run_on};
 use kiln_core::kv_cache::{CacheKind, DEFAULT_BLOCK_SIZE};
 use kiln_engine::{CacheSpec, EngineConfig};
-use kiln_server::{ServedModel, Server, ServerOptions};
+use kiln_server::{ServedDraft, ServedModel, Server, ServerOptions};
 
 use crate::exit::UsageError;
 use crate::model_args::{ModelArgs, SpeculationArgs};
@@ -191,6 +191,17 @@ impl BackendTask for Task {
         let cache = spec
             .build::<B>(shape.kv_layout(), dtype, &device)
             .context("allocating the KV cache")?;
+        let draft = args.speculation.load_draft(backend, &loaded, &device)?;
+        // The draft model's cache holds as many tokens as the model's.
+        let draft_cache = match &draft {
+            Some(d) => {
+                let layout = kiln_core::CausalLm::shape(&d.model).kv_layout();
+                let dtype = kiln_core::CausalLm::dtype(&d.model);
+                let cache = spec.build::<B>(layout, dtype, &device);
+                Some(cache.context("allocating the draft model's KV cache")?)
+            }
+            None => None,
+        };
         let tokens = kiln_core::kv_cache::CacheBook::usage(cache.as_ref()).capacity;
         let weights: Vec<String> = loaded
             .model
@@ -211,12 +222,17 @@ impl BackendTask for Task {
             } else {
                 "on"
             },
-            match &args.speculation.prompt_lookup {
-                Some(n) => format!(
+            match (&args.speculation.prompt_lookup, &draft) {
+                (Some(n), _) => format!(
                     "prompt lookup (n-grams of up to {n}, {} drafts)",
                     args.speculation.draft_tokens
                 ),
-                None => "off".into(),
+                (None, Some(draft)) => format!(
+                    "draft model {} ({} drafts)",
+                    draft.path.display(),
+                    args.speculation.draft_tokens
+                ),
+                (None, None) => "off".into(),
             },
         );
         let block_tokens = if spec.kind == CacheKind::Paged {
@@ -232,6 +248,10 @@ impl BackendTask for Task {
                 block_tokens,
                 cache_bytes: bytes,
                 config,
+                draft: draft
+                    .as_ref()
+                    .zip(draft_cache)
+                    .map(|(loaded, cache)| ServedDraft { loaded, cache }),
             })
             .map_err(|e| UsageError(e.to_string()))?;
         tracing::info!("stopped");

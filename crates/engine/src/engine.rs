@@ -24,13 +24,14 @@ use kiln_core::sampling::{Sampler, Verdict};
 use kiln_core::{Batch, CausalLm, CoreError, InferenceBackend, LogitsFor, SeqId, TokenId};
 
 use crate::detok::Detokenizer;
+use crate::drafter::{DraftJob, DraftModel};
 use crate::error::EngineError;
 use crate::generate::FinishReason;
 use crate::request::{
     Completion, Event, MAX_TOP_LOGPROBS, Request, RequestId, TokenLogprobs, prompt_problem,
 };
 use crate::sequence::{Sequence, common_prefix};
-use crate::speculate::{SpecCounts, Speculation};
+use crate::speculate::{DraftSource, SpecCounts, Speculation};
 
 /// Scheduling limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,6 +137,8 @@ pub struct Engine<'a, B: InferenceBackend> {
     next_id: u64,
     prefix: PrefixStats,
     speculation: SpecCounts,
+    /// The draft model, for [`DraftSource::Model`].
+    drafter: Option<DraftModel<'a, B>>,
 }
 
 /// The prefix cache's key space for `model`: its fingerprint and dtype, so no two models (or
@@ -202,7 +205,37 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             next_id: 0,
             prefix: PrefixStats::default(),
             speculation: SpecCounts::default(),
+            drafter: None,
         })
+    }
+
+    /// Gives speculative decoding with [`DraftSource::Model`] its draft model and the cache it
+    /// drafts on (empty, of the draft model's layout and dtype, with room for `max_batch`
+    /// sequences as long as the target's).
+    ///
+    /// # Errors
+    /// [`EngineError::InvalidConfig`] if the engine does not speculate with a draft model, or
+    /// the draft model's vocabulary is not the target's.
+    pub fn with_draft_model(
+        mut self,
+        model: &'a dyn CausalLm<B>,
+        cache: Box<dyn KvCache<B>>,
+    ) -> Result<Self, EngineError> {
+        let source = self.config.speculation.map(|s| s.source);
+        if source != Some(DraftSource::Model) {
+            return Err(EngineError::InvalidConfig(
+                "a draft model needs speculation with DraftSource::Model".into(),
+            ));
+        }
+        let (ours, theirs) = (self.model.shape().vocab, model.shape().vocab);
+        if ours != theirs {
+            return Err(EngineError::InvalidConfig(format!(
+                "the draft model's vocabulary has {theirs} tokens, the target's {ours}: a draft \
+                 model must share the target's tokenizer"
+            )));
+        }
+        self.drafter = Some(DraftModel::new(model, cache));
+        Ok(self)
     }
 
     /// Decodes text for streaming and stop strings.
@@ -214,6 +247,11 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// The cache (to inspect its use).
     pub fn cache(&self) -> &dyn KvCache<B> {
         &*self.cache
+    }
+
+    /// The draft model's cache, when it has a draft model.
+    pub fn draft_cache(&self) -> Option<&dyn KvCache<B>> {
+        self.drafter.as_ref().map(DraftModel::cache)
     }
 
     /// The model.
@@ -262,6 +300,13 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         if !request.stop.is_empty() && self.detok.is_none() {
             return invalid("stop strings need a tokenizer to decode text".into());
         }
+        let source = self.config.speculation.map(|s| s.source);
+        if source == Some(DraftSource::Model) && self.drafter.is_none() {
+            return Err(EngineError::InvalidConfig(
+                "speculation with a draft model, but none was given (Engine::with_draft_model)"
+                    .into(),
+            ));
+        }
         if let Some(n) = request.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return invalid(format!(
                 "{n} top log-probabilities asked for; at most {MAX_TOP_LOGPROBS}"
@@ -277,7 +322,16 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             .min(self.model.shape().max_positions - request.prompt.len());
         let id = RequestId(self.next_id);
         self.next_id += 1;
-        Ok(Sequence::new(id, request, budget, sampler))
+        let mut seq = Sequence::new(id, request, budget, sampler);
+        if self.drafter.is_some() {
+            // Its own stream of random numbers: the drafts must not be correlated with the
+            // draws that verify them.
+            let mut params = seq.request.sampling.clone();
+            params.seed = params.seed.map(|s| s ^ 0x9e37_79b9_7f4a_7c15);
+            let vocab = self.model.shape().vocab;
+            seq.draft_sampler = Some(Sampler::new(&params, vocab).map_err(CoreError::from)?);
+        }
+        Ok(seq)
     }
 
     /// Queues a request; it starts at the next step with room.
@@ -368,15 +422,23 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             // A waiting sequence holds cache only when it continues a kept one.
             let seq = self.waiting.remove(i).expect("the position exists");
-            self.cache.release(seq.seq);
+            self.release(seq.seq);
             return true;
         }
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let seq = self.running.remove(i);
-            self.cache.release(seq.seq);
+            self.release(seq.seq);
             return true;
         }
         false
+    }
+
+    /// Frees a sequence's cache, and its draft model's.
+    fn release(&mut self, seq: SeqId) {
+        self.cache.release(seq);
+        if let Some(drafter) = &mut self.drafter {
+            drafter.release(seq);
+        }
     }
 
     /// Queues a request whose first `held` prompt tokens are written into the cache by
@@ -520,6 +582,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         let mut seq = self.running.pop().expect("more than one running");
         self.cache.release(seq.seq);
         seq.drafts.clear();
+        seq.draft_q.clear();
         seq.in_cache = 0;
         seq.preemptions += 1;
         self.waiting.push_front(seq);
@@ -541,7 +604,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             if fed.is_empty() {
                 return Ok(events);
             }
-            let fed = self.draft(fed);
+            let fed = self.draft(fed)?;
             let step: Vec<(SeqId, usize)> =
                 fed.iter().map(|&(i, n)| (self.running[i].seq, n)).collect();
             match self.cache.reserve(&step) {
@@ -633,6 +696,9 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// Ends `seq`: its cache is freed or kept, and its completion reported.
     fn retire(&mut self, seq: Sequence, reason: FinishReason, events: &mut Vec<Event>) {
         self.speculation.add(&seq.counts);
+        if let Some(drafter) = &mut self.drafter {
+            drafter.release(seq.seq);
+        }
         if seq.request.keep_cache {
             let tokens = seq.context_tokens().take(seq.in_cache).copied().collect();
             self.kept.insert(
@@ -656,21 +722,62 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// Gives each decoding sequence of the planned step its drafts, when speculation is on:
     /// the step then feeds its last sampled token and the drafts. Drafts never outrun the
     /// request's budget (the token after the last accepted draft always comes too).
-    fn draft(&mut self, fed: Vec<(usize, usize)>) -> Vec<(usize, usize)> {
+    ///
+    /// # Errors
+    /// A failed forward of the draft model.
+    fn draft(&mut self, fed: Vec<(usize, usize)>) -> Result<Vec<(usize, usize)>, EngineError> {
         let Some(speculation) = self.config.speculation else {
-            return fed;
+            return Ok(fed);
         };
-        fed.into_iter()
-            .map(|(i, n)| {
-                let seq = &mut self.running[i];
-                seq.drafts.clear();
-                if seq.wants_decode() {
-                    let room = seq.budget.saturating_sub(seq.generated.len() + 1);
-                    seq.drafts = speculation.draft(&seq.context(), room.min(seq.draft_limit));
+        let mut limits = vec![0; self.running.len()];
+        for &(i, _) in &fed {
+            let seq = &mut self.running[i];
+            seq.drafts.clear();
+            seq.draft_q.clear();
+            if seq.wants_decode() {
+                let room = seq.budget.saturating_sub(seq.generated.len() + 1);
+                limits[i] = room.min(seq.draft_limit).min(speculation.draft_tokens);
+            }
+        }
+        match (&mut self.drafter, speculation.source) {
+            (Some(drafter), DraftSource::Model) => {
+                let mut jobs: Vec<DraftJob<'_>> = self
+                    .running
+                    .iter_mut()
+                    .zip(&limits)
+                    .filter(|&(_, &limit)| limit > 0)
+                    .map(|(seq, &limit)| DraftJob {
+                        seq: seq.seq,
+                        context: seq
+                            .request
+                            .prompt
+                            .iter()
+                            .chain(&seq.generated)
+                            .copied()
+                            .collect(),
+                        in_cache: &mut seq.draft_in_cache,
+                        limit,
+                        sampler: seq.draft_sampler.as_mut().expect("made with the drafter"),
+                        history: seq.history.clone(),
+                        eos: &seq.request.eos,
+                        drafts: &mut seq.drafts,
+                        q: &mut seq.draft_q,
+                    })
+                    .collect();
+                drafter.propose(&mut jobs)?;
+            }
+            _ => {
+                for (seq, &limit) in self.running.iter_mut().zip(&limits) {
+                    if limit > 0 {
+                        seq.drafts = speculation.draft(&seq.context(), limit);
+                    }
                 }
-                (i, n + seq.drafts.len())
-            })
-            .collect()
+            }
+        }
+        Ok(fed
+            .into_iter()
+            .map(|(i, n)| (i, n + self.running[i].drafts.len()))
+            .collect())
     }
 
     /// Checks sequence `i`'s drafts against the target's `rows` (one for the token before the
@@ -688,6 +795,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
     ) -> Result<Option<FinishReason>, EngineError> {
         let vocab = self.model.shape().vocab;
         let drafts = std::mem::take(&mut self.running[i].drafts);
+        let draft_q = std::mem::take(&mut self.running[i].draft_q);
         let mut reason = None;
         let mut accepted = 0;
         for (j, row) in rows.chunks_exact(vocab).enumerate() {
@@ -699,7 +807,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             let seq = &mut self.running[i];
             let verdict = seq
                 .sampler
-                .verify(row, &seq.history, draft, None)
+                .verify(row, &seq.history, draft, draft_q.get(j).map(Vec::as_slice))
                 .map_err(CoreError::from)?;
             let token = match verdict {
                 Verdict::Accepted => draft,
@@ -722,6 +830,11 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         // the accepted drafts (less an accepted EOS, which is not part of it).
         let before = seq.in_cache;
         let fed = 1 + drafts.len();
+        if self.drafter.is_some() {
+            // The draft model fed the context and every draft but the last; the accepted ones
+            // are context now.
+            seq.draft_in_cache = before + 1 + accepted.min(drafts.len() - 1);
+        }
         let held = (before + 1 + accepted).min(seq.context_len());
         seq.in_cache = held;
         if held < before + fed && self.cache.truncate(seq.seq, held).is_err() {

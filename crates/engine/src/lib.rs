@@ -51,6 +51,7 @@
 pub mod bench;
 pub mod cache;
 pub mod detok;
+mod drafter;
 pub mod engine;
 pub mod error;
 pub mod generate;

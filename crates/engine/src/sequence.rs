@@ -41,6 +41,12 @@ pub(crate) struct Sequence {
     pub counts: SpecCounts,
     /// Most drafts it proposes next step (adaptive speculation moves it after each check).
     pub draft_limit: usize,
+    /// The distribution each draft was drawn from (a draft model's sampled drafts only).
+    pub draft_q: Vec<Vec<f32>>,
+    /// Leading context tokens the draft model's cache holds for it.
+    pub draft_in_cache: usize,
+    /// Draws the draft model's proposals (an engine with a draft model only).
+    pub draft_sampler: Option<Sampler>,
 }
 
 impl Sequence {
@@ -66,6 +72,9 @@ impl Sequence {
             drafts: Vec::new(),
             counts: SpecCounts::default(),
             draft_limit: usize::MAX,
+            draft_q: Vec::new(),
+            draft_in_cache: 0,
+            draft_sampler: None,
         }
     }
 

@@ -21,6 +21,11 @@ pub enum DraftSource {
         /// The longest n-gram looked up.
         max_ngram: usize,
     },
+    /// A smaller (or quantized) model sharing the target's vocabulary proposes the drafts,
+    /// one forward per draft token, on its own cache ([`crate::Engine::with_draft_model`]).
+    /// Sampled requests draw drafts from the draft model's distribution under the request's
+    /// own sampling settings, which verification needs to keep the target's distribution.
+    Model,
 }
 
 /// Speculative decoding settings ([`crate::EngineConfig::speculation`]).
@@ -49,7 +54,7 @@ impl Speculation {
             } if min_ngram == 0 || min_ngram > max_ngram => Some(format!(
                 "prompt lookup needs n-grams of 1 token or more, the shortest no longer than the longest (not {min_ngram} to {max_ngram})"
             )),
-            DraftSource::PromptLookup { .. } => None,
+            DraftSource::PromptLookup { .. } | DraftSource::Model => None,
         }
     }
 
@@ -62,7 +67,8 @@ impl Speculation {
         }
     }
 
-    /// Up to `limit` draft tokens to follow `context`.
+    /// Up to `limit` draft tokens to follow `context`, for the sources that need no model
+    /// (empty for [`DraftSource::Model`], whose drafts [`crate::Engine`] computes).
     pub fn draft(&self, context: &[TokenId], limit: usize) -> Vec<TokenId> {
         let k = self.draft_tokens.min(limit);
         if k == 0 {
@@ -73,6 +79,7 @@ impl Speculation {
                 min_ngram,
                 max_ngram,
             } => prompt_lookup(context, min_ngram, max_ngram, k),
+            DraftSource::Model => Vec::new(),
         }
     }
 }

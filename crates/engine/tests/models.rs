@@ -111,20 +111,26 @@ fn alone<B: InferenceBackend>(
     history.generated().to_vec()
 }
 
-/// Every prompt through one engine with `config` on a cache of `spec`: each prompt's tokens, in
-/// submission order, and the engine's speculation counts; no cache is left held.
+/// Every prompt through one engine with `config` on a cache of `spec` (and `draft`'s cache of
+/// the same spec, when it drafts): each prompt's tokens, in submission order, and the engine's
+/// speculation counts; no cache is left held.
 fn engine_outputs<B: InferenceBackend>(
     model: &dyn CausalLm<B>,
+    draft: Option<&dyn CausalLm<B>>,
     spec: CacheSpec,
     config: EngineConfig,
     prompts: &[Vec<TokenId>],
     n: usize,
     sampling: &[SamplingParams],
 ) -> (Vec<Vec<TokenId>>, SpecCounts) {
-    let cache = spec
-        .build::<B>(model.shape().kv_layout(), model.dtype(), &model.device())
-        .unwrap();
-    let mut engine = Engine::new(model, cache, config).unwrap();
+    let cache_of = |m: &dyn CausalLm<B>| {
+        spec.build::<B>(m.shape().kv_layout(), m.dtype(), &m.device())
+            .unwrap()
+    };
+    let mut engine = Engine::new(model, cache_of(model), config).unwrap();
+    if let Some(draft) = draft {
+        engine = engine.with_draft_model(draft, cache_of(draft)).unwrap();
+    }
     for (prompt, sampling) in prompts.iter().zip(sampling) {
         engine
             .submit(Request {
@@ -137,6 +143,9 @@ fn engine_outputs<B: InferenceBackend>(
     }
     let done = engine.run(|_| {}).unwrap();
     assert_eq!(engine.cache().usage().sequences, 0);
+    if let Some(cache) = engine.draft_cache() {
+        assert_eq!(cache.usage().sequences, 0, "the draft model's cache");
+    }
     let tokens = done.into_iter().map(|c| c.tokens).collect();
     (tokens, engine.speculation_stats())
 }
@@ -231,6 +240,7 @@ fn mixed_batch_matches_alone<B: InferenceBackend>(weights: WeightStorage) {
         };
         let (ours, _) = engine_outputs(
             model,
+            None,
             spec,
             one_batch(prompts.len()),
             &prompts,
@@ -346,7 +356,7 @@ fn model_window_holds_on_every_cache_kind<B: InferenceBackend>() {
             ..CacheSpec::paged(prompts.len(), 64)
         };
         let config = one_batch(prompts.len());
-        let (ours, _) = engine_outputs(&loaded.model, spec, config, &prompts, 20, &greedy);
+        let (ours, _) = engine_outputs(&loaded.model, None, spec, config, &prompts, 20, &greedy);
         assert_eq!(ours, expected, "{kind}");
     }
 }
@@ -626,20 +636,22 @@ fn bench_cell_generates_what_generate_does<B: InferenceBackend>() {
     }
 }
 
-/// Speculative decoding with prompt lookup gives exactly the plain greedy tokens of each
-/// prompt alone, on every cache kind, one request at a time and all in one batch. Returns the
-/// counts over every run (so a caller can check that drafts were proposed and accepted).
+/// Speculative decoding with prompt lookup, and with `draft` as a draft model, gives exactly
+/// the plain greedy tokens of each prompt alone, on every cache kind, one request at a time
+/// and all in one batch. Returns the counts over every run of each source (so a caller can
+/// check that drafts were proposed and accepted).
 fn speculative_greedy_matches_alone<B: InferenceBackend>(
     model: &dyn CausalLm<B>,
+    draft: &dyn CausalLm<B>,
     prompts: &[Vec<TokenId>],
     n: usize,
-) -> SpecCounts {
+) -> [SpecCounts; 2] {
     let greedy = SamplingParams::greedy();
     let expected: Vec<Vec<TokenId>> = prompts
         .iter()
         .map(|p| alone(model, p, n, &greedy))
         .collect();
-    let speculation = Speculation {
+    let lookup = Speculation {
         source: DraftSource::PromptLookup {
             min_ngram: 2,
             max_ngram: 3,
@@ -647,36 +659,57 @@ fn speculative_greedy_matches_alone<B: InferenceBackend>(
         draft_tokens: 4,
         adaptive: true,
     };
-    let mut counts = SpecCounts::default();
-    for kind in CacheKind::ALL {
-        let spec = CacheSpec {
-            kind,
-            window: 512,
-            max_step: 512,
-            ..CacheSpec::paged(prompts.len(), 256)
-        };
-        for batch in [1, prompts.len()] {
-            let config = EngineConfig {
-                max_batch: batch,
-                speculation: Some(speculation),
-                ..EngineConfig::default()
+    let drafted = Speculation {
+        source: DraftSource::Model,
+        ..lookup
+    };
+    let mut counts = [SpecCounts::default(); 2];
+    for (source, (speculation, draft)) in [(lookup, None), (drafted, Some(draft))]
+        .into_iter()
+        .enumerate()
+    {
+        for kind in CacheKind::ALL {
+            let spec = CacheSpec {
+                kind,
+                window: 512,
+                max_step: 512,
+                ..CacheSpec::paged(prompts.len(), 256)
             };
-            let sampling = vec![greedy.clone(); prompts.len()];
-            let (ours, stats) = engine_outputs(model, spec, config, prompts, n, &sampling);
-            for (i, (ours, theirs)) in ours.iter().zip(&expected).enumerate() {
-                assert_eq!(ours, theirs, "{kind}, batch {batch}, prompt {i}");
+            for batch in [1, prompts.len()] {
+                let config = EngineConfig {
+                    max_batch: batch,
+                    speculation: Some(speculation),
+                    ..EngineConfig::default()
+                };
+                let sampling = vec![greedy.clone(); prompts.len()];
+                let (ours, stats) =
+                    engine_outputs(model, draft, spec, config, prompts, n, &sampling);
+                for (i, (ours, theirs)) in ours.iter().zip(&expected).enumerate() {
+                    assert_eq!(
+                        ours, theirs,
+                        "{speculation:?}, {kind}, batch {batch}, prompt {i}"
+                    );
+                }
+                counts[source].add(&stats);
             }
-            counts.add(&stats);
         }
     }
     counts
 }
 
 /// SmolLM2: the reference prompts (whose greedy continuations transformers wrote) and a
-/// prompt that asks for a copy. Exact weights must also give transformers' tokens.
+/// prompt that asks for a copy, drafted by prompt lookup and by the quantized copy of the
+/// model. Exact weights must also give transformers' tokens.
 fn speculative_greedy_on_smollm2<B: InferenceBackend>(weights: WeightStorage) {
     let loaded = load_with::<B>(&smollm2(), Dtype::F32, weights);
     let model = &loaded.model;
+    let quantized;
+    let draft = if weights == WeightStorage::Quantized {
+        model
+    } else {
+        quantized = load_with::<B>(&smollm2(), Dtype::F32, WeightStorage::Quantized);
+        &quantized.model
+    };
     let reference: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture("smollm2/reference.json")).unwrap())
             .unwrap();
@@ -700,8 +733,10 @@ fn speculative_greedy_on_smollm2<B: InferenceBackend>(weights: WeightStorage) {
             )
             .unwrap(),
     );
-    let counts = speculative_greedy_matches_alone(model, &prompts, n);
-    assert!(counts.accepted > 0, "{counts:?}");
+    let [lookup, drafted] = speculative_greedy_matches_alone(model, draft, &prompts, n);
+    assert!(lookup.accepted > 0, "{lookup:?}");
+    // The quantized copy agrees with the exact model on most tokens.
+    assert!(drafted.acceptance_rate() > 0.5, "{drafted:?}");
     if weights == WeightStorage::Dequantized {
         let greedy = SamplingParams::greedy();
         for (case, prompt) in cases.iter().zip(&prompts) {
@@ -719,8 +754,11 @@ fn speculative_greedy_on_llama_tiny<B: InferenceBackend>() {
         .into_iter()
         .map(|p| p.iter().chain(&p).chain(&p[..3]).copied().collect())
         .collect();
-    let counts = speculative_greedy_matches_alone(model, &prompts, 12);
-    assert!(counts.drafted > 0, "{counts:?}");
+    // The model drafts for itself: (nearly) every draft stands, the longest accepted runs.
+    let [lookup, drafted] = speculative_greedy_matches_alone(model, model, &prompts, 12);
+    assert!(lookup.drafted > 0, "{lookup:?}");
+    assert!(drafted.acceptance_rate() > 0.9, "{drafted:?}");
+    assert!(drafted.tokens_per_forward() > 2.0, "{drafted:?}");
 }
 
 mod cpu {

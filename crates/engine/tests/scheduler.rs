@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
 
+use std::collections::HashMap;
+
 use burn::tensor::{Tensor, TensorData};
 use kiln_core::kv_cache::{CacheKind, KvCache, KvLayout};
 use kiln_core::sampling::SamplingParams;
@@ -755,12 +757,23 @@ fn eos_after_9(token: u32, position: u32) -> u32 {
     }
 }
 
-/// Speculative decoding with prompt lookup gives every request exactly its tokens, text and
-/// finish reason without speculation, on every cache kind: drafts accepted in long runs (a
-/// prompt that already counts through the cycle), cut inside an accepted run by a stop string,
-/// by `max_tokens`, and by an accepted EOS; drafts rejected (a prompt whose repeats mislead
-/// the lookup). Accepted runs save forwards, rejected drafts are rolled back, and no cache
-/// space is left held.
+/// Counts up like [`count_up`], but predicts 5 after 20 and after 8 (a draft model that is
+/// usually right).
+fn count_up_mostly(token: u32, position: u32) -> u32 {
+    if token == 20 || token == 8 {
+        5
+    } else {
+        count_up(token, position)
+    }
+}
+
+/// Speculative decoding with prompt lookup and with a draft model gives every request exactly
+/// its tokens, text and finish reason without speculation, on every cache kind: drafts
+/// accepted in long runs (a prompt that already counts through the cycle), cut inside an
+/// accepted run by a stop string, by `max_tokens`, and by an accepted EOS; drafts rejected (a
+/// prompt whose repeats mislead the lookup, a draft model wrong now and then). Accepted runs
+/// save forwards, rejected drafts are rolled back in both caches, and no cache space is left
+/// held in either.
 #[test]
 fn speculation_changes_no_greedy_token() {
     // Every draft a lookup finds, always 5 of them; and the CLI's defaults (n-grams of 2 or
@@ -780,6 +793,14 @@ fn speculation_changes_no_greedy_token() {
         },
         adaptive: true,
         ..eager
+    };
+    let drafted = Speculation {
+        source: DraftSource::Model,
+        draft_tokens: 4,
+        adaptive: false,
+    };
+    let draft_model = Scripted {
+        script: count_up_mostly,
     };
     let cycle = |n: u32| -> Vec<u32> { (0..n).map(|i| 2 + i % 30).collect() };
     let mut stopped = request(&cycle(58), 20);
@@ -807,15 +828,23 @@ fn speculation_changes_no_greedy_token() {
                 let mut engine = Engine::new(&model, cache, config)
                     .unwrap()
                     .with_detokenizer(&pieces);
+                if speculation.is_some_and(|s| s.source == DraftSource::Model) {
+                    engine = engine
+                        .with_draft_model(&draft_model, of_kind(kind, 64))
+                        .unwrap();
+                }
                 for r in requests {
                     engine.submit(r.clone()).unwrap();
                 }
                 let (_, done) = stream(&mut engine);
                 assert_eq!(engine.cache().usage().sequences, 0, "{kind}");
+                if let Some(cache) = engine.draft_cache() {
+                    assert_eq!(cache.usage().sequences, 0, "{kind}: draft cache");
+                }
                 (done, engine.speculation_stats())
             };
             let (plain, plain_stats) = run(None);
-            for speculation in [eager, careful] {
+            for speculation in [eager, careful, drafted] {
                 let (fast, stats) = run(Some(speculation));
                 for (ours, theirs) in fast.iter().zip(&plain) {
                     assert_eq!(tokens(ours), tokens(theirs), "{kind}");
@@ -834,7 +863,7 @@ fn speculation_changes_no_greedy_token() {
                     assert_eq!(fast[0].finish_reason, FinishReason::Stop);
                     assert_eq!(fast[1].tokens.len(), 23);
                     let misled = fast[2].speculation;
-                    if speculation == eager {
+                    if speculation != careful {
                         assert!(misled.drafted > misled.accepted, "{kind}: {misled:?}");
                     }
                     let copied = fast[1].speculation;
@@ -846,4 +875,258 @@ fn speculation_changes_no_greedy_token() {
             }
         }
     }
+}
+
+/// A draft model is refused where it cannot work: without speculation by a draft model, with
+/// another vocabulary, and a draft-model engine without one refuses requests.
+#[test]
+fn draft_models_are_checked() {
+    let model = Scripted { script: count_up };
+    let drafting = EngineConfig {
+        speculation: Some(Speculation {
+            source: DraftSource::Model,
+            draft_tokens: 3,
+            adaptive: true,
+        }),
+        ..EngineConfig::default()
+    };
+    let mut lone = Engine::new(&model, paged(8, 4), drafting).unwrap();
+    let err = lone.submit(request(&[2], 4)).unwrap_err();
+    assert!(matches!(err, EngineError::InvalidConfig(_)), "{err}");
+    let plain = Engine::new(&model, paged(8, 4), EngineConfig::default()).unwrap();
+    assert!(plain.with_draft_model(&model, paged(8, 4)).is_err());
+    let other = Soft {
+        logit: |_, _, _| 0.0,
+        vocab: 16,
+    };
+    let engine = Engine::new(&model, paged(8, 4), drafting).unwrap();
+    let err = engine.with_draft_model(&other, paged(8, 4)).err().unwrap();
+    assert!(err.to_string().contains("vocabulary"), "{err}");
+}
+
+/// Logits are `logit(last token, its position, candidate)`: a model with a real distribution
+/// over the next token (unlike [`Scripted`]'s one-hot rows).
+struct Soft {
+    logit: fn(u32, u32, u32) -> f32,
+    vocab: usize,
+}
+
+impl Soft {
+    fn row(&self, token: u32, position: u32) -> Vec<f32> {
+        (0..self.vocab as u32)
+            .map(|v| (self.logit)(token, position, v))
+            .collect()
+    }
+}
+
+impl CausalLm<B> for Soft {
+    fn shape(&self) -> ModelShape {
+        ModelShape {
+            vocab: self.vocab,
+            ..Scripted { script: count_up }.shape()
+        }
+    }
+
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn device(&self) -> <B as burn::tensor::backend::BackendTypes>::Device {
+        Default::default()
+    }
+
+    fn forward(
+        &self,
+        batch: &Batch,
+        cache: &mut dyn KvCache<B>,
+        logits: LogitsFor,
+    ) -> kiln_core::Result<Tensor<B, 2>> {
+        cache.plan(batch)?;
+        let wanted = logits.rows(batch)?;
+        let mut rows = Vec::new();
+        for i in wanted.unwrap_or_else(|| (0..batch.n_tokens()).collect()) {
+            rows.extend(self.row(batch.tokens()[i].0, batch.positions()[i].0));
+        }
+        let n = rows.len() / self.vocab;
+        Ok(Tensor::from_data(
+            TensorData::new(rows, [n, self.vocab]),
+            &Default::default(),
+        ))
+    }
+}
+
+/// The target of the distribution test: a few likely tokens that move with the context.
+fn target_logit(token: u32, position: u32, v: u32) -> f32 {
+    ((token * 7 + v * 5 + position * 3) % 11) as f32 * 0.35
+}
+
+/// A good draft: the target's preferences, slightly off.
+fn close_logit(token: u32, position: u32, v: u32) -> f32 {
+    target_logit(token, position, v) + ((v * 3 + token) % 4) as f32 * 0.15
+}
+
+/// A bad draft: the target's preferences scrambled (most of its likely tokens are still
+/// proposed, with the wrong weights).
+fn scrambled_logit(token: u32, position: u32, v: u32) -> f32 {
+    target_logit(token, position, v) + ((v * 7 + token) % 5) as f32 * 0.8
+}
+
+/// Speculative sampling keeps the target's distribution: the first three generated tokens
+/// (the first from the prompt's forward, the next two verified drafts) of many seeded requests
+/// follow the target's exact joint distribution under temperature, top-k and top-p, whether
+/// drafts come from prompt lookup (certain drafts), a close draft model or a scrambled one (a
+/// chi-square test); the drafts' quality changes only how many are accepted. A plain engine
+/// passes the same test, and an engine that accepted every draft would fail it.
+#[test]
+fn speculative_sampling_keeps_the_target_distribution() {
+    use kiln_core::sampling::{Sampler, TokenHistory};
+    const V: usize = 16;
+    let target = Soft {
+        logit: target_logit,
+        vocab: V,
+    };
+    let sampling = SamplingParams {
+        temperature: 0.8,
+        top_k: 4,
+        top_p: 0.95,
+        min_p: 0.0,
+        ..SamplingParams::default()
+    };
+    // Repeats, so prompt lookup drafts often.
+    let prompt = [3u32, 4, 5, 3, 4, 5, 3, 4];
+    // The exact joint distribution of the first three tokens, from the target's rows.
+    let sampler = Sampler::new(&sampling, V).unwrap();
+    let next = |token: u32, position: u32| -> Vec<(u32, f64)> {
+        let c = sampler
+            .candidates(&target.row(token, position), &TokenHistory::default())
+            .unwrap();
+        let ids = c.ids().iter().map(|t| t.0);
+        ids.zip(c.probabilities().into_iter().map(f64::from))
+            .collect()
+    };
+    let last = prompt.len() as u32 - 1;
+    let mut exact: HashMap<[u32; 3], f64> = HashMap::new();
+    for (a, pa) in next(prompt[prompt.len() - 1], last) {
+        for (b, pb) in next(a, last + 1) {
+            for (c, pc) in next(b, last + 2) {
+                exact.insert([a, b, c], pa * pb * pc);
+            }
+        }
+    }
+    let runs = 4000;
+    let close = Soft {
+        logit: close_logit,
+        vocab: V,
+    };
+    let scrambled = Soft {
+        logit: scrambled_logit,
+        vocab: V,
+    };
+    let lookup = Speculation {
+        source: DraftSource::PromptLookup {
+            min_ngram: 1,
+            max_ngram: 3,
+        },
+        draft_tokens: 2,
+        adaptive: false,
+    };
+    let by_model = Speculation {
+        source: DraftSource::Model,
+        ..lookup
+    };
+    let cases: [(&str, Option<Speculation>, Option<&Soft>); 4] = [
+        ("plain", None, None),
+        ("prompt lookup", Some(lookup), None),
+        ("close draft", Some(by_model), Some(&close)),
+        ("scrambled draft", Some(by_model), Some(&scrambled)),
+    ];
+    let mut acceptance = HashMap::new();
+    for (name, speculation, draft) in cases {
+        let config = EngineConfig {
+            max_batch: 16,
+            speculation,
+            ..EngineConfig::default()
+        };
+        let cache = || {
+            let spec = CacheSpec {
+                page_size: 4,
+                ..CacheSpec::paged(16, 16)
+            };
+            spec.build::<B>(layout(), Dtype::F32, &Default::default())
+                .unwrap()
+        };
+        let mut engine = Engine::new(&target, cache(), config).unwrap();
+        if let Some(draft) = draft {
+            engine = engine.with_draft_model(draft, cache()).unwrap();
+        }
+        for seed in 0..runs {
+            // Four tokens, so the step after the first verifies two drafts.
+            let mut r = request(&prompt, 4);
+            r.eos.clear();
+            r.sampling = SamplingParams {
+                seed: Some(seed),
+                ..sampling.clone()
+            };
+            engine.submit(r).unwrap();
+        }
+        let mut seen: HashMap<[u32; 3], f64> = HashMap::new();
+        for c in engine.run(|_| {}).unwrap() {
+            let t = tokens(&c);
+            *seen.entry([t[0], t[1], t[2]]).or_default() += 1.0;
+        }
+        let (chi2, df) = chi_square(&seen, &exact, runs as f64);
+        let bound = chi_square_quantile(df, 4.75);
+        assert!(
+            chi2 < bound,
+            "{name}: chi-square {chi2:.1} over {df} degrees of freedom (bound {bound:.1})"
+        );
+        let stats = engine.speculation_stats();
+        if speculation.is_some() {
+            assert!(stats.drafted > 0, "{name}: {stats:?}");
+        }
+        acceptance.insert(name, stats.acceptance_rate());
+    }
+    assert!(
+        acceptance["close draft"] > acceptance["scrambled draft"] + 0.2,
+        "{acceptance:?}"
+    );
+}
+
+/// Pearson's statistic of `seen` counts against `exact` probabilities over `n` samples, cells
+/// expecting fewer than 5 pooled into one; and its degrees of freedom.
+fn chi_square(
+    seen: &HashMap<[u32; 3], f64>,
+    exact: &HashMap<[u32; 3], f64>,
+    n: f64,
+) -> (f64, usize) {
+    assert!(
+        seen.keys().all(|k| exact.contains_key(k)),
+        "a sequence the target cannot produce was sampled"
+    );
+    let (mut chi2, mut cells) = (0.0, 0);
+    let (mut pooled_seen, mut pooled_expected) = (0.0, 0.0);
+    for (key, &p) in exact {
+        let expected = p * n;
+        let observed = seen.get(key).copied().unwrap_or(0.0);
+        if expected < 5.0 {
+            pooled_seen += observed;
+            pooled_expected += expected;
+        } else {
+            chi2 += (observed - expected).powi(2) / expected;
+            cells += 1;
+        }
+    }
+    if pooled_expected > 0.0 {
+        chi2 += (pooled_seen - pooled_expected).powi(2) / pooled_expected.max(1.0);
+        cells += 1;
+    }
+    (chi2, cells - 1)
+}
+
+/// The chi-square distribution's quantile `z` standard deviations up (Wilson-Hilferty);
+/// z = 4.75 leaves a one-in-a-million chance of a false alarm.
+fn chi_square_quantile(df: usize, z: f64) -> f64 {
+    let k = df as f64;
+    let h = 2.0 / (9.0 * k);
+    k * (1.0 - h + z * h.sqrt()).powi(3)
 }

@@ -110,6 +110,17 @@ pub struct ServedModel<'a, B: InferenceBackend> {
     pub cache_bytes: u64,
     /// The engine's limits.
     pub config: EngineConfig,
+    /// The draft model of speculative decoding, when [`EngineConfig::speculation`] drafts
+    /// with a model.
+    pub draft: Option<ServedDraft<'a, B>>,
+}
+
+/// A draft model and its cache (empty).
+pub struct ServedDraft<'a, B: InferenceBackend> {
+    /// The loaded draft model.
+    pub loaded: &'a LoadedModel<B>,
+    /// Its KV cache.
+    pub cache: Box<dyn KvCache<B>>,
 }
 
 /// A listening server whose engine has not started yet.
@@ -206,6 +217,9 @@ impl Server {
         let detok = move |ids: &[kiln_core::TokenId]| tokenizer.decode(ids, true).ok();
         let mut engine =
             Engine::new(&loaded.model, model.cache, model.config)?.with_detokenizer(&detok);
+        if let Some(draft) = model.draft {
+            engine = engine.with_draft_model(&draft.loaded.model, draft.cache)?;
+        }
         self.state.metrics.set_capacity(
             model.config.max_batch,
             kv_tokens / model.block_tokens.max(1),

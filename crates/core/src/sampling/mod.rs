@@ -257,6 +257,33 @@ impl Sampler {
         let u: f64 = self.rng.random();
         Ok(Verdict::Rejected(ids[draw_in_id_order(ids, &residual, u)]))
     }
+
+    /// A draft model's proposal: the token [`Sampler::try_sample`] would pick from `logits`,
+    /// and, when it draws (rather than takes the argmax), the distribution `q` it drew from
+    /// over the whole vocabulary, which [`Sampler::verify`] needs to keep the target's
+    /// distribution. Greedy proposals need no `q` (greedy verification ignores it).
+    ///
+    /// # Errors
+    /// [`SamplingError::VocabMismatch`].
+    pub fn propose(
+        &mut self,
+        logits: &[f32],
+        history: &TokenHistory,
+    ) -> Result<(TokenId, Option<Vec<f32>>), SamplingError> {
+        let candidates = self.candidates(logits, history)?;
+        let ids = candidates.ids();
+        if self.selection == Selection::Greedy {
+            return Ok((ids[candidates.argmax_index()], None));
+        }
+        let probs = candidates.probabilities();
+        let u: f64 = self.rng.random();
+        let token = ids[draw_in_id_order(ids, &probs, u)];
+        let mut q = vec![0.0; self.vocab];
+        for (&t, &p) in ids.iter().zip(&probs) {
+            q[t.0 as usize] = p;
+        }
+        Ok((token, Some(q)))
+    }
 }
 
 /// The index of `ids` (and `probs`) that `u` picks when the distribution is walked in token-id

@@ -267,3 +267,36 @@ fn greedy_verify_accepts_only_the_argmax() {
     let short = sampler.verify(&logits[..3], &history, TokenId(1), None);
     assert!(short.is_err());
 }
+
+#[test]
+fn proposals_come_with_the_distribution_they_were_drawn_from() {
+    let logits = [1.0f32, 2.5, 0.3, 2.0, -1.0, 1.7];
+    let params = SamplingParams {
+        temperature: 0.9,
+        top_k: 4,
+        seed: Some(3),
+        ..SamplingParams::default()
+    };
+    let mut sampler = Sampler::new(&params, logits.len()).unwrap();
+    let history = TokenHistory::default();
+    let draws = 100_000;
+    let mut freq = vec![0f64; logits.len()];
+    let mut q_seen = None;
+    for _ in 0..draws {
+        let (token, q) = sampler.propose(&logits, &history).unwrap();
+        freq[token.0 as usize] += 1.0 / f64::from(draws);
+        q_seen = q;
+    }
+    let q: Vec<f64> = q_seen.unwrap().iter().map(|&x| f64::from(x)).collect();
+    assert_eq!(q.len(), logits.len());
+    assert_eq!(q[4], 0.0, "outside top-k");
+    assert!((q.iter().sum::<f64>() - 1.0).abs() < 1e-5);
+    let tv = total_variation(&freq, &q);
+    assert!(tv < 0.01, "{freq:?} vs {q:?} ({tv})");
+    // Greedy proposes the argmax and needs no distribution.
+    let mut greedy = Sampler::new(&SamplingParams::greedy(), logits.len()).unwrap();
+    assert_eq!(
+        greedy.propose(&logits, &history).unwrap(),
+        (TokenId(1), None)
+    );
+}
