@@ -580,7 +580,10 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             return false;
         }
         let mut seq = self.running.pop().expect("more than one running");
-        self.cache.release(seq.seq);
+        // Its draft cache too: a waiting sequence must not hold a slot of a cache whose
+        // running sequences need it.
+        self.release(seq.seq);
+        seq.draft_in_cache = 0;
         seq.drafts.clear();
         seq.draft_q.clear();
         seq.in_cache = 0;

@@ -225,6 +225,35 @@ fn running_out_of_blocks_preempts_instead_of_failing() {
         assert_eq!(ours.finish_reason, FinishReason::Length);
     }
     assert_eq!(engine.cache().usage().used, 0);
+    // The same with a draft model drafting on a cache as small: preemption (which frees the
+    // draft cache too) changes no token, a full draft cache only shortens drafts, and
+    // nothing is left held in either cache.
+    let drafting = EngineConfig {
+        speculation: Some(Speculation {
+            source: DraftSource::Model,
+            draft_tokens: 3,
+            adaptive: false,
+        }),
+        ..EngineConfig::default()
+    };
+    let draft = Scripted {
+        script: count_up_mostly,
+    };
+    let mut engine = Engine::new(&model, paged(7, 4), drafting)
+        .unwrap()
+        .with_draft_model(&draft, paged(7, 4))
+        .unwrap();
+    for r in &requests {
+        engine.submit(r.clone()).unwrap();
+    }
+    let done = engine.run(|_| {}).unwrap();
+    assert!(done.iter().any(|c| c.preemptions > 0), "no preemption");
+    assert!(engine.speculation_stats().accepted > 0);
+    for (ours, theirs) in done.iter().zip(&alone(&model, &requests)) {
+        assert_eq!(tokens(ours), tokens(theirs));
+    }
+    assert_eq!(engine.cache().usage().used, 0);
+    assert_eq!(engine.draft_cache().unwrap().usage().used, 0);
 }
 
 /// Cancelling frees a running request's cache at once and drops a waiting one; the others
