@@ -17,7 +17,7 @@ use kiln_models::random::{KnownShape, random_model};
 use serde_json::json;
 
 use crate::exit::UsageError;
-use crate::model_args::ModelArgs;
+use crate::model_args::{ModelArgs, SpeculationArgs};
 use crate::{bandwidth, memory, progress};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -51,6 +51,10 @@ pub struct Args {
     /// Also write the results as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// Every cell speculates (decode rates then count every token; acceptance and tokens per
+    /// forward are reported per cell). Synthetic prompts give prompt lookup little to find.
+    #[command(flatten)]
+    speculation: SpeculationArgs,
 }
 
 pub fn run(mut args: Args) -> Result<()> {
@@ -69,6 +73,12 @@ pub fn run(mut args: Args) -> Result<()> {
     if args.sampling.is_empty() {
         bail!(UsageError("--sampling needs at least one setting".into()));
     }
+    if args.shape.is_some() && args.speculation.draft_model.is_some() {
+        bail!(UsageError(
+            "--draft-model needs a model file to draft for, not random weights (--shape)".into()
+        ));
+    }
+    args.speculation.speculation()?;
     let backend = args.model.backend;
     run_on(backend, Task(args))?
 }
@@ -84,6 +94,8 @@ struct CellReport {
     time_to_first_token_ms: f64,
     itl_p50_ms: f64,
     itl_p99_ms: f64,
+    /// Speculation's counts over the timed runs.
+    speculation: kiln_engine::SpecCounts,
     peak_rss_bytes: Option<u64>,
     /// The device allocator's reserved bytes at their largest over the runs.
     peak_device_bytes: Option<u64>,
@@ -122,13 +134,17 @@ fn report(
     CellReport {
         cell,
         prefill_tokens_per_s: median(runs.iter().map(|r| r.prefill_tokens_per_s(&cell))),
-        decode_tokens_per_s: median(runs.iter().map(|r| r.decode_tokens_per_s(&cell))),
+        decode_tokens_per_s: median(runs.iter().map(CellTimings::decode_tokens_per_s)),
         time_to_first_token_ms: median(runs.iter().map(|r| {
             let ttft: Vec<f64> = r.time_to_first_token.iter().copied().map(ms).collect();
             quantile(&ttft, 0.5)
         })),
         itl_p50_ms: itl(0.5),
         itl_p99_ms: itl(0.99),
+        speculation: runs.iter().fold(Default::default(), |mut sum, r| {
+            sum.add(&r.speculation);
+            sum
+        }),
         peak_rss_bytes,
         peak_device_bytes: runs
             .iter()
@@ -144,17 +160,22 @@ impl BackendTask for Task {
     fn run<B: InferenceBackend>(self, device: B::Device) -> Result<()> {
         let args = self.0;
         let dtype = args.model.dtype();
-        let (model, name) = match args.shape {
+        let (model, name, draft) = match args.shape {
             Some(shape) => (
                 random_model::<B>(shape, dtype, 0, &device)?,
                 format!("{} (random weights)", shape.name()),
+                None,
             ),
             None => {
                 let loaded = args.model.load::<B>(&device)?;
+                let draft = args
+                    .speculation
+                    .load_draft(args.model.backend, &loaded, &device)?;
                 let name = loaded.path.display().to_string();
-                (loaded.model, name)
+                (loaded.model, name, draft)
             }
         };
+        let speculation = args.speculation.speculation()?;
         let shape = model.shape();
         let longest = args.prompt_lens.iter().max().copied().unwrap_or(0) + args.new_tokens;
         if longest > shape.max_positions {
@@ -228,6 +249,7 @@ impl BackendTask for Task {
                         new_tokens: args.new_tokens,
                         max_step_tokens: 512,
                         sampling,
+                        speculation,
                     });
                 }
             }
@@ -245,6 +267,12 @@ impl BackendTask for Task {
                 .build::<B>(shape.kv_layout(), dtype, &device)?;
             // One engine per cell, its warm-up and timed runs one after another on it.
             let mut engine = Engine::new(&model, cache, cell.engine_config())?;
+            if let Some(draft) = &draft {
+                let layout = CausalLm::shape(&draft.model).kv_layout();
+                let dtype = CausalLm::dtype(&draft.model);
+                let cache = cell.cache_spec().build::<B>(layout, dtype, &device)?;
+                engine = engine.with_draft_model(&draft.model, cache)?;
+            }
             memory::reset_peak();
             let mut runs = Vec::with_capacity(args.repeats);
             for run in 0..=args.repeats {
@@ -282,6 +310,15 @@ impl BackendTask for Task {
                         String::new()
                     }
                 );
+                if speculation.is_some() {
+                    println!(
+                        "{:>22} speculation: {:.0} % of {} drafts accepted, {:.2} tokens per forward",
+                        "",
+                        r.speculation.acceptance_rate() * 100.0,
+                        r.speculation.drafted,
+                        r.speculation.tokens_per_forward()
+                    );
+                }
             });
             reports.push(r);
         }
@@ -311,6 +348,10 @@ impl BackendTask for Task {
                     "time_to_first_token_ms": r.time_to_first_token_ms,
                     "itl_p50_ms": r.itl_p50_ms,
                     "itl_p99_ms": r.itl_p99_ms,
+                    "speculation": speculation.map(|_| json!({
+                        "acceptance_rate": r.speculation.acceptance_rate(),
+                        "tokens_per_forward": r.speculation.tokens_per_forward(),
+                    })),
                     "peak_memory_bytes": r.peak_memory_bytes(),
                     "peak_rss_bytes": r.peak_rss_bytes,
                     "peak_device_reserved_bytes": r.peak_device_bytes,

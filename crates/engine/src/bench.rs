@@ -11,7 +11,9 @@
 //! - **prefill**: the steps until every sequence has its first token. Each packs whole prompts
 //!   up to `max_step_tokens` and samples the first token of every prompt it completes; a
 //!   sequence's time to first token is the end of that step.
-//! - **decode**: every later step, each one token for every sequence: `new_tokens - 1` steps.
+//! - **decode**: every later step, each one token for every sequence: `new_tokens - 1` steps;
+//!   with speculative decoding ([`Cell::speculation`]) fewer steps, each one to K+1 tokens per
+//!   sequence, and the decode rate counts the tokens.
 //!
 //! On backends whose device allocator reports its memory (wgpu, cuda), the run samples it after
 //! every step, outside the step's time, and keeps the largest figures.
@@ -28,6 +30,7 @@ use crate::cache::CacheSpec;
 use crate::engine::{Engine, EngineConfig, StepPolicy};
 use crate::error::EngineError;
 use crate::request::{Event, Request};
+use crate::speculate::{SpecCounts, Speculation};
 
 /// How a cell picks its tokens.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -104,6 +107,9 @@ pub struct Cell {
     pub max_step_tokens: usize,
     /// How tokens are picked.
     pub sampling: Sampling,
+    /// Speculative decoding (`None`: off). A draft model, if it drafts with one, is the
+    /// engine's ([`Engine::with_draft_model`]).
+    pub speculation: Option<Speculation>,
 }
 
 impl Cell {
@@ -132,7 +138,7 @@ impl Cell {
             max_step_tokens: self.max_step_tokens.max(self.prompt_len),
             policy: StepPolicy::PrefillFirst,
             prefix_cache: false,
-            speculation: None,
+            speculation: self.speculation,
         }
     }
 
@@ -151,8 +157,13 @@ pub struct CellTimings {
     /// Per sequence, in submission order: from the start to the end of the step that gave its
     /// first token.
     pub time_to_first_token: Vec<Duration>,
-    /// Each decode step (one token for every sequence): `new_tokens - 1` of them.
+    /// Each decode step (one token for every sequence: `new_tokens - 1` of them; with
+    /// speculation fewer, each one or more tokens per sequence still decoding).
     pub decode_steps: Vec<Duration>,
+    /// Tokens the decode steps produced, over all sequences.
+    pub decode_tokens: usize,
+    /// The run's speculation counts (zero without speculation).
+    pub speculation: SpecCounts,
     /// The tokens generated, per sequence in submission order (for checking runs agree).
     pub tokens: Vec<Vec<TokenId>>,
     /// The device allocator's largest figures after any step of the run, each its own
@@ -167,11 +178,8 @@ impl CellTimings {
     }
 
     /// Tokens per second of decode, all sequences together.
-    pub fn decode_tokens_per_s(&self, cell: &Cell) -> f64 {
-        rate(
-            cell.batch * self.decode_steps.len(),
-            self.decode_steps.iter().sum(),
-        )
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        rate(self.decode_tokens, self.decode_steps.iter().sum())
     }
 }
 
@@ -244,6 +252,7 @@ pub fn run_cell<B: InferenceBackend>(
         }
     };
 
+    let before = engine.speculation_stats();
     let start = Instant::now();
     // The engine's id of each request -> its index in the cell.
     let mut index = HashMap::with_capacity(cell.batch);
@@ -264,6 +273,7 @@ pub fn run_cell<B: InferenceBackend>(
     let mut waiting_for_first = cell.batch;
     let mut prefill = None;
     let mut decode_steps = Vec::with_capacity(cell.new_tokens.saturating_sub(1));
+    let mut decode_tokens = 0;
     let mut preemptions = 0;
     while !engine.is_idle() {
         let step_start = Instant::now();
@@ -289,13 +299,14 @@ pub fn run_cell<B: InferenceBackend>(
             }
         }
         if prefill.is_some() {
-            if step_tokens != cell.batch {
+            if step_tokens != cell.batch && cell.speculation.is_none() {
                 return invalid(format!(
                     "a decode step gave {step_tokens} tokens for {} sequences",
                     cell.batch
                 ));
             }
             decode_steps.push(step);
+            decode_tokens += step_tokens;
         } else if waiting_for_first == 0 {
             prefill = Some(now);
         }
@@ -305,10 +316,19 @@ pub fn run_cell<B: InferenceBackend>(
             "the cache is too small for the cell: {preemptions} preemptions"
         ));
     }
+    let after = engine.speculation_stats();
+    let speculation = SpecCounts {
+        drafted: after.drafted - before.drafted,
+        accepted: after.accepted - before.accepted,
+        forwards: after.forwards - before.forwards,
+        tokens: after.tokens - before.tokens,
+    };
     Ok(CellTimings {
         prefill: prefill.unwrap_or_default(),
         time_to_first_token,
         decode_steps,
+        decode_tokens,
+        speculation,
         tokens,
         peak_device_memory,
     })
@@ -390,6 +410,7 @@ mod tests {
             new_tokens: 4,
             max_step_tokens: 8,
             sampling,
+            speculation: None,
         }
     }
 
@@ -446,6 +467,43 @@ mod tests {
         }
     }
 
+    /// A speculative cell (the model drafting for itself: every draft stands) gives the plain
+    /// cell's tokens in fewer decode steps, counting every decoded token.
+    #[test]
+    fn a_speculative_cell_counts_tokens_not_steps() {
+        let model = CountUp::default();
+        let plain = Cell {
+            new_tokens: 9,
+            ..cell(Sampling::Greedy)
+        };
+        let cell = Cell {
+            speculation: Some(Speculation {
+                source: crate::DraftSource::Model,
+                draft_tokens: 3,
+                adaptive: false,
+            }),
+            ..plain
+        };
+        let expected = run_cell(&mut engine(&model, &plain, plain.cache_spec()), &plain).unwrap();
+        let draft_cache = cell
+            .cache_spec()
+            .build::<B>(model.shape().kv_layout(), Dtype::F32, &Default::default())
+            .unwrap();
+        let mut fast = engine(&model, &cell, cell.cache_spec())
+            .with_draft_model(&model, draft_cache)
+            .unwrap();
+        let timings = run_cell(&mut fast, &cell).unwrap();
+        assert_eq!(timings.tokens, expected.tokens);
+        assert_eq!(timings.decode_tokens, cell.batch * (cell.new_tokens - 1));
+        assert_eq!(expected.decode_tokens, timings.decode_tokens);
+        // 8 decoded tokens per sequence: 4, then 4 (three drafts and the token after them).
+        assert_eq!(timings.decode_steps.len(), 2);
+        let spec = timings.speculation;
+        assert_eq!((spec.drafted, spec.accepted), (30, 30));
+        assert_eq!(expected.speculation.drafted, 0);
+        assert!(spec.tokens_per_forward() > expected.speculation.tokens_per_forward());
+    }
+
     #[test]
     fn a_prompt_longer_than_a_step_runs_whole_and_one_token_means_no_decode_step() {
         let model = CountUp::default();
@@ -455,6 +513,7 @@ mod tests {
             new_tokens: 1,
             max_step_tokens: 8,
             sampling: Sampling::Greedy,
+            speculation: None,
         };
         let mut engine = engine(&model, &cell, cell.cache_spec());
         let timings = run_cell(&mut engine, &cell).unwrap();
@@ -500,6 +559,7 @@ mod tests {
             new_tokens: 128,
             max_step_tokens: 512,
             sampling: Sampling::TopP,
+            speculation: None,
         };
         let warm_up = cell.warm_up();
         assert_eq!(warm_up.new_tokens, Cell::WARM_UP_NEW_TOKENS);

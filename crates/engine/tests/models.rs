@@ -604,6 +604,7 @@ fn bench_cell_generates_what_generate_does<B: InferenceBackend>() {
         new_tokens: 6,
         max_step_tokens: 512,
         sampling: Sampling::Greedy,
+        speculation: None,
     };
     let cache = cell
         .cache_spec()
