@@ -751,13 +751,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
                     .filter(|&(_, &limit)| limit > 0)
                     .map(|(seq, &limit)| DraftJob {
                         seq: seq.seq,
-                        context: seq
-                            .request
-                            .prompt
-                            .iter()
-                            .chain(&seq.generated)
-                            .copied()
-                            .collect(),
+                        context: seq.context(),
                         in_cache: &mut seq.draft_in_cache,
                         limit,
                         sampler: seq.draft_sampler.as_mut().expect("made with the drafter"),

@@ -51,21 +51,34 @@ impl CausalLm<B> for Scripted {
         cache: &mut dyn KvCache<B>,
         logits: LogitsFor,
     ) -> kiln_core::Result<Tensor<B, 2>> {
-        cache.plan(batch)?;
-        let mut rows = Vec::new();
-        let wanted = logits.rows(batch)?;
-        for i in wanted.unwrap_or_else(|| (0..batch.n_tokens()).collect()) {
-            let next = (self.script)(batch.tokens()[i].0, batch.positions()[i].0);
+        rows_of(batch, cache, logits, VOCAB, |token, position| {
             let mut row = vec![0f32; VOCAB];
-            row[next as usize] = 10.0;
-            rows.extend(row);
-        }
-        let n = rows.len() / VOCAB;
-        Ok(Tensor::from_data(
-            TensorData::new(rows, [n, VOCAB]),
-            &Default::default(),
-        ))
+            row[(self.script)(token, position) as usize] = 10.0;
+            row
+        })
     }
+}
+
+/// A test model's forward: plans the cache (so blocks are really reserved) and returns
+/// `row(token, position)` for each token `logits` asks for.
+fn rows_of(
+    batch: &Batch,
+    cache: &mut dyn KvCache<B>,
+    logits: LogitsFor,
+    vocab: usize,
+    row: impl Fn(u32, u32) -> Vec<f32>,
+) -> kiln_core::Result<Tensor<B, 2>> {
+    cache.plan(batch)?;
+    let wanted = logits.rows(batch)?;
+    let mut rows = Vec::new();
+    for i in wanted.unwrap_or_else(|| (0..batch.n_tokens()).collect()) {
+        rows.extend(row(batch.tokens()[i].0, batch.positions()[i].0));
+    }
+    let n = rows.len() / vocab;
+    Ok(Tensor::from_data(
+        TensorData::new(rows, [n, vocab]),
+        &Default::default(),
+    ))
 }
 
 /// Counts up from the last token, skipping EOS: 2, 3, ..., 31, 2, ...
@@ -970,17 +983,9 @@ impl CausalLm<B> for Soft {
         cache: &mut dyn KvCache<B>,
         logits: LogitsFor,
     ) -> kiln_core::Result<Tensor<B, 2>> {
-        cache.plan(batch)?;
-        let wanted = logits.rows(batch)?;
-        let mut rows = Vec::new();
-        for i in wanted.unwrap_or_else(|| (0..batch.n_tokens()).collect()) {
-            rows.extend(self.row(batch.tokens()[i].0, batch.positions()[i].0));
-        }
-        let n = rows.len() / self.vocab;
-        Ok(Tensor::from_data(
-            TensorData::new(rows, [n, self.vocab]),
-            &Default::default(),
-        ))
+        rows_of(batch, cache, logits, self.vocab, |token, position| {
+            self.row(token, position)
+        })
     }
 }
 
