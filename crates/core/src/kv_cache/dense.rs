@@ -97,6 +97,13 @@ impl<B: InferenceBackend> DenseCache<B> {
         Ok(self.storage.gather_host(&places))
     }
 
+    pub fn max_sequences(&self) -> Option<usize> {
+        match self.policy {
+            Policy::Dynamic => None,
+            _ => Some(self.storage.targets()),
+        }
+    }
+
     pub fn window(&self) -> Option<usize> {
         match self.policy {
             Policy::Sliding { window, .. } => Some(window),
@@ -152,6 +159,42 @@ impl<B: InferenceBackend> DenseCache<B> {
             entry.slot_positions[token % slots] = None;
         }
         entry.len = keep;
+        Ok(())
+    }
+
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<(), CacheError> {
+        let held = self.seq_len(child);
+        if held > 0 {
+            return Err(CacheError::AlreadyHeld {
+                seq: child,
+                len: held,
+            });
+        }
+        let Some(source) = self.seqs.get(&parent).cloned() else {
+            self.release(child);
+            return Ok(());
+        };
+        if !self.seqs.contains_key(&child) {
+            let incoming = [Incoming {
+                seq: child,
+                tokens: 0..0,
+                held: 0,
+            }];
+            let (rows, slots) = self.check(&incoming)?;
+            self.grow_to(rows, slots);
+        }
+        let row = self.row_for(child).row;
+        // A ring's slots hold the last tokens in any order: copy them all; a row copies as
+        // far as it is filled.
+        let filled = match self.policy {
+            Policy::Sliding { .. } => self.storage.slots(),
+            _ => source.len.min(self.storage.slots()),
+        };
+        self.storage.copy_target_slots(source.row, row, 0..filled);
+        let entry = self.seqs.get_mut(&child).expect("given a row above");
+        entry.len = source.len;
+        entry.slot_positions = source.slot_positions;
+        entry.slot_positions.resize(self.storage.slots(), None);
         Ok(())
     }
 
@@ -357,6 +400,9 @@ macro_rules! delegate_dense_cache {
             fn window(&self) -> Option<usize> {
                 self.inner.window()
             }
+            fn max_sequences(&self) -> Option<usize> {
+                self.inner.max_sequences()
+            }
             fn check_append(
                 &self,
                 seq: $crate::ids::SeqId,
@@ -379,6 +425,13 @@ macro_rules! delegate_dense_cache {
                 step: &[($crate::ids::SeqId, usize)],
             ) -> Result<(), $crate::kv_cache::CacheError> {
                 self.inner.reserve(step)
+            }
+            fn fork(
+                &mut self,
+                parent: $crate::ids::SeqId,
+                child: $crate::ids::SeqId,
+            ) -> Result<(), $crate::kv_cache::CacheError> {
+                self.inner.fork(parent, child)
             }
             fn clear(&mut self) {
                 self.inner.clear()

@@ -193,6 +193,14 @@ pub enum CacheError {
         /// Tokens the cache still holds.
         kept: usize,
     },
+    /// [`CacheBook::fork`] into a sequence that already holds tokens.
+    #[error("sequence {seq} already holds {len} tokens; a fork needs an empty one")]
+    AlreadyHeld {
+        /// The sequence.
+        seq: SeqId,
+        /// Tokens it holds.
+        len: usize,
+    },
     /// A configuration value out of range.
     #[error("invalid cache configuration: {0}")]
     InvalidConfig(String),
@@ -245,6 +253,12 @@ pub trait CacheBook {
     /// Tokens appended to `seq` so far (0 for a sequence the cache does not know).
     fn seq_len(&self, seq: SeqId) -> usize;
 
+    /// How many sequences it holds at once, when that is fixed (static and sliding: their
+    /// rows); `None` when only memory limits it (dynamic, paged).
+    fn max_sequences(&self) -> Option<usize> {
+        None
+    }
+
     /// The attention window: keys further back than this are invisible (sliding cache only).
     fn window(&self) -> Option<usize> {
         None
@@ -278,6 +292,17 @@ pub trait CacheBook {
     /// [`CacheError::TruncateTooFar`] if a sliding cache no longer holds the keys the kept
     /// tokens' successors would attend over. Nothing changes on error.
     fn truncate(&mut self, seq: SeqId, keep: usize) -> Result<(), CacheError>;
+
+    /// Starts `child` as a copy of `parent`: the same tokens at the same positions, so the two
+    /// continue differently from there (beam search). `child` must hold no token (space
+    /// reserved for it with zero tokens is used). The paged cache shares `parent`'s blocks
+    /// (reference-counted; a shared partial last block is copied when either sequence writes
+    /// into it); the row caches copy the row's filled slots into a free row.
+    ///
+    /// # Errors
+    /// [`CacheError::AlreadyHeld`] if `child` holds tokens; [`CacheError::NoFreeSlot`] when a
+    /// static or sliding cache has no row left for it. Nothing changes on error.
+    fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<(), CacheError>;
 
     /// Forgets every sequence (and every cached prefix).
     fn clear(&mut self);

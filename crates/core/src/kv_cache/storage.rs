@@ -231,12 +231,25 @@ impl<B: InferenceBackend> SlotStorage<B> {
 
     /// Copies `src`'s slots of every layer over `dst`'s (copy-on-write of a shared block).
     pub fn copy_target(&mut self, src: usize, dst: usize) {
-        let (heads, slots, dim) = (self.layout.n_kv_heads, self.slots, self.layout.head_dim);
+        self.copy_target_slots(src, dst, 0..self.slots);
+    }
+
+    /// Copies slots `slots` of target `src` over the same slots of `dst`, in every layer (a
+    /// forked row).
+    pub fn copy_target_slots(&mut self, src: usize, dst: usize, slots: Range<usize>) {
+        if slots.is_empty() || src == dst {
+            return;
+        }
+        let (heads, dim) = (self.layout.n_kv_heads, self.layout.head_dim);
         for tensor in self.k.iter_mut().chain(self.v.iter_mut()) {
             let values = tensor
                 .clone()
-                .slice([src..src + 1, 0..heads, 0..slots, 0..dim]);
-            B::write_in_place(tensor, [dst..dst + 1, 0..heads, 0..slots, 0..dim], values);
+                .slice([src..src + 1, 0..heads, slots.clone(), 0..dim]);
+            B::write_in_place(
+                tensor,
+                [dst..dst + 1, 0..heads, slots.clone(), 0..dim],
+                values,
+            );
         }
     }
 

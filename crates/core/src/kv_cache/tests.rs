@@ -34,21 +34,26 @@ enum Op {
     Release,
     /// Keeps only the first this many tokens.
     Truncate(usize),
+    /// Starts the sequence as a copy of this one (beam search's fork).
+    Fork(u64),
 }
 
 /// One step of the scenario: `(sequence, what happens to it)`.
 type Step = Vec<(u64, Op)>;
 
 fn scenario() -> Vec<Step> {
-    use Op::{Append, Release, Truncate};
+    use Op::{Append, Fork, Release, Truncate};
     vec![
         vec![(0, Append(5)), (1, Append(3))], // packed prefill of two prompts
         vec![(0, Append(1)), (1, Append(1))], // batched decode
         vec![(2, Append(4)), (0, Append(2)), (1, Append(1))], // fresh + chunk + decode, mixed
         vec![(1, Release)],                   // free a sequence...
         vec![(3, Append(6)), (0, Append(1)), (2, Append(1))], // ...and reuse its space
-        vec![(0, Append(1)), (2, Append(2)), (3, Append(1))],
-        vec![(3, Append(1))],
+        // Fork a sequence whose last block is partial (paged: 7 tokens in blocks of 4), then
+        // both append: each writes its own copy of the shared block.
+        vec![(4, Fork(3)), (0, Append(1)), (2, Append(2)), (3, Append(1))],
+        vec![(3, Append(1)), (4, Append(2))],
+        vec![(4, Release)],
         // Roll two sequences back (as a chat does when a re-rendered prompt diverges), then
         // append over the dropped slots.
         vec![(0, Truncate(9)), (3, Truncate(6))],
@@ -130,6 +135,12 @@ fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::
                         layer.truncate(keep);
                     }
                     assert_eq!(cache.seq_len(SeqId(*seq)), keep);
+                }
+                Op::Fork(parent) => {
+                    cache.fork(SeqId(parent), SeqId(*seq)).unwrap();
+                    let copy = reference.history[&parent].clone();
+                    reference.history.insert(*seq, copy);
+                    assert_eq!(cache.seq_len(SeqId(*seq)), cache.seq_len(SeqId(parent)));
                 }
                 Op::Append(n) => {
                     let start = reference.history.get(seq).map_or(0, |h| h[0].len()) as u32;
@@ -436,6 +447,67 @@ fn reserve_on<B: InferenceBackend>(device: &B::Device) {
     );
 }
 
+/// Forks: the paged cache shares whole blocks and copies a shared partial block only when a
+/// sequence writes into it, and frees everything when both are released; a fork into a
+/// sequence with tokens, or into a full static cache, is refused and changes nothing; a
+/// reserved empty sequence is forked into.
+fn fork_on<B: InferenceBackend>(device: &B::Device) {
+    let mut rand = Rand(ChaCha8Rng::seed_from_u64(7));
+    let mut paged = PagedKvCache::<B>::new(LAYOUT, 8, 4, Dtype::F32, device).unwrap();
+    append(&mut paged, 0, &[1, 2, 3, 4, 5, 6], 0, &mut rand, device);
+    let parent = paged.export(SeqId(0)).unwrap();
+    paged.fork(SeqId(0), SeqId(1)).unwrap();
+    assert_eq!(paged.pool().used_count(), 2, "the fork shares both blocks");
+    assert_eq!(paged.block_table(SeqId(0)), paged.block_table(SeqId(1)));
+    assert_eq!(paged.export(SeqId(1)).unwrap(), parent);
+    assert_eq!(
+        paged.fork(SeqId(0), SeqId(1)).unwrap_err(),
+        CacheError::AlreadyHeld {
+            seq: SeqId(1),
+            len: 6
+        }
+    );
+    // Writing into the shared partial block copies it; the full block stays shared.
+    assert_eq!(paged.check_append(SeqId(1), 1), Ok(()));
+    append(&mut paged, 1, &[9], 6, &mut rand, device);
+    assert_eq!(paged.pool().used_count(), 3);
+    assert_eq!(
+        paged.block_table(SeqId(0))[0],
+        paged.block_table(SeqId(1))[0]
+    );
+    assert_ne!(
+        paged.block_table(SeqId(0))[1],
+        paged.block_table(SeqId(1))[1]
+    );
+    assert_eq!(
+        paged.export(SeqId(0)).unwrap(),
+        parent,
+        "the parent is untouched"
+    );
+    assert_eq!(head(&paged.export(SeqId(1)).unwrap(), 6), parent);
+    // The parent now owns its partial block alone and writes in place.
+    append(&mut paged, 0, &[7], 6, &mut rand, device);
+    assert_eq!(paged.pool().used_count(), 3);
+    paged.release(SeqId(0));
+    paged.release(SeqId(1));
+    assert_eq!(paged.pool().used_count(), 0);
+    assert_eq!(paged.pool().available(), 8);
+
+    let mut rows = StaticKvCache::<B>::new(LAYOUT, 2, 8, Dtype::F32, device).unwrap();
+    append(&mut rows, 0, &[1, 2, 3], 0, &mut rand, device);
+    rows.reserve(&[(SeqId(5), 0)]).unwrap();
+    rows.fork(SeqId(0), SeqId(5)).unwrap();
+    assert_eq!(
+        rows.export(SeqId(5)).unwrap(),
+        rows.export(SeqId(0)).unwrap()
+    );
+    assert_eq!(
+        rows.fork(SeqId(0), SeqId(6)).unwrap_err(),
+        CacheError::NoFreeSlot { max_sequences: 2 }
+    );
+    assert_eq!(rows.usage().sequences, 2);
+}
+
 fn conformance_on<B: InferenceBackend>(device: &B::Device) {
     for mut cache in all_kinds::<B>(device) {
         run_conformance(cache.as_mut(), device);
@@ -573,6 +645,11 @@ mod flex {
     #[test]
     fn reserve() {
         reserve_on::<B>(&Default::default());
+    }
+
+    #[test]
+    fn fork() {
+        fork_on::<B>(&Default::default());
     }
 }
 

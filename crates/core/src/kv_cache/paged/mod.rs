@@ -45,7 +45,8 @@ struct PagedSeq {
 /// registered; [`CacheBook::attach_prefix`] gives a new sequence the registered blocks its
 /// tokens begin with (shared, reference-counted); a released sequence's registered blocks stay
 /// cached until the pool needs them (least recently released first). A shared block is never
-/// written: a truncation that would leave a sequence writing into one copies it first.
+/// written: a truncation that would leave a sequence writing into one copies it first, and so
+/// does an append into a partial block a fork ([`CacheBook::fork`]) shares.
 #[derive(Debug)]
 pub struct PagedKvCache<B: InferenceBackend> {
     storage: SlotStorage<B>,
@@ -107,6 +108,48 @@ impl<B: InferenceBackend> PagedKvCache<B> {
         self.seqs.get(&seq).map_or(0, |s| s.blocks.len())
     }
 
+    /// The block `seq`'s next token goes into, if it is a partial block another sequence
+    /// shares (a fork's): appending must copy it first.
+    fn shared_tail(&self, seq: SeqId) -> Option<BlockId> {
+        let entry = self.seqs.get(&seq)?;
+        let held = entry.positions.len();
+        if held.is_multiple_of(self.block_size()) {
+            return None;
+        }
+        let block = entry.blocks[held / self.block_size()];
+        (self.pool.refs(block) > 1).then_some(block)
+    }
+
+    /// Blocks appending `n_new` tokens to `seq` takes from the pool: new ones, and a private
+    /// copy of a shared partial last block.
+    fn step_blocks(&self, seq: SeqId, n_new: usize) -> usize {
+        let copy = n_new > 0 && self.shared_tail(seq).is_some();
+        self.blocks_needed(self.owned(seq), self.seq_len(seq), n_new) + usize::from(copy)
+    }
+
+    /// Gives `seq` a private copy of its shared partial last block before it writes there
+    /// (copy on write). The caller has checked a block is available.
+    fn unshare_tail(&mut self, seq: SeqId, n_new: usize) {
+        if n_new == 0 {
+            return;
+        }
+        let Some(shared) = self.shared_tail(seq) else {
+            return;
+        };
+        let [fresh] = self
+            .pool
+            .allocate(1)
+            .expect("checked: a block is available")[..]
+        else {
+            unreachable!("one block asked for")
+        };
+        self.storage.copy_target(shared.index(), fresh.index());
+        let entry = self.seqs.get_mut(&seq).expect("it has a shared block");
+        let at = entry.positions.len() / self.storage.slots();
+        entry.blocks[at] = fresh;
+        self.pool.release(&[shared]);
+    }
+
     /// Registers every block of `seq` that is full and not registered yet.
     fn register_full_blocks(&mut self, seq: SeqId) {
         let Some(space) = self.prefix_space else {
@@ -154,7 +197,7 @@ impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
     }
 
     fn check_append(&self, seq: SeqId, n_new: usize) -> Result<(), CacheError> {
-        let needed = self.blocks_needed(self.owned(seq), self.seq_len(seq), n_new);
+        let needed = self.step_blocks(seq, n_new);
         if needed > self.pool.available() {
             return Err(CacheError::OutOfBlocks {
                 needed,
@@ -165,10 +208,7 @@ impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
     }
 
     fn reserve(&mut self, step: &[(SeqId, usize)]) -> Result<(), CacheError> {
-        let needed: usize = step
-            .iter()
-            .map(|&(seq, n)| self.blocks_needed(self.owned(seq), self.seq_len(seq), n))
-            .sum();
+        let needed: usize = step.iter().map(|&(seq, n)| self.step_blocks(seq, n)).sum();
         if needed > self.pool.available() {
             return Err(CacheError::OutOfBlocks {
                 needed,
@@ -176,6 +216,7 @@ impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
             });
         }
         for &(seq, n) in step {
+            self.unshare_tail(seq, n);
             let extra = self.blocks_needed(self.owned(seq), self.seq_len(seq), n);
             let blocks = self.pool.allocate(extra).expect("checked: enough blocks");
             self.seqs.entry(seq).or_default().blocks.extend(blocks);
@@ -229,6 +270,31 @@ impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
         }
         dropped.reverse();
         self.pool.release(&dropped);
+        Ok(())
+    }
+
+    fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<(), CacheError> {
+        let held = self.seq_len(child);
+        if held > 0 {
+            return Err(CacheError::AlreadyHeld {
+                seq: child,
+                len: held,
+            });
+        }
+        // Blocks reserved for the child with no token yet go back first.
+        self.release(child);
+        let Some(entry) = self.seqs.get(&parent).cloned() else {
+            return Ok(());
+        };
+        // Blocks reserved past the parent's tokens stay the parent's.
+        let mut entry = entry;
+        entry
+            .blocks
+            .truncate(entry.positions.len().div_ceil(self.block_size()));
+        for &block in &entry.blocks {
+            self.pool.share(block);
+        }
+        self.seqs.insert(child, entry);
         Ok(())
     }
 
@@ -307,7 +373,7 @@ impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
         let incoming = incoming(batch, |seq| self.seq_len(seq));
         let needed: usize = incoming
             .iter()
-            .map(|s| self.blocks_needed(self.owned(s.seq), s.held, s.n_new()))
+            .map(|s| self.step_blocks(s.seq, s.n_new()))
             .sum();
         if needed > self.pool.available() {
             return Err(CacheError::OutOfBlocks {
@@ -327,6 +393,7 @@ impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
             read: ReadPlan::None,
         };
         for s in &incoming {
+            self.unshare_tail(s.seq, s.n_new());
             let extra = self.blocks_needed(self.owned(s.seq), s.held, s.n_new());
             let new_blocks = self
                 .pool
