@@ -21,8 +21,11 @@ use std::ops::{Deref, DerefMut};
 
 use kiln_core::kv_cache::{CacheError, HostKv, KvCache};
 use kiln_core::sampling::{Sampler, Verdict};
-use kiln_core::{Batch, CausalLm, CoreError, InferenceBackend, LogitsFor, SeqId, TokenId};
+use kiln_core::{
+    Batch, CausalLm, CoreError, InferenceBackend, LogitsFor, Position, SeqId, TokenId,
+};
 
+use crate::beam::BeamGroup;
 use crate::detok::Detokenizer;
 use crate::drafter::{DraftJob, DraftModel};
 use crate::error::EngineError;
@@ -139,7 +142,12 @@ pub struct Engine<'a, B: InferenceBackend> {
     speculation: SpecCounts,
     /// The draft model, for [`DraftSource::Model`].
     drafter: Option<DraftModel<'a, B>>,
+    /// The next cache sequence id for a beam (from [`FIRST_BEAM_SEQ`]).
+    next_beam_seq: u64,
 }
+
+/// Cache sequence ids of beams start here, far above requests' own (their request ids).
+const FIRST_BEAM_SEQ: u64 = 1 << 62;
 
 /// The prefix cache's key space for `model`: its fingerprint and dtype, so no two models (or
 /// precisions) can ever share a block.
@@ -206,6 +214,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             prefix: PrefixStats::default(),
             speculation: SpecCounts::default(),
             drafter: None,
+            next_beam_seq: FIRST_BEAM_SEQ,
         })
     }
 
@@ -307,6 +316,37 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
                     .into(),
             ));
         }
+        if let Some(beam) = &request.beam {
+            if let Some(why) = beam.problem() {
+                return invalid(why);
+            }
+            let s = &request.sampling;
+            let refused = if !request.stop.is_empty() {
+                Some("stop strings")
+            } else if request.logprobs.is_some() {
+                Some("log-probabilities")
+            } else if request.keep_cache || request.continues.is_some() {
+                Some("kept caches")
+            } else if s.repetition_penalty != 1.0
+                || s.presence_penalty != 0.0
+                || s.frequency_penalty != 0.0
+            {
+                Some("repetition, presence or frequency penalties")
+            } else {
+                None
+            };
+            if let Some(what) = refused {
+                return invalid(format!("beam search does not take {what}"));
+            }
+            if let Some(rows) = self.cache.max_sequences().filter(|&r| r < beam.num_beams) {
+                return invalid(format!(
+                    "{} beams need as many sequences of the KV cache, which holds {rows} \
+                     ({} cache)",
+                    beam.num_beams,
+                    self.cache.kind()
+                ));
+            }
+        }
         if let Some(n) = request.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return invalid(format!(
                 "{n} top log-probabilities asked for; at most {MAX_TOP_LOGPROBS}"
@@ -323,7 +363,15 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         let id = RequestId(self.next_id);
         self.next_id += 1;
         let mut seq = Sequence::new(id, request, budget, sampler);
-        if self.drafter.is_some() {
+        if let Some(params) = seq.request.beam {
+            seq.beams = Some(BeamGroup::new(params));
+            seq.beam_ids.push(seq.seq);
+            for _ in 1..params.num_beams {
+                seq.beam_ids.push(SeqId(self.next_beam_seq));
+                self.next_beam_seq += 1;
+            }
+        }
+        if self.drafter.is_some() && seq.beams.is_none() {
             // Its own stream of random numbers: the drafts must not be correlated with the
             // draws that verify them.
             let mut params = seq.request.sampling.clone();
@@ -422,22 +470,24 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             // A waiting sequence holds cache only when it continues a kept one.
             let seq = self.waiting.remove(i).expect("the position exists");
-            self.release(seq.seq);
+            self.release(&seq);
             return true;
         }
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let seq = self.running.remove(i);
-            self.release(seq.seq);
+            self.release(&seq);
             return true;
         }
         false
     }
 
-    /// Frees a sequence's cache, and its draft model's.
-    fn release(&mut self, seq: SeqId) {
-        self.cache.release(seq);
+    /// Frees a sequence's cache (every beam's, with beam search), and its draft model's.
+    fn release(&mut self, seq: &Sequence) {
+        for id in seq.cache_seqs() {
+            self.cache.release(id);
+        }
         if let Some(drafter) = &mut self.drafter {
-            drafter.release(seq);
+            drafter.release(seq.seq);
         }
     }
 
@@ -582,7 +632,13 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         let mut seq = self.running.pop().expect("more than one running");
         // Its draft cache too: a waiting sequence must not hold a slot of a cache whose
         // running sequences need it.
-        self.release(seq.seq);
+        self.release(&seq);
+        if let Some(group) = &mut seq.beams {
+            // A beam search is deterministic: it starts over and reaches the same answer.
+            group.restart();
+            seq.beam_seqs.clear();
+            seq.generated.clear();
+        }
         seq.draft_in_cache = 0;
         seq.drafts.clear();
         seq.draft_q.clear();
@@ -608,8 +664,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
                 return Ok(events);
             }
             let fed = self.draft(fed)?;
-            let step: Vec<(SeqId, usize)> =
-                fed.iter().map(|&(i, n)| (self.running[i].seq, n)).collect();
+            let step = self.cache_step(&fed);
             match self.cache.reserve(&step) {
                 Ok(()) => break fed,
                 Err(CacheError::OutOfBlocks { .. } | CacheError::NoFreeSlot { .. })
@@ -621,19 +676,33 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             }
         };
         let mut batch = Batch::new();
+        // Logits rows per fed sequence (a running beam search: one per beam), and per
+        // sequence of the batch.
         let mut rows_of = Vec::with_capacity(fed.len());
+        let mut batch_rows = Vec::with_capacity(fed.len());
         for &(i, n) in &fed {
             let seq = &self.running[i];
+            if let Some(group) = seq.beams.as_ref().filter(|_| seq.beams_running()) {
+                let start = Position(seq.in_cache as u32);
+                for (beam, &id) in group.running.iter().zip(&seq.beam_seqs) {
+                    let last = *beam.tokens.last().expect("a running beam has a token");
+                    batch.push(id, &[last], start)?;
+                    batch_rows.push(1);
+                }
+                rows_of.push(seq.beam_seqs.len());
+                continue;
+            }
             let drafts = seq.drafts.len();
             let (mut tokens, start) = seq.next_chunk(n - drafts);
             tokens.extend(&seq.drafts);
             batch.push(seq.seq, &tokens, start)?;
             rows_of.push(1 + drafts);
+            batch_rows.push(1 + drafts);
         }
-        let wanted = if rows_of.iter().all(|&n| n == 1) {
+        let wanted = if batch_rows.iter().all(|&n| n == 1) {
             LogitsFor::LastOfEachSequence
         } else {
-            LogitsFor::LastOfEach(rows_of.clone())
+            LogitsFor::LastOfEach(batch_rows)
         };
         let logits = self
             .model
@@ -653,7 +722,14 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         for (&(i, n), &n_rows) in fed.iter().zip(&rows_of) {
             let seq_rows = &rows[first_row * vocab..(first_row + n_rows) * vocab];
             first_row += n_rows;
-            let reason = if n_rows > 1 {
+            let reason = if self.running[i].beams.is_some() {
+                self.running[i].in_cache += n;
+                if self.running[i].pending() > 0 {
+                    continue;
+                }
+                self.running[i].counts.forwards += 1;
+                self.beam_step(i, seq_rows, &mut events)?
+            } else if n_rows > 1 {
                 self.verify_drafts(i, seq_rows, &mut events)?
             } else {
                 self.running[i].in_cache += n;
@@ -702,7 +778,11 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         if let Some(drafter) = &mut self.drafter {
             drafter.release(seq.seq);
         }
-        if seq.request.keep_cache {
+        if seq.beams.is_some() {
+            for id in seq.cache_seqs() {
+                self.cache.release(id);
+            }
+        } else if seq.request.keep_cache {
             let tokens = seq.context_tokens().take(seq.in_cache).copied().collect();
             self.kept.insert(
                 seq.id,
@@ -737,7 +817,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             let seq = &mut self.running[i];
             seq.drafts.clear();
             seq.draft_q.clear();
-            if seq.wants_decode() {
+            if seq.wants_decode() && seq.beams.is_none() {
                 let room = seq.budget.saturating_sub(seq.generated.len() + 1);
                 limits[i] = room.min(seq.draft_limit).min(speculation.draft_tokens);
             }
@@ -840,6 +920,110 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             seq.in_cache = 0;
         }
         Ok(reason)
+    }
+
+    /// What each fed sequence appends to the cache this step, for
+    /// [`kiln_core::kv_cache::CacheBook::reserve`]: its tokens, or with a running beam search
+    /// one token per beam. A beam search whose prompt ends this step also reserves its other
+    /// beams' sequences, empty, so the first search step can fork into them.
+    fn cache_step(&self, fed: &[(usize, usize)]) -> Vec<(SeqId, usize)> {
+        let mut step = Vec::with_capacity(fed.len());
+        for &(i, n) in fed {
+            let seq = &self.running[i];
+            if seq.beams_running() {
+                step.extend(seq.beam_seqs.iter().map(|&id| (id, n)));
+                continue;
+            }
+            step.push((seq.seq, n));
+            if seq.beams.is_some() && n == seq.pending() {
+                step.extend(seq.beam_ids.iter().skip(1).map(|&id| (id, 0)));
+            }
+        }
+        step
+    }
+
+    /// One beam-search step of sequence `i` on its beams' logits `rows` (before the first
+    /// step, the prompt's one row): the beams that run on take over their parents' cache
+    /// sequences, or forks of them; dropped beams free theirs first. When the search ends, the
+    /// best hypothesis is taken as the sequence's output. Returns why it ended, if it did.
+    ///
+    /// # Shapes
+    /// `rows`: `[beams, vocab]`, row-major.
+    fn beam_step(
+        &mut self,
+        i: usize,
+        rows: &[f32],
+        events: &mut Vec<Event>,
+    ) -> Result<Option<FinishReason>, EngineError> {
+        let vocab = self.model.shape().vocab;
+        let detok = self.detok;
+        let seq = &mut self.running[i];
+        let parents = if seq.beams_running() {
+            std::mem::take(&mut seq.beam_seqs)
+        } else {
+            vec![seq.seq]
+        };
+        let group = seq.beams.as_mut().expect("a beam search");
+        let advance = group.advance(rows, vocab, &seq.request.eos, seq.budget);
+        seq.counts.tokens += 1;
+        if advance.done {
+            let mut results = group.results();
+            if let Some(detok) = detok {
+                for hypothesis in &mut results {
+                    hypothesis.text = detok.decode(&hypothesis.tokens);
+                }
+            }
+            seq.generated.clear();
+            let Some(best) = results.first().cloned() else {
+                return Ok(Some(FinishReason::Length));
+            };
+            for &token in &best.tokens {
+                let (text, _) = seq.accept(token, detok);
+                events.push(Event::Token {
+                    id: seq.id,
+                    token,
+                    text,
+                    logprobs: None,
+                });
+            }
+            seq.beam_results = results;
+            return Ok(Some(best.finish_reason));
+        }
+        let mut children = vec![0usize; parents.len()];
+        for &(parent, _) in &advance.next {
+            children[parent] += 1;
+        }
+        let mut free: Vec<SeqId> = seq
+            .beam_ids
+            .iter()
+            .copied()
+            .filter(|id| !parents.contains(id))
+            .collect();
+        for (&id, &n) in parents.iter().zip(&children) {
+            if n == 0 {
+                self.cache.release(id);
+                free.push(id);
+            }
+        }
+        let mut continued = vec![false; parents.len()];
+        let mut beam_seqs = Vec::with_capacity(advance.next.len());
+        for &(parent, _) in &advance.next {
+            if !continued[parent] {
+                continued[parent] = true;
+                beam_seqs.push(parents[parent]);
+                continue;
+            }
+            let child = free.pop().expect("as many sequence ids as beams");
+            self.cache
+                .fork(parents[parent], child)
+                .map_err(CoreError::from)?;
+            beam_seqs.push(child);
+        }
+        let seq = &mut self.running[i];
+        seq.beam_seqs = beam_seqs;
+        let group = seq.beams.as_ref().expect("a beam search");
+        seq.generated = group.running[0].tokens.clone();
+        Ok(None)
     }
 
     /// Samples sequence `i`'s next token from `logits`; returns why it ended, if it did.

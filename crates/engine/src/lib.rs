@@ -5,6 +5,8 @@
 //!   prefill of fresh prompts, batched decode, chunked prefill, admission of new requests
 //!   whenever there is room, preemption when the cache runs out, EOS / stop strings / length,
 //!   streaming text ([`Event`]).
+//! - [`beam`]: beam search with transformers' semantics ([`Request::beam`]): each beam a
+//!   sequence of the batch, forked in the cache as the search goes.
 //! - [`generate()`]: one request with a callback per token (an engine with one request).
 //! - [`Session`]: one conversation whose KV cache is kept between replies, so each turn
 //!   computes only what is new (an engine whose requests continue each other's cache).
@@ -48,6 +50,7 @@
 //! # }
 //! ```
 
+pub mod beam;
 pub mod bench;
 pub mod cache;
 pub mod detok;
@@ -62,6 +65,7 @@ pub mod snapshot;
 pub mod speculate;
 pub mod stop;
 
+pub use beam::{BeamHypothesis, BeamSearch, EarlyStopping, MAX_BEAMS};
 pub use cache::CacheSpec;
 pub use detok::Detokenizer;
 pub use engine::{Engine, EngineConfig, PrefixStats, StepPolicy};

@@ -7,6 +7,7 @@ use kiln_core::sampling::SamplingParams;
 use kiln_core::{ModelShape, TokenId};
 use serde::Serialize;
 
+use crate::beam::{BeamHypothesis, BeamSearch};
 use crate::generate::FinishReason;
 use crate::speculate::SpecCounts;
 
@@ -66,6 +67,12 @@ pub struct Request {
     /// (the cache is rolled back to them, or recomputed whole where it cannot roll back that
     /// far, as a sliding window). The kept cache passes to this request.
     pub continues: Option<RequestId>,
+    /// Beam search instead of sampling ([`BeamSearch`]): deterministic, as transformers'
+    /// `generate(num_beams=N, do_sample=False)`; the sampling settings other than the
+    /// penalties (which it refuses) are ignored. The best hypothesis's tokens arrive as
+    /// [`Event::Token`]s when the search ends (nothing streams before), all returned ones in
+    /// [`Completion::beams`]. It takes no stop strings, log-probabilities or kept caches.
+    pub beam: Option<BeamSearch>,
 }
 
 /// The most alternatives [`Request::logprobs`] may ask for (OpenAI's `top_logprobs` limit).
@@ -163,6 +170,9 @@ pub struct Completion {
     /// Forwards that produced its tokens and, with speculative decoding, the drafts proposed
     /// and accepted ([`SpecCounts::tokens_per_forward`], [`SpecCounts::acceptance_rate`]).
     pub speculation: SpecCounts,
+    /// With beam search: the returned hypotheses, best first (`tokens`, `text` and
+    /// `finish_reason` are the first one's); empty otherwise.
+    pub beams: Vec<BeamHypothesis>,
 }
 
 /// A request's times.

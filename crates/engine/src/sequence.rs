@@ -5,6 +5,7 @@ use std::time::Instant;
 use kiln_core::sampling::{Sampler, TokenHistory};
 use kiln_core::{Position, SeqId, TokenId};
 
+use crate::beam::{BeamGroup, BeamHypothesis};
 use crate::detok::{Detokenizer, IncrementalDecoder};
 use crate::generate::FinishReason;
 use crate::request::{Completion, Request, RequestId, Timings};
@@ -47,6 +48,15 @@ pub(crate) struct Sequence {
     pub draft_in_cache: usize,
     /// Draws the draft model's proposals (an engine with a draft model only).
     pub draft_sampler: Option<Sampler>,
+    /// Its beam search, when the request asked for one.
+    pub beams: Option<BeamGroup>,
+    /// The cache sequence of each running beam, in the order of the group's beams (empty
+    /// before the first search step, when the prompt runs as `seq`).
+    pub beam_seqs: Vec<SeqId>,
+    /// The cache sequences its beams may take: `seq` and `num_beams - 1` more.
+    pub beam_ids: Vec<SeqId>,
+    /// The hypotheses a finished beam search returned.
+    pub beam_results: Vec<BeamHypothesis>,
 }
 
 impl Sequence {
@@ -75,7 +85,25 @@ impl Sequence {
             draft_q: Vec::new(),
             draft_in_cache: 0,
             draft_sampler: None,
+            beams: None,
+            beam_seqs: Vec::new(),
+            beam_ids: Vec::new(),
+            beam_results: Vec::new(),
         }
+    }
+
+    /// Every cache sequence it may hold: its beams' with beam search, else its own.
+    pub fn cache_seqs(&self) -> Vec<SeqId> {
+        if self.beams.is_some() {
+            self.beam_ids.clone()
+        } else {
+            vec![self.seq]
+        }
+    }
+
+    /// Whether its beams are past the first search step (each feeds its own last token).
+    pub fn beams_running(&self) -> bool {
+        !self.beam_seqs.is_empty()
     }
 
     pub fn context_len(&self) -> usize {
@@ -159,6 +187,7 @@ impl Sequence {
             },
             preemptions: self.preemptions,
             speculation: self.counts,
+            beams: self.beam_results,
             cached_tokens: self
                 .cached_tokens
                 .unwrap_or(0)

@@ -11,8 +11,8 @@ use kiln_core::kv_cache::{CacheKind, KvCache, KvLayout};
 use kiln_core::sampling::SamplingParams;
 use kiln_core::{Batch, CausalLm, Dtype, LogitsFor, ModelShape, TokenId};
 use kiln_engine::{
-    CacheSpec, Completion, DraftSource, Engine, EngineConfig, EngineError, Event, FinishReason,
-    Request, Speculation, StepPolicy,
+    BeamSearch, CacheSpec, Completion, DraftSource, EarlyStopping, Engine, EngineConfig,
+    EngineError, Event, FinishReason, Request, Speculation, StepPolicy,
 };
 
 type B = burn::backend::Flex;
@@ -1163,4 +1163,120 @@ fn chi_square_quantile(df: usize, z: f64) -> f64 {
     let k = df as f64;
     let h = 2.0 / (9.0 * k);
     k * (1.0 - h + z * h.sqrt()).powi(3)
+}
+
+/// A beam-search request on [`Soft`] (`target_logit`, 12 tokens, EOS 1).
+fn beam_request(prompt: &[u32], max_tokens: usize, beam: BeamSearch) -> Request {
+    Request {
+        beam: Some(beam),
+        ..request(prompt, max_tokens)
+    }
+}
+
+fn soft_target() -> Soft {
+    Soft {
+        logit: target_logit,
+        vocab: 12,
+    }
+}
+
+/// Beam search runs through the scheduler like any request: on every cache kind, alone or
+/// beside other requests, and when the scheduler preempts it (it starts over), it returns the
+/// same hypotheses, streams the best one's tokens when it ends, and frees every beam's cache.
+#[test]
+fn beam_search_is_scheduled_like_any_request() {
+    let model = soft_target();
+    let beam = BeamSearch {
+        num_beams: 3,
+        length_penalty: 0.7,
+        early_stopping: EarlyStopping::Never,
+        num_return_sequences: 3,
+    };
+    let searched = beam_request(&[2, 5, 7, 3, 9], 12, beam);
+    let mut plain = request(&[4, 4, 6, 2, 8, 10, 3, 5], 20);
+    plain.eos.clear();
+    let run = |cache: Box<dyn KvCache<B>>, requests: &[Request]| {
+        let mut engine = Engine::new(&model, cache, EngineConfig::default()).unwrap();
+        for r in requests {
+            engine.submit(r.clone()).unwrap();
+        }
+        let mut streamed: HashMap<u64, Vec<TokenId>> = HashMap::new();
+        let done = engine
+            .run(|e| {
+                if let Event::Token { id, token, .. } = e {
+                    streamed.entry(id.0).or_default().push(*token);
+                }
+            })
+            .unwrap();
+        assert_eq!(engine.cache().usage().sequences, 0);
+        for c in &done {
+            assert_eq!(streamed.remove(&c.id.0).unwrap_or_default(), c.tokens);
+        }
+        done
+    };
+    let expected = run(paged(64, 4), &[searched.clone()]).remove(0);
+    assert_eq!(expected.beams.len(), 3);
+    assert!(expected.beams.windows(2).all(|w| w[0].score >= w[1].score));
+    assert_eq!(expected.tokens, expected.beams[0].tokens);
+    let greedy = run(paged(64, 4), &[plain.clone()]).remove(0);
+    for kind in CacheKind::ALL {
+        let alone = run(of_kind(kind, 512), &[searched.clone()]).remove(0);
+        assert_eq!(alone.beams, expected.beams, "{kind}");
+        let both = run(of_kind(kind, 512), &[plain.clone(), searched.clone()]);
+        assert_eq!(both[0].tokens, greedy.tokens, "{kind}");
+        assert_eq!(both[1].beams, expected.beams, "{kind}");
+    }
+    // 12 blocks of 4: the search fits alone, and beside the plain request (7 blocks) only
+    // part of the time: the newer one (the search) is preempted and starts over.
+    let both = run(paged(12, 4), &[plain, searched]);
+    assert!(both[1].preemptions > 0, "{:?}", both[1].preemptions);
+    assert_eq!(both[0].tokens, greedy.tokens);
+    assert_eq!(both[1].beams, expected.beams);
+}
+
+#[test]
+fn bad_beam_searches_are_refused_with_a_reason() {
+    let model = soft_target();
+    let mut engine = Engine::new(&model, paged(8, 4), EngineConfig::default()).unwrap();
+    let two = BeamSearch::new(2);
+    let mut cases = vec![
+        (beam_request(&[2], 4, BeamSearch::new(0)), "num_beams"),
+        (
+            beam_request(
+                &[2],
+                4,
+                BeamSearch {
+                    num_return_sequences: 3,
+                    ..two
+                },
+            ),
+            "num_return_sequences",
+        ),
+        (
+            beam_request(
+                &[2],
+                4,
+                BeamSearch {
+                    length_penalty: f32::INFINITY,
+                    ..two
+                },
+            ),
+            "length_penalty",
+        ),
+    ];
+    let mut with_stop = beam_request(&[2], 4, two);
+    with_stop.stop = vec!["x".into()];
+    cases.push((with_stop, "stop strings"));
+    let mut with_logprobs = beam_request(&[2], 4, two);
+    with_logprobs.logprobs = Some(1);
+    cases.push((with_logprobs, "log-probabilities"));
+    let mut penalised = beam_request(&[2], 4, two);
+    penalised.sampling.repetition_penalty = 1.2;
+    cases.push((penalised, "penalties"));
+    for (r, needle) in cases {
+        let err = engine.submit(r).unwrap_err();
+        assert!(matches!(err, EngineError::InvalidRequest(_)), "{err}");
+        assert!(err.to_string().contains(needle), "{needle}: {err}");
+    }
+    assert!(engine.is_idle());
 }
