@@ -14,8 +14,8 @@ use kiln_core::sampling::{Sampler, SamplingParams, TokenHistory};
 use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, SeqId, TokenId};
 use kiln_engine::bench::{Cell, Sampling, run_cell, synthetic_prompts};
 use kiln_engine::{
-    CacheSpec, DraftSource, Engine, EngineConfig, EngineError, FinishReason, Request, Session,
-    Snapshot, SpecCounts, Speculation, generate,
+    BeamSearch, CacheSpec, DraftSource, EarlyStopping, Engine, EngineConfig, EngineError,
+    FinishReason, Request, Session, Snapshot, SpecCounts, Speculation, generate,
 };
 use kiln_models::default_model::{SMOLLM2_135M_INSTRUCT, kiln_home};
 use kiln_models::{LoadOptions, LoadedModel, WeightStorage};
@@ -768,8 +768,174 @@ fn speculative_greedy_on_llama_tiny<B: InferenceBackend>() {
     assert!(drafted.tokens_per_forward() > 2.0, "{drafted:?}");
 }
 
+/// One case of a `beam_reference.json` (written by `scripts/reference/make_beam_fixtures.py`):
+/// the request, and transformers' returned hypotheses as `(tokens, ended by EOS, score)`.
+struct BeamCase {
+    name: String,
+    request: Request,
+    expected: Vec<(Vec<TokenId>, bool, f32)>,
+}
+
+fn beam_cases(fixture_dir: &str) -> Vec<BeamCase> {
+    let path = fixture(fixture_dir).join("beam_reference.json");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<TokenId> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| TokenId(x.as_u64().unwrap() as u32))
+            .collect()
+    };
+    reference["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|case| {
+            let early_stopping = match &case["early_stopping"] {
+                serde_json::Value::Bool(true) => EarlyStopping::Immediate,
+                serde_json::Value::Bool(false) => EarlyStopping::Heuristic,
+                other => other.as_str().unwrap().parse().unwrap(),
+            };
+            let beam = BeamSearch {
+                num_beams: case["num_beams"].as_u64().unwrap() as usize,
+                length_penalty: case["length_penalty"].as_f64().unwrap() as f32,
+                early_stopping,
+                num_return_sequences: case["num_return_sequences"].as_u64().unwrap() as usize,
+            };
+            let expected = case["outputs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|o| {
+                    let score = o["score"].as_f64().unwrap() as f32;
+                    (ids(&o["tokens"]), o["eos"].as_bool().unwrap(), score)
+                })
+                .collect();
+            BeamCase {
+                name: case["name"].as_str().unwrap().to_string(),
+                request: Request {
+                    prompt: ids(&case["prompt_ids"]),
+                    max_tokens: case["max_new_tokens"].as_u64().unwrap() as usize,
+                    eos: ids(&case["eos_token_ids"]),
+                    beam: Some(beam),
+                    ..Request::default()
+                },
+                expected,
+            }
+        })
+        .collect()
+}
+
+/// Beam search gives transformers' hypotheses (tokens, how each ended, and scores within
+/// 1e-4) on every cache kind in `kinds`: each case alone on its engine, and every case in one
+/// batch beside a plain greedy request, which must still get its own greedy tokens. No cache
+/// is left held.
+fn beam_search_matches_transformers<B: InferenceBackend>(
+    model: &dyn CausalLm<B>,
+    fixture_dir: &str,
+    kinds: &[CacheKind],
+) {
+    let cases = beam_cases(fixture_dir);
+    let greedy_prompt = prompts(&[7], model.shape().vocab).remove(0);
+    let greedy = alone(model, &greedy_prompt, 6, &SamplingParams::greedy());
+    let rows: usize = cases
+        .iter()
+        .map(|c| c.request.beam.unwrap().num_beams)
+        .sum();
+    for &kind in kinds {
+        let spec = CacheSpec {
+            kind,
+            window: 512,
+            max_step: 512,
+            ..CacheSpec::paged(rows + 1, 128)
+        };
+        for together in [false, true] {
+            let groups: Vec<Vec<&BeamCase>> = if together {
+                vec![cases.iter().collect()]
+            } else {
+                cases.iter().map(|c| vec![c]).collect()
+            };
+            for group in groups {
+                let cache = spec
+                    .build::<B>(model.shape().kv_layout(), model.dtype(), &model.device())
+                    .unwrap();
+                let config = EngineConfig {
+                    max_batch: group.len() + 1,
+                    ..EngineConfig::default()
+                };
+                let mut engine = Engine::new(model, cache, config).unwrap();
+                for case in &group {
+                    engine.submit(case.request.clone()).unwrap();
+                }
+                if together {
+                    engine
+                        .submit(Request {
+                            prompt: greedy_prompt.clone(),
+                            max_tokens: 6,
+                            sampling: SamplingParams::greedy(),
+                            ..Request::default()
+                        })
+                        .unwrap();
+                }
+                let done = engine.run(|_| {}).unwrap();
+                assert_eq!(engine.cache().usage().sequences, 0, "{kind}");
+                for (case, completion) in group.iter().zip(&done) {
+                    let at = format!("{}, {kind}, together {together}", case.name);
+                    let ours: Vec<(Vec<TokenId>, bool)> = completion
+                        .beams
+                        .iter()
+                        .map(|h| (h.tokens.clone(), h.finish_reason == FinishReason::Eos))
+                        .collect();
+                    let theirs: Vec<(Vec<TokenId>, bool)> = case
+                        .expected
+                        .iter()
+                        .map(|(t, eos, _)| (t.clone(), *eos))
+                        .collect();
+                    assert_eq!(ours, theirs, "{at}");
+                    for (h, (_, _, score)) in completion.beams.iter().zip(&case.expected) {
+                        assert!(
+                            (h.score - score).abs() < 1e-4,
+                            "{at}: {} vs {score}",
+                            h.score
+                        );
+                    }
+                    assert_eq!(completion.tokens, completion.beams[0].tokens, "{at}");
+                }
+                if together {
+                    assert_eq!(done.last().unwrap().tokens, greedy, "{kind}");
+                }
+            }
+        }
+    }
+}
+
+/// The tiny GPT-2 and Llama fixtures, on every cache kind.
+fn beam_search_on_tiny_fixtures<B: InferenceBackend>(kinds: &[CacheKind]) {
+    for name in ["gpt2-tiny", "llama-tiny"] {
+        let loaded = load::<B>(&fixture(name), Dtype::F32);
+        beam_search_matches_transformers(&loaded.model, name, kinds);
+    }
+}
+
+/// SmolLM2 on the exact path (what transformers computes), on every cache kind.
+fn beam_search_on_smollm2<B: InferenceBackend>() {
+    let loaded = load::<B>(&smollm2(), Dtype::F32);
+    beam_search_matches_transformers(&loaded.model, "smollm2", &CacheKind::ALL);
+}
+
 mod cpu {
     type B = burn::backend::Flex;
+
+    #[test]
+    fn beam_search_on_tiny_fixtures() {
+        super::beam_search_on_tiny_fixtures::<B>(&super::CacheKind::ALL);
+    }
+
+    #[test]
+    fn beam_search_on_smollm2() {
+        super::beam_search_on_smollm2::<B>();
+    }
 
     #[test]
     fn packed_prefill_matches_alone() {
@@ -865,6 +1031,14 @@ mod cpu_quantized {
 
 mod wgpu {
     type B = burn::backend::Wgpu;
+
+    /// Forks on the paged cache (shared blocks, copy on write) and the static rows; the cpu
+    /// tests run every kind and SmolLM2.
+    #[test]
+    fn beam_search_on_tiny_fixtures() {
+        use super::CacheKind::{Paged, Static};
+        super::beam_search_on_tiny_fixtures::<B>(&[Paged, Static]);
+    }
 
     #[test]
     fn packed_prefill_matches_alone() {
