@@ -15,7 +15,7 @@ use kiln_models::LoadedModel;
 use serde_json::json;
 
 use crate::exit::UsageError;
-use crate::model_args::{ModelArgs, SamplingArgs, SpeculationArgs};
+use crate::model_args::{BeamArgs, ModelArgs, SamplingArgs, SpeculationArgs};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
@@ -46,7 +46,12 @@ pub struct Args {
     #[command(flatten)]
     sampling: SamplingArgs,
     /// End a sequence where this text appears (not included in the output); repeatable.
-    #[arg(long, value_name = "TEXT", help_heading = "Generation")]
+    #[arg(
+        long,
+        value_name = "TEXT",
+        help_heading = "Generation",
+        conflicts_with = "num_beams"
+    )]
     stop: Vec<String>,
     /// Keep generating past end-of-sequence tokens.
     #[arg(long, help_heading = "Generation")]
@@ -84,6 +89,8 @@ pub struct Args {
     max_batch: usize,
     #[command(flatten)]
     speculation: SpeculationArgs,
+    #[command(flatten)]
+    beam: BeamArgs,
     /// Prefill the prompt, save its KV cache to FILE, then generate as usual.
     #[arg(
         long,
@@ -107,6 +114,7 @@ pub struct Args {
 pub fn run(mut args: Args) -> Result<()> {
     args.sampling.params()?;
     args.speculation.speculation()?;
+    args.beam.beam()?;
     let other_input =
         args.token_ids.is_some() || args.prompts_file.is_some() || args.from_snapshot.is_some();
     args.prompt = prompt_text(&args, other_input)?;
@@ -254,9 +262,12 @@ impl BackendTask for Task {
             speculation: args.speculation.speculation()?,
             ..EngineConfig::default()
         };
+        let beam = args.beam.beam()?;
+        // Each beam is a sequence of the cache.
+        let beams = beam.map_or(1, |b| b.num_beams);
         let spec = CacheSpec {
             kind: args.cache,
-            max_sequences: config.max_batch,
+            max_sequences: config.max_batch * beams,
             max_len,
             window: args.window,
             max_step: config.max_step_tokens,
@@ -288,6 +299,7 @@ impl BackendTask for Task {
                 sampling: sampling.clone(),
                 eos: eos.clone(),
                 stop: args.stop.clone(),
+                beam,
                 ..Request::default()
             };
             match &snapshot {
@@ -325,6 +337,9 @@ impl BackendTask for Task {
         }
         if stream {
             writeln!(stdout)?;
+            if let [completion] = completions.as_slice() {
+                print_other_beams(completion, &mut stdout)?;
+            }
         }
         if !args.quiet {
             eprintln!("{}", summary(&completions, started.elapsed()));
@@ -362,12 +377,28 @@ impl OrderedPrinter {
                 writeln!(out, "{}", report_json(i, &prompts[i], c, prompts.len() > 1))?;
             } else {
                 writeln!(out, "[{i}] {}", c.text.as_deref().unwrap_or_default())?;
+                print_other_beams(c, out)?;
             }
             self.done[i] = None;
             self.next += 1;
         }
         out.flush()
     }
+}
+
+/// The hypotheses after the best of a beam search that returns several
+/// (`--num-return-sequences`), each under a line with its rank, score and how it ended.
+fn print_other_beams(c: &Completion, out: &mut impl Write) -> std::io::Result<()> {
+    for (rank, h) in c.beams.iter().enumerate().skip(1) {
+        let reason = format!("{:?}", h.finish_reason).to_lowercase();
+        writeln!(out, "--- beam {rank} (score {:.4}, {reason})", h.score)?;
+        let text = match &h.text {
+            Some(text) => text.clone(),
+            None => h.tokens.iter().map(|t| format!("{t} ")).collect(),
+        };
+        writeln!(out, "{text}")?;
+    }
+    Ok(())
 }
 
 /// `tokens / seconds`, or 0 for no time.
@@ -407,6 +438,9 @@ fn report_json(
             "tokens_per_forward": c.speculation.tokens_per_forward(),
         },
     });
+    if !c.beams.is_empty() {
+        value["beams"] = json!(c.beams);
+    }
     if with_index {
         value["index"] = json!(index);
     }
@@ -449,8 +483,16 @@ fn summary(completions: &[Completion], elapsed: std::time::Duration) -> String {
     } else {
         String::new()
     };
+    let beams = match completions {
+        [c] if !c.beams.is_empty() => format!(
+            "; beam search: best score {:.4} of {} returned",
+            c.beams[0].score,
+            c.beams.len()
+        ),
+        _ => String::new(),
+    };
     format!(
-        "prompt {prompt} tokens ({cached} cached), generated {generated} tokens ({reasons}); prefill {:.1} tok/s, decode {:.1} tok/s, time to first token {:.0} ms{speculation}",
+        "prompt {prompt} tokens ({cached} cached), generated {generated} tokens ({reasons}); prefill {:.1} tok/s, decode {:.1} tok/s, time to first token {:.0} ms{speculation}{beams}",
         per_second(prompt - cached, ttft.as_secs_f64()),
         per_second(decoded, decode),
         ttft.as_secs_f64() * 1e3

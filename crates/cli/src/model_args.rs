@@ -1,5 +1,5 @@
 //! Flags every model-running command shares: which model, where, in what precision, how to
-//! sample, and how to speculate. With no `--model`, the embedded default (SmolLM2-135M-Instruct) is fetched once into
+//! sample, how to speculate, and beam search. With no `--model`, the embedded default (SmolLM2-135M-Instruct) is fetched once into
 //! kiln's model cache.
 
 use std::io::Write;
@@ -10,7 +10,7 @@ use indicatif::ProgressBar;
 use kiln_core::backend::BackendKind;
 use kiln_core::sampling::SamplingParams;
 use kiln_core::{Dtype, InferenceBackend};
-use kiln_engine::{DraftSource, Speculation};
+use kiln_engine::{BeamSearch, DraftSource, EarlyStopping, Speculation};
 use kiln_models::default_model::{FetchEvent, SMOLLM2_135M_INSTRUCT, kiln_home};
 use kiln_models::{LoadOptions, LoadedModel, WeightStorage};
 
@@ -301,5 +301,62 @@ fn tokenizer_mismatch<B: InferenceBackend>(
             (a != b).then(|| "its tokenizer splits text differently".into())
         }
         _ => None,
+    }
+}
+
+/// Beam search instead of sampling.
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Beam search")]
+pub struct BeamArgs {
+    /// Beam search with N beams, as transformers' `generate(num_beams=N, do_sample=False)`:
+    /// deterministic, the sampling flags are ignored (the penalties are refused); the output
+    /// appears when the search ends.
+    #[arg(long, value_name = "N")]
+    pub num_beams: Option<usize>,
+    /// A finished hypothesis's score is its log-probability over its length to this power:
+    /// above 0 favours longer outputs, below 0 shorter ones.
+    #[arg(
+        long,
+        value_name = "F",
+        default_value_t = 1.0,
+        allow_negative_numbers = true,
+        requires = "num_beams"
+    )]
+    pub length_penalty: f32,
+    /// When to stop before --max-tokens: `false` (once N hypotheses are done and the best
+    /// running beam cannot beat them at its current length), `true` (once N are done),
+    /// `never` (as false, scoring the running beam at the full length when --length-penalty
+    /// is above 0).
+    #[arg(
+        long,
+        value_name = "WHEN",
+        default_value = "false",
+        requires = "num_beams"
+    )]
+    pub early_stopping: EarlyStopping,
+    /// Hypotheses to print, best first (at most --num-beams).
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "num_beams")]
+    pub num_return_sequences: usize,
+}
+
+impl BeamArgs {
+    /// The engine's setting (`None`: sampling as usual).
+    ///
+    /// # Errors
+    /// [`UsageError`] for settings out of range.
+    pub fn beam(&self) -> Result<Option<BeamSearch>> {
+        let Some(num_beams) = self.num_beams else {
+            return Ok(None);
+        };
+        let beam = BeamSearch {
+            num_beams,
+            length_penalty: self.length_penalty,
+            early_stopping: self.early_stopping,
+            num_return_sequences: self.num_return_sequences,
+        };
+        match beam.problem() {
+            Some(why) => Err(UsageError(why).into()),
+            None => Ok(Some(beam)),
+        }
     }
 }

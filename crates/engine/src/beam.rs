@@ -1,7 +1,7 @@
 //! Beam search with Hugging Face transformers' semantics (`generate(num_beams=N,
 //! do_sample=False)`, transformers 5): the arithmetic of one search step, kept apart from the
 //! engine, which runs each beam as a sequence of its own in the batch and forks and frees their
-//! caches as [`BeamGroup::advance`] says.
+//! caches as its `BeamGroup::advance` says.
 //!
 //! One step: each running beam's next-token log-probabilities (the log-softmax of its logits,
 //! in f32) are added to its running score; of all `beams x vocab` candidates the best

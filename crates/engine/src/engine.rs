@@ -963,6 +963,9 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         } else {
             vec![seq.seq]
         };
+        // The search starts when the prompt is read: its time is the decode time (the tokens
+        // come out only at the end).
+        seq.first_token.get_or_insert_with(std::time::Instant::now);
         let group = seq.beams.as_mut().expect("a beam search");
         let advance = group.advance(rows, vocab, &seq.request.eos, seq.budget);
         seq.counts.tokens += 1;

@@ -1214,13 +1214,13 @@ fn beam_search_is_scheduled_like_any_request() {
         }
         done
     };
-    let expected = run(paged(64, 4), &[searched.clone()]).remove(0);
+    let expected = run(paged(64, 4), std::slice::from_ref(&searched)).remove(0);
     assert_eq!(expected.beams.len(), 3);
     assert!(expected.beams.windows(2).all(|w| w[0].score >= w[1].score));
     assert_eq!(expected.tokens, expected.beams[0].tokens);
     let greedy = run(paged(64, 4), &[plain.clone()]).remove(0);
     for kind in CacheKind::ALL {
-        let alone = run(of_kind(kind, 512), &[searched.clone()]).remove(0);
+        let alone = run(of_kind(kind, 512), std::slice::from_ref(&searched)).remove(0);
         assert_eq!(alone.beams, expected.beams, "{kind}");
         let both = run(of_kind(kind, 512), &[plain.clone(), searched.clone()]);
         assert_eq!(both[0].tokens, greedy.tokens, "{kind}");
@@ -1279,4 +1279,15 @@ fn bad_beam_searches_are_refused_with_a_reason() {
         assert!(err.to_string().contains(needle), "{needle}: {err}");
     }
     assert!(engine.is_idle());
+    // A static cache of 4 rows cannot hold 5 beams.
+    let mut engine = Engine::new(
+        &model,
+        of_kind(CacheKind::Static, 64),
+        EngineConfig::default(),
+    )
+    .unwrap();
+    let err = engine
+        .submit(beam_request(&[2], 4, BeamSearch::new(5)))
+        .unwrap_err();
+    assert!(err.to_string().contains("holds 4"), "{err}");
 }

@@ -5,7 +5,7 @@
 
 use kiln_core::TokenId;
 use kiln_core::sampling::{SamplingError, SamplingParams};
-use kiln_engine::MAX_TOP_LOGPROBS;
+use kiln_engine::{BeamSearch, EarlyStopping, MAX_BEAMS, MAX_TOP_LOGPROBS};
 use serde::Deserialize;
 
 use crate::error::ApiError;
@@ -131,9 +131,28 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     /// Text appended after the completion (not supported; refused when given).
     pub suffix: Option<String>,
+    /// Beam search (a kiln extension): beams kept per step, as transformers'
+    /// `generate(num_beams=N, do_sample=False)`; `n` hypotheses come back as the choices, best
+    /// first.
+    pub num_beams: Option<u64>,
+    /// Beam search: a finished hypothesis's score is divided by its length to this power
+    /// (default 1).
+    pub length_penalty: Option<f32>,
+    /// Beam search: `false` (default), `true` or `"never"`, as transformers.
+    pub early_stopping: Option<EarlyStoppingField>,
     /// The rest.
     #[serde(flatten)]
     pub common: CommonFields,
+}
+
+/// `early_stopping` as transformers spells it: a boolean or `"never"`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum EarlyStoppingField {
+    /// `true` or `false`.
+    Bool(bool),
+    /// `"never"` (or `"true"` / `"false"` as text).
+    Text(String),
 }
 
 /// A completions prompt: text or token ids, one or several.
@@ -191,6 +210,8 @@ pub struct Generation {
     pub include_usage: bool,
     /// No end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// Beam search, one engine request per prompt whose `n` best hypotheses are the choices.
+    pub beam: Option<BeamSearch>,
 }
 
 impl Generation {
@@ -296,6 +317,7 @@ impl CommonFields {
             stream,
             include_usage,
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            beam: None,
         })
     }
 }
@@ -351,7 +373,88 @@ impl CompletionRequest {
                 ));
             }
         };
-        self.common.generation(logprobs)
+        let mut generation = self.common.generation(logprobs)?;
+        generation.beam = self.beam(&generation)?;
+        Ok(generation)
+    }
+
+    /// The beam search the extension fields ask for, checked against the rest of the request.
+    fn beam(&self, generation: &Generation) -> Result<Option<BeamSearch>, ApiError> {
+        let Some(num_beams) = self.num_beams else {
+            for (field, given) in [
+                ("length_penalty", self.length_penalty.is_some()),
+                ("early_stopping", self.early_stopping.is_some()),
+            ] {
+                if given {
+                    return Err(ApiError::invalid_field(
+                        field,
+                        format!("{field} is a beam search setting: it needs num_beams"),
+                    ));
+                }
+            }
+            return Ok(None);
+        };
+        if !(1..=MAX_BEAMS as u64).contains(&num_beams) {
+            return Err(ApiError::invalid_field(
+                "num_beams",
+                format!("num_beams = {num_beams}: expected 1 to {MAX_BEAMS}"),
+            ));
+        }
+        let num_beams = num_beams as usize;
+        if generation.n > num_beams {
+            return Err(ApiError::invalid_field(
+                "n",
+                format!(
+                    "n = {}: beam search returns at most num_beams ({num_beams}) choices",
+                    generation.n
+                ),
+            ));
+        }
+        let common = &self.common;
+        let refused = [
+            ("stream", generation.stream, "streaming"),
+            ("logprobs", generation.logprobs.is_some(), "logprobs"),
+            ("stop", !generation.stop.is_empty(), "stop strings"),
+            (
+                "presence_penalty",
+                common.presence_penalty.is_some_and(|p| p != 0.0),
+                "a presence penalty",
+            ),
+            (
+                "frequency_penalty",
+                common.frequency_penalty.is_some_and(|p| p != 0.0),
+                "a frequency penalty",
+            ),
+            (
+                "repetition_penalty",
+                common.repetition_penalty.is_some_and(|p| p != 1.0),
+                "a repetition penalty",
+            ),
+        ];
+        if let Some((field, _, what)) = refused.iter().find(|r| r.1) {
+            return Err(ApiError::invalid_field(
+                field,
+                format!("beam search does not take {what}"),
+            ));
+        }
+        let early_stopping = match &self.early_stopping {
+            None => EarlyStopping::default(),
+            Some(EarlyStoppingField::Bool(true)) => EarlyStopping::Immediate,
+            Some(EarlyStoppingField::Bool(false)) => EarlyStopping::Heuristic,
+            Some(EarlyStoppingField::Text(text)) => text
+                .parse()
+                .map_err(|why: String| ApiError::invalid_field("early_stopping", why))?,
+        };
+        let beam = BeamSearch {
+            num_beams,
+            length_penalty: self.length_penalty.unwrap_or(1.0),
+            early_stopping,
+            num_return_sequences: generation.n,
+        };
+        match beam.problem() {
+            Some(why) => Err(ApiError::invalid_field("length_penalty", why)),
+            None => Ok(Some(beam)),
+        }
     }
 }
 

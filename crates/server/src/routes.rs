@@ -279,6 +279,16 @@ impl Job {
         self.prompts.len() * self.generation.n
     }
 
+    /// Choices each engine request answers: with beam search one request per prompt returns
+    /// all `n` (its best hypotheses), otherwise one request per choice.
+    fn choices_per_request(&self) -> usize {
+        if self.generation.beam.is_some() {
+            self.generation.n
+        } else {
+            1
+        }
+    }
+
     fn prompt_tokens(&self) -> usize {
         self.prompts.iter().map(Vec::len).sum()
     }
@@ -320,17 +330,62 @@ impl Job {
             }
             // Without a limit, or with one past the context, generate up to the context.
             let room = limit - prompt.len();
-            let max_tokens = g.max_tokens.map_or(room, |m| m.min(room));
+            let max_tokens = match g.beam {
+                // Every beam holds its own tokens: a search of n beams that runs to the end
+                // needs n times them in the cache.
+                Some(beam) => {
+                    let room = room / beam.num_beams;
+                    match g.max_tokens {
+                        Some(m) if m > room => {
+                            return Err(ApiError::invalid_field(
+                                "max_tokens",
+                                format!(
+                                    "{m} tokens for each of {} beams do not fit in the \
+                                     server's KV cache ({limit} tokens, {} of them the \
+                                     prompt's): at most {room}",
+                                    beam.num_beams,
+                                    prompt.len()
+                                ),
+                            ));
+                        }
+                        _ if room == 0 => {
+                            return Err(ApiError::invalid_field(
+                                "num_beams",
+                                format!(
+                                    "{} beams do not fit in the server's KV cache beside the \
+                                     prompt ({limit} tokens, {} of them the prompt's)",
+                                    beam.num_beams,
+                                    prompt.len()
+                                ),
+                            ));
+                        }
+                        Some(m) => m,
+                        None => room,
+                    }
+                }
+                None => g.max_tokens.map_or(room, |m| m.min(room)),
+            };
+            let eos = if g.ignore_eos {
+                Vec::new()
+            } else {
+                ready.eos.clone()
+            };
+            if let Some(beam) = g.beam {
+                requests.push(kiln_engine::Request {
+                    prompt: prompt.clone(),
+                    max_tokens,
+                    eos,
+                    beam: Some(beam),
+                    ..kiln_engine::Request::default()
+                });
+                continue;
+            }
             for choice in 0..g.n {
                 requests.push(kiln_engine::Request {
                     prompt: prompt.clone(),
                     max_tokens,
                     sampling: g.sampling_for(choice),
-                    eos: if g.ignore_eos {
-                        Vec::new()
-                    } else {
-                        ready.eos.clone()
-                    },
+                    eos: eos.clone(),
                     stop: g.stop.clone(),
                     logprobs: g.logprobs,
                     ..kiln_engine::Request::default()
@@ -490,7 +545,8 @@ async fn collect(
     let ready = state.ready()?;
     let mut choices: Vec<ChoiceState> =
         (0..job.choices()).map(|_| ChoiceState::default()).collect();
-    let mut open = job.choices();
+    let per_request = job.choices_per_request();
+    let mut open = job.choices() / per_request;
     while open > 0 {
         match updates.recv().await {
             Some(Update::Token {
@@ -502,6 +558,18 @@ async fn collect(
                 if let Some(lp) = logprobs {
                     choices[choice].logprobs.push((token, lp));
                 }
+            }
+            Some(Update::Finished { choice, completion }) if per_request > 1 => {
+                // A beam search: its hypotheses are the prompt's choices, best first.
+                let first = choice * per_request;
+                for (k, h) in completion.beams.iter().enumerate().take(per_request) {
+                    let c = &mut choices[first + k];
+                    c.text = h.text.clone().unwrap_or_default();
+                    c.tokens = h.tokens.len();
+                    c.cached_tokens = completion.cached_tokens;
+                    c.finish = Some(h.finish_reason);
+                }
+                open -= 1;
             }
             Some(Update::Finished { choice, completion }) => {
                 let c = &mut choices[choice];
