@@ -215,6 +215,11 @@ pub struct SpeculationArgs {
     /// Always propose K drafts, instead of one more than the last check accepted (up to K).
     #[arg(long, requires = "draft_source")]
     pub fixed_draft_tokens: bool,
+    /// Draft only in steps where at most N sequences decode (0: in every step): in a larger
+    /// batch the verification rows cost more than the drafts save (on 2 CPU cores, already
+    /// at 2 sequences).
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "draft_source")]
+    pub speculate_max_batch: usize,
 }
 
 impl SpeculationArgs {
@@ -235,6 +240,7 @@ impl SpeculationArgs {
             source,
             draft_tokens: self.draft_tokens,
             adaptive: !self.fixed_draft_tokens,
+            max_batch: self.speculate_max_batch,
         };
         match speculation.problem() {
             Some(why) => Err(UsageError(why).into()),

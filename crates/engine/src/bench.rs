@@ -481,6 +481,7 @@ mod tests {
                 source: crate::DraftSource::Model,
                 draft_tokens: 3,
                 adaptive: false,
+                max_batch: 0,
             }),
             ..plain
         };

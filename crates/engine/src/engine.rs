@@ -812,6 +812,18 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         let Some(speculation) = self.config.speculation else {
             return Ok(fed);
         };
+        let decoding = fed
+            .iter()
+            .filter(|&&(i, _)| self.running[i].wants_decode() && self.running[i].beams.is_none())
+            .count();
+        if speculation.max_batch > 0 && decoding > speculation.max_batch {
+            // Verification rows would cost this batch more than the drafts save.
+            for &(i, _) in &fed {
+                self.running[i].drafts.clear();
+                self.running[i].draft_q.clear();
+            }
+            return Ok(fed);
+        }
         let mut limits = vec![0; self.running.len()];
         for &(i, _) in &fed {
             let seq = &mut self.running[i];

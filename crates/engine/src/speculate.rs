@@ -39,6 +39,10 @@ pub struct Speculation {
     /// draft is one longer than what was accepted (up to K), so a sequence whose drafts keep
     /// failing proposes one token at a time, and one copying its input goes back to K.
     pub adaptive: bool,
+    /// Speculate only in steps where at most this many sequences decode (0: in every step).
+    /// Verification rows add up over a batch: on a CPU, where an extra row of a forward is
+    /// far from free, a batch of a few sequences decodes faster without drafts.
+    pub max_batch: usize,
 }
 
 impl Speculation {
@@ -186,6 +190,7 @@ mod tests {
             },
             draft_tokens: 3,
             adaptive: false,
+            max_batch: 0,
         };
         let context = ids(&[1, 2, 3, 4, 5, 1, 2]);
         assert_eq!(spec.draft(&context, 10), ids(&[3, 4, 5]));
@@ -208,6 +213,7 @@ mod tests {
         assert_eq!(spec.next_limit(0), 3, "fixed");
         let adaptive = Speculation {
             adaptive: true,
+            max_batch: 0,
             ..spec
         };
         assert_eq!(adaptive.next_limit(0), 1);

@@ -660,6 +660,7 @@ fn speculative_greedy_matches_alone<B: InferenceBackend>(
         },
         draft_tokens: 4,
         adaptive: true,
+        max_batch: 0,
     };
     let drafted = Speculation {
         source: DraftSource::Model,

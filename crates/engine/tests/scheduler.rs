@@ -246,6 +246,7 @@ fn running_out_of_blocks_preempts_instead_of_failing() {
             source: DraftSource::Model,
             draft_tokens: 3,
             adaptive: false,
+            max_batch: 0,
         }),
         ..EngineConfig::default()
     };
@@ -827,6 +828,7 @@ fn speculation_changes_no_greedy_token() {
         },
         draft_tokens: 5,
         adaptive: false,
+        max_batch: 0,
     };
     let careful = Speculation {
         source: DraftSource::PromptLookup {
@@ -840,6 +842,7 @@ fn speculation_changes_no_greedy_token() {
         source: DraftSource::Model,
         draft_tokens: 4,
         adaptive: false,
+        max_batch: 0,
     };
     let draft_model = Scripted {
         script: count_up_mostly,
@@ -929,6 +932,7 @@ fn draft_models_are_checked() {
             source: DraftSource::Model,
             draft_tokens: 3,
             adaptive: true,
+            max_batch: 0,
         }),
         ..EngineConfig::default()
     };
@@ -1063,6 +1067,7 @@ fn speculative_sampling_keeps_the_target_distribution() {
         },
         draft_tokens: 2,
         adaptive: false,
+        max_batch: 0,
     };
     let by_model = Speculation {
         source: DraftSource::Model,
@@ -1290,4 +1295,60 @@ fn bad_beam_searches_are_refused_with_a_reason() {
         .submit(beam_request(&[2], 4, BeamSearch::new(5)))
         .unwrap_err();
     assert!(err.to_string().contains("holds 4"), "{err}");
+}
+
+/// `Speculation::max_batch`: while more sequences decode than it allows, nobody drafts; once
+/// the batch shrinks, drafting resumes. The tokens are the same either way.
+#[test]
+fn speculation_waits_while_the_batch_is_larger_than_its_limit() {
+    let model = Scripted { script: count_up };
+    let cycle = |n: u32| -> Vec<TokenId> { (0..n).map(|i| TokenId(2 + i % 30)).collect() };
+    let long = Request {
+        prompt: cycle(40),
+        ..request(&[], 24)
+    };
+    let short = Request {
+        prompt: cycle(35),
+        ..request(&[], 8)
+    };
+    let run = |max_batch: usize| {
+        let speculation = Speculation {
+            source: DraftSource::PromptLookup {
+                min_ngram: 1,
+                max_ngram: 3,
+            },
+            draft_tokens: 4,
+            adaptive: false,
+            max_batch,
+        };
+        let config = EngineConfig {
+            speculation: Some(speculation),
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::new(&model, paged(64, 4), config).unwrap();
+        engine.submit(long.clone()).unwrap();
+        engine.submit(short.clone()).unwrap();
+        engine.run(|_| {}).unwrap()
+    };
+    let plain = alone(&model, &[long.clone(), short.clone()]);
+    let limited = run(1);
+    let unlimited = run(2);
+    for done in [&limited, &unlimited] {
+        assert_eq!(tokens(&done[0]), tokens(&plain[0]));
+        assert_eq!(tokens(&done[1]), tokens(&plain[1]));
+    }
+    // The short request decodes only while the long one does: with a limit of 1, never drafts.
+    assert_eq!(
+        limited[1].speculation.drafted, 0,
+        "{:?}",
+        limited[1].speculation
+    );
+    assert!(unlimited[1].speculation.drafted > 0);
+    // The long one drafts once it decodes alone.
+    assert!(
+        limited[0].speculation.accepted > 0,
+        "{:?}",
+        limited[0].speculation
+    );
+    assert!(limited[0].speculation.forwards > unlimited[0].speculation.forwards);
 }
