@@ -235,6 +235,7 @@ impl Server {
             eos: loaded.generation.eos.clone(),
             shape,
             kv_tokens,
+            block_tokens: model.block_tokens.max(1),
             max_batch: model.config.max_batch,
         });
         let shared = worker::Shared {

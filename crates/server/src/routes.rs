@@ -56,6 +56,8 @@ pub(crate) struct Ready {
     pub shape: ModelShape,
     /// Tokens the KV cache holds: a request's prompt and output must fit.
     pub kv_tokens: usize,
+    /// Tokens per block of the paged cache (1 for the others).
+    pub block_tokens: usize,
     pub max_batch: usize,
 }
 
@@ -332,9 +334,11 @@ impl Job {
             let room = limit - prompt.len();
             let max_tokens = match g.beam {
                 // Every beam holds its own tokens: a search of n beams that runs to the end
-                // needs n times them in the cache.
+                // needs n times them in the cache, and each beam may hold two partial
+                // blocks (its own, and the copy of one it shared).
                 Some(beam) => {
-                    let room = room / beam.num_beams;
+                    let margin = 2 * ready.block_tokens * beam.num_beams;
+                    let room = room.saturating_sub(margin) / beam.num_beams;
                     match g.max_tokens {
                         Some(m) if m > room => {
                             return Err(ApiError::invalid_field(

@@ -72,6 +72,7 @@ def test_beam_search_returns_transformers_hypotheses():
         ({"num_beams": 2, "presence_penalty": 0.5}, "presence_penalty"),
         ({"num_beams": 2, "early_stopping": "sometimes"}, "early_stopping"),
         ({"length_penalty": 2.0}, "length_penalty"),
+        ({"num_beams": 64, "max_tokens": 8000}, "max_tokens"),
     ],
 )
 def test_settings_beam_search_cannot_take_are_refused(client, fields, param):
