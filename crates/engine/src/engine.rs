@@ -812,24 +812,18 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         let Some(speculation) = self.config.speculation else {
             return Ok(fed);
         };
-        let decoding = fed
+        let drafting = fed
             .iter()
-            .filter(|&&(i, _)| self.running[i].wants_decode() && self.running[i].beams.is_none())
+            .filter(|&&(i, _)| self.running[i].can_draft())
             .count();
-        if speculation.max_batch > 0 && decoding > speculation.max_batch {
-            // Verification rows would cost this batch more than the drafts save.
-            for &(i, _) in &fed {
-                self.running[i].drafts.clear();
-                self.running[i].draft_q.clear();
-            }
-            return Ok(fed);
-        }
+        // In a larger batch the verification rows would cost more than the drafts save.
+        let batch_too_large = speculation.max_batch > 0 && drafting > speculation.max_batch;
         let mut limits = vec![0; self.running.len()];
         for &(i, _) in &fed {
             let seq = &mut self.running[i];
             seq.drafts.clear();
             seq.draft_q.clear();
-            if seq.wants_decode() && seq.beams.is_none() {
+            if seq.can_draft() && !batch_too_large {
                 let room = seq.budget.saturating_sub(seq.generated.len() + 1);
                 limits[i] = room.min(seq.draft_limit).min(speculation.draft_tokens);
             }
@@ -993,13 +987,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
                 return Ok(Some(FinishReason::Length));
             };
             for &token in &best.tokens {
-                let (text, _) = seq.accept(token, detok);
-                events.push(Event::Token {
-                    id: seq.id,
-                    token,
-                    text,
-                    logprobs: None,
-                });
+                seq.accept(token, None, detok, events);
             }
             seq.beam_results = results;
             return Ok(Some(best.finish_reason));
@@ -1075,14 +1063,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             .request
             .logprobs
             .map(|top| TokenLogprobs::from_logits(logits, token, top));
-        let (text, stopped) = seq.accept(token, detok);
-        events.push(Event::Token {
-            id: seq.id,
-            token,
-            text,
-            logprobs,
-        });
-        if stopped {
+        if seq.accept(token, logprobs, detok, events) {
             Some(FinishReason::Stop)
         } else if seq.generated.len() >= seq.budget {
             Some(FinishReason::Length)

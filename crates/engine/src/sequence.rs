@@ -8,7 +8,7 @@ use kiln_core::{Position, SeqId, TokenId};
 use crate::beam::{BeamGroup, BeamHypothesis};
 use crate::detok::{Detokenizer, IncrementalDecoder};
 use crate::generate::FinishReason;
-use crate::request::{Completion, Request, RequestId, Timings};
+use crate::request::{Completion, Event, Request, RequestId, Timings, TokenLogprobs};
 use crate::speculate::SpecCounts;
 use crate::stop::StopMatcher;
 
@@ -101,6 +101,11 @@ impl Sequence {
         }
     }
 
+    /// Whether it proposes drafts when speculation is on: it decodes, and is no beam search.
+    pub fn can_draft(&self) -> bool {
+        self.wants_decode() && self.beams.is_none()
+    }
+
     /// Whether its beams are past the first search step (each feeds its own last token).
     pub fn beams_running(&self) -> bool {
         !self.beam_seqs.is_empty()
@@ -152,18 +157,34 @@ impl Sequence {
         (tokens, Position(self.in_cache as u32))
     }
 
-    /// Records a sampled token: the text it completes (after stop-string hold-back) and
-    /// whether a stop string ended the sequence.
-    pub fn accept(&mut self, token: TokenId, detok: Option<&dyn Detokenizer>) -> (String, bool) {
+    /// Records an output token and reports it in `events` with the text it completes (after
+    /// stop-string hold-back) and its `logprobs`; returns whether a stop string ended the
+    /// sequence.
+    pub fn accept(
+        &mut self,
+        token: TokenId,
+        logprobs: Option<TokenLogprobs>,
+        detok: Option<&dyn Detokenizer>,
+        events: &mut Vec<Event>,
+    ) -> bool {
         self.first_token.get_or_insert_with(Instant::now);
         self.generated.push(token);
         self.history.push(token);
-        let Some(detok) = detok else {
-            return (String::new(), false);
+        let (text, stopped) = match detok {
+            Some(detok) => {
+                let piece = self.decoder.push(token, detok);
+                let check = self.stops.push(&piece);
+                (check.emit, check.stopped)
+            }
+            None => (String::new(), false),
         };
-        let piece = self.decoder.push(token, detok);
-        let check = self.stops.push(&piece);
-        (check.emit, check.stopped)
+        events.push(Event::Token {
+            id: self.id,
+            token,
+            text,
+            logprobs,
+        });
+        stopped
     }
 
     /// The completion, with any held-back text flushed into `tail`.

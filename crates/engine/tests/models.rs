@@ -61,6 +61,31 @@ fn load_with<B: InferenceBackend>(
     loaded
 }
 
+/// A JSON reference file of the fixtures.
+fn read_json(path: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// A JSON array of token ids.
+fn token_ids(v: &serde_json::Value) -> Vec<TokenId> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| TokenId(x.as_u64().unwrap() as u32))
+        .collect()
+}
+
+/// A cache of `kind` for `sequences` sequences of `max_len` tokens, whose sliding window
+/// (512) no scenario outgrows, taking steps of up to 512 tokens.
+fn any_kind(kind: CacheKind, sequences: usize, max_len: usize) -> CacheSpec {
+    CacheSpec {
+        kind,
+        window: 512,
+        max_step: 512,
+        ..CacheSpec::paged(sequences, max_len)
+    }
+}
+
 fn rows<B: InferenceBackend>(t: burn::tensor::Tensor<B, 2>) -> Vec<f32> {
     t.into_data().iter::<f32>().collect()
 }
@@ -232,12 +257,7 @@ fn mixed_batch_matches_alone<B: InferenceBackend>(weights: WeightStorage, kinds:
         .map(|(p, s)| alone(model, p, n, s))
         .collect();
     for &kind in kinds {
-        let spec = CacheSpec {
-            kind,
-            window: 512,
-            max_step: 512,
-            ..CacheSpec::paged(prompts.len(), 320)
-        };
+        let spec = any_kind(kind, prompts.len(), 320);
         let (ours, _) = engine_outputs(
             model,
             None,
@@ -333,19 +353,10 @@ fn prefix_cache_matches_alone<B: InferenceBackend>(path: &std::path::Path, weigh
 fn model_window_holds_on_every_cache_kind<B: InferenceBackend>() {
     let dir = fixture("mistral-tiny");
     let loaded = load::<B>(&dir, Dtype::F32);
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<TokenId> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|t| TokenId(t.as_u64().unwrap() as u32))
-            .collect()
-    };
+    let reference = read_json(&dir.join("reference.json"));
     let cases = reference["cases"].as_array().unwrap();
-    let prompts: Vec<Vec<TokenId>> = cases.iter().map(|c| ids(&c["prompt_ids"])).collect();
-    let expected: Vec<Vec<TokenId>> = cases.iter().map(|c| ids(&c["greedy"])).collect();
+    let prompts: Vec<Vec<TokenId>> = cases.iter().map(|c| token_ids(&c["prompt_ids"])).collect();
+    let expected: Vec<Vec<TokenId>> = cases.iter().map(|c| token_ids(&c["greedy"])).collect();
     let greedy = vec![SamplingParams::greedy(); prompts.len()];
     for kind in CacheKind::ALL {
         let spec = CacheSpec {
@@ -377,12 +388,7 @@ fn session_reuses_its_cache_exactly<B: InferenceBackend>(weights: WeightStorage)
         ..Request::default()
     };
     for kind in CacheKind::ALL {
-        let spec = CacheSpec {
-            kind,
-            window: 512,
-            max_step: 512,
-            ..CacheSpec::paged(1, 512)
-        };
+        let spec = any_kind(kind, 1, 512);
         let cache = spec
             .build::<B>(model.shape().kv_layout(), model.dtype(), &model.device())
             .unwrap();
@@ -673,12 +679,7 @@ fn speculative_greedy_matches_alone<B: InferenceBackend>(
     ];
     for (source, (speculation, draft, kinds)) in sources.into_iter().enumerate() {
         for &kind in kinds {
-            let spec = CacheSpec {
-                kind,
-                window: 512,
-                max_step: 512,
-                ..CacheSpec::paged(prompts.len(), 256)
-            };
+            let spec = any_kind(kind, prompts.len(), 256);
             for batch in [1, prompts.len()] {
                 let config = EngineConfig {
                     max_batch: batch,
@@ -714,19 +715,11 @@ fn speculative_greedy_on_smollm2<B: InferenceBackend>(weights: WeightStorage) {
         quantized = load_with::<B>(&smollm2(), Dtype::F32, WeightStorage::Quantized);
         &quantized.model
     };
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture("smollm2/reference.json")).unwrap())
-            .unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<TokenId> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| TokenId(x.as_u64().unwrap() as u32))
-            .collect()
-    };
+    let reference = read_json(&fixture("smollm2/reference.json"));
     let n = 16;
     let cases = reference["greedy_cases"].as_array().unwrap();
-    let mut prompts: Vec<Vec<TokenId>> = cases.iter().map(|c| ids(&c["prompt_ids"])).collect();
+    let mut prompts: Vec<Vec<TokenId>> =
+        cases.iter().map(|c| token_ids(&c["prompt_ids"])).collect();
     let tokenizer = loaded.tokenizer.as_ref().unwrap();
     prompts.push(
         tokenizer
@@ -745,7 +738,7 @@ fn speculative_greedy_on_smollm2<B: InferenceBackend>(weights: WeightStorage) {
     if weights == WeightStorage::Dequantized {
         let greedy = SamplingParams::greedy();
         for (case, prompt) in cases.iter().zip(&prompts) {
-            let reference = ids(&case["greedy"]);
+            let reference = token_ids(&case["greedy"]);
             assert_eq!(alone(model, prompt, n, &greedy), reference[..n]);
         }
     }
@@ -778,16 +771,7 @@ struct BeamCase {
 }
 
 fn beam_cases(fixture_dir: &str) -> Vec<BeamCase> {
-    let path = fixture(fixture_dir).join("beam_reference.json");
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<TokenId> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| TokenId(x.as_u64().unwrap() as u32))
-            .collect()
-    };
+    let reference = read_json(&fixture(fixture_dir).join("beam_reference.json"));
     reference["cases"]
         .as_array()
         .unwrap()
@@ -810,15 +794,15 @@ fn beam_cases(fixture_dir: &str) -> Vec<BeamCase> {
                 .iter()
                 .map(|o| {
                     let score = o["score"].as_f64().unwrap() as f32;
-                    (ids(&o["tokens"]), o["eos"].as_bool().unwrap(), score)
+                    (token_ids(&o["tokens"]), o["eos"].as_bool().unwrap(), score)
                 })
                 .collect();
             BeamCase {
                 name: case["name"].as_str().unwrap().to_string(),
                 request: Request {
-                    prompt: ids(&case["prompt_ids"]),
+                    prompt: token_ids(&case["prompt_ids"]),
                     max_tokens: case["max_new_tokens"].as_u64().unwrap() as usize,
-                    eos: ids(&case["eos_token_ids"]),
+                    eos: token_ids(&case["eos_token_ids"]),
                     beam: Some(beam),
                     ..Request::default()
                 },
@@ -845,12 +829,7 @@ fn beam_search_matches_transformers<B: InferenceBackend>(
         .map(|c| c.request.beam.unwrap().num_beams)
         .sum();
     for &kind in kinds {
-        let spec = CacheSpec {
-            kind,
-            window: 512,
-            max_step: 512,
-            ..CacheSpec::paged(rows + 1, 128)
-        };
+        let spec = any_kind(kind, rows + 1, 128);
         for together in [false, true] {
             let groups: Vec<Vec<&BeamCase>> = if together {
                 vec![cases.iter().collect()]
