@@ -20,7 +20,7 @@ use kiln_models::chat::{ChatMessage, ChatTemplate, Role};
 
 use crate::exit::UsageError;
 use crate::generate::per_second;
-use crate::model_args::{ModelArgs, SamplingArgs};
+use crate::model_args::{ModelArgs, SamplingArgs, StructuredArgs};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
@@ -32,6 +32,8 @@ pub struct Args {
     model: ModelArgs,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    structured: StructuredArgs,
     /// Most new tokens per reply.
     #[arg(
         long,
@@ -297,6 +299,7 @@ impl BackendTask for Task {
                 loaded.path.display()
             ))
         })?;
+        let constraint = args.structured.compile(&loaded)?;
         let eos_text = token_text(&loaded, loaded.generation.eos.first().copied());
         let template = ChatTemplate::new(
             source,
@@ -399,6 +402,7 @@ impl BackendTask for Task {
                 max_tokens: settings.max_tokens,
                 sampling: settings.sampling.clone(),
                 eos: loaded.generation.eos.clone(),
+                constraint: constraint.clone(),
                 ..Request::default()
             };
             let mut stream = tokenizer.inner().decode_stream(true);

@@ -15,7 +15,7 @@ use kiln_models::LoadedModel;
 use serde_json::json;
 
 use crate::exit::UsageError;
-use crate::model_args::{BeamArgs, ModelArgs, SamplingArgs, SpeculationArgs};
+use crate::model_args::{BeamArgs, ModelArgs, SamplingArgs, SpeculationArgs, StructuredArgs};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
@@ -91,6 +91,8 @@ pub struct Args {
     speculation: SpeculationArgs,
     #[command(flatten)]
     beam: BeamArgs,
+    #[command(flatten)]
+    structured: StructuredArgs,
     /// Prefill the prompt, save its KV cache to FILE, then generate as usual.
     #[arg(
         long,
@@ -287,6 +289,7 @@ impl BackendTask for Task {
             engine = engine.with_detokenizer(detok);
         }
         let sampling = args.sampling.params()?;
+        let constraint = args.structured.compile(&loaded)?;
         let eos = if args.ignore_eos {
             Vec::new()
         } else {
@@ -300,6 +303,7 @@ impl BackendTask for Task {
                 eos: eos.clone(),
                 stop: args.stop.clone(),
                 beam,
+                constraint: constraint.clone(),
                 ..Request::default()
             };
             match &snapshot {

@@ -1,5 +1,5 @@
 //! Flags every model-running command shares: which model, where, in what precision, how to
-//! sample, how to speculate, and beam search. With no `--model`, the embedded default (SmolLM2-135M-Instruct) is fetched once into
+//! sample, how to speculate, beam search and structured output. With no `--model`, the embedded default (SmolLM2-135M-Instruct) is fetched once into
 //! kiln's model cache.
 
 use std::io::Write;
@@ -9,8 +9,10 @@ use anyhow::{Context, Result};
 use indicatif::ProgressBar;
 use kiln_core::backend::BackendKind;
 use kiln_core::sampling::SamplingParams;
-use kiln_core::{Dtype, InferenceBackend};
-use kiln_engine::{BeamSearch, DraftSource, EarlyStopping, Speculation};
+use kiln_core::{CausalLm, Dtype, InferenceBackend};
+use kiln_engine::{
+    BeamSearch, DraftSource, EarlyStopping, Grammar, GrammarCompiler, OutputConstraint, Speculation,
+};
 use kiln_models::default_model::{FetchEvent, SMOLLM2_135M_INSTRUCT, kiln_home};
 use kiln_models::{LoadOptions, LoadedModel, WeightStorage};
 
@@ -317,7 +319,7 @@ pub struct BeamArgs {
     /// Beam search with N beams, as transformers' `generate(num_beams=N, do_sample=False)`:
     /// deterministic, the sampling flags are ignored (the penalties are refused); the output
     /// appears when the search ends.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", conflicts_with = "structured")]
     pub num_beams: Option<usize>,
     /// A finished hypothesis's score is its log-probability over its length to this power:
     /// above 0 favours longer outputs, below 0 shorter ones.
@@ -364,5 +366,86 @@ impl BeamArgs {
             Some(why) => Err(UsageError(why).into()),
             None => Ok(Some(beam)),
         }
+    }
+}
+
+/// Structured output: the text must parse as the schema, regex or grammar says.
+#[derive(Debug, Clone, Default, clap::Args)]
+#[command(next_help_heading = "Structured output")]
+#[group(id = "structured", multiple = false)]
+pub struct StructuredArgs {
+    /// Output JSON valid under the JSON schema in FILE (`-` reads stdin).
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<PathBuf>,
+    /// Output one JSON object (any keys and values).
+    #[arg(long)]
+    pub json_object: bool,
+    /// Output text that matches the regular expression RE (the whole output).
+    #[arg(long, value_name = "RE")]
+    pub regex: Option<String>,
+    /// Output text in the language of the Lark grammar in FILE (llguidance's dialect; the
+    /// start rule is `start`).
+    #[arg(long, value_name = "FILE")]
+    pub grammar: Option<PathBuf>,
+}
+
+impl StructuredArgs {
+    /// What was asked for (`None`: free text), read from its files.
+    ///
+    /// # Errors
+    /// [`UsageError`]: an unreadable file, a schema that is not JSON.
+    pub fn constraint(&self) -> Result<Option<OutputConstraint>> {
+        let read = |path: &Path| -> Result<String> {
+            let text = if path == Path::new("-") {
+                let mut text = String::new();
+                std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+                    .map_err(|e| UsageError(format!("reading stdin: {e}")))?;
+                text
+            } else {
+                std::fs::read_to_string(path)
+                    .map_err(|e| UsageError(format!("{}: {e}", path.display())))?
+            };
+            Ok(text)
+        };
+        Ok(if let Some(path) = &self.json_schema {
+            let schema = serde_json::from_str(&read(path)?).map_err(|e| {
+                UsageError(format!("--json-schema {}: not JSON: {e}", path.display()))
+            })?;
+            Some(OutputConstraint::JsonSchema(schema))
+        } else if self.json_object {
+            Some(OutputConstraint::JsonObject)
+        } else if let Some(rx) = &self.regex {
+            Some(OutputConstraint::Regex(rx.clone()))
+        } else if let Some(path) = &self.grammar {
+            Some(OutputConstraint::Lark(read(path)?))
+        } else {
+            None
+        })
+    }
+
+    /// The compiled constraint for `loaded`'s tokenizer, before anything is generated.
+    ///
+    /// # Errors
+    /// [`UsageError`]: no tokenizer or end-of-sequence token, or a constraint that does not
+    /// compile (named with the reason).
+    pub fn compile<B: InferenceBackend>(&self, loaded: &LoadedModel<B>) -> Result<Option<Grammar>> {
+        let Some(constraint) = self.constraint()? else {
+            return Ok(None);
+        };
+        let (Some(tokenizer), Some(&eos)) = (&loaded.tokenizer, loaded.generation.eos.first())
+        else {
+            return Err(UsageError(format!(
+                "--{}: the model has no tokenizer or end-of-sequence token to constrain",
+                constraint.kind().replace('_', "-")
+            ))
+            .into());
+        };
+        let vocab = loaded.model.shape().vocab;
+        let compiler = GrammarCompiler::new(&tokenizer.token_texts(vocab), eos)
+            .map_err(|e| UsageError(e.to_string()))?;
+        let grammar = compiler
+            .compile(&constraint)
+            .map_err(|e| UsageError(e.to_string()))?;
+        Ok(Some(grammar))
     }
 }

@@ -56,3 +56,12 @@ impl BlockId {
         self.0 as usize
     }
 }
+
+/// What a token of a vocabulary stands for, as constrained decoding needs to know it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenText {
+    /// The bytes it adds to the text (byte-level BPE pieces decoded to raw bytes).
+    Bytes(Vec<u8>),
+    /// A special (control) token, by name: it stands for no text.
+    Special(String),
+}

@@ -35,6 +35,7 @@ use crate::request::{
 };
 use crate::sequence::{Sequence, common_prefix};
 use crate::speculate::{DraftSource, SpecCounts, Speculation};
+use crate::structured::GrammarMatcher;
 
 /// Scheduling limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -344,6 +345,18 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
                      ({} cache)",
                     beam.num_beams,
                     self.cache.kind()
+                ));
+            }
+        }
+        if let Some(grammar) = &request.constraint {
+            if request.beam.is_some() {
+                return invalid("beam search does not take a grammar constraint".into());
+            }
+            if grammar.vocab() != shape.vocab {
+                return invalid(format!(
+                    "the grammar was compiled for a vocabulary of {} tokens; the model has {}",
+                    grammar.vocab(),
+                    shape.vocab
                 ));
             }
         }
@@ -704,18 +717,40 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         } else {
             LogitsFor::LastOfEach(batch_rows)
         };
-        let logits = self
-            .model
-            .forward(&batch, &mut *self.cache, wanted)
-            .inspect_err(|_| {
-                // The step's K/V may be half written (and its full blocks registered):
-                // nothing cached can be trusted after a failed forward.
-                self.cache.clear();
-                self.kept.clear();
-                for seq in self.running.iter_mut().chain(&mut self.waiting) {
-                    seq.in_cache = 0;
-                }
-            })?;
+        // The grammar masks of the sequences that sample this step do not depend on the
+        // logits: they are computed on another thread while the forward runs.
+        let masks: Vec<(GrammarMatcher, Vec<TokenId>)> = fed
+            .iter()
+            .filter_map(|&(i, n)| {
+                let seq = &self.running[i];
+                let matcher = seq.constraint.as_ref()?;
+                (n - seq.drafts.len() == seq.pending())
+                    .then(|| (matcher.clone(), seq.generated.clone()))
+            })
+            .collect();
+        let (model, cache) = (self.model, &mut *self.cache);
+        let logits = std::thread::scope(|scope| {
+            let masking = (!masks.is_empty()).then(|| {
+                scope.spawn(|| {
+                    for (matcher, generated) in &masks {
+                        matcher.prepare(generated);
+                    }
+                })
+            });
+            let logits = model.forward(&batch, cache, wanted);
+            // A panic there only leaves a mask to compute again when the sampler asks.
+            let _ = masking.map(std::thread::ScopedJoinHandle::join);
+            logits
+        })
+        .inspect_err(|_| {
+            // The step's K/V may be half written (and its full blocks registered):
+            // nothing cached can be trusted after a failed forward.
+            self.cache.clear();
+            self.kept.clear();
+            for seq in self.running.iter_mut().chain(&mut self.waiting) {
+                seq.in_cache = 0;
+            }
+        })?;
         let vocab = self.model.shape().vocab;
         let rows: Vec<f32> = logits.into_data().iter::<f32>().collect();
         let mut first_row = 0;
@@ -1056,7 +1091,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         let detok = self.detok;
         let seq = &mut self.running[i];
         seq.counts.tokens += 1;
-        if seq.request.eos.contains(&token) {
+        if seq.is_end(token) {
             return Some(FinishReason::Eos);
         }
         let logprobs = seq

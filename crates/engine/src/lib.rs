@@ -13,6 +13,8 @@
 //! - [`bench`](mod@bench): one cell of the benchmark matrix (`kiln bench`): an [`Engine`]'s steps
 //!   timed, prefill and decode apart.
 //! - [`snapshot`]: a prefilled prompt's KV cache saved to a file and resumed later.
+//! - [`structured`]: output constrained to a JSON schema, a regex or a grammar
+//!   ([`Request::constraint`]).
 //!
 //! All of them generate through [`Engine::step`], so what the engine does (chunked prefill,
 //! prefix caching, preemption) they all do.
@@ -64,6 +66,7 @@ pub mod session;
 pub mod snapshot;
 pub mod speculate;
 pub mod stop;
+pub mod structured;
 
 pub use beam::{BeamHypothesis, BeamSearch, EarlyStopping, MAX_BEAMS};
 pub use cache::CacheSpec;
@@ -77,3 +80,4 @@ pub use request::{
 pub use session::Session;
 pub use snapshot::Snapshot;
 pub use speculate::{DraftSource, SpecCounts, Speculation};
+pub use structured::{Grammar, GrammarCompiler, GrammarMatcher, OutputConstraint, StructuredError};

@@ -10,6 +10,7 @@ use serde::Serialize;
 use crate::beam::{BeamHypothesis, BeamSearch};
 use crate::generate::FinishReason;
 use crate::speculate::SpecCounts;
+use crate::structured::Grammar;
 
 /// Why `prompt` cannot be run by a model of `shape`, or `None` when it can: it is empty, it
 /// fills the context (at least one position must be left to generate), or it holds an id
@@ -73,6 +74,10 @@ pub struct Request {
     /// [`Event::Token`]s when the search ends (nothing streams before), all returned ones in
     /// [`Completion::beams`]. It takes no stop strings, log-probabilities or kept caches.
     pub beam: Option<BeamSearch>,
+    /// Structured output: every token is one the grammar allows
+    /// ([`crate::structured::GrammarCompiler::compile`]), and the request ends (as by an
+    /// EOS) when the output is complete. Not with beam search.
+    pub constraint: Option<Grammar>,
 }
 
 /// The most alternatives [`Request::logprobs`] may ask for (OpenAI's `top_logprobs` limit).

@@ -11,6 +11,7 @@ use crate::generate::FinishReason;
 use crate::request::{Completion, Event, Request, RequestId, Timings, TokenLogprobs};
 use crate::speculate::SpecCounts;
 use crate::stop::StopMatcher;
+use crate::structured::GrammarMatcher;
 
 /// A request being served. Its *context* is the prompt followed by what it generated; the
 /// first `in_cache` tokens of the context are in the KV cache. Each step feeds the next tokens
@@ -57,12 +58,19 @@ pub(crate) struct Sequence {
     pub beam_ids: Vec<SeqId>,
     /// The hypotheses a finished beam search returned.
     pub beam_results: Vec<BeamHypothesis>,
+    /// Its position in its grammar (structured output); the sampler holds a clone as its
+    /// first processor.
+    pub constraint: Option<GrammarMatcher>,
 }
 
 impl Sequence {
-    pub fn new(id: RequestId, request: Request, budget: usize, sampler: Sampler) -> Self {
+    pub fn new(id: RequestId, request: Request, budget: usize, mut sampler: Sampler) -> Self {
         let history = TokenHistory::with_prompt(&request.prompt);
         let stops = StopMatcher::new(&request.stop);
+        let constraint = request.constraint.as_ref().map(|g| g.start(&request.eos));
+        if let Some(matcher) = &constraint {
+            sampler.prepend_processor(Box::new(matcher.clone()));
+        }
         Self {
             id,
             seq: SeqId(id.0),
@@ -89,6 +97,7 @@ impl Sequence {
             beam_seqs: Vec::new(),
             beam_ids: Vec::new(),
             beam_results: Vec::new(),
+            constraint,
         }
     }
 
@@ -113,6 +122,12 @@ impl Sequence {
 
     pub fn context_len(&self) -> usize {
         self.request.prompt.len() + self.generated.len()
+    }
+
+    /// Whether `token` ends it: an EOS of the request, or of its grammar.
+    pub fn is_end(&self, token: TokenId) -> bool {
+        self.request.eos.contains(&token)
+            || self.constraint.as_ref().is_some_and(|c| c.is_end(token))
     }
 
     /// The prompt followed by what it generated, without copying.

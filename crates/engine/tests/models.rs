@@ -15,7 +15,8 @@ use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, S
 use kiln_engine::bench::{Cell, Sampling, run_cell, synthetic_prompts};
 use kiln_engine::{
     BeamSearch, CacheSpec, DraftSource, EarlyStopping, Engine, EngineConfig, EngineError,
-    FinishReason, Request, Session, Snapshot, SpecCounts, Speculation, generate,
+    FinishReason, Grammar, GrammarCompiler, OutputConstraint, Request, Session, Snapshot,
+    SpecCounts, Speculation, generate,
 };
 use kiln_models::default_model::{SMOLLM2_135M_INSTRUCT, kiln_home};
 use kiln_models::{LoadOptions, LoadedModel, WeightStorage};
@@ -904,6 +905,188 @@ fn beam_search_on_smollm2<B: InferenceBackend>() {
     beam_search_matches_transformers(&loaded.model, "smollm2", &CacheKind::ALL);
 }
 
+/// [`alone`] with a grammar: the matcher first in the sampler's chain, and the sequence ends
+/// on an end token (which is not output), as the engine's does.
+fn alone_constrained<B: InferenceBackend>(
+    model: &dyn CausalLm<B>,
+    prompt: &[TokenId],
+    n: usize,
+    sampling: &SamplingParams,
+    grammar: &Grammar,
+    eos: &[TokenId],
+) -> Vec<TokenId> {
+    let shape = model.shape();
+    let matcher = grammar.start(eos);
+    let mut sampler = Sampler::new(sampling, shape.vocab).unwrap();
+    sampler.prepend_processor(Box::new(matcher.clone()));
+    let mut history = TokenHistory::with_prompt(prompt);
+    let mut cache = DynamicKvCache::<B>::new(shape.kv_layout(), model.dtype(), &model.device());
+    let mut batch = Batch::single(SeqId(0), prompt, Position(0)).unwrap();
+    for fed in prompt.len()..prompt.len() + n {
+        let logits = model
+            .forward(&batch, &mut cache, LogitsFor::LastOfEachSequence)
+            .unwrap();
+        let token = sampler.try_sample(&rows(logits), &history).unwrap();
+        if matcher.is_end(token) {
+            break;
+        }
+        history.push(token);
+        batch = Batch::single(SeqId(0), &[token], Position(fed as u32)).unwrap();
+    }
+    history.generated().to_vec()
+}
+
+/// Structured output: each constrained request (greedy, and sampled with a seed) gives the
+/// tokens of the hand-written loop with the same grammar, served in one batch with an
+/// unconstrained request on every cache kind in `kinds`, with and without prompt-lookup
+/// speculation. Returns the outputs' texts per constraint (greedy, then sampled).
+fn structured_output_matches_alone<B: InferenceBackend>(
+    loaded: &LoadedModel<B>,
+    prompt: &str,
+    constraints: &[OutputConstraint],
+    kinds: &[CacheKind],
+    n: usize,
+) -> Vec<[String; 2]> {
+    let model = &loaded.model;
+    let tokenizer = loaded.tokenizer.as_ref().unwrap();
+    let eos = loaded.generation.eos.clone();
+    let vocab = model.shape().vocab;
+    let compiler = GrammarCompiler::new(&tokenizer.token_texts(vocab), eos[0]).unwrap();
+    let prompt = tokenizer.encode(prompt, true).unwrap();
+    let settings = [
+        SamplingParams::greedy(),
+        SamplingParams {
+            temperature: 1.0,
+            seed: Some(11),
+            ..SamplingParams::default()
+        },
+    ];
+    let mut texts = Vec::new();
+    for constraint in constraints {
+        let grammar = compiler.compile(constraint).unwrap();
+        let expected: Vec<Vec<TokenId>> = settings
+            .iter()
+            .map(|s| alone_constrained(model, &prompt, n, s, &grammar, &eos))
+            .collect();
+        for &kind in kinds {
+            let lookup = Speculation {
+                source: DraftSource::PromptLookup {
+                    min_ngram: 1,
+                    max_ngram: 3,
+                },
+                draft_tokens: 4,
+                adaptive: false,
+                max_batch: 0,
+            };
+            for speculation in [None, Some(lookup)] {
+                let spec = any_kind(kind, 3, prompt.len() + n + 8);
+                let mut engine = Engine::new(
+                    model,
+                    spec.build::<B>(model.shape().kv_layout(), model.dtype(), &model.device())
+                        .unwrap(),
+                    EngineConfig {
+                        speculation,
+                        ..one_batch(3)
+                    },
+                )
+                .unwrap();
+                for sampling in &settings {
+                    engine
+                        .submit(Request {
+                            prompt: prompt.clone(),
+                            max_tokens: n,
+                            sampling: sampling.clone(),
+                            eos: eos.clone(),
+                            constraint: Some(grammar.clone()),
+                            ..Default::default()
+                        })
+                        .unwrap();
+                }
+                engine
+                    .submit(Request {
+                        prompt: prompt.clone(),
+                        max_tokens: 8,
+                        sampling: SamplingParams::greedy(),
+                        ..Default::default()
+                    })
+                    .unwrap();
+                let done = engine.run(|_| {}).unwrap();
+                assert_eq!(engine.cache().usage().sequences, 0);
+                for (i, (c, expected)) in done.iter().zip(&expected).enumerate() {
+                    // Verification draws its random numbers differently from plain sampling:
+                    // a sampled request keeps its distribution, not its tokens.
+                    let matcher = grammar.start(&eos);
+                    for (k, &t) in c.tokens.iter().enumerate() {
+                        assert!(matcher.allows(&c.tokens[..k], t), "{:?}", c.tokens);
+                    }
+                    if i > 0 && speculation.is_some() {
+                        continue;
+                    }
+                    assert_eq!(
+                        &c.tokens,
+                        expected,
+                        "{} on the {kind} cache, {:?}, speculation {speculation:?}",
+                        constraint.kind(),
+                        settings[i]
+                    );
+                    let reason = if c.tokens.len() < n {
+                        FinishReason::Eos
+                    } else {
+                        c.finish_reason
+                    };
+                    assert_eq!(c.finish_reason, reason);
+                }
+                assert_eq!(done[2].tokens, alone(model, &prompt, 8, &settings[0]));
+            }
+        }
+        let text = |t: &[TokenId]| tokenizer.decode(t, true).unwrap();
+        texts.push([text(&expected[0]), text(&expected[1])]);
+    }
+    texts
+}
+
+/// SmolLM2 asked for a person as JSON: a schema, any JSON object, a regex and a Lark
+/// grammar; the outputs parse as asked.
+fn structured_output_on_smollm2<B: InferenceBackend>(weights: WeightStorage, kinds: &[CacheKind]) {
+    let loaded = load_with::<B>(&smollm2(), Dtype::F32, weights);
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {"type": "string", "enum": ["Paris", "Berlin", "Tokyo"]}
+        },
+        "required": ["name", "age", "city"],
+        "additionalProperties": false
+    });
+    let constraints = [
+        OutputConstraint::JsonSchema(schema),
+        OutputConstraint::JsonObject,
+        OutputConstraint::Regex("[A-Z][a-z]+, [0-9]{1,3} years".into()),
+        OutputConstraint::Lark(
+            "start: \"name=\" NAME \"; age=\" AGE\nNAME: /[A-Za-z]{1,12}/\nAGE: /[0-9]{1,3}/".into(),
+        ),
+    ];
+    let prompt = "<|im_start|>user\nDescribe a person (name, age, city) as JSON.<|im_end|>\n\
+                  <|im_start|>assistant\n";
+    let texts = structured_output_matches_alone(&loaded, prompt, &constraints, kinds, 48);
+    for text in texts[0].iter().chain(&texts[1]) {
+        let value: serde_json::Value = serde_json::from_str(text).unwrap();
+        assert!(value.is_object(), "{text}");
+    }
+    let person: serde_json::Value = serde_json::from_str(&texts[0][0]).unwrap();
+    assert!(["Paris", "Berlin", "Tokyo"].contains(&person["city"].as_str().unwrap()));
+    assert!(person["age"].as_u64().unwrap() <= 120);
+    for text in &texts[2] {
+        let (name, age) = text.split_once(", ").unwrap();
+        assert!(name.chars().next().unwrap().is_ascii_uppercase(), "{text}");
+        assert!(age.ends_with(" years"), "{text}");
+    }
+    for text in &texts[3] {
+        assert!(text.starts_with("name=") && text.contains("; age="), "{text}");
+    }
+}
+
 mod cpu {
     type B = burn::backend::Flex;
 
@@ -1007,6 +1190,12 @@ mod cpu_quantized {
     fn speculative_greedy_on_smollm2() {
         super::speculative_greedy_on_smollm2::<B>(WeightStorage::Quantized);
     }
+
+    #[test]
+    fn structured_output_on_smollm2() {
+        let kinds = super::CacheKind::ALL;
+        super::structured_output_on_smollm2::<B>(WeightStorage::Quantized, &kinds);
+    }
 }
 
 mod wgpu {
@@ -1060,5 +1249,17 @@ mod wgpu {
     #[test]
     fn speculative_greedy_on_llama_tiny() {
         super::speculative_greedy_on_llama_tiny::<B>();
+    }
+
+    /// A regex on the tiny Llama, paged cache (the cpu tests run SmolLM2 on every kind).
+    #[test]
+    fn structured_output_on_llama_tiny() {
+        let loaded = super::load::<B>(&super::fixture("llama-tiny"), super::Dtype::F32);
+        let rx = super::OutputConstraint::Regex("[a-z]{2,6}( [a-z]{2,6}){1,3}".into());
+        let kinds = [super::CacheKind::Paged];
+        let texts = super::structured_output_matches_alone(&loaded, "hello", &[rx], &kinds, 24);
+        for text in &texts[0] {
+            assert!(text.split(' ').all(|w| (2..=6).contains(&w.len())), "{text:?}");
+        }
     }
 }

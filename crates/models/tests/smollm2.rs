@@ -58,6 +58,32 @@ fn tokenizer_matches_the_reference() {
     }
 }
 
+/// The bytes constrained decoding gives each token spell the reference texts back from the
+/// reference ids (control tokens by name), and the control tokens are special.
+#[test]
+fn token_texts_spell_the_reference_strings() {
+    use kiln_core::ids::TokenText;
+    let tokenizer = tokenizer();
+    let texts = tokenizer.token_texts(tokenizer.vocab_size());
+    let reference = reference();
+    for case in reference["tokenizer_cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let mut bytes = Vec::new();
+        for t in ids(&case["ids"]) {
+            match &texts[t.0 as usize] {
+                TokenText::Bytes(b) => bytes.extend_from_slice(b),
+                // Written in the text, a control token is its name.
+                TokenText::Special(name) => bytes.extend_from_slice(name.as_bytes()),
+            }
+        }
+        assert_eq!(String::from_utf8(bytes).unwrap(), text);
+    }
+    for name in ["<|im_start|>", "<|im_end|>", "<|endoftext|>"] {
+        let id = tokenizer.token_id(name).unwrap();
+        assert_eq!(texts[id.0 as usize], TokenText::Special(name.into()));
+    }
+}
+
 #[test]
 fn chat_template_renders_as_transformers() {
     let tokenizer = tokenizer();

@@ -5,8 +5,9 @@
 
 use kiln_core::TokenId;
 use kiln_core::sampling::{SamplingError, SamplingParams};
-use kiln_engine::{BeamSearch, EarlyStopping, MAX_BEAMS, MAX_TOP_LOGPROBS};
+use kiln_engine::{BeamSearch, EarlyStopping, MAX_BEAMS, MAX_TOP_LOGPROBS, OutputConstraint};
 use serde::Deserialize;
+use serde_json::Value;
 
 use crate::error::ApiError;
 
@@ -53,6 +54,17 @@ pub struct CommonFields {
     pub stream_options: Option<StreamOptions>,
     /// Generate past end-of-sequence tokens.
     pub ignore_eos: Option<bool>,
+    /// `{"type": "text"}`, `{"type": "json_object"}` or
+    /// `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`.
+    pub response_format: Option<Value>,
+    /// Structured output (a kiln extension, vLLM's older name accepted): the output matches
+    /// this regular expression.
+    #[serde(alias = "guided_regex")]
+    pub regex: Option<String>,
+    /// Structured output (a kiln extension, vLLM's older name accepted): the output is in the
+    /// language of this Lark grammar (llguidance's dialect).
+    #[serde(alias = "guided_grammar")]
+    pub grammar: Option<String>,
 }
 
 /// `stop`: one string or several.
@@ -212,6 +224,8 @@ pub struct Generation {
     pub ignore_eos: bool,
     /// Beam search, one engine request per prompt whose `n` best hypotheses are the choices.
     pub beam: Option<BeamSearch>,
+    /// Structured output, and the field that asked for it (what a 400 names).
+    pub constraint: Option<(&'static str, OutputConstraint)>,
 }
 
 impl Generation {
@@ -318,7 +332,69 @@ impl CommonFields {
             include_usage,
             ignore_eos: self.ignore_eos.unwrap_or(false),
             beam: None,
+            constraint: self.constraint()?,
         })
+    }
+
+    /// What `response_format`, `regex` and `grammar` ask for (at most one of them).
+    fn constraint(&self) -> Result<Option<(&'static str, OutputConstraint)>, ApiError> {
+        let format = match &self.response_format {
+            None => None,
+            Some(value) => response_format(value)?.map(|c| ("response_format", c)),
+        };
+        let given = [
+            format,
+            self.regex
+                .clone()
+                .map(|rx| ("regex", OutputConstraint::Regex(rx))),
+            self.grammar
+                .clone()
+                .map(|g| ("grammar", OutputConstraint::Lark(g))),
+        ];
+        let mut given = given.into_iter().flatten();
+        let first = given.next();
+        if let (Some((a, _)), Some((b, _))) = (&first, given.next()) {
+            return Err(ApiError::invalid_field(
+                b,
+                format!("{a} and {b} both constrain the output; give one"),
+            ));
+        }
+        Ok(first)
+    }
+}
+
+/// OpenAI's `response_format`: `text` (no constraint), `json_object`, or `json_schema` with its
+/// schema under `json_schema.schema` (`name`, `description` and `strict` are accepted; the
+/// schema is always enforced).
+fn response_format(value: &Value) -> Result<Option<OutputConstraint>, ApiError> {
+    let bad = |why: &str| Err(ApiError::invalid_field("response_format", why));
+    let Some(kind) = value.get("type").and_then(Value::as_str) else {
+        return bad(
+            "response_format needs a \"type\": \"text\", \"json_object\" or \"json_schema\"",
+        );
+    };
+    match kind {
+        "text" => Ok(None),
+        "json_object" => Ok(Some(OutputConstraint::JsonObject)),
+        "json_schema" => {
+            let Some(spec) = value.get("json_schema").filter(|v| v.is_object()) else {
+                return bad("response_format of type json_schema needs a \"json_schema\" object");
+            };
+            match spec.get("schema") {
+                Some(schema) if schema.is_object() || schema.is_boolean() => {
+                    Ok(Some(OutputConstraint::JsonSchema(schema.clone())))
+                }
+                Some(_) => bad("response_format.json_schema.schema must be a JSON schema object"),
+                // OpenAI's default: no schema means any JSON object.
+                None => Ok(Some(OutputConstraint::JsonObject)),
+            }
+        }
+        other => Err(ApiError::invalid_field(
+            "response_format",
+            format!(
+                "response_format type {other:?}: expected \"text\", \"json_object\" or \"json_schema\""
+            ),
+        )),
     }
 }
 
@@ -429,6 +505,11 @@ impl CompletionRequest {
                 "repetition_penalty",
                 common.repetition_penalty.is_some_and(|p| p != 1.0),
                 "a repetition penalty",
+            ),
+            (
+                generation.constraint.as_ref().map_or("", |c| c.0),
+                generation.constraint.is_some(),
+                "structured output",
             ),
         ];
         if let Some((field, _, what)) = refused.iter().find(|r| r.1) {

@@ -213,6 +213,10 @@ impl Server {
         )
         .map_err(|e| ServerError::Model(e.to_string()))?;
         let shape = kiln_core::CausalLm::shape(&loaded.model);
+        // The token trie structured output needs, made once (tens of milliseconds).
+        let grammars = loaded.generation.eos.first().and_then(|&eos| {
+            kiln_engine::GrammarCompiler::new(&tokenizer.token_texts(shape.vocab), eos).ok()
+        });
         let kv_tokens = model.cache.usage().capacity;
         let detok = move |ids: &[kiln_core::TokenId]| tokenizer.decode(ids, true).ok();
         let mut engine =
@@ -237,6 +241,7 @@ impl Server {
             kv_tokens,
             block_tokens: model.block_tokens.max(1),
             max_batch: model.config.max_batch,
+            grammars,
         });
         let shared = worker::Shared {
             metrics: &self.state.metrics,

@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::StreamExt;
 use kiln_core::{ModelShape, TokenId};
+use kiln_engine::GrammarCompiler;
 use kiln_engine::{FinishReason, TokenLogprobs};
 use serde_json::{Value, json};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
@@ -59,6 +60,9 @@ pub(crate) struct Ready {
     /// Tokens per block of the paged cache (1 for the others).
     pub block_tokens: usize,
     pub max_batch: usize,
+    /// Compiles structured-output constraints (`None`: the model names no end-of-sequence
+    /// token, so none can be enforced).
+    pub grammars: Option<GrammarCompiler>,
 }
 
 impl AppState {
@@ -309,6 +313,23 @@ impl Job {
     /// The engine requests, one per choice.
     fn requests(&self, ready: &Ready) -> Result<Vec<kiln_engine::Request>, ApiError> {
         let g = &self.generation;
+        let constraint = match &g.constraint {
+            None => None,
+            Some((field, constraint)) => {
+                let Some(grammars) = &ready.grammars else {
+                    return Err(ApiError::invalid_field(
+                        field,
+                        "this model names no end-of-sequence token: its output cannot be \
+                         constrained",
+                    ));
+                };
+                Some(
+                    grammars
+                        .compile(constraint)
+                        .map_err(|e| ApiError::invalid_field(field, e.to_string()))?,
+                )
+            }
+        };
         let limit = ready.shape.max_positions.min(ready.kv_tokens);
         let param = match self.endpoint {
             Endpoint::Chat => "messages",
@@ -392,6 +413,7 @@ impl Job {
                     eos: eos.clone(),
                     stop: g.stop.clone(),
                     logprobs: g.logprobs,
+                    constraint: constraint.clone(),
                     ..kiln_engine::Request::default()
                 });
             }

@@ -10,6 +10,8 @@ pub struct Candidates {
     logits: Vec<f32>,
     /// `ids[i] == i` for every `i`: the whole vocabulary, unsorted.
     dense: bool,
+    /// `ids` ascend (true until a sort reorders them): a token is found by binary search.
+    by_id: bool,
     sorted: bool,
 }
 
@@ -20,6 +22,7 @@ impl Candidates {
             ids: (0..logits.len() as u32).map(TokenId).collect(),
             logits: logits.to_vec(),
             dense: true,
+            by_id: true,
             sorted: false,
         }
     }
@@ -58,6 +61,8 @@ impl Candidates {
     pub fn update(&mut self, token: TokenId, f: impl FnOnce(f32) -> f32) {
         let index = if self.dense {
             Some(token.0 as usize).filter(|&i| i < self.ids.len())
+        } else if self.by_id {
+            self.ids.binary_search(&token).ok()
         } else {
             self.ids.iter().position(|&t| t == token)
         };
@@ -107,6 +112,30 @@ impl Candidates {
         self.dense = self.dense && write == i;
     }
 
+    /// Keeps only the tokens for which `allowed(id)` holds, in their current order: a hard
+    /// constraint (a grammar's mask), which unlike [`Candidates::retain`] may remove the best
+    /// token. If it would remove every token, the best one stays (a chain never ends empty).
+    pub fn keep_only(&mut self, allowed: impl Fn(TokenId) -> bool) {
+        let before = self.ids.len();
+        let best = self.argmax_index();
+        let mut write = 0;
+        for i in 0..before {
+            if allowed(self.ids[i]) {
+                self.ids[write] = self.ids[i];
+                self.logits[write] = self.logits[i];
+                write += 1;
+            }
+        }
+        if write == 0 {
+            self.ids[0] = self.ids[best];
+            self.logits[0] = self.logits[best];
+            write = 1;
+        }
+        self.ids.truncate(write);
+        self.logits.truncate(write);
+        self.dense = self.dense && write == before;
+    }
+
     /// Probabilities of the remaining tokens (softmax of their logits, in f64 for the sum).
     pub fn probabilities(&self) -> Vec<f32> {
         let max = self
@@ -142,6 +171,7 @@ impl Candidates {
         self.ids = order.iter().map(|&i| self.ids[i]).collect();
         self.logits = order.iter().map(|&i| self.logits[i]).collect();
         self.dense = false;
+        self.by_id = false;
     }
 
     /// Keeps the `k` highest logits (and any tied with the k-th, as Hugging Face's top-k

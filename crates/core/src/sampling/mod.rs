@@ -113,6 +113,12 @@ impl Sampler {
         self.processors.push(processor);
     }
 
+    /// Adds a processor at the start of the chain, before the penalties: where a hard
+    /// constraint (a grammar) belongs, so nothing after it can choose a token it forbids.
+    pub fn prepend_processor(&mut self, processor: Box<dyn LogitsProcessor>) {
+        self.processors.insert(0, processor);
+    }
+
     /// The processors' names, in order.
     pub fn chain(&self) -> Vec<&'static str> {
         self.processors.iter().map(|p| p.name()).collect()

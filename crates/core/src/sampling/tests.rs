@@ -300,3 +300,18 @@ fn proposals_come_with_the_distribution_they_were_drawn_from() {
         (TokenId(1), None)
     );
 }
+
+#[test]
+fn keep_only_may_remove_the_best_token_but_never_every_token() {
+    let logits = [1.0f32, 3.0, 2.0, 0.5];
+    let mut c = Candidates::from_logits(&logits);
+    c.keep_only(|t| t.0 % 2 == 0);
+    assert_eq!(c.ids(), &[TokenId(0), TokenId(2)]);
+    assert_eq!(c.logits(), &[1.0, 2.0]);
+    // A later processor that looks the token up by id still finds it.
+    c.update(TokenId(2), |l| l + 1.0);
+    assert_eq!(c.logits(), &[1.0, 3.0]);
+    let mut none = Candidates::from_logits(&logits);
+    none.keep_only(|_| false);
+    assert_eq!(none.ids(), &[TokenId(1)]);
+}

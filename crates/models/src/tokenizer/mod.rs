@@ -10,6 +10,7 @@ mod tiktoken;
 use std::path::Path;
 
 use kiln_core::TokenId;
+use kiln_core::ids::TokenText;
 use serde_json::Value;
 
 pub use byte_level::{AddedToken, PreTokenizer};
@@ -143,8 +144,60 @@ impl TextTokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// What each of the first `vocab` ids stands for (the model's logits may cover more ids
+    /// than the tokenizer names): the bytes it adds to the text, or a special token's name.
+    /// Byte-level BPE pieces are mapped back to their bytes; SentencePiece-style pieces
+    /// (`▁`, `<0x0A>`) to theirs. Ids the tokenizer does not name are special (no text can
+    /// produce them). Constrained decoding builds its token trie from this.
+    pub fn token_texts(&self, vocab: usize) -> Vec<TokenText> {
+        let added = self.inner.get_added_tokens_decoder();
+        let byte_level = serde_json::to_value(self.inner.get_decoder())
+            .ok()
+            .and_then(|d| d.get("type").and_then(Value::as_str).map(str::to_string))
+            .is_none_or(|kind| kind == "ByteLevel");
+        let byte_of: std::collections::HashMap<char, u8> = byte_level::byte_to_char()
+            .iter()
+            .enumerate()
+            .map(|(b, &c)| (c, b as u8))
+            .collect();
+        (0..vocab as u32)
+            .map(|id| {
+                if let Some(token) = added.get(&id) {
+                    return if token.special {
+                        TokenText::Special(token.content.clone())
+                    } else {
+                        TokenText::Bytes(token.content.as_bytes().to_vec())
+                    };
+                }
+                let Some(piece) = self.inner.id_to_token(id) else {
+                    return TokenText::Special(format!("<unnamed {id}>"));
+                };
+                if byte_level {
+                    let bytes: Option<Vec<u8>> =
+                        piece.chars().map(|c| byte_of.get(&c).copied()).collect();
+                    bytes.map_or(TokenText::Special(piece), TokenText::Bytes)
+                } else {
+                    TokenText::Bytes(sentencepiece_bytes(&piece))
+                }
+            })
+            .collect()
+    }
+
     /// The underlying Hugging Face tokenizer (for streaming decoders).
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+}
+
+/// A SentencePiece piece's bytes: `<0xAB>` is the byte 0xAB, `▁` a space.
+fn sentencepiece_bytes(piece: &str) -> Vec<u8> {
+    if let Some(hex) = piece
+        .strip_prefix("<0x")
+        .and_then(|p| p.strip_suffix('>'))
+        .filter(|h| h.len() == 2)
+        && let Ok(byte) = u8::from_str_radix(hex, 16)
+    {
+        return vec![byte];
+    }
+    piece.replace('\u{2581}', " ").into_bytes()
 }

@@ -1,0 +1,508 @@
+//! Structured output: decoding constrained to a JSON schema, any JSON object, a regular
+//! expression or a Lark grammar, so the output always parses.
+//!
+//! The grammar engine is `llguidance` (what llama.cpp and mistral.rs use): it compiles an
+//! [`OutputConstraint`] into a parser over bytes and, at each step, computes the set of tokens
+//! whose bytes keep the output inside the language (the *mask*), from a trie of the model's
+//! vocabulary.
+//!
+//! - [`GrammarCompiler`]: built once per tokenizer from its tokens' bytes ([`TokenText`]).
+//! - [`Grammar`]: a compiled constraint; invalid or unsupported input is refused here, before
+//!   any token is generated. [`crate::Request::constraint`] takes one.
+//! - [`GrammarMatcher`]: one sequence's parser state, and a [`LogitsProcessor`] that removes
+//!   every token the grammar forbids: the engine runs it first in the sampling chain, so
+//!   penalties, top-k, top-p and min-p only ever see allowed tokens. When the grammar is
+//!   complete the only allowed tokens are the end-of-sequence ones. It reads the generated
+//!   tokens from the [`TokenHistory`], so it also works in a hand-written loop.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kiln_core::TokenId;
+use kiln_core::ids::TokenText;
+use kiln_core::sampling::{Candidates, LogitsProcessor, TokenHistory};
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::Value;
+
+/// What the output must be.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OutputConstraint {
+    /// A JSON value valid under this JSON schema (objects, arrays, enums, `const`,
+    /// string/number/integer/boolean/null, bounds, `required`, `additionalProperties`,
+    /// `$ref` to local definitions, `anyOf`/`oneOf`/`allOf`; keywords llguidance does not
+    /// implement are refused).
+    JsonSchema(Value),
+    /// Any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// Text matching this regular expression (the whole output).
+    Regex(String),
+    /// Text in the language of this Lark grammar (llguidance's dialect: `start` is the start
+    /// rule; `%json {schema}` embeds a JSON schema).
+    Lark(String),
+}
+
+impl OutputConstraint {
+    /// Its kind, as errors and logs name it: `json_schema`, `json_object`, `regex`, `grammar`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::JsonSchema(_) => "json_schema",
+            Self::JsonObject => "json_object",
+            Self::Regex(_) => "regex",
+            Self::Lark(_) => "grammar",
+        }
+    }
+
+    fn grammar(&self) -> Result<TopLevelGrammar, StructuredError> {
+        let invalid = |reason: String| StructuredError::Invalid {
+            kind: self.kind(),
+            reason,
+        };
+        Ok(match self {
+            Self::JsonSchema(schema) => {
+                if !schema.is_object() && !schema.is_boolean() {
+                    return Err(invalid("a JSON schema is an object (or true/false)".into()));
+                }
+                TopLevelGrammar::from_json_schema(schema.clone())
+            }
+            Self::JsonObject => {
+                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
+            }
+            Self::Regex(rx) => {
+                // llguidance's lexer takes a subset of regex syntax; check the pattern with a
+                // full parser first so a typo reads as a regex error, not a grammar one.
+                if let Err(e) = regex_syntax::Parser::new().parse(rx) {
+                    return Err(invalid(e.to_string()));
+                }
+                TopLevelGrammar::from_regex(rx)
+            }
+            Self::Lark(text) => {
+                if text.trim().is_empty() {
+                    return Err(invalid("the grammar is empty".into()));
+                }
+                TopLevelGrammar::from_lark(text.clone())
+            }
+        })
+    }
+}
+
+/// Why a constraint or a vocabulary was refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum StructuredError {
+    /// The schema, regex or grammar is malformed, or uses something llguidance does not
+    /// support (named in `reason`).
+    #[error("invalid {kind}: {reason}")]
+    Invalid {
+        /// [`OutputConstraint::kind`].
+        kind: &'static str,
+        /// What is wrong, in llguidance's words.
+        reason: String,
+    },
+    /// The vocabulary cannot make a token trie.
+    #[error("cannot constrain this tokenizer's output: {0}")]
+    Vocabulary(String),
+}
+
+/// Compiles constraints for one tokenizer. Building it makes the token trie (tens of
+/// milliseconds for a 50k vocabulary); make it once and share it.
+#[derive(Clone)]
+pub struct GrammarCompiler {
+    factory: Arc<ParserFactory>,
+    eos: TokenId,
+}
+
+impl fmt::Debug for GrammarCompiler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GrammarCompiler")
+            .field("vocab", &self.vocab())
+            .field("eos", &self.eos)
+            .finish()
+    }
+}
+
+impl GrammarCompiler {
+    /// A compiler over the vocabulary `tokens` (one per id, as many as the model's logits
+    /// have), whose end-of-sequence token is `eos`.
+    ///
+    /// # Errors
+    /// [`StructuredError::Vocabulary`]: an empty vocabulary, or `eos` outside it.
+    pub fn new(tokens: &[TokenText], eos: TokenId) -> Result<Self, StructuredError> {
+        if tokens.is_empty() || eos.0 as usize >= tokens.len() {
+            return Err(StructuredError::Vocabulary(format!(
+                "end-of-sequence id {eos} outside a vocabulary of {}",
+                tokens.len()
+            )));
+        }
+        let words: Vec<Vec<u8>> = tokens
+            .iter()
+            .map(|t| match t {
+                TokenText::Bytes(b) => b.clone(),
+                // The trie's convention: special tokens are their name after a marker byte
+                // that no text contains, so no grammar over text can produce them.
+                TokenText::Special(name) => {
+                    let mut w = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                    w.extend_from_slice(name.as_bytes());
+                    w
+                }
+            })
+            .collect();
+        let info = TokRxInfo::new(tokens.len() as u32, eos.0);
+        let trie = TokTrie::from(&info, &words);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+        let mut factory = ParserFactory::new_simple(&env)
+            .map_err(|e| StructuredError::Vocabulary(e.to_string()))?;
+        // Library code never prints: llguidance's warnings come back as errors or not at all.
+        factory.quiet();
+        Ok(Self {
+            factory: Arc::new(factory),
+            eos,
+        })
+    }
+
+    /// Vocabulary size.
+    pub fn vocab(&self) -> usize {
+        self.factory.tok_env().tok_trie().vocab_size()
+    }
+
+    /// Compiles `constraint`.
+    ///
+    /// # Errors
+    /// [`StructuredError::Invalid`]: malformed, or asks for what llguidance does not support.
+    pub fn compile(&self, constraint: &OutputConstraint) -> Result<Grammar, StructuredError> {
+        let grammar = constraint.grammar()?;
+        let invalid = |e: &dyn fmt::Display| StructuredError::Invalid {
+            kind: constraint.kind(),
+            reason: e.to_string(),
+        };
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| invalid(&e))?;
+        let mut matcher = Matcher::new(Ok(parser));
+        // Some errors only show when the first mask is computed (an empty language).
+        if let Err(e) = matcher.compute_mask() {
+            return Err(invalid(&e));
+        }
+        if let Some(e) = matcher.get_error() {
+            return Err(invalid(&e));
+        }
+        Ok(Grammar {
+            template: Arc::new(Mutex::new(matcher)),
+            kind: constraint.kind(),
+            eos: self.eos,
+            vocab: self.vocab(),
+        })
+    }
+}
+
+/// A compiled constraint, ready to start any number of sequences ([`Grammar::start`]).
+/// Cloning it is cheap (the clones share the compiled form).
+#[derive(Clone)]
+pub struct Grammar {
+    /// A matcher at the start of the language (deep-cloned for each sequence).
+    template: Arc<Mutex<Matcher>>,
+    kind: &'static str,
+    eos: TokenId,
+    vocab: usize,
+}
+
+impl fmt::Debug for Grammar {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Grammar")
+            .field("kind", &self.kind)
+            .field("vocab", &self.vocab)
+            .finish()
+    }
+}
+
+impl PartialEq for Grammar {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.template, &other.template)
+    }
+}
+
+impl Grammar {
+    /// [`OutputConstraint::kind`] of what it was compiled from.
+    pub fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    /// The vocabulary size it was compiled for (the model's logits must match).
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// A matcher at the start of the output, for one sequence that ends on any of `eos` (the
+    /// vocabulary's own end-of-sequence token always ends it too).
+    pub fn start(&self, eos: &[TokenId]) -> GrammarMatcher {
+        let matcher = lock(&self.template).deep_clone();
+        let mut ends: Vec<TokenId> = eos.to_vec();
+        if !ends.contains(&self.eos) {
+            ends.push(self.eos);
+        }
+        GrammarMatcher {
+            state: Arc::new(Mutex::new(MatchState {
+                start: matcher.deep_clone(),
+                matcher,
+                consumed: Vec::new(),
+                mask: None,
+            })),
+            ends: ends.into(),
+            trie_eos: self.eos,
+        }
+    }
+}
+
+/// One sequence's position in its grammar, shared by its clones (the engine keeps one, the
+/// sampler another).
+#[derive(Clone)]
+pub struct GrammarMatcher {
+    state: Arc<Mutex<MatchState>>,
+    /// Tokens that end the sequence: allowed exactly when the grammar is complete.
+    ends: Arc<[TokenId]>,
+    /// The trie's end-of-sequence token, which carries "complete" in llguidance's mask.
+    trie_eos: TokenId,
+}
+
+struct MatchState {
+    /// The matcher before any token, to start over from.
+    start: Matcher,
+    matcher: Matcher,
+    /// The generated tokens the matcher has consumed.
+    consumed: Vec<TokenId>,
+    /// The mask for the token after `consumed`, once computed.
+    mask: Option<SimpleVob>,
+}
+
+impl fmt::Debug for GrammarMatcher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GrammarMatcher")
+            .field("ends", &self.ends)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock leaves a matcher that is at worst behind; the next
+    // prepare resynchronises it from the history.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl GrammarMatcher {
+    /// Brings the matcher up to `generated` (the sequence's output so far) and computes the
+    /// mask for the next token, unless it is already known. Expensive (tens to hundreds of
+    /// microseconds); the engine calls it while the forward runs.
+    pub fn prepare(&self, generated: &[TokenId]) {
+        let mut state = lock(&self.state);
+        state.sync(generated, &self.ends);
+        if state.mask.is_none() {
+            // A stopped matcher (nothing can follow) allows only the end.
+            let mask = state.matcher.compute_mask_or_eos().ok();
+            state.mask = mask;
+        }
+    }
+
+    /// Whether `token` ends the sequence (an end-of-sequence token, allowed only when the
+    /// output is complete).
+    pub fn is_end(&self, token: TokenId) -> bool {
+        self.ends.contains(&token)
+    }
+
+    /// Whether the output so far is a complete sentence of the language.
+    pub fn is_complete(&self) -> bool {
+        let mut state = lock(&self.state);
+        let matcher = &mut state.matcher;
+        matcher.get_error().is_none()
+            && (matcher.is_stopped() || matcher.is_accepting().unwrap_or(false))
+    }
+
+    /// Why the matcher failed (a token outside the mask was forced on it), if it did.
+    pub fn error(&self) -> Option<String> {
+        lock(&self.state).matcher.get_error()
+    }
+
+    /// Whether the next token may be `token`, given `generated` so far.
+    pub fn allows(&self, generated: &[TokenId], token: TokenId) -> bool {
+        self.prepare(generated);
+        let state = lock(&self.state);
+        self.allowed_in(state.mask.as_ref(), token)
+    }
+
+    fn allowed_in(&self, mask: Option<&SimpleVob>, token: TokenId) -> bool {
+        let Some(mask) = mask else {
+            // No mask (the matcher failed): only an end is allowed.
+            return self.is_end(token);
+        };
+        if self.is_end(token) {
+            mask.is_allowed(self.trie_eos.0)
+        } else {
+            (token.0 as usize) < mask.len() && mask.is_allowed(token.0)
+        }
+    }
+}
+
+impl MatchState {
+    /// Makes the matcher's consumed tokens equal `generated`: consumes what is new, or, when
+    /// the history went another way (a hand-written loop that backtracked), starts over and
+    /// replays it. End tokens are not fed (the sequence ends on them).
+    fn sync(&mut self, generated: &[TokenId], ends: &[TokenId]) {
+        let shared = crate::sequence::common_prefix(&self.consumed, generated);
+        if shared == self.consumed.len() && shared == generated.len() {
+            return;
+        }
+        self.mask = None;
+        if shared < self.consumed.len() {
+            // llguidance's rollback does not undo a stop or an error; a replay is always right
+            // and never happens on the engine's path.
+            self.matcher = self.start.deep_clone();
+            self.consumed.clear();
+        }
+        for &t in &generated[self.consumed.len()..] {
+            if ends.contains(&t) {
+                break;
+            }
+            // A token the mask forbade puts the matcher in its error state, which allows only
+            // an end from then on.
+            let _ = self.matcher.consume_token(t.0);
+            self.consumed.push(t);
+        }
+    }
+}
+
+impl LogitsProcessor for GrammarMatcher {
+    fn name(&self) -> &'static str {
+        "grammar"
+    }
+
+    fn process(&self, candidates: &mut Candidates, history: &TokenHistory) {
+        self.prepare(history.generated());
+        let state = lock(&self.state);
+        let mask = state.mask.as_ref();
+        candidates.keep_only(|t| self.allowed_in(mask, t));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every byte a token, plus two special tokens: id 256 is the end of sequence.
+    fn bytes_vocab() -> Vec<TokenText> {
+        let mut v: Vec<TokenText> = (0..=255u8).map(|b| TokenText::Bytes(vec![b])).collect();
+        v.push(TokenText::Special("<eos>".into()));
+        v.push(TokenText::Special("<other>".into()));
+        v.push(TokenText::Bytes(b"ab".to_vec()));
+        v
+    }
+
+    const EOS: TokenId = TokenId(256);
+
+    fn compiler() -> GrammarCompiler {
+        GrammarCompiler::new(&bytes_vocab(), EOS).unwrap()
+    }
+
+    fn allowed(m: &GrammarMatcher, generated: &[TokenId]) -> Vec<u32> {
+        (0..259)
+            .filter(|&t| m.allows(generated, TokenId(t)))
+            .collect()
+    }
+
+    fn ids(s: &[u8]) -> Vec<TokenId> {
+        s.iter().map(|&b| TokenId(u32::from(b))).collect()
+    }
+
+    #[test]
+    fn a_regex_allows_exactly_its_continuations_and_the_end_only_when_complete() {
+        let g = compiler()
+            .compile(&OutputConstraint::Regex("a[bc]d?".into()))
+            .unwrap();
+        let m = g.start(&[]);
+        assert_eq!(allowed(&m, &[]), vec![u32::from(b'a'), 258]);
+        assert_eq!(
+            allowed(&m, &ids(b"a")),
+            vec![u32::from(b'b'), u32::from(b'c')]
+        );
+        assert_eq!(allowed(&m, &ids(b"ab")), vec![u32::from(b'd'), 256]);
+        assert_eq!(allowed(&m, &ids(b"abd")), vec![256]);
+        // Going back re-synchronises: the mask follows the history it is given.
+        assert_eq!(
+            allowed(&m, &ids(b"a")),
+            vec![u32::from(b'b'), u32::from(b'c')]
+        );
+        assert!(m.is_end(EOS));
+        assert!(!m.is_end(TokenId(257)));
+    }
+
+    #[test]
+    fn the_request_s_own_end_tokens_are_allowed_with_the_vocabulary_s() {
+        let g = compiler()
+            .compile(&OutputConstraint::Regex("x".into()))
+            .unwrap();
+        let m = g.start(&[TokenId(257)]);
+        assert_eq!(allowed(&m, &[]), vec![u32::from(b'x')]);
+        assert_eq!(allowed(&m, &ids(b"x")), vec![256, 257]);
+    }
+
+    #[test]
+    fn the_processor_masks_before_anything_else_sees_the_logits() {
+        let g = compiler()
+            .compile(&OutputConstraint::JsonSchema(serde_json::json!({
+                "type": "object",
+                "properties": {"a": {"type": "integer"}},
+                "required": ["a"],
+                "additionalProperties": false
+            })))
+            .unwrap();
+        let m = g.start(&[]);
+        // The forbidden token 'x' has the highest logit; the mask still removes it.
+        let mut logits = vec![0.0f32; 259];
+        logits[usize::from(b'x')] = 10.0;
+        let mut candidates = Candidates::from_logits(&logits);
+        m.process(&mut candidates, &TokenHistory::default());
+        let ids: Vec<u32> = candidates.ids().iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![u32::from(b'{')]);
+        let mut history = TokenHistory::default();
+        for &t in &ids_of(br#"{"a": 12}"#) {
+            assert!(m.allows(history.generated(), t), "{t:?}");
+            history.push(t);
+        }
+        assert_eq!(allowed(&m, history.generated()), vec![256]);
+        assert!(m.is_complete());
+    }
+
+    fn ids_of(s: &[u8]) -> Vec<TokenId> {
+        ids(s)
+    }
+
+    #[test]
+    fn bad_constraints_are_refused_by_kind_with_the_reason() {
+        let c = compiler();
+        let err = |k: OutputConstraint| c.compile(&k).unwrap_err().to_string();
+        assert!(err(OutputConstraint::Regex("a(b".into())).starts_with("invalid regex:"));
+        assert!(err(OutputConstraint::Lark("start: foo".into())).starts_with("invalid grammar:"));
+        assert!(err(OutputConstraint::Lark("  ".into())).contains("empty"));
+        let e = err(OutputConstraint::JsonSchema(
+            serde_json::json!({"type": "strng"}),
+        ));
+        assert!(e.starts_with("invalid json_schema:"), "{e}");
+        let e = err(OutputConstraint::JsonSchema(serde_json::json!([1])));
+        assert!(e.contains("is an object"), "{e}");
+        // A keyword llguidance does not implement is refused, not ignored.
+        let e = err(OutputConstraint::JsonSchema(serde_json::json!({
+            "type": "array", "items": {"type": "string"}, "uniqueItems": true
+        })));
+        assert!(
+            e.starts_with("invalid json_schema:") && e.contains("uniqueItems"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_vocabulary_without_its_end_token_is_refused() {
+        assert!(matches!(
+            GrammarCompiler::new(&bytes_vocab(), TokenId(999)),
+            Err(StructuredError::Vocabulary(_))
+        ));
+    }
+}
