@@ -237,6 +237,81 @@ fn bad_input_exits_2_with_one_line() {
     }
 }
 
+/// Structured output on the default model: a regex and a JSON schema constrain `generate` and
+/// `chat`; a malformed constraint is a one-line usage error (exit 2) before anything runs.
+#[test]
+fn structured_output_flags_constrain_and_refuse_bad_input() {
+    let out = generate_json(&[
+        "A US phone number:",
+        "--regex",
+        r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}",
+    ]);
+    let phone = out["text"].as_str().unwrap();
+    let shape: String = phone
+        .chars()
+        .map(|c| if c.is_ascii_digit() { '9' } else { c })
+        .collect();
+    assert_eq!(shape, "(999) 999-9999", "{phone}");
+    assert_eq!(out["finish_reason"], "eos");
+
+    let dir = tempfile_dir("structured");
+    let schema = dir.join("person.json");
+    std::fs::write(
+        &schema,
+        r#"{"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0}}, "required": ["name", "age"],
+            "additionalProperties": false}"#,
+    )
+    .unwrap();
+    let schema = schema.to_str().unwrap();
+    let out = kiln(&[
+        "chat",
+        "Describe a person.",
+        "--json-schema",
+        schema,
+        "--temperature",
+        "0",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let person: serde_json::Value = serde_json::from_str(&text(&out.stdout)).unwrap();
+    assert!(
+        person["name"].is_string() && person["age"].is_u64(),
+        "{person}"
+    );
+    assert_eq!(person.as_object().unwrap().len(), 2);
+
+    let not_json = dir.join("bad.json");
+    std::fs::write(&not_json, "{type: object").unwrap();
+    for args in [
+        vec!["generate", "x", "--regex", "a(b"],
+        vec!["generate", "x", "--json-schema", not_json.to_str().unwrap()],
+        vec!["generate", "x", "--json-schema", "/nonexistent/schema.json"],
+    ] {
+        let out = kiln(&args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+    }
+    // Flags that exclude each other: clap's usage error.
+    for args in [
+        vec!["chat", "x", "--json-object", "--regex", "a"],
+        vec!["generate", "x", "--json-object", "--num-beams", "2"],
+    ] {
+        let out = kiln(&args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("cannot be used with"), "{args:?}: {stderr}");
+    }
+    let out = kiln(&["generate", "x", "--json-schema", not_json.to_str().unwrap()]);
+    assert!(
+        text(&out.stderr).contains("not JSON"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = kiln(&["generate", "x", "--regex", "a(b"]);
+    assert!(text(&out.stderr).contains("invalid regex: unclosed group"));
+}
+
 fn smollm2_case(index: usize) -> serde_json::Value {
     let text = std::fs::read_to_string(format!("{}/reference.json", fixture("smollm2"))).unwrap();
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();

@@ -64,7 +64,7 @@ impl OutputConstraint {
                 if !schema.is_object() && !schema.is_boolean() {
                     return Err(invalid("a JSON schema is an object (or true/false)".into()));
                 }
-                TopLevelGrammar::from_json_schema(schema.clone())
+                TopLevelGrammar::from_json_schema(bound_integers(schema.clone()))
             }
             Self::JsonObject => {
                 TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
@@ -73,7 +73,16 @@ impl OutputConstraint {
                 // llguidance's lexer takes a subset of regex syntax; check the pattern with a
                 // full parser first so a typo reads as a regex error, not a grammar one.
                 if let Err(e) = regex_syntax::Parser::new().parse(rx) {
-                    return Err(invalid(e.to_string()));
+                    let why = match &e {
+                        regex_syntax::Error::Parse(e) => {
+                            format!("{} at byte {}", e.kind(), e.span().start.offset)
+                        }
+                        regex_syntax::Error::Translate(e) => {
+                            format!("{} at byte {}", e.kind(), e.span().start.offset)
+                        }
+                        other => other.to_string(),
+                    };
+                    return Err(invalid(why));
                 }
                 TopLevelGrammar::from_regex(rx)
             }
@@ -85,6 +94,45 @@ impl OutputConstraint {
             }
         })
     }
+}
+
+/// The largest integer an unbounded `"type": "integer"` may take: I-JSON's interoperable
+/// range (RFC 7493, 2^53 - 1), as llama.cpp's schema converter caps integers at 16 digits.
+pub const MAX_UNBOUNDED_INTEGER: i64 = (1 << 53) - 1;
+
+/// `schema` with every integer that has no bound on a side bounded there by
+/// [`MAX_UNBOUNDED_INTEGER`]: without it a small model can write digits until `max_tokens`
+/// (an endless integer is valid JSON at every step). Data keywords (`enum`, `const`,
+/// `default`, `examples`) are left as they are.
+fn bound_integers(mut schema: Value) -> Value {
+    fn walk(node: &mut Value) {
+        match node {
+            Value::Object(map) => {
+                let integer = match map.get("type") {
+                    Some(Value::String(t)) => t == "integer",
+                    Some(Value::Array(ts)) => ts.iter().any(|t| t == "integer"),
+                    _ => false,
+                };
+                if integer {
+                    if !map.contains_key("maximum") && !map.contains_key("exclusiveMaximum") {
+                        map.insert("maximum".into(), MAX_UNBOUNDED_INTEGER.into());
+                    }
+                    if !map.contains_key("minimum") && !map.contains_key("exclusiveMinimum") {
+                        map.insert("minimum".into(), (-MAX_UNBOUNDED_INTEGER).into());
+                    }
+                }
+                for (key, value) in map.iter_mut() {
+                    if !matches!(key.as_str(), "enum" | "const" | "default" | "examples") {
+                        walk(value);
+                    }
+                }
+            }
+            Value::Array(items) => items.iter_mut().for_each(walk),
+            _ => {}
+        }
+    }
+    walk(&mut schema);
+    schema
 }
 
 /// Why a constraint or a vocabulary was refused.
@@ -171,9 +219,16 @@ impl GrammarCompiler {
     /// [`StructuredError::Invalid`]: malformed, or asks for what llguidance does not support.
     pub fn compile(&self, constraint: &OutputConstraint) -> Result<Grammar, StructuredError> {
         let grammar = constraint.grammar()?;
+        // llguidance's messages may span lines (a grammar excerpt); errors here are one line.
         let invalid = |e: &dyn fmt::Display| StructuredError::Invalid {
             kind: constraint.kind(),
-            reason: e.to_string(),
+            reason: e
+                .to_string()
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect::<Vec<_>>()
+                .join("; "),
         };
         let parser = self
             .factory
@@ -479,8 +534,15 @@ mod tests {
     fn bad_constraints_are_refused_by_kind_with_the_reason() {
         let c = compiler();
         let err = |k: OutputConstraint| c.compile(&k).unwrap_err().to_string();
-        assert!(err(OutputConstraint::Regex("a(b".into())).starts_with("invalid regex:"));
-        assert!(err(OutputConstraint::Lark("start: foo".into())).starts_with("invalid grammar:"));
+        assert_eq!(
+            err(OutputConstraint::Regex("a(b".into())),
+            "invalid regex: unclosed group at byte 1"
+        );
+        let e = err(OutputConstraint::Lark("start: foo".into()));
+        assert!(
+            e.starts_with("invalid grammar:") && !e.contains('\n'),
+            "{e}"
+        );
         assert!(err(OutputConstraint::Lark("  ".into())).contains("empty"));
         let e = err(OutputConstraint::JsonSchema(
             serde_json::json!({"type": "strng"}),
@@ -496,6 +558,37 @@ mod tests {
             e.starts_with("invalid json_schema:") && e.contains("uniqueItems"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn unbounded_integers_get_the_interoperable_range_and_data_is_untouched() {
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer"},
+                "b": {"type": ["integer", "null"], "minimum": 3},
+                "c": {"type": "integer", "exclusiveMaximum": 5},
+                "d": {"const": {"type": "integer"}}
+            }
+        });
+        let bounded = bound_integers(schema);
+        let p = &bounded["properties"];
+        assert_eq!(p["a"]["maximum"], MAX_UNBOUNDED_INTEGER);
+        assert_eq!(p["a"]["minimum"], -MAX_UNBOUNDED_INTEGER);
+        assert_eq!(p["b"]["minimum"], 3);
+        assert_eq!(p["b"]["maximum"], MAX_UNBOUNDED_INTEGER);
+        assert!(p["c"].get("maximum").is_none());
+        assert_eq!(p["d"], serde_json::json!({"const": {"type": "integer"}}));
+        // The matcher stops an integer at the bound's digits.
+        let g = compiler()
+            .compile(&OutputConstraint::JsonSchema(
+                serde_json::json!({"type": "integer"}),
+            ))
+            .unwrap();
+        let m = g.start(&[]);
+        let digits = ids(b"9007199254740991");
+        assert!(allowed(&m, &digits).contains(&256));
+        assert!(!allowed(&m, &digits).contains(&u32::from(b'0')));
     }
 
     #[test]

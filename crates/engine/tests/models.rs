@@ -1064,7 +1064,8 @@ fn structured_output_on_smollm2<B: InferenceBackend>(weights: WeightStorage, kin
         OutputConstraint::JsonObject,
         OutputConstraint::Regex("[A-Z][a-z]+, [0-9]{1,3} years".into()),
         OutputConstraint::Lark(
-            "start: \"name=\" NAME \"; age=\" AGE\nNAME: /[A-Za-z]{1,12}/\nAGE: /[0-9]{1,3}/".into(),
+            "start: \"name=\" NAME \"; age=\" AGE\nNAME: /[A-Za-z]{1,12}/\nAGE: /[0-9]{1,3}/"
+                .into(),
         ),
     ];
     let prompt = "<|im_start|>user\nDescribe a person (name, age, city) as JSON.<|im_end|>\n\
@@ -1083,7 +1084,10 @@ fn structured_output_on_smollm2<B: InferenceBackend>(weights: WeightStorage, kin
         assert!(age.ends_with(" years"), "{text}");
     }
     for text in &texts[3] {
-        assert!(text.starts_with("name=") && text.contains("; age="), "{text}");
+        assert!(
+            text.starts_with("name=") && text.contains("; age="),
+            "{text}"
+        );
     }
 }
 
@@ -1259,7 +1263,10 @@ mod wgpu {
         let kinds = [super::CacheKind::Paged];
         let texts = super::structured_output_matches_alone(&loaded, "hello", &[rx], &kinds, 24);
         for text in &texts[0] {
-            assert!(text.split(' ').all(|w| (2..=6).contains(&w.len())), "{text:?}");
+            assert!(
+                text.split(' ').all(|w| (2..=6).contains(&w.len())),
+                "{text:?}"
+            );
         }
     }
 }
