@@ -7,12 +7,14 @@
 use std::collections::HashMap;
 
 use burn::tensor::{Tensor, TensorData};
+use kiln_core::ids::TokenText;
 use kiln_core::kv_cache::{CacheKind, KvCache, KvLayout};
 use kiln_core::sampling::SamplingParams;
 use kiln_core::{Batch, CausalLm, Dtype, LogitsFor, ModelShape, TokenId};
 use kiln_engine::{
     BeamSearch, CacheSpec, Completion, DraftSource, EarlyStopping, Engine, EngineConfig,
-    EngineError, Event, FinishReason, Request, Speculation, StepPolicy,
+    EngineError, Event, FinishReason, Grammar, GrammarCompiler, OutputConstraint, Request,
+    Speculation, StepPolicy,
 };
 
 type B = burn::backend::Flex;
@@ -1351,4 +1353,82 @@ fn speculation_waits_while_the_batch_is_larger_than_its_limit() {
         limited[0].speculation
     );
     assert!(limited[0].speculation.forwards > unlimited[0].speculation.forwards);
+}
+
+/// A grammar over `soft_target`'s 12 tokens: token `i` is the letter `a + i`, EOS is special.
+fn letters_grammar(constraint: &OutputConstraint) -> Grammar {
+    let vocab: Vec<TokenText> = (0..12u8)
+        .map(|i| {
+            if TokenId(u32::from(i)) == EOS {
+                TokenText::Special("<eos>".into())
+            } else {
+                TokenText::Bytes(vec![b'a' + i])
+            }
+        })
+        .collect();
+    GrammarCompiler::new(&vocab, EOS)
+        .unwrap()
+        .compile(constraint)
+        .unwrap()
+}
+
+/// Structured output runs through the scheduler like any request: on every cache kind, beside
+/// another request, and preempted (its matcher survives, as its sampler does), it gives the
+/// same tokens, all in the grammar's language, ended by EOS when the language says so.
+#[test]
+fn a_constrained_request_is_scheduled_like_any_request() {
+    let model = soft_target();
+    let grammar = letters_grammar(&OutputConstraint::Regex("[c-h]{16,24}".into()));
+    let mut constrained = request(&[2, 5, 7, 3, 9], 30);
+    constrained.constraint = Some(grammar.clone());
+    let mut plain = request(&[4, 4, 6, 2, 8, 10, 3, 5], 20);
+    plain.eos.clear();
+    let run = |cache: Box<dyn KvCache<B>>, requests: &[Request]| {
+        let mut engine = Engine::new(&model, cache, EngineConfig::default()).unwrap();
+        for r in requests {
+            engine.submit(r.clone()).unwrap();
+        }
+        let done = engine.run(|_| {}).unwrap();
+        assert_eq!(engine.cache().usage().sequences, 0);
+        done
+    };
+    let expected = run(paged(64, 4), std::slice::from_ref(&constrained)).remove(0);
+    let text: String = expected
+        .tokens
+        .iter()
+        .map(|t| char::from(b'a' + t.0 as u8))
+        .collect();
+    assert!((16..=24).contains(&text.len()), "{text}");
+    assert!(text.chars().all(|c| ('c'..='h').contains(&c)), "{text}");
+    // Unconstrained, the model writes other letters (so the mask did something).
+    let free = run(paged(64, 4), &[request(&[2, 5, 7, 3, 9], 30)]).remove(0);
+    assert_ne!(free.tokens, expected.tokens);
+    let greedy = run(paged(64, 4), &[plain.clone()]).remove(0);
+    for kind in CacheKind::ALL {
+        let both = run(of_kind(kind, 512), &[plain.clone(), constrained.clone()]);
+        assert_eq!(both[0].tokens, greedy.tokens, "{kind}");
+        assert_eq!(both[1].tokens, expected.tokens, "{kind}");
+        assert_eq!(both[1].finish_reason, expected.finish_reason, "{kind}");
+    }
+    // 10 blocks of 4 cannot hold both to the end (7 and 6 or more blocks): the newer one is
+    // preempted and recomputed.
+    let both = run(paged(10, 4), &[plain.clone(), constrained.clone()]);
+    assert!(both.iter().any(|c| c.preemptions > 0), "no preemption");
+    assert_eq!(both[0].tokens, greedy.tokens);
+    assert_eq!(both[1].tokens, expected.tokens);
+
+    // Refused by name: with beam search, and compiled for another vocabulary.
+    let mut engine = Engine::new(&model, paged(8, 4), EngineConfig::default()).unwrap();
+    let mut searched = beam_request(&[2], 4, BeamSearch::new(2));
+    searched.constraint = Some(grammar);
+    let err = engine.submit(searched).unwrap_err().to_string();
+    assert!(err.contains("beam search does not take a grammar"), "{err}");
+    let other = GrammarCompiler::new(&vec![TokenText::Bytes(b"a".to_vec()); 5], TokenId(0))
+        .unwrap()
+        .compile(&OutputConstraint::Regex("a".into()))
+        .unwrap();
+    let mut wrong = request(&[2], 4);
+    wrong.constraint = Some(other);
+    let err = engine.submit(wrong).unwrap_err().to_string();
+    assert!(err.contains("vocabulary of 5 tokens"), "{err}");
 }
