@@ -121,8 +121,19 @@ fn alone<B: InferenceBackend>(
     n: usize,
     sampling: &SamplingParams,
 ) -> Vec<TokenId> {
+    let sampler = Sampler::new(sampling, model.shape().vocab).unwrap();
+    alone_with(model, prompt, n, sampler, |_| false)
+}
+
+/// [`alone`] with any sampler, stopping before a token for which `ends` holds.
+fn alone_with<B: InferenceBackend>(
+    model: &dyn CausalLm<B>,
+    prompt: &[TokenId],
+    n: usize,
+    mut sampler: Sampler,
+    ends: impl Fn(TokenId) -> bool,
+) -> Vec<TokenId> {
     let shape = model.shape();
-    let mut sampler = Sampler::new(sampling, shape.vocab).unwrap();
     let mut history = TokenHistory::with_prompt(prompt);
     let mut cache = DynamicKvCache::<B>::new(shape.kv_layout(), model.dtype(), &model.device());
     let mut batch = Batch::single(SeqId(0), prompt, Position(0)).unwrap();
@@ -131,6 +142,9 @@ fn alone<B: InferenceBackend>(
             .forward(&batch, &mut cache, LogitsFor::LastOfEachSequence)
             .unwrap();
         let token = sampler.try_sample(&rows(logits), &history).unwrap();
+        if ends(token) {
+            break;
+        }
         history.push(token);
         batch = Batch::single(SeqId(0), &[token], Position(fed as u32)).unwrap();
     }
@@ -915,25 +929,10 @@ fn alone_constrained<B: InferenceBackend>(
     grammar: &Grammar,
     eos: &[TokenId],
 ) -> Vec<TokenId> {
-    let shape = model.shape();
     let matcher = grammar.start(eos);
-    let mut sampler = Sampler::new(sampling, shape.vocab).unwrap();
+    let mut sampler = Sampler::new(sampling, model.shape().vocab).unwrap();
     sampler.prepend_processor(Box::new(matcher.clone()));
-    let mut history = TokenHistory::with_prompt(prompt);
-    let mut cache = DynamicKvCache::<B>::new(shape.kv_layout(), model.dtype(), &model.device());
-    let mut batch = Batch::single(SeqId(0), prompt, Position(0)).unwrap();
-    for fed in prompt.len()..prompt.len() + n {
-        let logits = model
-            .forward(&batch, &mut cache, LogitsFor::LastOfEachSequence)
-            .unwrap();
-        let token = sampler.try_sample(&rows(logits), &history).unwrap();
-        if matcher.is_end(token) {
-            break;
-        }
-        history.push(token);
-        batch = Batch::single(SeqId(0), &[token], Position(fed as u32)).unwrap();
-    }
-    history.generated().to_vec()
+    alone_with(model, prompt, n, sampler, |t| matcher.is_end(t))
 }
 
 /// Structured output: each constrained request (greedy, and sampled with a seed) gives the

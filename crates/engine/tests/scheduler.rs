@@ -1187,6 +1187,32 @@ fn soft_target() -> Soft {
     }
 }
 
+/// `requests` through one engine on `cache` until all finish: their completions, in order,
+/// after checking that each streamed exactly its tokens and that no cache is left held.
+fn run_to_the_end(
+    model: &dyn CausalLm<B>,
+    cache: Box<dyn KvCache<B>>,
+    requests: &[Request],
+) -> Vec<Completion> {
+    let mut engine = Engine::new(model, cache, EngineConfig::default()).unwrap();
+    for r in requests {
+        engine.submit(r.clone()).unwrap();
+    }
+    let mut streamed: HashMap<u64, Vec<TokenId>> = HashMap::new();
+    let done = engine
+        .run(|e| {
+            if let Event::Token { id, token, .. } = e {
+                streamed.entry(id.0).or_default().push(*token);
+            }
+        })
+        .unwrap();
+    assert_eq!(engine.cache().usage().sequences, 0);
+    for c in &done {
+        assert_eq!(streamed.remove(&c.id.0).unwrap_or_default(), c.tokens);
+    }
+    done
+}
+
 /// Beam search runs through the scheduler like any request: on every cache kind, alone or
 /// beside other requests, and when the scheduler preempts it (it starts over), it returns the
 /// same hypotheses, streams the best one's tokens when it ends, and frees every beam's cache.
@@ -1202,25 +1228,7 @@ fn beam_search_is_scheduled_like_any_request() {
     let searched = beam_request(&[2, 5, 7, 3, 9], 12, beam);
     let mut plain = request(&[4, 4, 6, 2, 8, 10, 3, 5], 20);
     plain.eos.clear();
-    let run = |cache: Box<dyn KvCache<B>>, requests: &[Request]| {
-        let mut engine = Engine::new(&model, cache, EngineConfig::default()).unwrap();
-        for r in requests {
-            engine.submit(r.clone()).unwrap();
-        }
-        let mut streamed: HashMap<u64, Vec<TokenId>> = HashMap::new();
-        let done = engine
-            .run(|e| {
-                if let Event::Token { id, token, .. } = e {
-                    streamed.entry(id.0).or_default().push(*token);
-                }
-            })
-            .unwrap();
-        assert_eq!(engine.cache().usage().sequences, 0);
-        for c in &done {
-            assert_eq!(streamed.remove(&c.id.0).unwrap_or_default(), c.tokens);
-        }
-        done
-    };
+    let run = |cache, requests: &[Request]| run_to_the_end(&model, cache, requests);
     let expected = run(paged(64, 4), std::slice::from_ref(&searched)).remove(0);
     assert_eq!(expected.beams.len(), 3);
     assert!(expected.beams.windows(2).all(|w| w[0].score >= w[1].score));
@@ -1383,15 +1391,7 @@ fn a_constrained_request_is_scheduled_like_any_request() {
     constrained.constraint = Some(grammar.clone());
     let mut plain = request(&[4, 4, 6, 2, 8, 10, 3, 5], 20);
     plain.eos.clear();
-    let run = |cache: Box<dyn KvCache<B>>, requests: &[Request]| {
-        let mut engine = Engine::new(&model, cache, EngineConfig::default()).unwrap();
-        for r in requests {
-            engine.submit(r.clone()).unwrap();
-        }
-        let done = engine.run(|_| {}).unwrap();
-        assert_eq!(engine.cache().usage().sequences, 0);
-        done
-    };
+    let run = |cache, requests: &[Request]| run_to_the_end(&model, cache, requests);
     let expected = run(paged(64, 4), std::slice::from_ref(&constrained)).remove(0);
     let text: String = expected
         .tokens
