@@ -293,7 +293,8 @@ pub fn sdpa_cached<B: InferenceBackend>(
 }
 
 /// [`sdpa`] for grouped queries and a mask shared by the heads: the mask is expanded over
-/// them (the default [`InferenceBackend::grouped_attention`]).
+/// them (the default [`InferenceBackend::grouped_attention`]). The keys are first padded to
+/// a multiple of [`KEY_PADDING`] with masked zeros ([`pad_keys`]).
 ///
 /// # Shapes
 /// As [`InferenceBackend::grouped_attention`].
@@ -303,6 +304,7 @@ pub fn sdpa_grouped<B: Backend>(
     v: Tensor<B, 4>,
     mask: Tensor<B, 3, Bool>,
 ) -> Tensor<B, 4> {
+    let (k, v, mask) = pad_keys(k, v, mask);
     let [batch, n_kv, q_rows, _] = q.dims();
     let [_, q_len, keys] = mask.dims();
     let mask = mask
@@ -310,6 +312,43 @@ pub fn sdpa_grouped<B: Backend>(
         .expand([batch, n_kv, q_rows / q_len.max(1), q_len, keys])
         .reshape([batch, n_kv, q_rows, keys]);
     sdpa(q, k, v, mask)
+}
+
+/// The key count [`sdpa_grouped`] rounds up to: the largest plane (warp, wavefront) a GPU has.
+pub const KEY_PADDING: usize = 64;
+
+/// Pads the keys to a multiple of [`KEY_PADDING`] with zero K/V that the mask hides, which
+/// leaves the attention's output unchanged.
+///
+/// Why: burn 0.21's device attention falls back to matmuls whose autotune (cubecl 0.10) keys
+/// `q kᵀ` by the key count rounded up to a power of two, but not by whether it is a multiple
+/// of the GPU's plane size. Once a vector-matrix kernel that needs that multiple wins the
+/// tuning at, say, 32 keys, a later step with 17 keys reuses it and panics ("Rhs dimension
+/// n=17 must be a multiple of plane size 8", seen on lavapipe). Padded key counts are always
+/// such a multiple.
+///
+/// # Shapes
+/// - `k`, `v`: `[batch, n_kv_heads, keys, head_dim]`, `mask`: `[batch, q_len, keys]`
+/// - returns them with `keys` rounded up to a multiple of [`KEY_PADDING`]
+pub fn pad_keys<B: Backend>(
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: Tensor<B, 3, Bool>,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 3, Bool>) {
+    let [batch, n_kv, keys, head_dim] = k.dims();
+    let padding = keys.next_multiple_of(KEY_PADDING) - keys;
+    if padding == 0 {
+        return (k, v, mask);
+    }
+    let device = k.device();
+    let zeros = Tensor::<B, 4>::zeros([batch, n_kv, padding, head_dim], (&device, k.dtype()));
+    let q_len = mask.dims()[1];
+    let hidden = Tensor::<B, 3, Bool>::ones([batch, q_len, padding], &device);
+    (
+        Tensor::cat(vec![k, zeros.clone()], 2),
+        Tensor::cat(vec![v, zeros], 2),
+        Tensor::cat(vec![mask, hidden], 2),
+    )
 }
 
 /// The plain reference: `softmax(q kᵀ / √d + mask) v`, computed in f32 with matmuls. Tests and

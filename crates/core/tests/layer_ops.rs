@@ -1,13 +1,15 @@
 //! The cpu backend's one-pass RMSNorm, rotary embedding and SwiGLU gating against the burn
 //! compositions they replace (`kiln_core::layer_ops`, every other backend's default): the
 //! rotation rounds the same way, so the same bits; RMSNorm's sum of squares runs in another
-//! order and SiLU may round its sigmoid otherwise, so within a few ulps.
+//! order and SiLU may round its sigmoid otherwise, so within a few ulps. And the device
+//! backends' grouped attention, keys padded, against the plain reference.
 
 #![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
 
 use burn::backend::Flex;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Bool, Tensor, TensorData};
 use kiln_core::InferenceBackend;
+use kiln_core::attention::{KEY_PADDING, pad_keys, sdpa_grouped, sdpa_reference};
 use kiln_core::layer_ops;
 
 fn values(len: usize, seed: u64) -> Vec<f32> {
@@ -73,6 +75,55 @@ fn swiglu_matches_the_composition() {
             assert!(
                 (a - b).abs() <= 4.0 * f32::EPSILON * b.abs().max(1e-3),
                 "[{rows}, {d_ff}]: {a} vs {b}"
+            );
+        }
+    }
+}
+
+/// The default grouped attention pads the keys (a workaround for a device autotune bug) with
+/// masked zeros: the output must be the reference's over the unpadded keys.
+#[test]
+fn padded_grouped_attention_matches_the_reference() {
+    let (batch, n_kv, n_rep, q_len, head_dim) = (2, 2, 3, 4, 8);
+    for keys in [q_len, 17, KEY_PADDING, KEY_PADDING + 5] {
+        let q_rows = n_rep * q_len;
+        let q = tensor(
+            values(batch * n_kv * q_rows * head_dim, 7),
+            [batch, n_kv, q_rows, head_dim],
+        );
+        let k = tensor(
+            values(batch * n_kv * keys * head_dim, 8),
+            [batch, n_kv, keys, head_dim],
+        );
+        let v = tensor(
+            values(batch * n_kv * keys * head_dim, 9),
+            [batch, n_kv, keys, head_dim],
+        );
+        // Row i of each sequence sees keys 0..=i + keys - q_len (causal over its history).
+        let hidden = |b: usize, i: usize, key: usize| key + q_len > i + keys + b;
+        let mask: Vec<bool> = (0..batch * q_len * keys)
+            .map(|n| hidden(n / (q_len * keys), (n / keys) % q_len, n % keys))
+            .collect();
+        let device = Flex::inference_device();
+        let mask = Tensor::<Flex, 3, Bool>::from_data(
+            TensorData::new(mask, [batch, q_len, keys]),
+            &device,
+        );
+        let (padded_k, _, padded_mask) = pad_keys(k.clone(), v.clone(), mask.clone());
+        assert_eq!(padded_k.dims()[2] % KEY_PADDING, 0);
+        assert_eq!(padded_mask.dims()[2], padded_k.dims()[2]);
+
+        let expanded = mask
+            .clone()
+            .unsqueeze_dims::<5>(&[1, 2])
+            .expand([batch, n_kv, n_rep, q_len, keys])
+            .reshape([batch, n_kv, q_rows, keys]);
+        let reference = host(sdpa_reference(q.clone(), k.clone(), v.clone(), expanded));
+        let padded = host(sdpa_grouped(q, k, v, mask));
+        for (a, b) in padded.iter().zip(&reference) {
+            assert!(
+                (a - b).abs() <= 2e-5 * b.abs().max(1.0),
+                "{keys} keys: {a} vs {b}"
             );
         }
     }
