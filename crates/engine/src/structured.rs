@@ -103,35 +103,47 @@ pub const MAX_UNBOUNDED_INTEGER: i64 = (1 << 53) - 1;
 /// `schema` with every integer that has no bound on a side bounded there by
 /// [`MAX_UNBOUNDED_INTEGER`]: without it a small model can write digits until `max_tokens`
 /// (an endless integer is valid JSON at every step). Data keywords (`enum`, `const`,
-/// `default`, `examples`) are left as they are.
+/// `default`, `examples`) are left as they are; a property or definition may have any name
+/// (one called `default` is a schema like the others).
 fn bound_integers(mut schema: Value) -> Value {
-    fn walk(node: &mut Value) {
-        match node {
-            Value::Object(map) => {
-                let integer = match map.get("type") {
-                    Some(Value::String(t)) => t == "integer",
-                    Some(Value::Array(ts)) => ts.iter().any(|t| t == "integer"),
-                    _ => false,
-                };
-                if integer {
-                    if !map.contains_key("maximum") && !map.contains_key("exclusiveMaximum") {
-                        map.insert("maximum".into(), MAX_UNBOUNDED_INTEGER.into());
-                    }
-                    if !map.contains_key("minimum") && !map.contains_key("exclusiveMinimum") {
-                        map.insert("minimum".into(), (-MAX_UNBOUNDED_INTEGER).into());
-                    }
-                }
-                for (key, value) in map.iter_mut() {
-                    if !matches!(key.as_str(), "enum" | "const" | "default" | "examples") {
-                        walk(value);
-                    }
-                }
+    /// A schema: bound it if it is an integer, then walk its keywords.
+    fn walk_schema(node: &mut Value) {
+        let Value::Object(map) = node else {
+            return; // `true` / `false`
+        };
+        let integer = match map.get("type") {
+            Some(Value::String(t)) => t == "integer",
+            Some(Value::Array(ts)) => ts.iter().any(|t| t == "integer"),
+            _ => false,
+        };
+        if integer {
+            if !map.contains_key("maximum") && !map.contains_key("exclusiveMaximum") {
+                map.insert("maximum".into(), MAX_UNBOUNDED_INTEGER.into());
             }
-            Value::Array(items) => items.iter_mut().for_each(walk),
-            _ => {}
+            if !map.contains_key("minimum") && !map.contains_key("exclusiveMinimum") {
+                map.insert("minimum".into(), (-MAX_UNBOUNDED_INTEGER).into());
+            }
+        }
+        for (keyword, value) in map.iter_mut() {
+            match keyword.as_str() {
+                "enum" | "const" | "default" | "examples" => {}
+                // Maps from names the schema chose to schemas.
+                "properties" | "patternProperties" | "$defs" | "definitions"
+                | "dependentSchemas" => {
+                    if let Value::Object(named) = value {
+                        named.values_mut().for_each(walk_schema);
+                    }
+                }
+                // A schema (`items`, `not`, `additionalProperties`, …) or a list of them
+                // (`anyOf`, `prefixItems`, …).
+                _ => match value {
+                    Value::Array(schemas) => schemas.iter_mut().for_each(walk_schema),
+                    other => walk_schema(other),
+                },
+            }
         }
     }
-    walk(&mut schema);
+    walk_schema(&mut schema);
     schema
 }
 
@@ -568,8 +580,10 @@ mod tests {
                 "a": {"type": "integer"},
                 "b": {"type": ["integer", "null"], "minimum": 3},
                 "c": {"type": "integer", "exclusiveMaximum": 5},
-                "d": {"const": {"type": "integer"}}
-            }
+                "d": {"const": {"type": "integer"}},
+                "default": {"type": "integer", "default": {"type": "integer"}}
+            },
+            "$defs": {"enum": {"type": "integer"}}
         });
         let bounded = bound_integers(schema);
         let p = &bounded["properties"];
@@ -579,6 +593,13 @@ mod tests {
         assert_eq!(p["b"]["maximum"], MAX_UNBOUNDED_INTEGER);
         assert!(p["c"].get("maximum").is_none());
         assert_eq!(p["d"], serde_json::json!({"const": {"type": "integer"}}));
+        // Properties and definitions named like data keywords are schemas all the same.
+        assert_eq!(p["default"]["maximum"], MAX_UNBOUNDED_INTEGER);
+        assert_eq!(
+            p["default"]["default"],
+            serde_json::json!({"type": "integer"})
+        );
+        assert_eq!(bounded["$defs"]["enum"]["minimum"], -MAX_UNBOUNDED_INTEGER);
         // The matcher stops an integer at the bound's digits.
         let g = compiler()
             .compile(&OutputConstraint::JsonSchema(
