@@ -36,7 +36,6 @@ use crate::tensor::int_tensor;
 struct FreshGroup<B: Backend> {
     /// Batch tokens of the group, when it is not simply the whole batch in order. `[len]`
     gather: Option<Tensor<B, 1, Int>>,
-    len: usize,
     /// `[1, len, len]`
     mask: Tensor<B, 3, Bool>,
 }
@@ -110,7 +109,6 @@ impl<B: InferenceBackend> AttentionPlan<B> {
                 fresh_tokens.iter().enumerate().all(|(i, &t)| i == t) && len == batch.n_tokens();
             FreshGroup {
                 gather: (!in_order).then(|| int_tensor(fresh_tokens.iter().copied(), device)),
-                len,
                 mask: bool_tensor(mask, [1, len, len], device),
             }
         });
@@ -225,20 +223,12 @@ pub fn attend<B: InferenceBackend>(
             Some(idx) => t.select(0, idx.clone()),
             None => t,
         };
-        let len = fresh.len;
-        // One packed row: [len, n_heads, d] → [1, n_kv, n_rep * len, d].
-        let q = pick(q.clone())
-            .reshape([len, n_kv, n_rep, head_dim])
-            .permute([1, 2, 0, 3])
-            .reshape([1, n_kv, n_rep * len, head_dim]);
-        let k = pick(k).swap_dims(0, 1).unsqueeze_dim::<4>(0);
-        let v = pick(v).swap_dims(0, 1).unsqueeze_dim::<4>(0);
-        let out = B::grouped_attention(q, k, v, fresh.mask.clone());
-        outputs.push(
-            out.reshape([n_kv, n_rep, len, head_dim])
-                .permute([2, 0, 1, 3])
-                .reshape([len, n_heads * head_dim]),
-        );
+        outputs.push(B::packed_attention(
+            pick(q.clone()),
+            pick(k),
+            pick(v),
+            fresh.mask.clone(),
+        ));
     }
     if let Some(hist) = &plan.history {
         let (rows, max_new) = (hist.rows, hist.max_new);
@@ -275,6 +265,33 @@ pub fn sdpa<B: Backend>(
     mask: Tensor<B, 4, Bool>,
 ) -> Tensor<B, 4> {
     burn::tensor::module::attention(q, k, v, Some(mask), None, AttentionModuleOptions::default())
+}
+
+/// The default [`InferenceBackend::packed_attention`]: the packed row regrouped head-major,
+/// [`InferenceBackend::grouped_attention`], and back.
+///
+/// # Shapes
+/// As [`InferenceBackend::packed_attention`].
+pub fn sdpa_packed<B: InferenceBackend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    mask: Tensor<B, 3, Bool>,
+) -> Tensor<B, 2> {
+    let [len, n_heads, head_dim] = q.dims();
+    let n_kv = k.dims()[1];
+    let n_rep = n_heads / n_kv;
+    // [len, n_heads, d] → [1, n_kv, n_rep * len, d].
+    let q = q
+        .reshape([len, n_kv, n_rep, head_dim])
+        .permute([1, 2, 0, 3])
+        .reshape([1, n_kv, n_rep * len, head_dim]);
+    let k = k.swap_dims(0, 1).unsqueeze_dim::<4>(0);
+    let v = v.swap_dims(0, 1).unsqueeze_dim::<4>(0);
+    B::grouped_attention(q, k, v, mask)
+        .reshape([n_kv, n_rep, len, head_dim])
+        .permute([2, 0, 1, 3])
+        .reshape([len, n_heads * head_dim])
 }
 
 /// The default [`InferenceBackend::cached_attention`]: the K/V gathered into one tensor,

@@ -1,15 +1,17 @@
 //! The cpu backend's one-pass RMSNorm, rotary embedding and SwiGLU gating against the burn
 //! compositions they replace (`kiln_core::layer_ops`, every other backend's default): the
 //! rotation rounds the same way, so the same bits; RMSNorm's sum of squares runs in another
-//! order and SiLU may round its sigmoid otherwise, so within a few ulps. And the device
-//! backends' grouped attention, keys padded, against the plain reference.
+//! order and SiLU may round its sigmoid otherwise, so within a few ulps. The packed prefill's
+//! attention with its row-copy regrouping against the default's burn permutes (the same
+//! kernel: the same bits), and the device backends' grouped attention, keys padded, against
+//! the plain reference.
 
 #![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
 
 use burn::backend::Flex;
 use burn::tensor::{Bool, Tensor, TensorData};
 use kiln_core::InferenceBackend;
-use kiln_core::attention::{KEY_PADDING, pad_keys, sdpa_grouped, sdpa_reference};
+use kiln_core::attention::{KEY_PADDING, pad_keys, sdpa_grouped, sdpa_packed, sdpa_reference};
 use kiln_core::layer_ops;
 
 fn values(len: usize, seed: u64) -> Vec<f32> {
@@ -126,5 +128,41 @@ fn padded_grouped_attention_matches_the_reference() {
                 "{keys} keys: {a} vs {b}"
             );
         }
+    }
+}
+
+#[test]
+fn packed_attention_regroups_like_the_default_bit_for_bit() {
+    let device = Flex::inference_device();
+    for (len, n_heads, n_kv, head_dim) in [(1, 9, 3, 64), (37, 9, 3, 64), (20, 4, 4, 16)] {
+        let q = tensor(
+            values(len * n_heads * head_dim, 10),
+            [len, n_heads, head_dim],
+        );
+        let k = tensor(values(len * n_kv * head_dim, 11), [len, n_kv, head_dim]);
+        let v = tensor(values(len * n_kv * head_dim, 12), [len, n_kv, head_dim]);
+        // Two prompts packed: each token sees the earlier tokens of its own prompt.
+        let split = len / 2;
+        let mask: Vec<bool> = (0..len * len)
+            .map(|n| {
+                let (i, j) = (n / len, n % len);
+                j > i || (i >= split && j < split)
+            })
+            .collect();
+        let mask =
+            Tensor::<Flex, 3, Bool>::from_data(TensorData::new(mask, [1, len, len]), &device);
+        let fast = host(Flex::packed_attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            mask.clone(),
+        ));
+        let default = host(sdpa_packed(q, k, v, mask));
+        assert_eq!(fast.len(), len * n_heads * head_dim);
+        assert_eq!(
+            fast.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            default.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "[{len}, {n_heads}, {head_dim}]"
+        );
     }
 }

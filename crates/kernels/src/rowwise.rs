@@ -1,5 +1,6 @@
 //! The per-layer operations around the matrix products, each one pass over its rows: RMSNorm,
-//! the rotate-half rotary embedding and SwiGLU's gating.
+//! the rotate-half rotary embedding and SwiGLU's gating; [`par_rows`] spreads a prefill's
+//! rows over the threads.
 //!
 //! Composed from burn's element-wise operations, an RMSNorm is seven tensors allocated and
 //! walked (square, mean, add, sqrt, divide, cast, scale) and a rotation nine (two slices, four
@@ -8,9 +9,51 @@
 //! each is one loop that rounds exactly as the composition does (no fused multiply-adds), so
 //! swapping one for the other moves no result by more than the order of a sum.
 
+use std::ops::Range;
+
+use crate::SharedOut;
+use crate::pool::ThreadPool;
+
 /// Lanes of the sum of squares: a fixed order that vectorizes, so every tier and every
 /// machine sums the same way.
 const LANES: usize = 8;
+
+/// Rows a task of [`par_rows`] takes at least: a decode step's few rows stay on the calling
+/// thread, where waking the pool would cost more than the rows.
+pub const MIN_ROWS_PER_TASK: usize = 16;
+
+/// `op(rows, out_rows)` over `rows` rows whose outputs are `out`'s equal parts, split by rows
+/// over `pool` when there are at least two tasks' worth ([`MIN_ROWS_PER_TASK`]; a prefill's
+/// hundreds of tokens). `op` computes rows `rows` into `out_rows` (their part of `out`), each
+/// row as it would alone, so the split changes no bit.
+///
+/// # Panics
+/// If `out` is not `rows` equal parts.
+pub fn par_rows(
+    pool: &ThreadPool,
+    rows: usize,
+    out: &mut [f32],
+    op: &(dyn Fn(Range<usize>, &mut [f32]) + Sync),
+) {
+    if rows == 0 {
+        return;
+    }
+    let width = out.len() / rows;
+    assert_eq!(width * rows, out.len(), "out is not {rows} equal rows");
+    let tasks = (rows / MIN_ROWS_PER_TASK).clamp(1, pool.threads());
+    if tasks == 1 {
+        op(0..rows, out);
+        return;
+    }
+    let per_task = rows.div_ceil(tasks);
+    let shared = SharedOut::new(out);
+    pool.run(rows.div_ceil(per_task), &|task| {
+        let span = task * per_task..((task + 1) * per_task).min(rows);
+        // SAFETY: the tasks' row spans are disjoint, and the job ends before `out` does.
+        let out = unsafe { shared.slice(span.start * width, span.len() * width) };
+        op(span, out);
+    });
+}
 
 /// RMSNorm of each row of `x` (`rows × d`), as transformers computes it in f32:
 /// `x / sqrt(mean(x²) + eps) × gamma`.
@@ -162,6 +205,38 @@ mod tests {
         let want = [0.0, silu(1.0) * 4.0, silu(-2.0) * 5.0];
         for (o, w) in out.iter().zip(want.iter().chain(&[silu(1.0); 3])) {
             assert!((f64::from(*o) - w).abs() < 1e-6, "{o} vs {w}");
+        }
+    }
+
+    #[test]
+    fn par_rows_splits_by_rows_and_changes_no_bit() {
+        let pool = ThreadPool::new(3);
+        for rows in [0, 1, MIN_ROWS_PER_TASK, 2 * MIN_ROWS_PER_TASK + 5, 200] {
+            let gate_up: Vec<f32> = (0..rows * 10)
+                .map(|i| (i as f32 * 0.37).sin() * 3.0)
+                .collect();
+            let mut alone = vec![0.0; rows * 5];
+            swiglu(&gate_up, 5, &mut alone);
+            let mut split = vec![f32::NAN; rows * 5];
+            let spans = std::sync::Mutex::new(Vec::new());
+            par_rows(&pool, rows, &mut split, &|span, out| {
+                spans.lock().expect("no task panicked").push(span.clone());
+                swiglu(&gate_up[span.start * 10..span.end * 10], 5, out);
+            });
+            assert_eq!(
+                split.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{rows} rows"
+            );
+            let mut spans = spans.into_inner().expect("no task panicked");
+            spans.sort_by_key(|s| s.start);
+            let tasks = (rows / MIN_ROWS_PER_TASK).clamp(1, 3);
+            assert_eq!(
+                spans.len(),
+                if rows == 0 { 0 } else { tasks },
+                "{rows} rows"
+            );
+            assert!(spans.windows(2).all(|w| w[0].end == w[1].start));
         }
     }
 

@@ -39,6 +39,15 @@ impl InferenceBackend for burn::backend::Flex {
         flex_linear::quantized(x, w)
     }
 
+    fn packed_attention(
+        q: burn::tensor::Tensor<Self, 3>,
+        k: burn::tensor::Tensor<Self, 3>,
+        v: burn::tensor::Tensor<Self, 3>,
+        mask: burn::tensor::Tensor<Self, 3, burn::tensor::Bool>,
+    ) -> burn::tensor::Tensor<Self, 2> {
+        flex_attention::packed(q, k, v, mask)
+    }
+
     fn grouped_attention(
         q: burn::tensor::Tensor<Self, 4>,
         k: burn::tensor::Tensor<Self, 4>,
@@ -121,7 +130,7 @@ mod flex_attention {
     use burn::backend::Flex;
     use burn::tensor::{Bool, DType, Tensor};
     use kiln_kernels::ThreadPool;
-    use kiln_kernels::attention::{AttentionShape, KvBlocks, attention_blocks};
+    use kiln_kernels::attention::{AttentionShape, KvBlocks, attention, attention_blocks};
 
     use crate::kv_cache::CachedKv;
 
@@ -149,6 +158,57 @@ mod flex_attention {
             block_keys: shape.keys,
         };
         run(shape, q, kv, mask)
+    }
+
+    /// The packed prefill: the token-major rows regrouped head-major by row copies, the
+    /// kernel, and its output regrouped back the same way.
+    pub(super) fn packed(
+        q: Tensor<Flex, 3>,
+        k: Tensor<Flex, 3>,
+        v: Tensor<Flex, 3>,
+        mask: Tensor<Flex, 3, Bool>,
+    ) -> Tensor<Flex, 2> {
+        let all_f32 = [q.dtype(), k.dtype(), v.dtype()]
+            .iter()
+            .all(|d| *d == DType::F32);
+        if !all_f32 {
+            return crate::attention::sdpa_packed(q, k, v, mask);
+        }
+        let [len, n_heads, head_dim] = q.dims();
+        let n_kv_heads = k.dims()[1];
+        let shape = AttentionShape {
+            batch: 1,
+            n_kv_heads,
+            n_rep: n_heads / n_kv_heads,
+            q_len: len,
+            keys: len,
+            head_dim,
+        };
+        // Query head `kv * n_rep + rep` at position `i` is row `rep * len + i` of KV head
+        // `kv`: head-major `[n_heads, len, head_dim]` is the kernel's layout.
+        let (q, k, v) = (host(q), host(k), host(v));
+        let q = transpose_rows(f32_slice(&q), len, n_heads, head_dim);
+        let k = transpose_rows(f32_slice(&k), len, n_kv_heads, head_dim);
+        let v = transpose_rows(f32_slice(&v), len, n_kv_heads, head_dim);
+        let mut out = vec![0f32; q.len()];
+        with_mask(mask, |mask| {
+            attention(shape, &q, &k, &v, mask, &mut out, ThreadPool::global())
+        })
+        .expect("the shapes were taken from the tensors");
+        let out = transpose_rows(&out, n_heads, len, head_dim);
+        wrap(out, [len, n_heads * head_dim])
+    }
+
+    /// `[a, b, width]` → `[b, a, width]`, a row of `width` values at a time.
+    fn transpose_rows(x: &[f32], a: usize, b: usize, width: usize) -> Vec<f32> {
+        debug_assert_eq!(x.len(), a * b * width);
+        let mut out = vec![0f32; x.len()];
+        for (i, rows) in x.chunks_exact(b * width).enumerate() {
+            for (j, row) in rows.chunks_exact(width).enumerate() {
+                out[(j * a + i) * width..][..width].copy_from_slice(row);
+            }
+        }
+        out
     }
 
     /// Attention over the cache's K/V where they lie: no gather per layer.
@@ -203,6 +263,23 @@ mod flex_attention {
     ) -> Tensor<Flex, 4> {
         let dims = q.dims();
         let q = host(q);
+        let mut out = vec![0f32; dims.iter().product()];
+        with_mask(mask, |mask| {
+            attention_blocks(
+                shape,
+                f32_slice(&q),
+                kv,
+                mask,
+                &mut out,
+                ThreadPool::global(),
+            )
+        })
+        .expect("the shapes were taken from the tensors");
+        wrap(out, dims)
+    }
+
+    /// `f` over `mask`'s values as `bool`s, read where burn-flex keeps them.
+    fn with_mask<R>(mask: Tensor<Flex, 3, Bool>, f: impl FnOnce(&[bool]) -> R) -> R {
         let mask = mask.into_primitive().to_contiguous();
         let start = mask.layout().start_offset();
         let bytes = &mask.storage::<u8>()[start..start + mask.layout().num_elements()];
@@ -211,19 +288,7 @@ mod flex_attention {
             "burn-flex stores booleans as 0 or 1"
         );
         // SAFETY: every byte is 0 or 1 (just checked), the representation of `bool`.
-        let mask: &[bool] =
-            unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len()) };
-        let mut out = vec![0f32; dims.iter().product()];
-        attention_blocks(
-            shape,
-            f32_slice(&q),
-            kv,
-            mask,
-            &mut out,
-            ThreadPool::global(),
-        )
-        .expect("the shapes were taken from the tensors");
-        wrap(out, dims)
+        f(unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len()) })
     }
 }
 
@@ -233,7 +298,8 @@ mod flex_attention {
 mod flex_rowwise {
     use burn::backend::Flex;
     use burn::tensor::{DType, Tensor};
-    use kiln_kernels::rowwise;
+    use kiln_kernels::ThreadPool;
+    use kiln_kernels::rowwise::{self, par_rows};
 
     use super::flex_buffers::{f32_slice, host, wrap};
 
@@ -247,9 +313,12 @@ mod flex_rowwise {
         }
         let dims = x.dims();
         let (x, gamma) = (host(x), host(gamma.clone()));
-        let x = f32_slice(&x);
+        let (x, gamma) = (f32_slice(&x), f32_slice(&gamma));
+        let d = dims[1];
         let mut out = vec![0f32; x.len()];
-        rowwise::rms_norm(x, f32_slice(&gamma), eps as f32, &mut out);
+        par_rows(ThreadPool::global(), dims[0], &mut out, &|rows, out| {
+            rowwise::rms_norm(&x[rows.start * d..rows.end * d], gamma, eps as f32, out);
+        });
         wrap(out, dims)
     }
 
@@ -259,8 +328,12 @@ mod flex_rowwise {
         }
         let [n, width] = gate_up.dims();
         let gate_up = host(gate_up);
+        let gate_up = f32_slice(&gate_up);
         let mut out = vec![0f32; n * width / 2];
-        rowwise::swiglu(f32_slice(&gate_up), width / 2, &mut out);
+        par_rows(ThreadPool::global(), n, &mut out, &|rows, out| {
+            let rows = &gate_up[rows.start * width..rows.end * width];
+            rowwise::swiglu(rows, width / 2, out);
+        });
         wrap(out, [n, width / 2])
     }
 
@@ -277,9 +350,16 @@ mod flex_rowwise {
         }
         let dims = x.dims();
         let (x, cos, sin) = (host(x), host(cos.clone()), host(sin.clone()));
-        let x = f32_slice(&x);
+        let (x, cos, sin) = (f32_slice(&x), f32_slice(&cos), f32_slice(&sin));
+        let (per_token, half) = (dims[1] * dims[2], dims[2] / 2);
         let mut out = vec![0f32; x.len()];
-        rowwise::rotate_half(x, f32_slice(&cos), f32_slice(&sin), dims[2], &mut out);
+        par_rows(ThreadPool::global(), dims[0], &mut out, &|tokens, out| {
+            let (x, angles) = (
+                &x[tokens.start * per_token..tokens.end * per_token],
+                tokens.start * half..tokens.end * half,
+            );
+            rowwise::rotate_half(x, &cos[angles.clone()], &sin[angles], dims[2], out);
+        });
         wrap(out, dims)
     }
 }
@@ -396,18 +476,32 @@ mod flex_write {
         if !contiguous || !in_bounds || !blocky || src.dtype() != dst.dtype() {
             return false;
         }
-        let src = src.to_contiguous();
-        let values: &[E] = &src.storage::<E>()[src.layout().start_offset()..];
-        let run = ranges[2].len() * dims[3];
-        if values.len() < ranges[1].len() * run {
+        let src_dims: Vec<usize> = src.layout().shape().iter().copied().collect();
+        let expected = [1, ranges[1].len(), ranges[2].len(), dims[3]];
+        if src_dims != expected {
             return false;
         }
+        // The new K/V arrive as a view `[1, heads, tokens, head_dim]` of token-major rows:
+        // copied a head row at a time from where they lie (burn-flex would copy such a view
+        // one value at a time to make it contiguous first).
+        let strides = src.layout().strides();
+        let (head_stride, token_stride) = (strides[1], strides[2]);
+        if strides[3] != 1 || head_stride < 0 || token_stride < 0 {
+            return false;
+        }
+        let (head_stride, token_stride) = (head_stride as usize, token_stride as usize);
+        let src_start = src.layout().start_offset();
+        let values: &[E] = src.storage::<E>();
+        let width = dims[3];
         let Some(storage) = dst.try_storage_mut::<E>() else {
             return false;
         };
         for (i, outer) in ranges[1].clone().enumerate() {
-            let start = ((ranges[0].start * dims[1] + outer) * dims[2] + ranges[2].start) * dims[3];
-            storage[start..start + run].copy_from_slice(&values[i * run..(i + 1) * run]);
+            let start = ((ranges[0].start * dims[1] + outer) * dims[2] + ranges[2].start) * width;
+            for t in 0..ranges[2].len() {
+                let from = src_start + i * head_stride + t * token_stride;
+                storage[start + t * width..][..width].copy_from_slice(&values[from..from + width]);
+            }
         }
         true
     }

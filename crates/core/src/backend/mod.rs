@@ -247,6 +247,25 @@ pub trait InferenceBackend: Backend {
         Tensor::from_data(burn::tensor::TensorData::new(out, [n, w.rows()]), &device)
     }
 
+    /// Attention of one packed row of fresh prompts over their own keys (the packed prefill):
+    /// the tokens as the projections give them, token-major. The default regroups them
+    /// head-major for [`grouped_attention`](Self::grouped_attention) and back; the cpu backend
+    /// regroups with row copies (burn-flex copies such permuted views one value at a time,
+    /// about a tenth of a 512-token prefill).
+    ///
+    /// # Shapes
+    /// - `q`: `[len, n_heads, head_dim]`; `k`, `v`: `[len, n_kv_heads, head_dim]`
+    /// - `mask`: `[1, len, len]`
+    /// - returns `[len, n_heads * head_dim]`
+    fn packed_attention(
+        q: Tensor<Self, 3>,
+        k: Tensor<Self, 3>,
+        v: Tensor<Self, 3>,
+        mask: Tensor<Self, 3, Bool>,
+    ) -> Tensor<Self, 2> {
+        crate::attention::sdpa_packed(q, k, v, mask)
+    }
+
     /// Grouped-query attention with an explicit mask (`true` = masked): each KV head serves
     /// its `n_rep` query heads without copying its keys. The default expands the mask over the
     /// heads and runs burn's attention; the cpu backend runs kiln's multithreaded kernel, which
