@@ -101,6 +101,11 @@ mod flex_buffers {
         }
     }
 
+    /// Whether every dtype is f32 (kiln's kernels take f32; other dtypes take burn's ops).
+    pub(super) fn all_f32(dtypes: &[DType]) -> bool {
+        dtypes.iter().all(|d| *d == DType::F32)
+    }
+
     /// `t` contiguous (a copy only when it was a strided view).
     pub(super) fn host<const D: usize>(t: Tensor<Flex, D>) -> FlexTensor {
         float(t).to_contiguous()
@@ -128,13 +133,13 @@ mod flex_buffers {
 #[cfg(feature = "cpu")]
 mod flex_attention {
     use burn::backend::Flex;
-    use burn::tensor::{Bool, DType, Tensor};
+    use burn::tensor::{Bool, Tensor};
     use kiln_kernels::ThreadPool;
     use kiln_kernels::attention::{AttentionShape, KvBlocks, attention, attention_blocks};
 
     use crate::kv_cache::CachedKv;
 
-    use super::flex_buffers::{f32_slice, host, wrap};
+    use super::flex_buffers::{all_f32, f32_slice, host, wrap};
 
     pub(super) fn grouped(
         q: Tensor<Flex, 4>,
@@ -142,10 +147,7 @@ mod flex_attention {
         v: Tensor<Flex, 4>,
         mask: Tensor<Flex, 3, Bool>,
     ) -> Tensor<Flex, 4> {
-        let all_f32 = [q.dtype(), k.dtype(), v.dtype()]
-            .iter()
-            .all(|d| *d == DType::F32);
-        if !all_f32 {
+        if !all_f32(&[q.dtype(), k.dtype(), v.dtype()]) {
             return crate::attention::sdpa_grouped(q, k, v, mask);
         }
         let shape = attention_shape(&q, &mask, k.dims()[2]);
@@ -168,10 +170,7 @@ mod flex_attention {
         v: Tensor<Flex, 3>,
         mask: Tensor<Flex, 3, Bool>,
     ) -> Tensor<Flex, 2> {
-        let all_f32 = [q.dtype(), k.dtype(), v.dtype()]
-            .iter()
-            .all(|d| *d == DType::F32);
-        if !all_f32 {
+        if !all_f32(&[q.dtype(), k.dtype(), v.dtype()]) {
             return crate::attention::sdpa_packed(q, k, v, mask);
         }
         let [len, n_heads, head_dim] = q.dims();
@@ -217,10 +216,7 @@ mod flex_attention {
         kv: CachedKv<'_, Flex>,
         mask: Tensor<Flex, 3, Bool>,
     ) -> Tensor<Flex, 4> {
-        let all_f32 = [q.dtype(), kv.k.dtype(), kv.v.dtype()]
-            .iter()
-            .all(|d| *d == DType::F32);
-        if !all_f32 {
+        if !all_f32(&[q.dtype(), kv.k.dtype(), kv.v.dtype()]) {
             return crate::attention::sdpa_cached(q, kv, mask);
         }
         let slots = kv.k.dims()[2];
@@ -301,7 +297,7 @@ mod flex_rowwise {
     use kiln_kernels::ThreadPool;
     use kiln_kernels::rowwise::{self, par_rows};
 
-    use super::flex_buffers::{f32_slice, host, wrap};
+    use super::flex_buffers::{all_f32, f32_slice, host, wrap};
 
     pub(super) fn rms_norm(
         x: Tensor<Flex, 2>,
@@ -342,10 +338,7 @@ mod flex_rowwise {
         cos: &Tensor<Flex, 3>,
         sin: &Tensor<Flex, 3>,
     ) -> Tensor<Flex, 3> {
-        let all_f32 = [x.dtype(), cos.dtype(), sin.dtype()]
-            .iter()
-            .all(|d| *d == DType::F32);
-        if !all_f32 {
+        if !all_f32(&[x.dtype(), cos.dtype(), sin.dtype()]) {
             return crate::layer_ops::rotate_half(x, cos, sin);
         }
         let dims = x.dims();
