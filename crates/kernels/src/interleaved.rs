@@ -112,87 +112,129 @@ pub fn unpack_row(ty: GgmlType, group: &[u8], r: usize, out: &mut Vec<u8>) {
     }
 }
 
-/// Eight rows' products with one activation row given in two passes.
+/// Activation rows a tile kernel multiplies at most at once.
+pub const TILE: usize = 4;
+
+/// Eight rows' products with `N` activation rows, each given in two passes (`hi[i]`, `lo[i]`).
+/// Each row's result is bit for bit the same whatever `N` and whichever rows it comes with (the
+/// integer sums are exact in any order, and each row's float steps are the same), so a
+/// sequence's outputs do not depend on its batch. The weights' nibbles are unpacked once per
+/// tile instead of once per row.
 ///
 /// # Safety
 /// The CPU must support the tier the function was chosen for; `w` must hold exactly
-/// `hi.len()` block columns of the function's type, and `lo.len() == hi.len()`.
-pub(crate) type GroupFn = unsafe fn(&[u8], &[ActBlock], &[ActBlock]) -> [f32; GROUP];
+/// `hi[i].len()` block columns of the function's type for every `i`, and
+/// `lo[i].len() == hi[i].len()`.
+pub(crate) type TileFn<const N: usize> =
+    unsafe fn(&[u8], [&[ActBlock]; N], [&[ActBlock]; N]) -> [[f32; GROUP]; N];
 
-/// The group kernel of `ty` at `tier` (the best at or below it), if `ty` has one.
-pub(crate) fn group_kernel(ty: GgmlType, tier: Tier) -> Option<GroupFn> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let simd: Option<GroupFn> = match (tier, ty) {
-            (Tier::Avx512Vnni, GgmlType::Q4_1) => Some(x86::vnni::q4_1),
-            (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(x86::q8_0_offset::group),
-            (Tier::Avx2, GgmlType::Q4_1) => Some(x86::avx2::q4_1),
-            (Tier::Avx2, GgmlType::Q8_0) => Some(x86::q8_0_sign::group),
+/// The tile kernels of one weight type on one tier, for one to [`TILE`] activation rows.
+#[derive(Clone, Copy)]
+pub(crate) struct TileKernels {
+    one: TileFn<1>,
+    two: TileFn<2>,
+    three: TileFn<3>,
+    four: TileFn<4>,
+}
+
+/// [`TileKernels`] from one kernel generic over its row count.
+macro_rules! tile_kernels {
+    ($($f:ident)::+) => {
+        TileKernels {
+            one: $($f)::+::<1>,
+            two: $($f)::+::<2>,
+            three: $($f)::+::<3>,
+            four: $($f)::+::<4>,
+        }
+    };
+}
+
+impl TileKernels {
+    /// The kernels of `ty` at `tier` (the best at or below it), if `ty` has them.
+    pub(crate) fn new(ty: GgmlType, tier: Tier) -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let simd = match (tier, ty) {
+                (Tier::Avx512Vnni, GgmlType::Q4_1) => Some(tile_kernels!(x86::vnni::q4_1_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_offset::tile)),
+                (Tier::Avx2, GgmlType::Q4_1) => Some(tile_kernels!(x86::avx2::q4_1_tile)),
+                (Tier::Avx2, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_sign::tile)),
+                _ => None,
+            };
+            if simd.is_some() {
+                return simd;
+            }
+        }
+        let _ = tier;
+        match ty {
+            GgmlType::Q4_1 => Some(tile_kernels!(scalar_tile_q4_1)),
+            GgmlType::Q8_0 => Some(tile_kernels!(scalar_tile_q8_0)),
             _ => None,
-        };
-        if simd.is_some() {
-            return simd;
         }
     }
-    let _ = tier;
-    match ty {
-        GgmlType::Q4_1 => Some(q4_1_scalar),
-        GgmlType::Q8_0 => Some(q8_0_scalar),
-        _ => None,
+
+    /// The products of the group `w` with `rows` (one to [`TILE`] activation rows, each as
+    /// its `(hi, lo)` passes), handed to `out` as (index in `rows`, eight outputs).
+    ///
+    /// # Safety
+    /// As [`TileFn`] for every row.
+    ///
+    /// # Panics
+    /// If `rows` is empty or longer than [`TILE`].
+    #[inline]
+    pub(crate) unsafe fn run(
+        &self,
+        w: &[u8],
+        rows: &[(&[ActBlock], &[ActBlock])],
+        mut out: impl FnMut(usize, [f32; GROUP]),
+    ) {
+        /// One kernel call on `rows` (exactly `N` of them).
+        ///
+        /// # Safety
+        /// As [`TileFn`] for every row.
+        #[inline]
+        unsafe fn call<const N: usize>(
+            f: TileFn<N>,
+            w: &[u8],
+            rows: &[(&[ActBlock], &[ActBlock])],
+            out: &mut impl FnMut(usize, [f32; GROUP]),
+        ) {
+            let hi = std::array::from_fn(|i| rows[i].0);
+            let lo = std::array::from_fn(|i| rows[i].1);
+            // SAFETY: the caller's contract.
+            let y = unsafe { f(w, hi, lo) };
+            for (i, y) in y.into_iter().enumerate() {
+                out(i, y);
+            }
+        }
+        // SAFETY (each arm): the caller's contract.
+        unsafe {
+            match rows.len() {
+                1 => call(self.one, w, rows, &mut out),
+                2 => call(self.two, w, rows, &mut out),
+                3 => call(self.three, w, rows, &mut out),
+                4 => call(self.four, w, rows, &mut out),
+                n => panic!("a tile of {n} rows: 1 to {TILE} expected"),
+            }
+        }
     }
 }
 
-/// Activation rows a tile kernel multiplies at once.
-pub const TILE: usize = 4;
-
-/// Eight rows' products with [`TILE`] activation rows, each row's result bit for bit the
-/// [`GroupFn`]'s for that row alone (the integer sums are exact in any order, and each row's
-/// float steps are the same), so a sequence's outputs do not depend on its batch. The weights'
-/// nibbles are unpacked once per tile instead of once per row.
-///
-/// # Safety
-/// As [`GroupFn`], for every row of `hi` and `lo`.
-pub(crate) type TileFn =
-    unsafe fn(&[u8], [&[ActBlock]; TILE], [&[ActBlock]; TILE]) -> [[f32; GROUP]; TILE];
-
-/// The tile kernel of `ty` at `tier` (the best at or below it), if `ty` has one.
-pub(crate) fn tile_kernel(ty: GgmlType, tier: Tier) -> Option<TileFn> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let simd: Option<TileFn> = match (tier, ty) {
-            (Tier::Avx512Vnni, GgmlType::Q4_1) => Some(x86::vnni::q4_1_tile),
-            (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(x86::q8_0_offset::tile),
-            (Tier::Avx2, GgmlType::Q4_1) => Some(x86::avx2::q4_1_tile),
-            (Tier::Avx2, GgmlType::Q8_0) => Some(x86::q8_0_sign::tile),
-            _ => None,
-        };
-        if simd.is_some() {
-            return simd;
-        }
-    }
-    let _ = tier;
-    match ty {
-        GgmlType::Q4_1 => Some(q4_1_scalar_tile),
-        GgmlType::Q8_0 => Some(q8_0_scalar_tile),
-        _ => None,
-    }
-}
-
-/// The scalar tile: the scalar group kernel row by row.
-fn q4_1_scalar_tile(
+/// The scalar tile: the scalar reference row by row.
+fn scalar_tile_q4_1<const N: usize>(
     w: &[u8],
-    hi: [&[ActBlock]; TILE],
-    lo: [&[ActBlock]; TILE],
-) -> [[f32; GROUP]; TILE] {
+    hi: [&[ActBlock]; N],
+    lo: [&[ActBlock]; N],
+) -> [[f32; GROUP]; N] {
     std::array::from_fn(|i| q4_1_scalar(w, hi[i], lo[i]))
 }
 
-/// The scalar tile: the scalar group kernel row by row.
-fn q8_0_scalar_tile(
+/// The scalar tile: the scalar reference row by row.
+fn scalar_tile_q8_0<const N: usize>(
     w: &[u8],
-    hi: [&[ActBlock]; TILE],
-    lo: [&[ActBlock]; TILE],
-) -> [[f32; GROUP]; TILE] {
+    hi: [&[ActBlock]; N],
+    lo: [&[ActBlock]; N],
+) -> [[f32; GROUP]; N] {
     std::array::from_fn(|i| q8_0_scalar(w, hi[i], lo[i]))
 }
 
@@ -242,7 +284,7 @@ fn q8_0_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{GROUP, TILE};
+    use super::GROUP;
     use crate::act::ActBlock;
 
     /// Four activation bytes `4j..4j + 4` of `a` in every lane.
@@ -265,31 +307,8 @@ mod x86 {
         _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
     }
 
-    /// `acc + d_w × (d_hi × Σhi + d_lo × Σlo)` per row lane, for one block column whose
-    /// integer sums are `[hi, hi, lo, lo]` (two accumulators per pass).
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn add_block(
-        acc: __m256,
-        d: __m256,
-        [sh, th, sl, tl]: [__m256i; 4],
-        h: &ActBlock,
-        l: &ActBlock,
-    ) -> __m256 {
-        unsafe {
-            add_sums(
-                acc,
-                d,
-                _mm256_add_epi32(sh, th),
-                _mm256_add_epi32(sl, tl),
-                h,
-                l,
-            )
-        }
-    }
-
     /// `acc + d_w × (d_hi × sum_h + d_lo × sum_l)` per row lane: the float steps of a block
-    /// column, shared by the group and the tile kernels so that both round alike.
+    /// column, shared by every kernel so that all round alike.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn add_sums(
@@ -334,83 +353,76 @@ mod x86 {
         _mm256_dpbusd_epi32(acc, u, s)
     }
 
-    macro_rules! q4_1_group {
-        ($tier:ident, $features:literal, $dot:ident) => {
+    /// The partial sums per activation row and pass of a VNNI tile of `n` rows. `vpdpbusd`
+    /// takes four cycles and issues two a cycle (Zen 4, 256-bit), so eight independent sums
+    /// keep it busy; one sum per row and pass made a one-row tile wait on chains twice as
+    /// long as its work, and a four-row tile on chains of eight products a block.
+    const fn vnni_parts(n: usize) -> usize {
+        if n == 1 { 4 } else { 2 }
+    }
+
+    /// AVX2's products end in an add of one cycle, so one sum per row and pass suffices (and
+    /// its 16 registers hold no more).
+    const fn avx2_parts(_: usize) -> usize {
+        1
+    }
+
+    /// The sum of a row's partial sums (the unused ones are zero, and vanish when compiled).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn total([a, b, c, d]: [__m256i; 4]) -> __m256i {
+        _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d))
+    }
+
+    macro_rules! q4_1_tile {
+        ($tier:ident, $features:literal, $dot:ident, $parts:ident) => {
             pub(super) mod $tier {
                 use super::*;
 
-                /// Eight Q4_1 rows × two-pass activations.
+                /// Eight Q4_1 rows × `N` two-pass activation rows ([`super::super::TileFn`]):
+                /// each chunk of nibbles is unpacked once for all of them.
                 #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn q4_1(
+                pub(in crate::interleaved) unsafe fn q4_1_tile<const N: usize>(
                     w: &[u8],
-                    hi: &[ActBlock],
-                    lo: &[ActBlock],
-                ) -> [f32; GROUP] {
-                    let mask = _mm256_set1_epi8(0x0F);
-                    let mut acc = _mm256_setzero_ps();
-                    let mut mins = _mm256_setzero_ps();
-                    for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
-                        let p = unsafe { w.as_ptr().add(160 * b) };
-                        let (mut sh, mut sl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                        let (mut th, mut tl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                        for j in 0..4 {
-                            let raw = unsafe { _mm256_loadu_si256(p.add(32 + 32 * j).cast()) };
-                            let low = _mm256_and_si256(raw, mask);
-                            let high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-                            unsafe {
-                                sh = $dot(sh, low, broadcast(h, j));
-                                th = $dot(th, high, broadcast(h, 4 + j));
-                                sl = $dot(sl, low, broadcast(l, j));
-                                tl = $dot(tl, high, broadcast(l, 4 + j));
-                            }
-                        }
-                        let d = unsafe { halves(p) };
-                        acc = unsafe { add_block(acc, d, [sh, th, sl, tl], h, l) };
-                        let m = unsafe { halves(p.add(16)) };
-                        mins = _mm256_fmadd_ps(m, _mm256_set1_ps(h.d_sum + l.d_sum), mins);
-                    }
-                    unsafe { store(_mm256_add_ps(acc, mins)) }
-                }
-
-                /// [`q4_1`] for [`TILE`] activation rows: each chunk of nibbles is unpacked
-                /// once for all of them.
-                #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn q4_1_tile(
-                    w: &[u8],
-                    hi: [&[ActBlock]; TILE],
-                    lo: [&[ActBlock]; TILE],
-                ) -> [[f32; GROUP]; TILE] {
+                    hi: [&[ActBlock]; N],
+                    lo: [&[ActBlock]; N],
+                ) -> [[f32; GROUP]; N] {
+                    let parts = $parts(N);
                     let blocks = hi[0].len();
                     debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
                     let mask = _mm256_set1_epi8(0x0F);
-                    let mut acc = [_mm256_setzero_ps(); TILE];
-                    let mut mins = [_mm256_setzero_ps(); TILE];
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    let mut mins = [_mm256_setzero_ps(); N];
                     for b in 0..blocks {
                         let p = unsafe { w.as_ptr().add(160 * b) };
                         // SAFETY: every row holds `blocks` blocks (the caller's contract).
-                        let h: [&ActBlock; TILE] =
+                        let h: [&ActBlock; N] =
                             std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
-                        let l: [&ActBlock; TILE] =
+                        let l: [&ActBlock; N] =
                             std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
-                        let mut sh = [_mm256_setzero_si256(); TILE];
-                        let mut sl = [_mm256_setzero_si256(); TILE];
+                        let mut sh = [[_mm256_setzero_si256(); 4]; N];
+                        let mut sl = [[_mm256_setzero_si256(); 4]; N];
                         for j in 0..4 {
                             let raw = unsafe { _mm256_loadu_si256(p.add(32 + 32 * j).cast()) };
                             let low = _mm256_and_si256(raw, mask);
                             let high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-                            for i in 0..TILE {
+                            let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
+                            for i in 0..N {
                                 unsafe {
-                                    sh[i] = $dot(sh[i], low, broadcast(h[i], j));
-                                    sh[i] = $dot(sh[i], high, broadcast(h[i], 4 + j));
-                                    sl[i] = $dot(sl[i], low, broadcast(l[i], j));
-                                    sl[i] = $dot(sl[i], high, broadcast(l[i], 4 + j));
+                                    sh[i][k_low] = $dot(sh[i][k_low], low, broadcast(h[i], j));
+                                    sh[i][k_high] =
+                                        $dot(sh[i][k_high], high, broadcast(h[i], 4 + j));
+                                    sl[i][k_low] = $dot(sl[i][k_low], low, broadcast(l[i], j));
+                                    sl[i][k_high] =
+                                        $dot(sl[i][k_high], high, broadcast(l[i], 4 + j));
                                 }
                             }
                         }
                         let d = unsafe { halves(p) };
                         let m = unsafe { halves(p.add(16)) };
-                        for i in 0..TILE {
-                            acc[i] = unsafe { add_sums(acc[i], d, sh[i], sl[i], h[i], l[i]) };
+                        for i in 0..N {
+                            let (sum_h, sum_l) = unsafe { (total(sh[i]), total(sl[i])) };
+                            acc[i] = unsafe { add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]) };
                             mins[i] = _mm256_fmadd_ps(
                                 m,
                                 _mm256_set1_ps(h[i].d_sum + l[i].d_sum),
@@ -418,7 +430,7 @@ mod x86 {
                             );
                         }
                     }
-                    let mut out = [[0f32; GROUP]; TILE];
+                    let mut out = [[0f32; GROUP]; N];
                     for ((out, acc), mins) in out.iter_mut().zip(acc).zip(mins) {
                         *out = unsafe { store(_mm256_add_ps(acc, mins)) };
                     }
@@ -428,11 +440,12 @@ mod x86 {
         };
     }
 
-    q4_1_group!(avx2, "avx2,fma,f16c", dot_avx2);
-    q4_1_group!(
+    q4_1_tile!(avx2, "avx2,fma,f16c", dot_avx2, avx2_parts);
+    q4_1_tile!(
         vnni,
         "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
-        dot_vnni
+        dot_vnni,
+        vnni_parts
     );
 
     /// Q8_0 on AVX2 with the sign trick: `vpmaddubsw` multiplies unsigned by signed bytes, so
@@ -450,61 +463,28 @@ mod x86 {
             _mm256_xor_si256(stored, _mm256_set1_epi8(i8::MIN))
         }
 
-        /// Eight Q8_0 rows × two-pass activations.
+        /// Eight Q8_0 rows × `N` two-pass activation rows ([`super::super::TileFn`]): each
+        /// chunk's magnitudes are taken once for all of them.
         #[target_feature(enable = "avx2,fma,f16c")]
-        pub(in crate::interleaved) unsafe fn group(
+        pub(in crate::interleaved) unsafe fn tile<const N: usize>(
             w: &[u8],
-            hi: &[ActBlock],
-            lo: &[ActBlock],
-        ) -> [f32; GROUP] {
-            let mut acc = _mm256_setzero_ps();
-            for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
-                let p = unsafe { w.as_ptr().add(272 * b) };
-                let (mut sh, mut sl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                let (mut th, mut tl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                for j in (0..8).step_by(2) {
-                    unsafe {
-                        let w0 = signed(p.add(16 + 32 * j));
-                        let w1 = signed(p.add(48 + 32 * j));
-                        let (h0, h1) = (broadcast(h, j), broadcast(h, j + 1));
-                        let (l0, l1) = (broadcast(l, j), broadcast(l, j + 1));
-                        let (u0, u1) = (_mm256_abs_epi8(w0), _mm256_abs_epi8(w1));
-                        sh = dot_avx2(sh, u0, _mm256_sign_epi8(h0, w0));
-                        th = dot_avx2(th, u1, _mm256_sign_epi8(h1, w1));
-                        sl = dot_avx2(sl, u0, _mm256_sign_epi8(l0, w0));
-                        tl = dot_avx2(tl, u1, _mm256_sign_epi8(l1, w1));
-                    }
-                }
-                let d = unsafe { halves(p) };
-                acc = unsafe { add_block(acc, d, [sh, th, sl, tl], h, l) };
-            }
-            unsafe { store(acc) }
-        }
-
-        /// [`group`] for [`TILE`] activation rows: each chunk's magnitudes are taken
-        /// once for all of them.
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub(in crate::interleaved) unsafe fn tile(
-            w: &[u8],
-            hi: [&[ActBlock]; TILE],
-            lo: [&[ActBlock]; TILE],
-        ) -> [[f32; GROUP]; TILE] {
+            hi: [&[ActBlock]; N],
+            lo: [&[ActBlock]; N],
+        ) -> [[f32; GROUP]; N] {
             let blocks = hi[0].len();
             debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
-            let mut acc = [_mm256_setzero_ps(); TILE];
+            let mut acc = [_mm256_setzero_ps(); N];
             for b in 0..blocks {
                 let p = unsafe { w.as_ptr().add(272 * b) };
                 // SAFETY: every row holds `blocks` blocks (the caller's contract).
-                let h: [&ActBlock; TILE] =
-                    std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
-                let l: [&ActBlock; TILE] =
-                    std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
-                let mut sh = [_mm256_setzero_si256(); TILE];
-                let mut sl = [_mm256_setzero_si256(); TILE];
+                let h: [&ActBlock; N] = std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
+                let l: [&ActBlock; N] = std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
+                let mut sh = [_mm256_setzero_si256(); N];
+                let mut sl = [_mm256_setzero_si256(); N];
                 for j in 0..8 {
                     let w0 = unsafe { signed(p.add(16 + 32 * j)) };
                     let u0 = _mm256_abs_epi8(w0);
-                    for i in 0..TILE {
+                    for i in 0..N {
                         unsafe {
                             let (hj, lj) = (broadcast(h[i], j), broadcast(l[i], j));
                             sh[i] = dot_avx2(sh[i], u0, _mm256_sign_epi8(hj, w0));
@@ -513,11 +493,11 @@ mod x86 {
                     }
                 }
                 let d = unsafe { halves(p) };
-                for i in 0..TILE {
+                for i in 0..N {
                     acc[i] = unsafe { add_sums(acc[i], d, sh[i], sl[i], h[i], l[i]) };
                 }
             }
-            let mut out = [[0f32; GROUP]; TILE];
+            let mut out = [[0f32; GROUP]; N];
             for (out, acc) in out.iter_mut().zip(acc) {
                 *out = unsafe { store(acc) };
             }
@@ -541,70 +521,43 @@ mod x86 {
             _mm256_sub_epi32(sum, _mm256_set1_epi32(a.sum << 7))
         }
 
-        /// Eight Q8_0 rows × two-pass activations.
+        /// Eight Q8_0 rows × `N` two-pass activation rows ([`super::super::TileFn`]): each
+        /// chunk is loaded once for all of them.
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        pub(in crate::interleaved) unsafe fn group(
+        pub(in crate::interleaved) unsafe fn tile<const N: usize>(
             w: &[u8],
-            hi: &[ActBlock],
-            lo: &[ActBlock],
-        ) -> [f32; GROUP] {
-            let mut acc = _mm256_setzero_ps();
-            for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
-                let p = unsafe { w.as_ptr().add(272 * b) };
-                let (mut sh, mut sl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                let (mut th, mut tl) = (_mm256_setzero_si256(), _mm256_setzero_si256());
-                for j in (0..8).step_by(2) {
-                    unsafe {
-                        let w0 = _mm256_loadu_si256(p.add(16 + 32 * j).cast());
-                        let w1 = _mm256_loadu_si256(p.add(48 + 32 * j).cast());
-                        sh = dot_vnni(sh, w0, broadcast(h, j));
-                        th = dot_vnni(th, w1, broadcast(h, j + 1));
-                        sl = dot_vnni(sl, w0, broadcast(l, j));
-                        tl = dot_vnni(tl, w1, broadcast(l, j + 1));
-                    }
-                }
-                let sum_h = unsafe { unoffset(_mm256_add_epi32(sh, th), h) };
-                let sum_l = unsafe { unoffset(_mm256_add_epi32(sl, tl), l) };
-                acc = unsafe { add_sums(acc, halves(p), sum_h, sum_l, h, l) };
-            }
-            unsafe { store(acc) }
-        }
-
-        /// [`group`] for [`TILE`] activation rows: each chunk is loaded once for all of them.
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        pub(in crate::interleaved) unsafe fn tile(
-            w: &[u8],
-            hi: [&[ActBlock]; TILE],
-            lo: [&[ActBlock]; TILE],
-        ) -> [[f32; GROUP]; TILE] {
+            hi: [&[ActBlock]; N],
+            lo: [&[ActBlock]; N],
+        ) -> [[f32; GROUP]; N] {
+            let parts = vnni_parts(N);
             let blocks = hi[0].len();
             debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
-            let mut acc = [_mm256_setzero_ps(); TILE];
+            let mut acc = [_mm256_setzero_ps(); N];
             for b in 0..blocks {
                 let p = unsafe { w.as_ptr().add(272 * b) };
                 // SAFETY: every row holds `blocks` blocks (the caller's contract).
-                let h: [&ActBlock; TILE] =
-                    std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
-                let l: [&ActBlock; TILE] =
-                    std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
-                let mut sh = [_mm256_setzero_si256(); TILE];
-                let mut sl = [_mm256_setzero_si256(); TILE];
+                let h: [&ActBlock; N] = std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
+                let l: [&ActBlock; N] = std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
+                let mut sh = [[_mm256_setzero_si256(); 4]; N];
+                let mut sl = [[_mm256_setzero_si256(); 4]; N];
                 for j in 0..8 {
                     let w0 = unsafe { _mm256_loadu_si256(p.add(16 + 32 * j).cast()) };
-                    for i in 0..TILE {
+                    let k = j % parts;
+                    for i in 0..N {
                         unsafe {
-                            sh[i] = dot_vnni(sh[i], w0, broadcast(h[i], j));
-                            sl[i] = dot_vnni(sl[i], w0, broadcast(l[i], j));
+                            sh[i][k] = dot_vnni(sh[i][k], w0, broadcast(h[i], j));
+                            sl[i][k] = dot_vnni(sl[i][k], w0, broadcast(l[i], j));
                         }
                     }
                 }
                 let d = unsafe { halves(p) };
-                for i in 0..TILE {
-                    let (sum_h, sum_l) = unsafe { (unoffset(sh[i], h[i]), unoffset(sl[i], l[i])) };
+                for i in 0..N {
+                    let (sum_h, sum_l) =
+                        unsafe { (unoffset(total(sh[i]), h[i]), unoffset(total(sl[i]), l[i])) };
                     acc[i] = unsafe { add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]) };
                 }
             }
-            let mut out = [[0f32; GROUP]; TILE];
+            let mut out = [[0f32; GROUP]; N];
             for (out, acc) in out.iter_mut().zip(acc) {
                 *out = unsafe { store(acc) };
             }

@@ -10,9 +10,7 @@ use std::borrow::Cow;
 use crate::act::{ACT_BLOCK, ActBlock, quantize_split_row};
 use crate::error::KernelError;
 use crate::ggml::{GgmlType, dequantize};
-use crate::interleaved::{
-    GROUP, TILE, group_block_bytes, group_kernel, pack, tile_kernel, unpack_row,
-};
+use crate::interleaved::{GROUP, TILE, TileKernels, group_block_bytes, pack, unpack_row};
 use crate::pool::ThreadPool;
 use crate::quant::{DotKernel, has_kernel};
 use crate::tier::Tier;
@@ -238,17 +236,11 @@ impl QuantMatrix {
         let chunk = rows_per_task(self.rows, pool.threads());
         let out = SharedOut::new(out);
         if self.interleaved {
-            let kernel = group_kernel(self.ty, tier).expect("interleaved types have a kernel");
-            let tile = tile_kernel(self.ty, tier).expect("interleaved types have a tile kernel");
+            let tiles =
+                TileKernels::new(self.ty, tier).expect("interleaved types have tile kernels");
             let group_bytes = GROUP * self.row_bytes;
             let groups_per_task = chunk.div_ceil(GROUP);
             let groups = self.rows / GROUP;
-            let write = |t: usize, g: usize, y: [f32; GROUP]| {
-                for (r, v) in y.into_iter().enumerate() {
-                    // SAFETY: every (t, row) is written by exactly one task.
-                    unsafe { out.write(t * self.rows + g * GROUP + r, v) };
-                }
-            };
             pool.run(groups.div_ceil(groups_per_task), &|task| {
                 let task_groups =
                     task * groups_per_task..((task + 1) * groups_per_task).min(groups);
@@ -259,22 +251,22 @@ impl QuantMatrix {
                     let pass = pass..(pass + ACT_ROWS_PER_PASS).min(m);
                     for g in task_groups.clone() {
                         let w = &self.data[g * group_bytes..(g + 1) * group_bytes];
-                        let mut t = pass.start;
-                        while t + TILE <= pass.end {
-                            let rows: [_; TILE] = std::array::from_fn(|i| acts(t + i));
+                        for start in pass.clone().step_by(TILE) {
+                            let n = (pass.end - start).min(TILE);
+                            let tile: [_; TILE] =
+                                std::array::from_fn(|i| acts(start + i.min(n - 1)));
+                            let write = |i: usize, y: [f32; GROUP]| {
+                                for (r, v) in y.into_iter().enumerate() {
+                                    // SAFETY: every (t, row) is written by exactly one task.
+                                    unsafe {
+                                        out.write((start + i) * self.rows + g * GROUP + r, v)
+                                    };
+                                }
+                            };
                             // SAFETY: the tier was checked above; `w` is one group of
                             // `cols / 32` block columns, each row of `hi` and `lo` as many
                             // blocks.
-                            let y = unsafe { tile(w, rows.map(|r| r.0), rows.map(|r| r.1)) };
-                            for (i, y) in y.into_iter().enumerate() {
-                                write(t + i, g, y);
-                            }
-                            t += TILE;
-                        }
-                        for t in t..pass.end {
-                            let (hi, lo) = acts(t);
-                            // SAFETY: as above, for one row.
-                            write(t, g, unsafe { kernel(w, hi, lo) });
+                            unsafe { tiles.run(w, &tile[..n], write) };
                         }
                     }
                 }
