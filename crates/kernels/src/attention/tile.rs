@@ -169,22 +169,55 @@ fn transpose_keys(kv: &HeadKv<'_>, span: Range<usize>, kt: &mut Vec<f32>) {
     let chunks = span.len().div_ceil(LANES);
     kt.clear();
     kt.resize(chunks * head_dim * LANES, 0.0);
-    let zeros = [0f32; LANES];
+    // A missing key (past the span's end) reads zeros.
+    let zeros = vec![0f32; head_dim];
+    let k = kv.kv.k;
     let mut offsets = kv.offsets(span);
     for chunk in kt.chunks_exact_mut(head_dim * LANES) {
-        let keys: [Option<usize>; LANES] = std::array::from_fn(|_| offsets.next());
+        // Each key's row, found once per chunk: the loads below are then plain loads the core
+        // can overlap (a lookup per load, through a call, serialized the cache misses).
+        let keys: [&[f32]; LANES] = std::array::from_fn(|_| {
+            offsets
+                .next()
+                .map_or(&zeros[..], |at| &k[at..at + head_dim])
+        });
+        for key in &keys {
+            prefetch_ahead(key, KEYS_AHEAD * head_dim);
+        }
         for d0 in (0..head_dim).step_by(LANES) {
-            let rows: [__m512; LANES] = std::array::from_fn(|l| {
-                let row = keys[l].map_or(&zeros[..], |at| &kv.kv.k[at + d0..at + d0 + LANES]);
-                // SAFETY: 16 values (a slice of that length).
-                unsafe { _mm512_loadu_ps(row.as_ptr()) }
-            });
+            let mut rows = [_mm512_setzero_ps(); LANES];
+            for (row, key) in rows.iter_mut().zip(&keys) {
+                // SAFETY: `d0 + 16 <= head_dim`, the length of every slice in `keys`.
+                *row = unsafe { _mm512_loadu_ps(key.as_ptr().add(d0)) };
+            }
             for (dd, column) in transpose16(rows).into_iter().enumerate() {
                 let at = (d0 + dd) * LANES;
                 // SAFETY: 16 values (a slice of that length).
                 unsafe { _mm512_storeu_ps(chunk[at..at + LANES].as_mut_ptr(), column) };
             }
         }
+    }
+}
+
+/// How far ahead (in keys) the transposition prefetches keys: it reads sixteen keys a
+/// column slice at a time, a pattern the hardware prefetcher follows late on a short run of
+/// keys, and a head's keys lie one after another (in a block of the paged cache, or the whole
+/// run of a dense one). Measured on Zen 4 (`attention` probe, 30 layers, 2 threads): -20 %
+/// at 128 keys, -12 % for 4-5 query rows at 256, even at 1024; prefetching the values too
+/// made long contexts slower.
+const KEYS_AHEAD: usize = 2 * LANES;
+
+/// Prefetches the cache lines of `row`'s span moved `ahead` floats on (the key `ahead /
+/// head_dim` rows later when the keys are contiguous; a hint only, so an address past the
+/// buffer or in another block costs nothing but the wasted fetch).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn prefetch_ahead(row: &[f32], ahead: usize) {
+    const LINE_FLOATS: usize = 16;
+    let base = row.as_ptr().wrapping_add(ahead);
+    for offset in (0..row.len()).step_by(LINE_FLOATS) {
+        // A prefetch never faults, whatever the address.
+        _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(offset).cast());
     }
 }
 
