@@ -14,10 +14,12 @@
 //! Masks are explicit boolean tensors (`true` = masked) built from positions, never
 //! `is_causal`: burn 0.21's kernels disagree on how `is_causal` aligns when query and key
 //! lengths differ; a mask is `[rows, q_len, keys]`, shared by the heads. Grouped-query
-//! attention never copies K/V: in both groups a row's queries are regrouped as
-//! `[rows, n_kv_heads, n_rep * q_len, head_dim]` so each KV head serves its `n_rep` query heads
-//! in one call of [`InferenceBackend::grouped_attention`] (the HF/Meta rule: query head `h`
-//! uses KV head `h / n_rep`). On the cpu backend that call sums over each query's visible keys
+//! attention never copies K/V: both groups hand their token-major queries to a backend hook
+//! ([`InferenceBackend::packed_attention`], [`InferenceBackend::cached_attention`]), which
+//! regroups a row's queries as `[rows, n_kv_heads, n_rep * q_len, head_dim]` so each KV head
+//! serves its `n_rep` query heads in one call of the attention kernel (the HF/Meta rule: query
+//! head `h` uses KV head `h / n_rep`); the defaults regroup through burn's permutes, the cpu
+//! backend by row copies. On the cpu backend that call sums over each query's visible keys
 //! only, so a sequence's outputs do not depend on what it was batched with.
 
 use burn::tensor::backend::Backend;
@@ -213,10 +215,9 @@ pub fn attend<B: InferenceBackend>(
 ) -> Tensor<B, 2> {
     let [n_tokens, n_heads, head_dim] = q.dims();
     debug_assert_eq!(n_heads, plan.n_heads);
+    debug_assert_eq!(k.dims()[1], plan.n_kv_heads);
     cache.write(layer, &plan.step, k.clone(), v.clone());
 
-    let n_kv = plan.n_kv_heads;
-    let n_rep = n_heads / n_kv;
     let mut outputs = Vec::with_capacity(2);
     if let Some(fresh) = &plan.fresh {
         let pick = |t: Tensor<B, 3>| match &fresh.gather {
@@ -234,14 +235,10 @@ pub fn attend<B: InferenceBackend>(
         let (rows, max_new) = (hist.rows, hist.max_new);
         let q = q
             .select(0, hist.gather.clone())
-            .reshape([rows, max_new, n_heads, head_dim])
-            .swap_dims(1, 2)
-            .reshape([rows, n_kv, n_rep * max_new, head_dim]);
+            .reshape([rows, max_new, n_heads, head_dim]);
         let out = B::cached_attention(q, cache.read(layer, &hist.read), hist.mask.clone());
         outputs.push(
-            out.reshape([rows, n_heads, max_new, head_dim])
-                .swap_dims(1, 2)
-                .reshape([rows * max_new, n_heads * head_dim])
+            out.reshape([rows * max_new, n_heads * head_dim])
                 .select(0, hist.keep.clone()),
         );
     }
@@ -294,8 +291,9 @@ pub fn sdpa_packed<B: InferenceBackend>(
         .reshape([len, n_heads * head_dim])
 }
 
-/// The default [`InferenceBackend::cached_attention`]: the K/V gathered into one tensor,
-/// cast to `q`'s dtype, then [`InferenceBackend::grouped_attention`].
+/// The default [`InferenceBackend::cached_attention`]: the queries regrouped head-major
+/// (`[rows, n_kv_heads, n_rep * q_len, head_dim]`), the K/V gathered into one tensor, cast to
+/// `q`'s dtype, [`InferenceBackend::grouped_attention`], and the output regrouped back.
 ///
 /// # Shapes
 /// As [`InferenceBackend::cached_attention`].
@@ -304,9 +302,16 @@ pub fn sdpa_cached<B: InferenceBackend>(
     kv: CachedKv<'_, B>,
     mask: Tensor<B, 3, Bool>,
 ) -> Tensor<B, 4> {
+    let [rows, q_len, n_heads, head_dim] = q.dims();
+    let n_kv = kv.k.dims()[1];
     let dtype = FloatDType::from(q.dtype());
+    let q = q
+        .swap_dims(1, 2)
+        .reshape([rows, n_kv, n_heads / n_kv * q_len, head_dim]);
     let (k, v) = kv.gather();
     B::grouped_attention(q, k.cast(dtype), v.cast(dtype), mask)
+        .reshape([rows, n_heads, q_len, head_dim])
+        .swap_dims(1, 2)
 }
 
 /// [`sdpa`] for grouped queries and a mask shared by the heads: the mask is expanded over

@@ -210,7 +210,8 @@ mod flex_attention {
         out
     }
 
-    /// Attention over the cache's K/V where they lie: no gather per layer.
+    /// Attention over the cache's K/V where they lie (no gather per layer), the token-major
+    /// queries of each row regrouped head-major and back by row copies.
     pub(super) fn cached(
         q: Tensor<Flex, 4>,
         kv: CachedKv<'_, Flex>,
@@ -219,8 +220,16 @@ mod flex_attention {
         if !all_f32(&[q.dtype(), kv.k.dtype(), kv.v.dtype()]) {
             return crate::attention::sdpa_cached(q, kv, mask);
         }
-        let slots = kv.k.dims()[2];
-        let shape = attention_shape(&q, &mask, mask.dims()[2]);
+        let dims @ [rows, q_len, n_heads, head_dim] = q.dims();
+        let [_, n_kv_heads, slots, _] = kv.k.dims();
+        let shape = AttentionShape {
+            batch: rows,
+            n_kv_heads,
+            n_rep: n_heads / n_kv_heads,
+            q_len,
+            keys: mask.dims()[2],
+            head_dim,
+        };
         let table = kv.table().to_vec();
         let (k, v) = (host(kv.k), host(kv.v));
         let blocks = KvBlocks {
@@ -229,7 +238,23 @@ mod flex_attention {
             table: &table,
             block_keys: slots,
         };
-        run(shape, q, blocks, mask)
+        let q = host(q);
+        // One query per row (a decode step) is already head-major.
+        let regroup = |x: &[f32], a: usize, b: usize| -> Vec<f32> {
+            if q_len == 1 {
+                return x.to_vec();
+            }
+            x.chunks_exact(q_len * n_heads * head_dim)
+                .flat_map(|row| transpose_rows(row, a, b, head_dim))
+                .collect()
+        };
+        let q = regroup(f32_slice(&q), q_len, n_heads);
+        let mut out = vec![0f32; q.len()];
+        with_mask(mask, |mask| {
+            attention_blocks(shape, &q, blocks, mask, &mut out, ThreadPool::global())
+        })
+        .expect("the shapes were taken from the tensors");
+        wrap(regroup(&out, n_heads, q_len), dims)
     }
 
     /// The kernel's view of `q` (`[batch, n_kv_heads, n_rep * q_len, head_dim]`) and `mask`

@@ -287,12 +287,16 @@ pub trait InferenceBackend: Backend {
         crate::attention::sdpa_grouped(q, k, v, mask)
     }
 
-    /// [`grouped_attention`](Self::grouped_attention) of history rows over their cached K/V.
-    /// The default gathers the K/V each row reads into one tensor (cast to `q`'s dtype);
-    /// the cpu backend reads them where the cache keeps them, through the block table.
+    /// [`grouped_attention`](Self::grouped_attention) of history rows over their cached K/V,
+    /// the queries token-major as the projections give them. The default regroups them
+    /// head-major, gathers the K/V each row reads into one tensor (cast to `q`'s dtype) and
+    /// regroups the output back; the cpu backend regroups with row copies (burn-flex copies a
+    /// permuted view a value at a time) and reads the K/V where the cache keeps them, through
+    /// the block table.
     ///
     /// # Shapes
-    /// - `q`: `[rows, n_kv_heads, n_rep * q_len, head_dim]`
+    /// - `q`: `[rows, q_len, n_heads, head_dim]` (query head `kv * n_rep + rep` serves KV head
+    ///   `kv`)
     /// - `mask`: `[rows, q_len, keys]`
     /// - returns the shape of `q`
     fn cached_attention(
