@@ -253,6 +253,8 @@ impl QuantMatrix {
                         let w = &self.data[g * group_bytes..(g + 1) * group_bytes];
                         for start in pass.clone().step_by(TILE) {
                             let n = (pass.end - start).min(TILE);
+                            // An array (no allocation per tile): the slots past `n` repeat
+                            // the last row and are not passed on.
                             let tile: [_; TILE] =
                                 std::array::from_fn(|i| acts(start + i.min(n - 1)));
                             let write = |i: usize, y: [f32; GROUP]| {

@@ -186,25 +186,30 @@ mod flex_attention {
         // Query head `kv * n_rep + rep` at position `i` is row `rep * len + i` of KV head
         // `kv`: head-major `[n_heads, len, head_dim]` is the kernel's layout.
         let (q, k, v) = (host(q), host(k), host(v));
-        let q = transpose_rows(f32_slice(&q), len, n_heads, head_dim);
-        let k = transpose_rows(f32_slice(&k), len, n_kv_heads, head_dim);
-        let v = transpose_rows(f32_slice(&v), len, n_kv_heads, head_dim);
+        let q = transpose_rows(f32_slice(&q), 1, len, n_heads, head_dim);
+        let k = transpose_rows(f32_slice(&k), 1, len, n_kv_heads, head_dim);
+        let v = transpose_rows(f32_slice(&v), 1, len, n_kv_heads, head_dim);
         let mut out = vec![0f32; q.len()];
         with_mask(mask, |mask| {
             attention(shape, &q, &k, &v, mask, &mut out, ThreadPool::global())
         })
         .expect("the shapes were taken from the tensors");
-        let out = transpose_rows(&out, n_heads, len, head_dim);
+        let out = transpose_rows(&out, 1, n_heads, len, head_dim);
         wrap(out, [len, n_heads * head_dim])
     }
 
-    /// `[a, b, width]` → `[b, a, width]`, a row of `width` values at a time.
-    fn transpose_rows(x: &[f32], a: usize, b: usize, width: usize) -> Vec<f32> {
-        debug_assert_eq!(x.len(), a * b * width);
+    /// `[batch, a, b, width]` → `[batch, b, a, width]`, a row of `width` values at a time.
+    fn transpose_rows(x: &[f32], batch: usize, a: usize, b: usize, width: usize) -> Vec<f32> {
+        debug_assert_eq!(x.len(), batch * a * b * width);
         let mut out = vec![0f32; x.len()];
-        for (i, rows) in x.chunks_exact(b * width).enumerate() {
-            for (j, row) in rows.chunks_exact(width).enumerate() {
-                out[(j * a + i) * width..][..width].copy_from_slice(row);
+        for (x, out) in x
+            .chunks_exact(a * b * width)
+            .zip(out.chunks_exact_mut(a * b * width))
+        {
+            for (i, rows) in x.chunks_exact(b * width).enumerate() {
+                for (j, row) in rows.chunks_exact(width).enumerate() {
+                    out[(j * a + i) * width..][..width].copy_from_slice(row);
+                }
             }
         }
         out
@@ -239,22 +244,13 @@ mod flex_attention {
             block_keys: slots,
         };
         let q = host(q);
-        // One query per row (a decode step) is already head-major.
-        let regroup = |x: &[f32], a: usize, b: usize| -> Vec<f32> {
-            if q_len == 1 {
-                return x.to_vec();
-            }
-            x.chunks_exact(q_len * n_heads * head_dim)
-                .flat_map(|row| transpose_rows(row, a, b, head_dim))
-                .collect()
-        };
-        let q = regroup(f32_slice(&q), q_len, n_heads);
+        let q = transpose_rows(f32_slice(&q), rows, q_len, n_heads, head_dim);
         let mut out = vec![0f32; q.len()];
         with_mask(mask, |mask| {
             attention_blocks(shape, &q, blocks, mask, &mut out, ThreadPool::global())
         })
         .expect("the shapes were taken from the tensors");
-        wrap(regroup(&out, n_heads, q_len), dims)
+        wrap(transpose_rows(&out, rows, n_heads, q_len, head_dim), dims)
     }
 
     /// The kernel's view of `q` (`[batch, n_kv_heads, n_rep * q_len, head_dim]`) and `mask`
@@ -486,17 +482,17 @@ mod flex_write {
         ranges: &[Range<usize>; 4],
         src: &FlexTensor,
     ) -> bool {
-        let shape = dst.layout().shape().clone();
-        let dims: Vec<usize> = shape.iter().copied().collect();
+        let Ok(dims) = <[usize; 4]>::try_from(dst.layout().shape().as_ref()) else {
+            return false;
+        };
         let contiguous = dst.is_contiguous() && dst.layout().start_offset() == 0;
         let in_bounds = ranges.iter().zip(&dims).all(|(r, &d)| r.end <= d);
         let blocky = ranges[0].len() == 1 && ranges[3] == (0..dims[3]);
         if !contiguous || !in_bounds || !blocky || src.dtype() != dst.dtype() {
             return false;
         }
-        let src_dims: Vec<usize> = src.layout().shape().iter().copied().collect();
         let expected = [1, ranges[1].len(), ranges[2].len(), dims[3]];
-        if src_dims != expected {
+        if !src.layout().shape().iter().copied().eq(expected) {
             return false;
         }
         // The new K/V arrive as a view `[1, heads, tokens, head_dim]` of token-major rows:
