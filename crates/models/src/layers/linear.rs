@@ -50,19 +50,16 @@ impl<B: InferenceBackend> Linear<B> {
         }
     }
 
-    /// One layer computing `parts`' outputs side by side (`[n, Σ d_out]`), when every part's
-    /// weight is quantized with the same type and width: projections of one input (Q, K and
-    /// V; gate and up) then quantize it once and run as one product on the pool, with the
-    /// same bits as apart. `None` otherwise (dense weights keep their own products, whose
-    /// rounding may depend on the width).
+    /// One layer computing `parts`' outputs side by side (`[n, Σ d_out]`), when every part
+    /// reads the same input width and every weight is dense in one dtype, or quantized with
+    /// one type: projections of one input (Q, K and V; gate and up) then run as one product,
+    /// one dispatch to the pool instead of two or three (and a quantized input is quantized
+    /// once). On the cpu backend the outputs keep the bits of the parts apart (kiln's kernels
+    /// order each output's sum by the input width and the thread count) unless the wider
+    /// product crosses into another split of the work (`dense`'s column split past 8192
+    /// outputs); other backends' products may round a wider product differently. Both stay
+    /// within the parity tolerances. `None` when the parts differ.
     pub fn fuse_outputs(parts: &[&Linear<B>]) -> Option<Self> {
-        let matrices: Vec<&QuantMatrix> = parts
-            .iter()
-            .map(|l| match &l.weight {
-                LinearWeight::Quantized(w) => Some(w.as_ref()),
-                LinearWeight::Dense(_) => None,
-            })
-            .collect::<Option<_>>()?;
         let bias = match parts
             .iter()
             .map(|l| l.bias.clone())
@@ -72,15 +69,47 @@ impl<B: InferenceBackend> Linear<B> {
             None if parts.iter().all(|l| l.bias.is_none()) => None,
             None => return None,
         };
-        let weight = QuantMatrix::concat_rows(&matrices).ok()?;
-        Some(Self {
-            weight: LinearWeight::Quantized(Arc::new(weight)),
-            bias,
-        })
+        let weight = match parts.first().map(|l| &l.weight)? {
+            LinearWeight::Dense(_) => LinearWeight::Dense(fuse_dense(parts)?),
+            LinearWeight::Quantized(_) => {
+                LinearWeight::Quantized(Arc::new(fuse_quantized(parts)?))
+            }
+        };
+        Some(Self { weight, bias })
     }
 
     /// Whether the weight is kept quantized.
     pub fn is_quantized(&self) -> bool {
         matches!(self.weight, LinearWeight::Quantized(_))
     }
+}
+
+/// `parts`' dense `[d_in, d_out_i]` weights side by side, `[d_in, Σ d_out_i]`; `None` unless
+/// every weight is dense, with one input width and one dtype.
+fn fuse_dense<B: InferenceBackend>(parts: &[&Linear<B>]) -> Option<Tensor<B, 2>> {
+    let weights: Vec<&Tensor<B, 2>> = parts
+        .iter()
+        .map(|l| match &l.weight {
+            LinearWeight::Dense(w) => Some(w),
+            LinearWeight::Quantized(_) => None,
+        })
+        .collect::<Option<_>>()?;
+    let (first, rest) = weights.split_first()?;
+    let same = |w: &&Tensor<B, 2>| w.dims()[0] == first.dims()[0] && w.dtype() == first.dtype();
+    rest.iter()
+        .all(same)
+        .then(|| Tensor::cat(weights.into_iter().cloned().collect(), 1))
+}
+
+/// `parts`' quantized weights stacked by output rows; `None` unless every weight is
+/// quantized and [`QuantMatrix::concat_rows`] can join them (one type, one width).
+fn fuse_quantized<B: InferenceBackend>(parts: &[&Linear<B>]) -> Option<QuantMatrix> {
+    let matrices: Vec<&QuantMatrix> = parts
+        .iter()
+        .map(|l| match &l.weight {
+            LinearWeight::Quantized(w) => Some(w.as_ref()),
+            LinearWeight::Dense(_) => None,
+        })
+        .collect::<Option<_>>()?;
+    QuantMatrix::concat_rows(&matrices).ok()
 }
