@@ -1,10 +1,11 @@
 //! f32 matrix products with many activation rows (a prefill's hundreds of tokens) on the
 //! exact path, `out = x · w` with `w` in kiln's `Linear` layout `[d_in, d_out]`.
 //!
-//! Register blocking as in BLIS: each task owns a block of output rows and a block of
-//! 64 output columns, copies those weight columns once into a scratch buffer of
-//! 32-wide panels (`[panel][k][32]`, contiguous, zero-padded past `n`), then walks its
-//! rows in tiles (AVX-512: 12 rows × 32 columns, 24 accumulator registers; the portable
+//! Register blocking as in BLIS: each task owns 32 or 64 output columns (and all rows, unless
+//! the columns alone make too few tasks for the threads; [`Blocks`]), copies those weight
+//! columns once into a scratch buffer of 32-wide panels (`[panel][k][32]`, contiguous,
+//! zero-padded past `n`: 74 KiB a panel at k = 576, 197 KiB at k = 1536, in L2), then walks
+//! its rows in tiles (AVX-512: 12 rows × 32 columns, 24 accumulator registers; the portable
 //! tile, 3 × 32): per step of `k`, two loads of the panel, one broadcast per row, two fused
 //! multiply-adds per row. The whole `k` is summed in registers and each output is written
 //! once.
@@ -19,14 +20,6 @@ use crate::tier::Tier;
 
 /// Columns of a packed panel: two AVX-512 registers.
 const PANEL: usize = 32;
-
-/// Output columns per task: the task's packed weights (`k × 64` floats: 147 KiB at k = 576,
-/// 393 KiB at k = 1536) stay in L2 while its row tiles stream past them.
-const BLOCK_COLS: usize = 2 * PANEL;
-
-/// Output rows per task: enough tiles to pay for packing the weights, few enough that a
-/// 512-row prefill still makes several tasks per thread.
-const BLOCK_ROWS: usize = 8 * MAX_TILE_ROWS;
 
 /// Rows of the widest tile (AVX-512: 12 × 2 accumulators + 2 panel loads + 1 broadcast of the
 /// 32 registers).
@@ -71,15 +64,12 @@ pub fn gemm_in_out_with(
     if m == 0 || n == 0 {
         return;
     }
-    let col_blocks = n.div_ceil(BLOCK_COLS);
-    let row_blocks = m.div_ceil(BLOCK_ROWS);
+    let blocks = Blocks::new(m, n, pool.threads());
     let out = SharedOut::new(out);
-    pool.run(col_blocks * row_blocks, &|task| {
-        let (cb, rb) = (task / row_blocks, task % row_blocks);
-        let cols = cb * BLOCK_COLS..((cb + 1) * BLOCK_COLS).min(n);
-        let rows = rb * BLOCK_ROWS..((rb + 1) * BLOCK_ROWS).min(m);
-        PACKED.with_borrow_mut(|packed| {
-            pack_panels(w, k, n, cols.clone(), packed);
+    pool.run(blocks.tasks(), &|task| {
+        let (cols, rows) = blocks.task(task);
+        PACKED.with_borrow_mut(|scratch| {
+            let packed = pack_panels(w, k, n, cols.clone(), scratch);
             let job = Task {
                 x,
                 k,
@@ -104,19 +94,76 @@ pub fn gemm_in_out_with(
     });
 }
 
-/// Copies the columns `cols` of `w` into `[panel][k][PANEL]` panels, zero past the last column.
-fn pack_panels(w: &[f32], k: usize, n: usize, cols: std::ops::Range<usize>, packed: &mut Vec<f32>) {
+/// How a product's outputs split into tasks: by columns first, so that each weight column
+/// is packed once per call (a task splitting rows too packs its columns again); by rows as
+/// well only when the columns alone make too few tasks to keep every thread busy.
+struct Blocks {
+    m: usize,
+    n: usize,
+    /// Columns per task: one or two panels.
+    cols: usize,
+    /// Rows per task, a multiple of the widest tile.
+    rows: usize,
+}
+
+impl Blocks {
+    fn new(m: usize, n: usize, threads: usize) -> Self {
+        // Two-panel tasks read each row tile once for both panels' loads; one-panel tasks
+        // halve the granularity where two would leave threads unevenly loaded.
+        let cols = if n.div_ceil(2 * PANEL) >= 8 * threads {
+            2 * PANEL
+        } else {
+            PANEL
+        };
+        let col_tasks = n.div_ceil(cols);
+        let row_blocks = (4 * threads)
+            .div_ceil(col_tasks)
+            .min(m.div_ceil(MAX_TILE_ROWS))
+            .max(1);
+        let rows = m.div_ceil(row_blocks).next_multiple_of(MAX_TILE_ROWS);
+        Self { m, n, cols, rows }
+    }
+
+    fn tasks(&self) -> usize {
+        self.n.div_ceil(self.cols) * self.m.div_ceil(self.rows)
+    }
+
+    /// Task `task`'s (columns, rows); a column block's row blocks are consecutive tasks.
+    fn task(&self, task: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        let row_blocks = self.m.div_ceil(self.rows);
+        let (cb, rb) = (task / row_blocks, task % row_blocks);
+        (
+            cb * self.cols..((cb + 1) * self.cols).min(self.n),
+            rb * self.rows..((rb + 1) * self.rows).min(self.m),
+        )
+    }
+}
+
+/// Copies the columns `cols` of `w` into `[panel][k][PANEL]` panels in `scratch`, zero past
+/// the last column, and returns them.
+fn pack_panels<'s>(
+    w: &[f32],
+    k: usize,
+    n: usize,
+    cols: std::ops::Range<usize>,
+    scratch: &'s mut Vec<f32>,
+) -> &'s [f32] {
     let panels = cols.len().div_ceil(PANEL);
-    packed.clear();
-    packed.resize(panels * k * PANEL, 0.0);
+    let len = panels * k * PANEL;
+    if scratch.len() < len {
+        scratch.resize(len, 0.0);
+    }
+    let packed = &mut scratch[..len];
     for p in 0..panels {
         let start = cols.start + p * PANEL;
         let width = (cols.end - start).min(PANEL);
         let panel = &mut packed[p * k * PANEL..(p + 1) * k * PANEL];
         for (i, dst) in panel.chunks_exact_mut(PANEL).enumerate() {
             dst[..width].copy_from_slice(&w[i * n + start..i * n + start + width]);
+            dst[width..].fill(0.0);
         }
     }
+    packed
 }
 
 /// One task: output rows `rows` × columns `cols`, with those columns' weights packed.

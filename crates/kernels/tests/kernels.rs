@@ -244,9 +244,11 @@ proptest! {
     #[test]
     fn gemm_equals_the_in_order_fused_sum_on_every_tier(
         k in 1usize..100,
-        // Partial panels (n % 32), partial column blocks (n % 64) and several of each.
-        n in 1usize..200,
-        // Partial tiles of every height (m % 12, m % 3) and more than one row block (96).
+        // Partial panels (n % 32) in one-panel blocks, and above 8 × 64 × threads columns
+        // two-panel blocks with partial ones (n % 64).
+        n in prop_oneof![1usize..200, 1500usize..1600],
+        // Partial tiles of every height (m % 12, m % 3), and row blocks where the columns
+        // alone make fewer than four tasks per thread.
         m in 1usize..230, threads in 1usize..4, seed in any::<u64>(),
     ) {
         let mut rng = Rng(seed | 1);
