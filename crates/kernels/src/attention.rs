@@ -389,16 +389,13 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// The exponential's constants, shared by `exp8` and the tile kernel's `exp16` so that both
-/// give the same value for each lane: inputs below `EXP_MIN` give 0; ln 2 split in two so that
-/// `n × LN2_HI` is exact; Cephes' `expf` polynomial, highest degree first.
-#[cfg(target_arch = "x86_64")]
-const EXP_MIN: f32 = -87.336_55;
-#[cfg(target_arch = "x86_64")]
-const LN2_HI: f32 = 0.693_359_4;
-#[cfg(target_arch = "x86_64")]
-const LN2_LO: f32 = -2.121_944_4e-4;
-#[cfg(target_arch = "x86_64")]
-const EXP_POLY: [f32; 6] = [
+/// give the same value for each lane (and by SwiGLU's `rowwise::exp`): inputs below `EXP_MIN`
+/// give 0; ln 2 split in two so that `n × LN2_HI` is exact; Cephes' `expf` polynomial,
+/// highest degree first.
+pub(crate) const EXP_MIN: f32 = -87.336_55;
+pub(crate) const LN2_HI: f32 = 0.693_359_4;
+pub(crate) const LN2_LO: f32 = -2.121_944_4e-4;
+pub(crate) const EXP_POLY: [f32; 6] = [
     1.987_569_1e-4,
     1.398_199_9e-3,
     8.333_452e-3,

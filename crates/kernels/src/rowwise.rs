@@ -13,6 +13,7 @@ use std::ops::Range;
 
 use crate::SharedOut;
 use crate::pool::ThreadPool;
+use crate::tier::Tier;
 
 /// Lanes of the sum of squares: a fixed order that vectorizes, so every tier and every
 /// machine sums the same way.
@@ -148,7 +149,8 @@ pub fn rotate_half(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &m
 
 /// SwiGLU's gating, `silu(g) × u`, for rows holding the gate's outputs then up's
 /// (`[g | u]`, a fused gate-and-up product): one pass where burn slices, applies SiLU and
-/// multiplies in three. `silu(g) = g / (1 + e^-g)`.
+/// multiplies in three. `silu(g) = g / (1 + e^-g)`, with [`exp`] (within 2 ulp of libm's,
+/// and the same bits on every tier), on the active tier.
 ///
 /// # Shapes
 /// - `gate_up`: `[rows, 2 d_ff]` → `out`: `[rows, d_ff]`
@@ -156,20 +158,86 @@ pub fn rotate_half(x: &[f32], cos: &[f32], sin: &[f32], head_dim: usize, out: &m
 /// # Panics
 /// If the lengths do not fit those shapes.
 pub fn swiglu(gate_up: &[f32], d_ff: usize, out: &mut [f32]) {
+    swiglu_with(gate_up, d_ff, out, Tier::active());
+}
+
+/// [`swiglu`] on a given tier: every tier computes the same operations, so the same bits;
+/// the SIMD tiers only let the compiler run them on eight or sixteen lanes.
+///
+/// # Panics
+/// As [`swiglu`], and if this CPU cannot run `tier`.
+pub fn swiglu_with(gate_up: &[f32], d_ff: usize, out: &mut [f32], tier: Tier) {
     assert!(
         d_ff > 0 && gate_up.len().is_multiple_of(2 * d_ff),
         "gate_up is not whole rows of 2 × {d_ff}"
     );
     assert_eq!(out.len() * 2, gate_up.len(), "out is not [rows, {d_ff}]");
+    assert!(
+        tier.is_supported(),
+        "kernel tier {tier} is not supported on this CPU"
+    );
+    match tier {
+        Tier::Scalar => swiglu_rows(gate_up, d_ff, out),
+        // SAFETY: the tier's features were checked above.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx2 => unsafe { swiglu_avx2(gate_up, d_ff, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512Vnni => unsafe { swiglu_avx512(gate_up, d_ff, out) },
+        #[allow(unreachable_patterns)]
+        _ => unreachable!("no such tier on this architecture"),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn swiglu_avx2(gate_up: &[f32], d_ff: usize, out: &mut [f32]) {
+    swiglu_rows(gate_up, d_ff, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl,fma")]
+fn swiglu_avx512(gate_up: &[f32], d_ff: usize, out: &mut [f32]) {
+    swiglu_rows(gate_up, d_ff, out);
+}
+
+#[inline(always)]
+fn swiglu_rows(gate_up: &[f32], d_ff: usize, out: &mut [f32]) {
     for (row, out) in gate_up
         .chunks_exact(2 * d_ff)
         .zip(out.chunks_exact_mut(d_ff))
     {
         let (gate, up) = row.split_at(d_ff);
         for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-            *o = g / (1.0 + (-g).exp()) * u;
+            *o = g / (1.0 + exp(-g)) * u;
         }
     }
+}
+
+/// Inputs above this make `e^x` overflow f32; [`exp`] clamps to it (`e^88.37` ≈ 2.5e38).
+const EXP_MAX: f32 = 88.376_26;
+
+/// `e^x` in plain f32 operations that compile to SIMD lanes (libm's `expf` is a call per
+/// value): the steps of the attention kernel's `exp8` (`x = n ln 2 + r`, Cephes' degree-6
+/// polynomial for `e^r`, `2^n` through the exponent bits), with `x` clamped to the range
+/// where `2^n` is a normal number, so below -87.3 it gives about 1e-38 instead of 0 and above
+/// 88.4 about 2.5e38 instead of infinity. Fused multiply-adds are `mul_add`, rounded once
+/// whether or not the tier has FMA, so every tier gives the same bits.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    use crate::attention::{EXP_MIN, EXP_POLY, LN2_HI, LN2_LO};
+    let x = x.clamp(EXP_MIN, EXP_MAX);
+    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
+    let r = (-n).mul_add(LN2_HI, x);
+    let r = (-n).mul_add(LN2_LO, r);
+    let mut p = EXP_POLY[0];
+    for c in &EXP_POLY[1..] {
+        p = p.mul_add(r, *c);
+    }
+    let e_r = p.mul_add(r * r, r) + 1.0;
+    // n is an integer in -126..=127 after the clamp: n + 127 is a normal exponent.
+    let two_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    e_r * two_n
 }
 
 #[cfg(test)]
@@ -205,6 +273,59 @@ mod tests {
         let want = [0.0, silu(1.0) * 4.0, silu(-2.0) * 5.0];
         for (o, w) in out.iter().zip(want.iter().chain(&[silu(1.0); 3])) {
             assert!((f64::from(*o) - w).abs() < 1e-6, "{o} vs {w}");
+        }
+    }
+
+    /// Distance in units in the last place between two finite positive floats.
+    fn ulps(a: f32, b: f32) -> u32 {
+        a.to_bits().abs_diff(b.to_bits())
+    }
+
+    #[test]
+    fn exp_is_within_two_ulp_of_libm_and_clamps_outside_the_normal_range() {
+        let mut x = -87.3f32;
+        while x < 88.3 {
+            let (got, want) = (exp(x), x.exp());
+            assert!(ulps(got, want) <= 2, "e^{x}: {got} against libm's {want}");
+            x += 0.0137;
+        }
+        for tiny in [-0.0, 0.0, 1e-30, -1e-30] {
+            assert_eq!(exp(tiny), 1.0);
+        }
+        // Clamped, not 0 or infinite: what SwiGLU needs of a gate's extremes.
+        assert_eq!(exp(-1000.0), exp(-87.336_55));
+        assert!(exp(-1000.0) > 0.0 && exp(-1000.0) < 1.2e-38);
+        assert!(exp(1000.0).is_finite() && exp(1000.0) > 2.4e38);
+        assert_eq!(exp(f32::INFINITY), exp(1000.0));
+    }
+
+    #[test]
+    fn swiglu_gives_the_same_bits_on_every_tier() {
+        let d_ff = 37;
+        let gate_up: Vec<f32> = (0..5 * 2 * d_ff)
+            .map(|i| (i as f32 * 0.731).sin() * 12.0 - 1.5)
+            .collect();
+        let mut scalar = vec![0.0; 5 * d_ff];
+        swiglu_with(&gate_up, d_ff, &mut scalar, Tier::Scalar);
+        for (i, o) in scalar.iter().enumerate() {
+            let (g, u) = (
+                f64::from(gate_up[(i / d_ff) * 2 * d_ff + i % d_ff]),
+                f64::from(gate_up[(i / d_ff) * 2 * d_ff + d_ff + i % d_ff]),
+            );
+            let want = g / (1.0 + (-g).exp()) * u;
+            assert!(
+                (f64::from(*o) - want).abs() <= 1e-6 * want.abs().max(1.0),
+                "{o} vs {want}"
+            );
+        }
+        for tier in Tier::supported() {
+            let mut out = vec![f32::NAN; 5 * d_ff];
+            swiglu_with(&gate_up, d_ff, &mut out, tier);
+            assert_eq!(
+                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                scalar.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{tier}"
+            );
         }
     }
 
