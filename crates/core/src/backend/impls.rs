@@ -84,6 +84,13 @@ impl InferenceBackend for burn::backend::Flex {
     fn swiglu(gate_up: burn::tensor::Tensor<Self, 2>) -> burn::tensor::Tensor<Self, 2> {
         flex_rowwise::swiglu(gate_up)
     }
+
+    fn split_columns<const N: usize>(
+        x: burn::tensor::Tensor<Self, 2>,
+        widths: [usize; N],
+    ) -> [burn::tensor::Tensor<Self, 2>; N] {
+        flex_rowwise::split_columns(x, widths)
+    }
 }
 
 /// burn-flex's host buffers, as kiln's kernels read and write them.
@@ -309,8 +316,8 @@ mod flex_attention {
     }
 }
 
-/// RMSNorm, rotary embeddings and SwiGLU's gating on burn-flex as single passes over flex's host buffers (f32;
-/// other dtypes take burn's composition).
+/// RMSNorm, rotary embeddings, SwiGLU's gating and column splits on burn-flex as single
+/// passes over flex's host buffers (f32; other dtypes take burn's composition).
 #[cfg(feature = "cpu")]
 mod flex_rowwise {
     use burn::backend::Flex;
@@ -337,6 +344,33 @@ mod flex_rowwise {
             rowwise::rms_norm(&x[rows.start * d..rows.end * d], gamma, eps as f32, out);
         });
         wrap(out, dims)
+    }
+
+    pub(super) fn split_columns<const N: usize>(
+        x: Tensor<Flex, 2>,
+        widths: [usize; N],
+    ) -> [Tensor<Flex, 2>; N] {
+        let [n, width] = x.dims();
+        if x.dtype() != DType::F32 || widths.iter().sum::<usize>() != width {
+            let mut start = 0;
+            return widths.map(|w| {
+                start += w;
+                x.clone().slice([0..n, start - w..start])
+            });
+        }
+        let x = host(x);
+        let x = f32_slice(&x);
+        let mut parts = widths.map(|w| Vec::with_capacity(n * w));
+        for row in x.chunks_exact(width) {
+            let mut rest = row;
+            for (part, &w) in parts.iter_mut().zip(&widths) {
+                let (head, tail) = rest.split_at(w);
+                part.extend_from_slice(head);
+                rest = tail;
+            }
+        }
+        let mut parts = parts.into_iter();
+        widths.map(|w| wrap(parts.next().expect("one part per width"), [n, w]))
     }
 
     pub(super) fn swiglu(gate_up: Tensor<Flex, 2>) -> Tensor<Flex, 2> {

@@ -226,6 +226,24 @@ pub trait InferenceBackend: Backend {
         x.matmul(w.clone())
     }
 
+    /// `x`'s columns cut into consecutive parts of `widths` columns (a fused projection's
+    /// outputs: Q, K and V). The default slices, views that later reshapes may copy value by
+    /// value; the cpu backend copies each row's parts into contiguous tensors in one pass.
+    ///
+    /// # Shapes
+    /// - `x`: `[n, Σ widths]` → `[n, widths[i]]` each
+    fn split_columns<const N: usize>(
+        x: Tensor<Self, 2>,
+        widths: [usize; N],
+    ) -> [Tensor<Self, 2>; N] {
+        let n = x.dims()[0];
+        let mut start = 0;
+        widths.map(|w| {
+            start += w;
+            x.clone().slice([0..n, start - w..start])
+        })
+    }
+
     /// `x · wᵀ` for a weight kept in its quantized blocks in host memory, `x` in f32. The
     /// default reads `x` back to the host, runs kiln's CPU kernel and uploads the result:
     /// correct on every backend, fast where tensors live in host memory; the cpu backend

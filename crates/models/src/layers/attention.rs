@@ -69,12 +69,8 @@ impl<B: InferenceBackend> Attention<B> {
         );
         let (q, k, v) = match &self.qkv {
             QkvProjection::Fused(proj) => {
-                let qkv = proj.forward(x);
-                (
-                    qkv.clone().slice([0..n, 0..q_width]),
-                    qkv.clone().slice([0..n, q_width..q_width + kv_width]),
-                    qkv.slice([0..n, q_width + kv_width..q_width + 2 * kv_width]),
-                )
+                let [q, k, v] = B::split_columns(proj.forward(x), [q_width, kv_width, kv_width]);
+                (q, k, v)
             }
             QkvProjection::Split { q, k, v } => {
                 (q.forward(x.clone()), k.forward(x.clone()), v.forward(x))
