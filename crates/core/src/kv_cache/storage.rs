@@ -204,11 +204,13 @@ impl<B: InferenceBackend> SlotStorage<B> {
         for (store, new) in [(&mut self.k[layer], k), (&mut self.v[layer], v)] {
             let new = new.cast(self.dtype.burn_float());
             for run in runs {
+                // Unsqueezed before the swap, so both stay views: reshaping the swapped view
+                // would make burn-flex copy it value by value (`write_in_place` copies it once).
                 let values = new
                     .clone()
                     .slice([run.tokens.clone()])
-                    .swap_dims(0, 1)
-                    .unsqueeze_dim::<4>(0);
+                    .unsqueeze_dim::<4>(0)
+                    .swap_dims(1, 2);
                 let slots: Range<usize> = run.slot..run.slot + run.tokens.len();
                 B::write_in_place(
                     store,
