@@ -2,7 +2,7 @@
 //! exact path, `out = x · w` with `w` in kiln's `Linear` layout `[d_in, d_out]`.
 //!
 //! Register blocking as in BLIS: each task owns 32 or 64 output columns (and all rows, unless
-//! the columns alone make too few tasks for the threads; [`Blocks`]), copies those weight
+//! the columns alone make too few tasks for the threads; `Blocks`), copies those weight
 //! columns once into a scratch buffer of 32-wide panels (`[panel][k][32]`, contiguous,
 //! zero-padded past `n`: 74 KiB a panel at k = 576, 197 KiB at k = 1536, in L2), then walks
 //! its rows in tiles (AVX-512: 12 rows × 32 columns, 24 accumulator registers; the portable

@@ -71,9 +71,7 @@ impl<B: InferenceBackend> Linear<B> {
         };
         let weight = match parts.first().map(|l| &l.weight)? {
             LinearWeight::Dense(_) => LinearWeight::Dense(fuse_dense(parts)?),
-            LinearWeight::Quantized(_) => {
-                LinearWeight::Quantized(Arc::new(fuse_quantized(parts)?))
-            }
+            LinearWeight::Quantized(_) => LinearWeight::Quantized(Arc::new(fuse_quantized(parts)?)),
         };
         Some(Self { weight, bias })
     }
