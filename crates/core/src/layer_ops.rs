@@ -1,11 +1,13 @@
 //! The per-layer operations a backend may run as one kernel ([`InferenceBackend::rms_norm`],
-//! [`InferenceBackend::rotate_half`], [`InferenceBackend::swiglu`]), written here as burn
-//! compositions: the reference every
-//! backend gets by default, and what a fused override must equal up to the order of a sum.
+//! [`InferenceBackend::rotate_half`], [`InferenceBackend::swiglu`],
+//! [`InferenceBackend::split_columns`]), written here as burn compositions: the reference
+//! every backend gets by default, and what a fused override must equal up to the order of a
+//! sum.
 //!
 //! [`InferenceBackend::rms_norm`]: crate::InferenceBackend::rms_norm
 //! [`InferenceBackend::rotate_half`]: crate::InferenceBackend::rotate_half
 //! [`InferenceBackend::swiglu`]: crate::InferenceBackend::swiglu
+//! [`InferenceBackend::split_columns`]: crate::InferenceBackend::split_columns
 
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
@@ -59,4 +61,20 @@ pub fn swiglu<B: Backend>(gate_up: Tensor<B, 2>) -> Tensor<B, 2> {
     let gate = gate_up.clone().slice([0..n, 0..d_ff]);
     let up = gate_up.slice([0..n, d_ff..width]);
     silu(gate) * up
+}
+
+/// `x`'s columns cut into consecutive parts of `widths` columns, as slices (views).
+///
+/// # Shapes
+/// - `x`: `[n, Σ widths]` → `[n, widths[i]]` each
+pub fn split_columns<B: Backend, const N: usize>(
+    x: Tensor<B, 2>,
+    widths: [usize; N],
+) -> [Tensor<B, 2>; N] {
+    let n = x.dims()[0];
+    let mut start = 0;
+    widths.map(|w| {
+        start += w;
+        x.clone().slice([0..n, start - w..start])
+    })
 }

@@ -1,7 +1,8 @@
-//! The cpu backend's one-pass RMSNorm, rotary embedding and SwiGLU gating against the burn
-//! compositions they replace (`kiln_core::layer_ops`, every other backend's default): the
-//! rotation rounds the same way, so the same bits; RMSNorm's sum of squares runs in another
-//! order and SiLU may round its sigmoid otherwise, so within a few ulps. The packed prefill's
+//! The cpu backend's one-pass RMSNorm, rotary embedding, SwiGLU gating and column split
+//! against the burn compositions they replace (`kiln_core::layer_ops`, every other backend's
+//! default): the rotation and the split round the same way (the split copies), so the same
+//! bits; RMSNorm's sum of squares runs in another order and SiLU may round its sigmoid
+//! otherwise, so within a few ulps. The packed prefill's
 //! attention with its row-copy regrouping against the default's burn permutes (the same
 //! kernel: the same bits), and the device backends' grouped attention, keys padded, against
 //! the plain reference.
@@ -77,6 +78,24 @@ fn swiglu_matches_the_composition() {
             assert!(
                 (a - b).abs() <= 4.0 * f32::EPSILON * b.abs().max(1e-3),
                 "[{rows}, {d_ff}]: {a} vs {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn split_columns_matches_the_slices_bit_for_bit() {
+    for (rows, widths) in [(1, [576, 192, 192]), (5, [7, 1, 12])] {
+        let width: usize = widths.iter().sum();
+        let x = tensor(values(rows * width, 9), [rows, width]);
+        let parts = Flex::split_columns(x.clone(), widths);
+        let slices = layer_ops::split_columns(x, widths);
+        for ((part, slice), w) in parts.into_iter().zip(slices).zip(widths) {
+            assert_eq!(part.dims(), [rows, w]);
+            assert_eq!(
+                host(part).iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                host(slice).iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "[{rows}, {widths:?}]"
             );
         }
     }

@@ -352,11 +352,7 @@ mod flex_rowwise {
     ) -> [Tensor<Flex, 2>; N] {
         let [n, width] = x.dims();
         if x.dtype() != DType::F32 || widths.iter().sum::<usize>() != width {
-            let mut start = 0;
-            return widths.map(|w| {
-                start += w;
-                x.clone().slice([0..n, start - w..start])
-            });
+            return crate::layer_ops::split_columns(x, widths);
         }
         let x = host(x);
         let x = f32_slice(&x);

@@ -227,8 +227,9 @@ pub trait InferenceBackend: Backend {
     }
 
     /// `x`'s columns cut into consecutive parts of `widths` columns (a fused projection's
-    /// outputs: Q, K and V). The default slices, views that later reshapes may copy value by
-    /// value; the cpu backend copies each row's parts into contiguous tensors in one pass.
+    /// outputs: Q, K and V). The default slices ([`crate::layer_ops::split_columns`]), views
+    /// that later reshapes may copy value by value; the cpu backend copies each row's parts
+    /// into contiguous tensors in one pass.
     ///
     /// # Shapes
     /// - `x`: `[n, Σ widths]` → `[n, widths[i]]` each
@@ -236,12 +237,7 @@ pub trait InferenceBackend: Backend {
         x: Tensor<Self, 2>,
         widths: [usize; N],
     ) -> [Tensor<Self, 2>; N] {
-        let n = x.dims()[0];
-        let mut start = 0;
-        widths.map(|w| {
-            start += w;
-            x.clone().slice([0..n, start - w..start])
-        })
+        crate::layer_ops::split_columns(x, widths)
     }
 
     /// `x · wᵀ` for a weight kept in its quantized blocks in host memory, `x` in f32. The
