@@ -108,8 +108,9 @@ struct Blocks {
 
 impl Blocks {
     fn new(m: usize, n: usize, threads: usize) -> Self {
-        // Two-panel tasks read each row tile once for both panels' loads; one-panel tasks
-        // halve the granularity where two would leave threads unevenly loaded.
+        // Two-panel tasks halve the number of tasks (each a claim on the pool and a scratch
+        // borrow) where there are plenty; one-panel tasks halve the granularity where two
+        // would leave threads unevenly loaded.
         let cols = if n.div_ceil(2 * PANEL) >= 8 * threads {
             2 * PANEL
         } else {
