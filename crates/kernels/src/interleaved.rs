@@ -374,6 +374,31 @@ mod x86 {
         _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d))
     }
 
+    /// How far ahead of the block being multiplied a tile of [`PREFETCH_MIN_ROWS`] or more
+    /// rows asks for weights: about a dozen Q4_1 blocks. The hardware prefetchers stop at
+    /// each 4 KB page, and a tile of several rows, busy multiplying, then waits on the next
+    /// page's first lines; asking this far ahead keeps the stream going across pages.
+    /// Measured on SmolLM2 forwards of 3 to 8 rows (AMD EPYC Zen 4, weights from DRAM): 5-9 %
+    /// faster at 2 or 3 KB, less at 1 KB, slower with the T1 hint; one- and two-row
+    /// forwards no faster. Prefetching a whole group ahead at once was slower: the burst
+    /// fills the miss queue that the tile's own loads need.
+    const PREFETCH_AHEAD: usize = 2048;
+
+    /// The fewest rows a tile has to prefetch for: one- and two-row tiles wait on memory
+    /// anyway, and the extra instructions measured no faster there.
+    const PREFETCH_MIN_ROWS: usize = 3;
+
+    /// Asks for the `lines` cache lines from `PREFETCH_AHEAD` bytes past `p` (a hint: an
+    /// address past the weights is harmless, `prefetcht0` does not fault).
+    #[inline(always)]
+    fn prefetch_ahead(p: *const u8, lines: usize) {
+        let ahead = p.wrapping_add(PREFETCH_AHEAD);
+        for line in 0..lines {
+            // SAFETY: SSE is part of x86_64; a prefetch reads nothing and cannot fault.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast()) };
+        }
+    }
+
     macro_rules! q4_1_tile {
         ($tier:ident, $features:literal, $dot:ident, $parts:ident) => {
             pub(super) mod $tier {
@@ -395,6 +420,10 @@ mod x86 {
                     let mut mins = [_mm256_setzero_ps(); N];
                     for b in 0..blocks {
                         let p = unsafe { w.as_ptr().add(160 * b) };
+                        if N >= PREFETCH_MIN_ROWS {
+                            // A 160-byte block spans up to three lines.
+                            prefetch_ahead(p, 3);
+                        }
                         // SAFETY: every row holds `blocks` blocks (the caller's contract).
                         let h: [&ActBlock; N] =
                             std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
@@ -476,6 +505,10 @@ mod x86 {
             let mut acc = [_mm256_setzero_ps(); N];
             for b in 0..blocks {
                 let p = unsafe { w.as_ptr().add(272 * b) };
+                if N >= PREFETCH_MIN_ROWS {
+                    // A 272-byte block spans up to five lines.
+                    prefetch_ahead(p, 5);
+                }
                 // SAFETY: every row holds `blocks` blocks (the caller's contract).
                 let h: [&ActBlock; N] = std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
                 let l: [&ActBlock; N] = std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
@@ -535,6 +568,10 @@ mod x86 {
             let mut acc = [_mm256_setzero_ps(); N];
             for b in 0..blocks {
                 let p = unsafe { w.as_ptr().add(272 * b) };
+                if N >= PREFETCH_MIN_ROWS {
+                    // A 272-byte block spans up to five lines.
+                    prefetch_ahead(p, 5);
+                }
                 // SAFETY: every row holds `blocks` blocks (the caller's contract).
                 let h: [&ActBlock; N] = std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
                 let l: [&ActBlock; N] = std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
