@@ -3,13 +3,14 @@
 
 use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use kiln_core::backend::{BackendTask, run_on};
 use kiln_core::kv_cache::{CacheKind, DEFAULT_BLOCK_SIZE};
 use kiln_core::{CausalLm, InferenceBackend, TokenId};
 use kiln_engine::{
-    CacheSpec, Completion, Engine, EngineConfig, Event, Request, Snapshot, SpecCounts,
+    CacheSpec, Completion, Engine, EngineConfig, Event, Request, Snapshot, SpecCounts, Timings,
 };
 use kiln_models::LoadedModel;
 use serde_json::json;
@@ -451,8 +452,37 @@ fn report_json(
     value
 }
 
+/// How long some sequence was decoding: the union of the spans from each sequence's first
+/// token to its last, all timed from the common submission (a prompts file submits every
+/// prompt before the run). The rest of the run went to prefill. "The run less the last
+/// first token" is the same when the prompts are prefilled together, and wrong when they run
+/// one after another (`--max-batch 1`): the last prompt's first token then comes after every
+/// other prompt's decode, which that formula counted as prefill.
+fn decoding_time(timings: impl Iterator<Item = Timings>) -> Duration {
+    let mut spans: Vec<(Duration, Duration)> = timings
+        .map(|t| {
+            let first = t.time_to_first_token;
+            (first, first + t.decode)
+        })
+        .collect();
+    spans.sort_unstable();
+    let mut total = Duration::ZERO;
+    let mut current: Option<(Duration, Duration)> = None;
+    for (start, end) in spans {
+        current = match current {
+            Some((from, to)) if start <= to => Some((from, to.max(end))),
+            Some((from, to)) => {
+                total += to - from;
+                Some((start, end))
+            }
+            None => Some((start, end)),
+        };
+    }
+    total + current.map_or(Duration::ZERO, |(from, to)| to - from)
+}
+
 /// One line: prompts, tokens in and out, and rates over the whole run.
-fn summary(completions: &[Completion], elapsed: std::time::Duration) -> String {
+fn summary(completions: &[Completion], elapsed: Duration) -> String {
     let prompt: usize = completions.iter().map(|c| c.prompt_tokens).sum();
     let cached: usize = completions.iter().map(|c| c.cached_tokens).sum();
     let generated: usize = completions.iter().map(|c| c.tokens.len()).sum();
@@ -461,7 +491,9 @@ fn summary(completions: &[Completion], elapsed: std::time::Duration) -> String {
         .map(|c| c.timings.time_to_first_token)
         .max()
         .unwrap_or_default();
-    let decode = elapsed.saturating_sub(ttft).as_secs_f64();
+    let decoding = decoding_time(completions.iter().map(|c| c.timings));
+    let prefilling = elapsed.saturating_sub(decoding).as_secs_f64();
+    let decode = decoding.as_secs_f64();
     let decoded = generated.saturating_sub(completions.len());
     let reasons: Vec<String> = completions
         .iter()
@@ -497,8 +529,38 @@ fn summary(completions: &[Completion], elapsed: std::time::Duration) -> String {
     };
     format!(
         "prompt {prompt} tokens ({cached} cached), generated {generated} tokens ({reasons}); prefill {:.1} tok/s, decode {:.1} tok/s, time to first token {:.0} ms{speculation}{beams}",
-        per_second(prompt - cached, ttft.as_secs_f64()),
+        per_second(prompt - cached, prefilling),
         per_second(decoded, decode),
         ttft.as_secs_f64() * 1e3
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(first_ms: u64, decode_ms: u64) -> Timings {
+        Timings {
+            time_to_first_token: Duration::from_millis(first_ms),
+            decode: Duration::from_millis(decode_ms),
+        }
+    }
+
+    #[test]
+    fn prompts_run_one_after_another_add_their_decodes() {
+        // `--max-batch 1`: each prompt waits for the one before it.
+        let spans = [span(100, 900), span(1100, 400), span(1600, 50)];
+        assert_eq!(
+            decoding_time(spans.into_iter()),
+            Duration::from_millis(1350)
+        );
+    }
+
+    #[test]
+    fn prompts_decoded_together_count_once() {
+        // Prefilled together, decoding side by side, one finishing early.
+        let spans = [span(200, 800), span(210, 500), span(190, 810)];
+        assert_eq!(decoding_time(spans.into_iter()), Duration::from_millis(810));
+        assert_eq!(decoding_time(std::iter::empty()), Duration::ZERO);
+    }
 }
