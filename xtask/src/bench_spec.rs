@@ -28,7 +28,8 @@ struct Options {
     max_tokens: usize,
     rounds: usize,
     prompt_lookup: usize,
-    draft_tokens: usize,
+    /// `--draft-tokens` for kiln (`None`: kiln's default for each draft source).
+    draft_tokens: Option<usize>,
     /// A draft model for a third mode (`default`: the embedded default model).
     draft_model: Option<String>,
     /// More `kiln generate` flags for both modes (a model, a dtype, a backend).
@@ -42,7 +43,7 @@ fn parse(args: &[String]) -> Result<Options> {
         max_tokens: 128,
         rounds: 5,
         prompt_lookup: 3,
-        draft_tokens: 4,
+        draft_tokens: None,
         draft_model: None,
         extra: Vec::new(),
     };
@@ -60,7 +61,7 @@ fn parse(args: &[String]) -> Result<Options> {
             "--max-tokens" => o.max_tokens = number(value()?)?,
             "--rounds" => o.rounds = number(value()?)?,
             "--prompt-lookup" => o.prompt_lookup = number(value()?)?,
-            "--draft-tokens" => o.draft_tokens = number(value()?)?,
+            "--draft-tokens" => o.draft_tokens = Some(number(value()?)?),
             "--draft-model" => o.draft_model = Some(value()?),
             other => bail!("unknown flag `{other}`\n{USAGE}"),
         }
@@ -122,8 +123,8 @@ fn generate(kiln: &Path, o: &Options, mode: Mode) -> Result<Run> {
         }
         (Mode::DraftModel, None) => bail!("no draft model named"),
     }
-    if mode != Mode::Plain {
-        command.args(["--draft-tokens", &o.draft_tokens.to_string()]);
+    if let (true, Some(k)) = (mode != Mode::Plain, o.draft_tokens) {
+        command.args(["--draft-tokens", &k.to_string()]);
     }
     let output = command
         .output()
@@ -214,12 +215,12 @@ pub fn bench_spec(args: &[String]) -> Result<()> {
         let speed = rate(mode_runs);
         let last = mode_runs.last().context("at least one round")?;
         let acceptance = last.accepted as f64 / last.drafted.max(1) as f64;
+        let k = o
+            .draft_tokens
+            .map_or_else(|| "kiln's default".to_string(), |k| k.to_string());
         let label = match mode {
-            Mode::PromptLookup => format!(
-                "prompt lookup (n {}, K {})",
-                o.prompt_lookup, o.draft_tokens
-            ),
-            _ => format!("draft model (K {})", o.draft_tokens),
+            Mode::PromptLookup => format!("prompt lookup (n {}, K {k})", o.prompt_lookup),
+            _ => format!("draft model (K {k})"),
         };
         println!(
             "  {label:<32} {speed:7.1} tok/s   {:.2}x   acceptance {:.0} % ({} of {} drafts), {:.2} tokens per forward",

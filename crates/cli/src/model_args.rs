@@ -211,9 +211,10 @@ pub struct SpeculationArgs {
         requires = "prompt_lookup"
     )]
     pub prompt_lookup_min: usize,
-    /// Most draft tokens per sequence and step.
-    #[arg(long, value_name = "K", default_value_t = 4, requires = "draft_source")]
-    pub draft_tokens: usize,
+    /// Most draft tokens per sequence and step [default: 3 with --prompt-lookup, whose
+    /// drafts fail more often; 4 with --draft-model].
+    #[arg(long, value_name = "K", requires = "draft_source")]
+    pub draft_tokens: Option<usize>,
     /// Always propose K drafts, instead of one more than the last check accepted (up to K).
     #[arg(long, requires = "draft_source")]
     pub fixed_draft_tokens: bool,
@@ -240,7 +241,9 @@ impl SpeculationArgs {
         };
         let speculation = Speculation {
             source,
-            draft_tokens: self.draft_tokens,
+            draft_tokens: self
+                .draft_tokens
+                .unwrap_or_else(|| source.default_draft_tokens()),
             adaptive: !self.fixed_draft_tokens,
             max_batch: self.speculate_max_batch,
         };
@@ -447,5 +450,34 @@ impl StructuredArgs {
             .compile(&constraint)
             .map_err(|e| UsageError(e.to_string()))?;
         Ok(Some(grammar))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        speculation: SpeculationArgs,
+    }
+
+    fn speculation(args: &[&str]) -> Speculation {
+        let cli = Cli::try_parse_from(std::iter::once("kiln").chain(args.iter().copied()))
+            .expect("valid flags");
+        cli.speculation
+            .speculation()
+            .expect("valid settings")
+            .expect("speculation on")
+    }
+
+    #[test]
+    fn each_draft_source_has_its_own_default_draft_length() {
+        assert_eq!(speculation(&["--prompt-lookup", "3"]).draft_tokens, 3);
+        assert_eq!(speculation(&["--draft-model", "default"]).draft_tokens, 4);
+        let asked = speculation(&["--prompt-lookup", "3", "--draft-tokens", "6"]);
+        assert_eq!(asked.draft_tokens, 6);
     }
 }

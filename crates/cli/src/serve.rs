@@ -222,17 +222,18 @@ impl BackendTask for Task {
             } else {
                 "on"
             },
-            match (&args.speculation.prompt_lookup, &draft) {
-                (Some(n), _) => format!(
-                    "prompt lookup (n-grams of up to {n}, {} drafts)",
-                    args.speculation.draft_tokens
-                ),
-                (None, Some(draft)) => format!(
+            match (&config.speculation, &draft) {
+                (Some(s), Some(draft)) => format!(
                     "draft model {} ({} drafts)",
                     draft.path.display(),
-                    args.speculation.draft_tokens
+                    s.draft_tokens
                 ),
-                (None, None) => "off".into(),
+                (Some(s), None) => format!(
+                    "prompt lookup (n-grams of up to {}, {} drafts)",
+                    args.speculation.prompt_lookup.unwrap_or_default(),
+                    s.draft_tokens
+                ),
+                (None, _) => "off".into(),
             },
         );
         let block_tokens = if spec.kind == CacheKind::Paged {
