@@ -217,7 +217,7 @@ pub fn bench_spec(args: &[String]) -> Result<()> {
         let acceptance = last.accepted as f64 / last.drafted.max(1) as f64;
         let k = o
             .draft_tokens
-            .map_or_else(|| "kiln's default".to_string(), |k| k.to_string());
+            .map_or_else(|| "default".to_string(), |k| k.to_string());
         let label = match mode {
             Mode::PromptLookup => format!("prompt lookup (n {}, K {k})", o.prompt_lookup),
             _ => format!("draft model (K {k})"),
