@@ -388,12 +388,13 @@ mod x86 {
     /// measured no faster (whole forwards of one and two rows, alternated runs).
     const PREFETCH_MIN_ROWS: usize = 3;
 
-    /// Asks for the `lines` cache lines from `PREFETCH_AHEAD` bytes past `p` (a hint: an
+    /// Asks for the `block_bytes` from `PREFETCH_AHEAD` bytes past `p`, the start of a block,
+    /// a line (64 bytes) at a time: consecutive blocks' requests cover the stream (a hint: an
     /// address past the weights is harmless, `prefetcht0` does not fault).
     #[inline(always)]
-    fn prefetch_ahead(p: *const u8, lines: usize) {
+    fn prefetch_ahead(p: *const u8, block_bytes: usize) {
         let ahead = p.wrapping_add(PREFETCH_AHEAD);
-        for line in 0..lines {
+        for line in 0..block_bytes.div_ceil(64) {
             // SAFETY: SSE is part of x86_64; a prefetch reads nothing and cannot fault.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast()) };
         }
@@ -421,8 +422,7 @@ mod x86 {
                     for b in 0..blocks {
                         let p = unsafe { w.as_ptr().add(160 * b) };
                         if N >= PREFETCH_MIN_ROWS {
-                            // A 160-byte block spans up to three lines.
-                            prefetch_ahead(p, 3);
+                            prefetch_ahead(p, 160);
                         }
                         // SAFETY: every row holds `blocks` blocks (the caller's contract).
                         let h: [&ActBlock; N] =
@@ -506,8 +506,7 @@ mod x86 {
             for b in 0..blocks {
                 let p = unsafe { w.as_ptr().add(272 * b) };
                 if N >= PREFETCH_MIN_ROWS {
-                    // A 272-byte block spans up to five lines.
-                    prefetch_ahead(p, 5);
+                    prefetch_ahead(p, 272);
                 }
                 // SAFETY: every row holds `blocks` blocks (the caller's contract).
                 let h: [&ActBlock; N] = std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
@@ -569,8 +568,7 @@ mod x86 {
             for b in 0..blocks {
                 let p = unsafe { w.as_ptr().add(272 * b) };
                 if N >= PREFETCH_MIN_ROWS {
-                    // A 272-byte block spans up to five lines.
-                    prefetch_ahead(p, 5);
+                    prefetch_ahead(p, 272);
                 }
                 // SAFETY: every row holds `blocks` blocks (the caller's contract).
                 let h: [&ActBlock; N] = std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
