@@ -85,6 +85,7 @@ impl ModelArgs {
         });
         bar.finish_and_clear();
         let loaded = loaded.context("loading the model")?;
+        crate::memory::collapse_heap_into_huge_pages();
         for warning in &loaded.warnings {
             eprintln!("warning: {}: {warning}", path.display());
         }
