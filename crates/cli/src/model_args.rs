@@ -85,7 +85,8 @@ impl ModelArgs {
         });
         bar.finish_and_clear();
         let loaded = loaded.context("loading the model")?;
-        crate::memory::collapse_heap_into_huge_pages();
+        let collapsed = crate::memory::collapse_heap_into_huge_pages();
+        tracing::debug!(mib = collapsed >> 20, "heap moved onto 2 MiB pages");
         for warning in &loaded.warnings {
             eprintln!("warning: {}: {warning}", path.display());
         }
