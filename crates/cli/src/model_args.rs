@@ -190,9 +190,10 @@ impl SamplingArgs {
 #[command(group(clap::ArgGroup::new("draft_source").args(["prompt_lookup", "draft_model"])))]
 pub struct SpeculationArgs {
     /// Speculative decoding with prompt lookup: draft the tokens that followed the latest
-    /// earlier occurrence of the context's last N tokens (N down to --prompt-lookup-min) and
-    /// verify them in one forward. Same greedy output, same sampling distribution; faster when the output copies
-    /// from the input (rewriting, summarising, editing code).
+    /// earlier occurrence of the context's last N tokens (N down to --prompt-lookup-min; a
+    /// match of n tokens drafts at most n) and verify them in one forward. Same greedy output,
+    /// same sampling distribution; faster when the output copies from the input (rewriting,
+    /// summarising, editing code).
     #[arg(long, value_name = "N")]
     pub prompt_lookup: Option<usize>,
     /// Speculative decoding with a draft model: a smaller or quantized model sharing the
@@ -204,12 +205,12 @@ pub struct SpeculationArgs {
     /// cpu backend, f32 otherwise).
     #[arg(long, value_name = "DTYPE", requires = "draft_model")]
     pub draft_dtype: Option<Dtype>,
-    /// Prompt lookup: the shortest n-gram looked up (a single recurring token predicts
-    /// poorly); at most N.
+    /// Prompt lookup: the shortest n-gram looked up; at most N. A match of one token drafts
+    /// one token.
     #[arg(
         long,
         value_name = "M",
-        default_value_t = 2,
+        default_value_t = 1,
         requires = "prompt_lookup"
     )]
     pub prompt_lookup_min: usize,
@@ -217,7 +218,9 @@ pub struct SpeculationArgs {
     /// drafts fail more often; 4 with --draft-model].
     #[arg(long, value_name = "K", requires = "draft_source")]
     pub draft_tokens: Option<usize>,
-    /// Always propose K drafts, instead of one more than the last check accepted (up to K).
+    /// Always propose K drafts, instead of adapting the length (up to K): with a draft model,
+    /// one more than the last check accepted; with prompt lookup, no more than the n-gram
+    /// matched.
     #[arg(long, requires = "draft_source")]
     pub fixed_draft_tokens: bool,
     /// Draft only in steps where at most N sequences decode (0: in every step): in a larger
