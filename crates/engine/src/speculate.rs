@@ -57,8 +57,8 @@ pub struct Speculation {
     /// after a check, the next draft is one longer than what was accepted, so a sequence whose
     /// drafts keep failing proposes one token at a time, and one copying its input goes back
     /// to K. Prompt lookup: a match of n tokens drafts at most n (a better guide to the next
-    /// tokens than the last check: replayed on the grounded prompt set, 3-5 % faster than
-    /// the acceptance rule; docs/benchmarks.md).
+    /// tokens than the last check: with n-grams from 1, 1.5-4 % faster than the acceptance
+    /// rule with n-grams from 2 in replays of the grounded prompt set; docs/benchmarks.md).
     pub adaptive: bool,
     /// Speculate only in steps where at most this many sequences decode (0: in every step).
     /// Verification rows add up over a batch: on a CPU, where an extra row of a forward is
@@ -102,14 +102,10 @@ impl Speculation {
             DraftSource::PromptLookup {
                 min_ngram,
                 max_ngram,
-            } => match longest_match(context, min_ngram, max_ngram) {
-                Some(found) => {
-                    let k = if self.adaptive { k.min(found.ngram) } else { k };
-                    let end = (found.continuation + k).min(context.len());
-                    context[found.continuation..end].to_vec()
-                }
-                None => Vec::new(),
-            },
+            } => longest_match(context, min_ngram, max_ngram).map_or_else(Vec::new, |found| {
+                let k = if self.adaptive { k.min(found.ngram) } else { k };
+                found.draft(context, k)
+            }),
             DraftSource::Model => Vec::new(),
         }
     }
@@ -123,6 +119,14 @@ pub struct LookupMatch {
     pub ngram: usize,
     /// Index in the context of the first token after the earlier occurrence.
     pub continuation: usize,
+}
+
+impl LookupMatch {
+    /// Up to `k` of the tokens that followed the occurrence in `context` (the context the
+    /// match was found in).
+    pub fn draft(&self, context: &[TokenId], k: usize) -> Vec<TokenId> {
+        context[self.continuation..(self.continuation + k).min(context.len())].to_vec()
+    }
 }
 
 /// Prompt lookup's search: for n from `max_ngram` down to `min_ngram`, the last n tokens of
@@ -155,9 +159,8 @@ pub fn prompt_lookup(
     max_ngram: usize,
     k: usize,
 ) -> Vec<TokenId> {
-    longest_match(context, min_ngram, max_ngram).map_or_else(Vec::new, |found| {
-        context[found.continuation..(found.continuation + k).min(context.len())].to_vec()
-    })
+    longest_match(context, min_ngram, max_ngram)
+        .map_or_else(Vec::new, |found| found.draft(context, k))
 }
 
 /// Speculation's counts for one request, or summed over an engine's requests.
