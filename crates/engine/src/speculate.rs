@@ -151,18 +151,6 @@ pub fn longest_match(
     None
 }
 
-/// Prompt lookup with a fixed draft length: up to `k` of the tokens that followed
-/// [`longest_match`]'s occurrence. Empty when no suffix recurs.
-pub fn prompt_lookup(
-    context: &[TokenId],
-    min_ngram: usize,
-    max_ngram: usize,
-    k: usize,
-) -> Vec<TokenId> {
-    longest_match(context, min_ngram, max_ngram)
-        .map_or_else(Vec::new, |found| found.draft(context, k))
-}
-
 /// Speculation's counts for one request, or summed over an engine's requests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct SpecCounts {
@@ -210,6 +198,17 @@ mod tests {
 
     fn ids(v: &[u32]) -> Vec<TokenId> {
         v.iter().copied().map(TokenId).collect()
+    }
+
+    /// Fixed-length prompt lookup: up to `k` tokens after [`longest_match`]'s occurrence.
+    fn prompt_lookup(
+        context: &[TokenId],
+        min_ngram: usize,
+        max_ngram: usize,
+        k: usize,
+    ) -> Vec<TokenId> {
+        longest_match(context, min_ngram, max_ngram)
+            .map_or_else(Vec::new, |found| found.draft(context, k))
     }
 
     #[test]
