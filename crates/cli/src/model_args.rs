@@ -85,8 +85,11 @@ impl ModelArgs {
         });
         bar.finish_and_clear();
         let loaded = loaded.context("loading the model")?;
-        let collapsed = crate::memory::collapse_heap_into_huge_pages();
-        tracing::debug!(mib = collapsed >> 20, "heap moved onto 2 MiB pages");
+        // Only the host backends stream the weights from this process's heap every step.
+        if matches!(self.backend, BackendKind::Cpu | BackendKind::Ndarray) {
+            let collapsed = crate::memory::collapse_heap_into_huge_pages();
+            tracing::debug!(mib = collapsed >> 20, "heap moved onto 2 MiB pages");
+        }
         for warning in &loaded.warnings {
             eprintln!("warning: {}: {warning}", path.display());
         }
