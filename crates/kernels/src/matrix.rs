@@ -258,12 +258,12 @@ impl QuantMatrix {
                             let tile: [_; TILE] =
                                 std::array::from_fn(|i| acts(start + i.min(n - 1)));
                             let write = |i: usize, y: [f32; GROUP]| {
-                                for (r, v) in y.into_iter().enumerate() {
-                                    // SAFETY: every (t, row) is written by exactly one task.
-                                    unsafe {
-                                        out.write((start + i) * self.rows + g * GROUP + r, v)
-                                    };
-                                }
+                                // One copy of the group's eight adjacent outputs.
+                                // SAFETY: every (t, row) is written by exactly one task.
+                                unsafe {
+                                    out.slice((start + i) * self.rows + g * GROUP, GROUP)
+                                        .copy_from_slice(&y)
+                                };
                             };
                             // SAFETY: the tier was checked above; `w` is one group of
                             // `cols / 32` block columns, each row of `hi` and `lo` as many
