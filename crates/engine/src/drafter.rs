@@ -104,7 +104,7 @@ impl<'a, B: InferenceBackend> DraftModel<'a, B> {
                         job.q.clear();
                     }
                 })?;
-            let rows: Vec<f32> = logits.into_data().iter::<f32>().collect();
+            let rows = kiln_core::tensor::host_f32(logits);
             let vocab = self.model.shape().vocab;
             for (row, &j) in rows.chunks_exact(vocab).zip(&active) {
                 let job = &mut jobs[j];

@@ -761,7 +761,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             }
         })?;
         let vocab = self.model.shape().vocab;
-        let rows: Vec<f32> = logits.into_data().iter::<f32>().collect();
+        let rows = kiln_core::tensor::host_f32(logits);
         let mut first_row = 0;
         for (&(i, n), &n_rows) in fed.iter().zip(&rows_of) {
             let seq_rows = &rows[first_row * vocab..(first_row + n_rows) * vocab];

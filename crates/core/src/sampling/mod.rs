@@ -151,6 +151,32 @@ impl Sampler {
         Ok(candidates)
     }
 
+    /// Greedy selection with no processor is the highest logit (the lowest id among ties,
+    /// as [`Candidates::argmax_index`]): found in place, without building the candidates (two
+    /// vocabulary-sized copies a token, a speculative verification's rows each). `None` for
+    /// any other chain.
+    ///
+    /// # Errors
+    /// [`SamplingError::VocabMismatch`] if `logits` is not one entry per vocabulary token.
+    fn plain_greedy(&self, logits: &[f32]) -> Result<Option<TokenId>, SamplingError> {
+        if self.selection != Selection::Greedy || !self.processors.is_empty() {
+            return Ok(None);
+        }
+        if logits.len() != self.vocab {
+            return Err(SamplingError::VocabMismatch {
+                got: logits.len(),
+                vocab: self.vocab,
+            });
+        }
+        let mut best = 0;
+        for (i, &l) in logits.iter().enumerate().skip(1) {
+            if l > logits[best] {
+                best = i;
+            }
+        }
+        Ok(Some(TokenId(best as u32)))
+    }
+
     /// Picks the next token.
     ///
     /// # Panics
@@ -170,6 +196,9 @@ impl Sampler {
         logits: &[f32],
         history: &TokenHistory,
     ) -> Result<TokenId, SamplingError> {
+        if let Some(best) = self.plain_greedy(logits)? {
+            return Ok(best);
+        }
         let candidates = self.candidates(logits, history)?;
         Ok(match self.selection {
             Selection::Greedy => candidates.ids()[candidates.argmax_index()],
@@ -219,6 +248,13 @@ impl Sampler {
             return Err(SamplingError::VocabMismatch {
                 got: q.len(),
                 vocab: self.vocab,
+            });
+        }
+        if let Some(best) = self.plain_greedy(logits)? {
+            return Ok(if best == draft {
+                Verdict::Accepted
+            } else {
+                Verdict::Rejected(best)
             });
         }
         let candidates = self.candidates(logits, history)?;
@@ -276,6 +312,9 @@ impl Sampler {
         logits: &[f32],
         history: &TokenHistory,
     ) -> Result<(TokenId, Option<Vec<f32>>), SamplingError> {
+        if let Some(best) = self.plain_greedy(logits)? {
+            return Ok((best, None));
+        }
         let candidates = self.candidates(logits, history)?;
         let ids = candidates.ids();
         if self.selection == Selection::Greedy {

@@ -315,3 +315,35 @@ fn keep_only_may_remove_the_best_token_but_never_every_token() {
     none.keep_only(|_| false);
     assert_eq!(none.ids(), &[TokenId(1)]);
 }
+
+#[test]
+fn greedy_without_processors_picks_what_the_candidates_would() {
+    // The in-place argmax (no processors) against the candidates' argmax, on logits with
+    // many ties (a few distinct values) and on distinct ones.
+    let mut state = 7u64;
+    let mut next = || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (state >> 33) as u32
+    };
+    for case in 0..200 {
+        let vocab = 1 + (next() % 64) as usize;
+        let levels = if case % 2 == 0 { 3 } else { 1 << 20 };
+        let logits: Vec<f32> = (0..vocab).map(|_| (next() % levels) as f32 - 1.0).collect();
+        let history = TokenHistory::default();
+        let mut sampler = Sampler::new(&SamplingParams::greedy(), vocab).unwrap();
+        let candidates = sampler.candidates(&logits, &history).unwrap();
+        let expected = candidates.ids()[candidates.argmax_index()];
+        assert_eq!(sampler.sample(&logits, &history), expected, "{logits:?}");
+        let (proposed, q) = sampler.propose(&logits, &history).unwrap();
+        assert_eq!((proposed, q), (expected, None));
+        let verdict = sampler.verify(&logits, &history, TokenId(0), None).unwrap();
+        let want = if expected == TokenId(0) {
+            Verdict::Accepted
+        } else {
+            Verdict::Rejected(expected)
+        };
+        assert_eq!(verdict, want);
+    }
+}
