@@ -16,6 +16,7 @@ use crate::dtype::Dtype;
 use crate::ids::{Position, SeqId, TokenId};
 use crate::kv_cache::{KvCache, KvLayout, PagedKvCache, StaticKvCache};
 use crate::sampling::{Sampler, SamplingParams, TokenHistory};
+use crate::tensor::host_f32;
 
 /// The outcome of one check.
 #[derive(Debug, Clone, PartialEq)]
@@ -141,19 +142,15 @@ fn compare(
     }
 }
 
-fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data().iter::<f32>().collect()
-}
-
 fn matmul<B: Backend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
     let a = r.tensor::<B, 2>([33, 47], device);
     let b = r.tensor::<B, 2>([47, 29], device);
-    host(a.matmul(b))
+    host_f32(a.matmul(b))
 }
 
 fn softmax<B: Backend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
     let x = r.tensor::<B, 2>([7, 129], device).mul_scalar(6.0);
-    host(burn::tensor::activation::softmax(x, 1))
+    host_f32(burn::tensor::activation::softmax(x, 1))
 }
 
 /// Fused attention (or the plain reference) with a causal mask on equal lengths, or a custom
@@ -186,7 +183,7 @@ fn attention_masked<B: Backend>(
     } else {
         sdpa(q, k, v, mask)
     };
-    host(out)
+    host_f32(out)
 }
 
 fn tokens(ids: &[u32]) -> Vec<TokenId> {
@@ -225,7 +222,7 @@ fn cached_attention<B: InferenceBackend>(r: &mut Inputs, device: &B::Device) -> 
         let q = r.tensor::<B, 3>([n, n_heads, layout.head_dim], device);
         let k = r.tensor::<B, 3>([n, layout.n_kv_heads, layout.head_dim], device);
         let v = r.tensor::<B, 3>([n, layout.n_kv_heads, layout.head_dim], device);
-        out.extend(host(attend(&mut cache, 0, &plan, q, k, v)));
+        out.extend(host_f32(attend(&mut cache, 0, &plan, q, k, v)));
     }
     out
 }
@@ -266,7 +263,7 @@ fn sampling<B: Backend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
         .iter::<i64>()
         .map(|i| i as f32)
         .collect();
-    let host_logits = host(logits);
+    let host_logits = host_f32(logits);
     let params = SamplingParams {
         temperature: 0.8,
         top_k: 50,

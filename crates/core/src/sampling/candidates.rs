@@ -157,6 +157,10 @@ impl Candidates {
         if self.sorted {
             return 0;
         }
+        if self.by_id {
+            // Ids ascend, so the lowest id among ties is the first of them.
+            return first_max_index(&self.logits);
+        }
         let mut best = 0;
         for i in 1..self.logits.len() {
             let (l, b) = (self.logits[i], self.logits[best]);
@@ -193,4 +197,16 @@ impl Candidates {
             self.truncate_sorted(keep);
         }
     }
+}
+
+/// Index of the first highest value of `values` (0 when empty; a NaN is never the highest
+/// unless it comes first).
+pub(crate) fn first_max_index(values: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in values.iter().enumerate().skip(1) {
+        if v > values[best] {
+            best = i;
+        }
+    }
+    best
 }

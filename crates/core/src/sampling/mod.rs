@@ -138,12 +138,7 @@ impl Sampler {
         logits: &[f32],
         history: &TokenHistory,
     ) -> Result<Candidates, SamplingError> {
-        if logits.len() != self.vocab {
-            return Err(SamplingError::VocabMismatch {
-                got: logits.len(),
-                vocab: self.vocab,
-            });
-        }
+        self.check_vocab(logits)?;
         let mut candidates = Candidates::from_logits(logits);
         for processor in &self.processors {
             processor.process(&mut candidates, history);
@@ -151,30 +146,39 @@ impl Sampler {
         Ok(candidates)
     }
 
-    /// Greedy selection with no processor is the highest logit (the lowest id among ties,
-    /// as [`Candidates::argmax_index`]): found in place, without building the candidates (two
-    /// vocabulary-sized copies a token, a speculative verification's rows each). `None` for
-    /// any other chain.
+    /// [`SamplingError::VocabMismatch`] unless `values` holds one entry per vocabulary token.
+    fn check_vocab(&self, values: &[f32]) -> Result<(), SamplingError> {
+        if values.len() == self.vocab {
+            Ok(())
+        } else {
+            Err(SamplingError::VocabMismatch {
+                got: values.len(),
+                vocab: self.vocab,
+            })
+        }
+    }
+
+    /// The greedy choice (the highest processed logit, the lowest id among ties), or `None`
+    /// when this sampler draws. With no processor (no penalty, no grammar: the common case,
+    /// and every row a speculative verification checks) the argmax is taken from `logits` in
+    /// place, without building the candidates (two vocabulary-sized copies a token).
     ///
     /// # Errors
     /// [`SamplingError::VocabMismatch`] if `logits` is not one entry per vocabulary token.
-    fn plain_greedy(&self, logits: &[f32]) -> Result<Option<TokenId>, SamplingError> {
-        if self.selection != Selection::Greedy || !self.processors.is_empty() {
+    fn greedy_token(
+        &self,
+        logits: &[f32],
+        history: &TokenHistory,
+    ) -> Result<Option<TokenId>, SamplingError> {
+        if self.selection != Selection::Greedy {
             return Ok(None);
         }
-        if logits.len() != self.vocab {
-            return Err(SamplingError::VocabMismatch {
-                got: logits.len(),
-                vocab: self.vocab,
-            });
+        if self.processors.is_empty() {
+            self.check_vocab(logits)?;
+            return Ok(Some(TokenId(candidates::first_max_index(logits) as u32)));
         }
-        let mut best = 0;
-        for (i, &l) in logits.iter().enumerate().skip(1) {
-            if l > logits[best] {
-                best = i;
-            }
-        }
-        Ok(Some(TokenId(best as u32)))
+        let candidates = self.candidates(logits, history)?;
+        Ok(Some(candidates.ids()[candidates.argmax_index()]))
     }
 
     /// Picks the next token.
@@ -196,23 +200,18 @@ impl Sampler {
         logits: &[f32],
         history: &TokenHistory,
     ) -> Result<TokenId, SamplingError> {
-        if let Some(best) = self.plain_greedy(logits)? {
+        if let Some(best) = self.greedy_token(logits, history)? {
             return Ok(best);
         }
         let candidates = self.candidates(logits, history)?;
-        Ok(match self.selection {
-            Selection::Greedy => candidates.ids()[candidates.argmax_index()],
-            Selection::Multinomial => {
-                let probs = candidates.probabilities();
-                let ids = candidates.ids();
-                // Walk the distribution in token-id order, as torch.multinomial does: then a
-                // perturbation of the logits (a batched matmul rounds differently from a
-                // single one) moves each boundary of the CDF by about as much, whereas an order
-                // by probability would swap near-equal tokens and pick the neighbour.
-                let u: f64 = self.rng.random();
-                ids[draw_in_id_order(ids, &probs, u)]
-            }
-        })
+        let probs = candidates.probabilities();
+        let ids = candidates.ids();
+        // Walk the distribution in token-id order, as torch.multinomial does: then a
+        // perturbation of the logits (a batched matmul rounds differently from a single one)
+        // moves each boundary of the CDF by about as much, whereas an order by probability
+        // would swap near-equal tokens and pick the neighbour.
+        let u: f64 = self.rng.random();
+        Ok(ids[draw_in_id_order(ids, &probs, u)])
     }
 }
 
@@ -244,13 +243,10 @@ impl Sampler {
         draft: TokenId,
         q: Option<&[f32]>,
     ) -> Result<Verdict, SamplingError> {
-        if let Some(q) = q.filter(|q| q.len() != self.vocab) {
-            return Err(SamplingError::VocabMismatch {
-                got: q.len(),
-                vocab: self.vocab,
-            });
+        if let Some(q) = q {
+            self.check_vocab(q)?;
         }
-        if let Some(best) = self.plain_greedy(logits)? {
+        if let Some(best) = self.greedy_token(logits, history)? {
             return Ok(if best == draft {
                 Verdict::Accepted
             } else {
@@ -259,14 +255,6 @@ impl Sampler {
         }
         let candidates = self.candidates(logits, history)?;
         let ids = candidates.ids();
-        if self.selection == Selection::Greedy {
-            let best = ids[candidates.argmax_index()];
-            return Ok(if best == draft {
-                Verdict::Accepted
-            } else {
-                Verdict::Rejected(best)
-            });
-        }
         let p = candidates.probabilities();
         let q_of = |t: TokenId| match q {
             Some(q) => f64::from(q[t.0 as usize]),
@@ -312,14 +300,11 @@ impl Sampler {
         logits: &[f32],
         history: &TokenHistory,
     ) -> Result<(TokenId, Option<Vec<f32>>), SamplingError> {
-        if let Some(best) = self.plain_greedy(logits)? {
+        if let Some(best) = self.greedy_token(logits, history)? {
             return Ok((best, None));
         }
         let candidates = self.candidates(logits, history)?;
         let ids = candidates.ids();
-        if self.selection == Selection::Greedy {
-            return Ok((ids[candidates.argmax_index()], None));
-        }
         let probs = candidates.probabilities();
         let u: f64 = self.rng.random();
         let token = ids[draw_in_id_order(ids, &probs, u)];
