@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use kiln_core::backend::BackendKind;
-use kiln_core::backend::{BackendTask, run_on};
+use kiln_core::backend::BackendTask;
 use kiln_core::{CausalLm, InferenceBackend};
 use kiln_engine::Engine;
 use kiln_engine::bench::{Cell, CellTimings, Sampling, quantile, run_cell};
@@ -48,6 +48,10 @@ pub struct Args {
     /// works in well under a minute.
     #[arg(long)]
     quick: bool,
+    /// Also count, per decode step, the kernel launches, the host-to-device uploads and the
+    /// blocking device-to-host reads (GPU backends), and print them under the table.
+    #[arg(long, short = 'v')]
+    verbose: bool,
     /// Also write the results as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -80,7 +84,8 @@ pub fn run(mut args: Args) -> Result<()> {
     }
     args.speculation.speculation()?;
     let backend = args.model.backend;
-    run_on(backend, Task(args))?
+    let count = args.verbose;
+    crate::device::run_on(backend, count, Task(args))?
 }
 
 struct Task(Args);

@@ -10,7 +10,7 @@ use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Result, anyhow};
-use kiln_core::backend::{BackendTask, run_on};
+use kiln_core::backend::BackendTask;
 use kiln_core::kv_cache::CacheKind;
 use kiln_core::sampling::SamplingParams;
 use kiln_core::{CausalLm, InferenceBackend, TokenId};
@@ -71,7 +71,7 @@ pub fn run(args: Args) -> Result<()> {
         return Err(UsageError("--window must be positive".into()).into());
     }
     let backend = args.model.backend;
-    run_on(backend, Task(args))?
+    crate::device::run_on(backend, false, Task(args))?
 }
 
 struct Task(Args);

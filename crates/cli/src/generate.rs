@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use kiln_core::backend::{BackendTask, run_on};
+use kiln_core::backend::BackendTask;
 use kiln_core::kv_cache::{CacheKind, DEFAULT_BLOCK_SIZE};
 use kiln_core::{CausalLm, InferenceBackend, TokenId};
 use kiln_engine::{
@@ -138,7 +138,7 @@ pub fn run(mut args: Args) -> Result<()> {
         None => None,
     };
     let backend = args.model.backend;
-    run_on(backend, Task { args, texts })?
+    crate::device::run_on(backend, false, Task { args, texts })?
 }
 
 const NO_PROMPT: &str = "no prompt: give one as an argument, `-` to read stdin, --token-ids, --prompts-file or --from-snapshot";

@@ -4,6 +4,7 @@ mod backends;
 mod bandwidth;
 mod bench;
 mod chat;
+mod device;
 mod exit;
 mod generate;
 mod info;

@@ -1,7 +1,7 @@
 //! `kiln selftest --backend KIND`: kiln's core operations on one backend, compared with cpu.
 
 use anyhow::bail;
-use kiln_core::backend::{BackendKind, BackendTask, InferenceBackend, run_on};
+use kiln_core::backend::{BackendKind, BackendTask, InferenceBackend};
 use kiln_core::selftest::{self, Check};
 
 #[derive(Debug, clap::Args)]
@@ -24,7 +24,7 @@ impl BackendTask for Selftest {
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let device = args.backend.require()?;
     println!("selftest on {} ({device}), reference: cpu", args.backend);
-    let checks = run_on(args.backend, Selftest)?;
+    let checks = crate::device::run_on(args.backend, false, Selftest)?;
     let failed = checks.iter().filter(|c| !c.passed()).count();
     for check in &checks {
         let verdict = if check.passed() { "PASS" } else { "FAIL" };

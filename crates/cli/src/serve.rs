@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use kiln_core::InferenceBackend;
-use kiln_core::backend::{BackendTask, run_on};
+use kiln_core::backend::BackendTask;
 use kiln_core::kv_cache::{CacheKind, DEFAULT_BLOCK_SIZE};
 use kiln_engine::{CacheSpec, EngineConfig};
 use kiln_server::{ServedDraft, ServedModel, Server, ServerOptions};
@@ -122,7 +122,7 @@ pub fn run(mut args: Args) -> Result<()> {
     }
     init_logging(&args.log_format);
     let backend = args.model.backend;
-    run_on(backend, Task(args))?
+    crate::device::run_on(backend, false, Task(args))?
 }
 
 /// Request lines and notices on stderr, through `tracing`.

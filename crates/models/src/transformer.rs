@@ -388,10 +388,27 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
         d_in: usize,
         d_out: usize,
     ) -> Result<Linear<B>> {
+        let w = self.host(weight, &[d_in, d_out])?;
         Ok(Linear::dense(
-            self.matrix(weight, d_in, d_out)?,
+            self.dense_weight(w, false),
             bias.map(|b| self.vector(b, d_out)).transpose()?,
         ))
+    }
+
+    /// A dense weight as [`LinearWeight::Dense`] holds it, `[d_in, d_out]`, from `w` stored
+    /// `[d_out, d_in]` (`out_in`) or `[d_in, d_out]`: on backends that multiply by rows of
+    /// `[d_out, d_in]` ([`InferenceBackend::DENSE_WEIGHTS_OUT_IN`]) the transposed view of
+    /// such a tensor, elsewhere a row-major `[d_in, d_out]` tensor.
+    fn dense_weight(&self, w: HostTensor, out_in: bool) -> Tensor<B, 2> {
+        match (B::DENSE_WEIGHTS_OUT_IN, out_in) {
+            (true, true) => w.upload::<B, 2>(self.dtype, self.device).transpose(),
+            (true, false) => w
+                .transposed()
+                .upload::<B, 2>(self.dtype, self.device)
+                .transpose(),
+            (false, true) => w.transposed().upload(self.dtype, self.device),
+            (false, false) => w.upload(self.dtype, self.device),
+        }
     }
 
     /// A layer stored `[d_out, d_in]` (PyTorch `nn.Linear`), transposed on load. With
@@ -425,7 +442,7 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
             b = b.map(|b| b.interleaved_to_half_split(heads));
         }
         Ok(Linear::dense(
-            w.transposed().upload(self.dtype, self.device),
+            self.dense_weight(w, true),
             b.map(|b| b.upload(self.dtype, self.device)),
         ))
     }

@@ -29,17 +29,98 @@ fn check() -> Result<String, String> {
     let driver = open_any(DRIVER_NAMES)
         .ok_or("the NVIDIA driver library (libcuda.so) was not found".to_string())?;
     let device = first_device_name(&driver)?;
-    if open_any(NVRTC_NAMES).is_none() {
-        return Err(format!(
-            "found {device}, but NVRTC (libnvrtc.so) is missing: install the CUDA runtime \
-             compiler"
-        ));
-    }
+    let nvrtc = match open_any(NVRTC_NAMES) {
+        Some(_) => String::new(),
+        None => match preload_pip_nvrtc() {
+            Some(path) => format!(", NVRTC from {}", path.display()),
+            None => {
+                return Err(format!(
+                    "found {device}, but NVRTC (libnvrtc.so) is missing: install the CUDA \
+                     runtime compiler, or point KILN_NVRTC_DIR at the folder holding it (looked \
+                     on the loader's path and in Python's `nvidia` packages)"
+                ));
+            }
+        },
+    };
     let include = cuda_include_dir().ok_or(format!(
         "found {device}, but no CUDA headers: set CUDA_PATH to a CUDA toolkit \
          (looked in $CUDA_PATH, /usr/local/cuda, /opt/cuda)"
     ))?;
-    Ok(format!("{device} (headers in {})", include.display()))
+    Ok(format!(
+        "{device} (headers in {}{nvrtc})",
+        include.display()
+    ))
+}
+
+/// Loads NVRTC from `KILN_NVRTC_DIR` or from the CUDA wheels pip installs beside PyTorch
+/// (`nvidia/cu13/lib`, `nvidia/cuda_nvrtc/lib`), by full path, and keeps it loaded: cudarc
+/// later asks the loader for `libnvrtc.so.N` by name, and the loader hands back the library
+/// already loaded under that soname. Returns the file loaded.
+fn preload_pip_nvrtc() -> Option<PathBuf> {
+    let mut folders: Vec<PathBuf> = Vec::new();
+    if let Some(dir) = std::env::var_os("KILN_NVRTC_DIR") {
+        folders.push(PathBuf::from(dir));
+    }
+    folders.extend(pip_nvidia_lib_folders());
+    for folder in folders {
+        let Ok(entries) = std::fs::read_dir(&folder) else {
+            continue;
+        };
+        let mut files: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+        files.sort();
+        let named = |prefix: &str| {
+            files
+                .iter()
+                .find(|f| {
+                    f.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with(prefix))
+                })
+                .cloned()
+        };
+        let Some(nvrtc) = named("libnvrtc.so.") else {
+            continue;
+        };
+        // NVRTC opens its builtins by name at its first compile; loaded first, they are found.
+        if let Some(builtins) = named("libnvrtc-builtins.so.") {
+            // SAFETY: NVIDIA's library; loading it runs its initialisers only.
+            if let Ok(lib) = unsafe { Library::new(&builtins) } {
+                std::mem::forget(lib);
+            }
+        }
+        // SAFETY: as above.
+        if let Ok(lib) = unsafe { Library::new(&nvrtc) } {
+            std::mem::forget(lib);
+            return Some(nvrtc);
+        }
+    }
+    None
+}
+
+/// The `lib` folders of Python's `nvidia` namespace packages (pip's CUDA wheels), found by
+/// asking `python3` where they are; empty when there is no such Python.
+fn pip_nvidia_lib_folders() -> Vec<PathBuf> {
+    let Ok(output) = std::process::Command::new("python3")
+        .args(["-c", "import nvidia\nfor p in nvidia.__path__: print(p)"])
+        .stderr(std::process::Stdio::null())
+        .output()
+    else {
+        return Vec::new();
+    };
+    let mut folders = Vec::new();
+    for root in String::from_utf8_lossy(&output.stdout).lines() {
+        let Ok(packages) = std::fs::read_dir(root) else {
+            continue;
+        };
+        for package in packages.flatten() {
+            let lib = package.path().join("lib");
+            if lib.is_dir() {
+                folders.push(lib);
+            }
+        }
+    }
+    folders.sort();
+    folders
 }
 
 fn open_any(names: &[&str]) -> Option<Library> {
@@ -52,6 +133,12 @@ fn open_any(names: &[&str]) -> Option<Library> {
 type CuInit = unsafe extern "C" fn(flags: u32) -> c_int;
 type CuDeviceGetCount = unsafe extern "C" fn(count: *mut c_int) -> c_int;
 type CuDeviceGetName = unsafe extern "C" fn(name: *mut c_char, len: c_int, dev: c_int) -> c_int;
+type CuDriverGetVersion = unsafe extern "C" fn(version: *mut c_int) -> c_int;
+type CuDeviceGetAttribute =
+    unsafe extern "C" fn(value: *mut c_int, attr: c_int, dev: c_int) -> c_int;
+
+/// `CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR` and `_MINOR` (cuda.h).
+const COMPUTE_CAPABILITY: [c_int; 2] = [75, 76];
 
 fn first_device_name(driver: &Library) -> Result<String, String> {
     // SAFETY: the signatures are those of the CUDA driver API (cuda.h); the buffer outlives the
@@ -81,7 +168,24 @@ fn first_device_name(driver: &Library) -> Result<String, String> {
             return Ok(format!("{count} CUDA device(s)"));
         }
         let name = CStr::from_ptr(name.as_ptr()).to_string_lossy();
-        Ok(format!("{name} ({count} device(s))"))
+        // The driver version and the architecture key the kernel cache: PTX built for one
+        // architecture does not load on another.
+        let mut details = vec![format!("{count} device(s)")];
+        if let Ok(version) = driver.get::<CuDriverGetVersion>(b"cuDriverGetVersion\0") {
+            let mut v: c_int = 0;
+            if version(&mut v) == 0 {
+                details.push(format!("CUDA driver {}.{}", v / 1000, v % 1000 / 10));
+            }
+        }
+        if let Ok(attribute) = driver.get::<CuDeviceGetAttribute>(b"cuDeviceGetAttribute\0") {
+            let [mut major, mut minor]: [c_int; 2] = [0, 0];
+            if attribute(&mut major, COMPUTE_CAPABILITY[0], 0) == 0
+                && attribute(&mut minor, COMPUTE_CAPABILITY[1], 0) == 0
+            {
+                details.push(format!("sm_{major}{minor}"));
+            }
+        }
+        Ok(format!("{name} ({})", details.join(", ")))
     }
 }
 

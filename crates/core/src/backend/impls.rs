@@ -564,6 +564,70 @@ impl InferenceBackend for burn::backend::NdArray {
     }
 }
 
+/// The hooks both GPU backends run on kiln-cube's kernels ([`super::cube`]).
+#[cfg(feature = "gpu-runtime")]
+macro_rules! cube_kernels {
+    () => {
+        const STEP_ATTENTION: bool = true;
+        const DENSE_WEIGHTS_OUT_IN: bool = true;
+
+        fn rms_norm(
+            x: burn::tensor::Tensor<Self, 2>,
+            gamma: &burn::tensor::Tensor<Self, 1>,
+            eps: f64,
+        ) -> burn::tensor::Tensor<Self, 2> {
+            super::cube::rms_norm(x, gamma, eps)
+        }
+
+        fn rotate_half(
+            x: burn::tensor::Tensor<Self, 3>,
+            cos: &burn::tensor::Tensor<Self, 3>,
+            sin: &burn::tensor::Tensor<Self, 3>,
+        ) -> burn::tensor::Tensor<Self, 3> {
+            super::cube::rotate_half(x, cos, sin)
+        }
+
+        fn swiglu(gate_up: burn::tensor::Tensor<Self, 2>) -> burn::tensor::Tensor<Self, 2> {
+            super::cube::swiglu(gate_up)
+        }
+
+        fn split_columns<const N: usize>(
+            x: burn::tensor::Tensor<Self, 2>,
+            widths: [usize; N],
+        ) -> [burn::tensor::Tensor<Self, 2>; N] {
+            super::cube::split_columns(x, widths)
+        }
+
+        fn linear_dense(
+            x: burn::tensor::Tensor<Self, 2>,
+            w: &burn::tensor::Tensor<Self, 2>,
+        ) -> burn::tensor::Tensor<Self, 2> {
+            super::cube::linear_dense(x, w)
+        }
+
+        fn write_kv_places(
+            k_store: &mut burn::tensor::Tensor<Self, 4>,
+            v_store: &mut burn::tensor::Tensor<Self, 4>,
+            index: &crate::attention::StepIndex<Self>,
+            k: burn::tensor::Tensor<Self, 3>,
+            v: burn::tensor::Tensor<Self, 3>,
+        ) {
+            super::cube::write_kv_places(k_store, v_store, index, k, v);
+        }
+
+        fn step_attention(
+            q: burn::tensor::Tensor<Self, 3>,
+            k: burn::tensor::Tensor<Self, 3>,
+            v: burn::tensor::Tensor<Self, 3>,
+            k_store: burn::tensor::Tensor<Self, 4>,
+            v_store: burn::tensor::Tensor<Self, 4>,
+            index: &crate::attention::StepIndex<Self>,
+        ) -> burn::tensor::Tensor<Self, 2> {
+            super::cube::step_attention(q, k, v, k_store, v_store, index)
+        }
+    };
+}
+
 /// burn-wgpu, kiln's `wgpu` backend.
 #[cfg(feature = "wgpu")]
 pub type WgpuBackend = burn::backend::Wgpu;
@@ -583,6 +647,8 @@ impl InferenceBackend for burn::backend::Wgpu {
     fn release_unused_device_memory(device: &Self::Device) {
         cubecl_release::<burn::backend::wgpu::WgpuRuntime>(device);
     }
+
+    cube_kernels!();
 }
 
 /// burn-cuda, kiln's `cuda` backend.
@@ -604,6 +670,8 @@ impl InferenceBackend for burn::backend::Cuda {
     fn release_unused_device_memory(device: &Self::Device) {
         cubecl_release::<cubecl::cuda::CudaRuntime>(device);
     }
+
+    cube_kernels!();
 }
 
 /// The report of cubecl's memory manager for `device` (burn's fusion backends share the

@@ -11,8 +11,12 @@
 //! the driver and the adapter list itself first and turns "cannot run" into a
 //! [`CoreError::BackendUnavailable`] naming the reason.
 
+#[cfg(feature = "gpu-runtime")]
+mod cube;
 #[cfg(feature = "cuda")]
 mod cuda_probe;
+#[cfg(feature = "gpu-runtime")]
+pub mod device_runtime;
 mod impls;
 #[cfg(feature = "wgpu")]
 mod wgpu_probe;
@@ -27,6 +31,7 @@ use burn::tensor::{Bool, Tensor};
 
 use kiln_kernels::QuantMatrix;
 
+use crate::attention::StepIndex;
 use crate::dtype::Dtype;
 use crate::error::{CoreError, Result};
 use crate::kv_cache::CachedKv;
@@ -216,6 +221,13 @@ pub trait InferenceBackend: Backend {
         target.inplace(|t| t.slice_assign(ranges, values));
     }
 
+    /// Whether dense weights live on this backend as `[d_out, d_in]` tensors (PyTorch's layout)
+    /// that linear layers hold as their transposed `[d_in, d_out]` views: each output is then
+    /// a contiguous dot product, which the GPU backends' matrix-vector kernels read in
+    /// coalesced rows. The loaders and the fusing of projections follow it; the CPU backends
+    /// keep `[d_in, d_out]` row-major.
+    const DENSE_WEIGHTS_OUT_IN: bool = false;
+
     /// `x · w` for a dense weight stored `[d_in, d_out]` (a linear layer without its bias).
     /// The default is burn's matmul; the cpu backend runs few-row f32 products (decoding) on
     /// kiln's multithreaded kernel instead.
@@ -321,6 +333,59 @@ pub trait InferenceBackend: Backend {
         crate::attention::sdpa_cached(q, kv, mask)
     }
 
+    /// Whether a forward hands this backend each layer's KV writes and attention for the whole
+    /// step at once, from one [`StepIndex`] uploaded per forward ([`write_kv_places`],
+    /// [`step_attention`]), instead of the packed and cached hooks above (which then never
+    /// run). The GPU backends do: one launch per layer whatever the batch, where the hooks
+    /// above cost a launch per sequence and a gather of the cache.
+    ///
+    /// [`write_kv_places`]: Self::write_kv_places
+    /// [`step_attention`]: Self::step_attention
+    const STEP_ATTENTION: bool = false;
+
+    /// Writes token `t`'s K and V at its place in `index` (slot `places[t, 1]` of target
+    /// `places[t, 0]`) of a layer's storage, skipping tokens with a negative target. The
+    /// default writes each token with [`write_in_place`]; backends with [`STEP_ATTENTION`]
+    /// scatter them in one launch.
+    ///
+    /// [`write_in_place`]: Self::write_in_place
+    /// [`STEP_ATTENTION`]: Self::STEP_ATTENTION
+    ///
+    /// # Shapes
+    /// - `k_store`, `v_store`: `[targets, n_kv_heads, slots, head_dim]`
+    /// - `k`, `v`: `[n_tokens, n_kv_heads, head_dim]`
+    fn write_kv_places(
+        k_store: &mut Tensor<Self, 4>,
+        v_store: &mut Tensor<Self, 4>,
+        index: &StepIndex<Self>,
+        k: Tensor<Self, 3>,
+        v: Tensor<Self, 3>,
+    ) {
+        write_kv_one_by_one(k_store, v_store, &index.host.places, k, v);
+    }
+
+    /// Attention of every query token of a step over what it sees (see
+    /// [`StepIndex`]): fresh tokens over their sequence's new K/V, tokens with history over
+    /// the cache storage through their row's blocks. The default runs burn's operations per
+    /// sequence ([`crate::attention::step_attention_reference`]); the GPU backends run one
+    /// kernel (kiln-cube).
+    ///
+    /// # Shapes
+    /// - `q`: `[n_tokens, n_heads, head_dim]`; `k`, `v`: `[n_tokens, n_kv_heads, head_dim]`
+    /// - `k_store`, `v_store`: `[targets, n_kv_heads, slots, head_dim]`, after this step's
+    ///   write
+    /// - returns `[n_tokens, n_heads * head_dim]`, in batch order
+    fn step_attention(
+        q: Tensor<Self, 3>,
+        k: Tensor<Self, 3>,
+        v: Tensor<Self, 3>,
+        k_store: Tensor<Self, 4>,
+        v_store: Tensor<Self, 4>,
+        index: &StepIndex<Self>,
+    ) -> Tensor<Self, 2> {
+        crate::attention::step_attention_reference(q, k, v, k_store, v_store, index)
+    }
+
     /// RMSNorm of each row in f32, cast back to `x`'s dtype before the scale (transformers'
     /// `LlamaRMSNorm`). The default is burn's composition ([`crate::layer_ops::rms_norm`]);
     /// the cpu backend runs it as one pass per row ([`kiln_kernels::rowwise::rms_norm`]).
@@ -367,6 +432,37 @@ pub trait InferenceBackend: Backend {
     /// the CPU backends), so that a later [`device_memory`](Self::device_memory) counts less of
     /// what earlier work left behind. The allocator decides what it frees; nothing is promised.
     fn release_unused_device_memory(_device: &Self::Device) {}
+}
+
+/// [`InferenceBackend::write_kv_places`]'s default: each token's K and V written with
+/// [`InferenceBackend::write_in_place`].
+///
+/// # Shapes
+/// As [`InferenceBackend::write_kv_places`].
+pub fn write_kv_one_by_one<B: InferenceBackend>(
+    k_store: &mut Tensor<B, 4>,
+    v_store: &mut Tensor<B, 4>,
+    host_places: &[i32],
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+) {
+    let [_, heads, dim] = k.dims();
+    let dtype = burn::tensor::FloatDType::from(k_store.dtype());
+    for (t, place) in host_places.chunks_exact(2).enumerate() {
+        if place[0] < 0 {
+            continue;
+        }
+        let (target, slot) = (place[0] as usize, place[1] as usize);
+        let ranges = [target..target + 1, 0..heads, slot..slot + 1, 0..dim];
+        for (store, new) in [(&mut *k_store, &k), (&mut *v_store, &v)] {
+            let row = new
+                .clone()
+                .slice([t..t + 1])
+                .reshape([1, heads, 1, dim])
+                .cast(dtype);
+            B::write_in_place(store, ranges.clone(), row);
+        }
+    }
 }
 
 /// A device allocator's report, in bytes.

@@ -81,6 +81,20 @@ impl<B: InferenceBackend> DenseCache<B> {
         self.storage.read(layer, index)
     }
 
+    pub fn write_places(
+        &mut self,
+        layer: usize,
+        index: &crate::attention::StepIndex<B>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+    ) {
+        self.storage.write_places(layer, index, k, v);
+    }
+
+    pub fn storage(&self, layer: usize) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        self.storage.layer(layer)
+    }
+
     pub fn export(&self, seq: SeqId) -> Result<HostKv, CacheError> {
         let Some(entry) = self.seqs.get(&seq) else {
             return Ok(self.storage.gather_host(&[]));
@@ -460,6 +474,21 @@ macro_rules! delegate_dense_cache {
                 index: &'a $crate::kv_cache::ReadIndex<B>,
             ) -> $crate::kv_cache::CachedKv<'a, B> {
                 self.inner.read(layer, index)
+            }
+            fn write_places(
+                &mut self,
+                layer: usize,
+                index: &$crate::attention::StepIndex<B>,
+                k: burn::tensor::Tensor<B, 3>,
+                v: burn::tensor::Tensor<B, 3>,
+            ) {
+                self.inner.write_places(layer, index, k, v)
+            }
+            fn storage(
+                &self,
+                layer: usize,
+            ) -> (burn::tensor::Tensor<B, 4>, burn::tensor::Tensor<B, 4>) {
+                self.inner.storage(layer)
             }
             fn export(
                 &self,

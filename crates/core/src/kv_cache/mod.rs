@@ -34,6 +34,7 @@ use std::str::FromStr;
 
 use burn::tensor::Tensor;
 
+use crate::attention::StepIndex;
 use crate::backend::InferenceBackend;
 
 pub use dynamic::DynamicKvCache;
@@ -365,6 +366,23 @@ pub trait KvCache<B: InferenceBackend>: CacheBook {
     /// The K/V that the plan's history rows attend over (after this step's write), where
     /// they are stored.
     fn read<'a>(&self, layer: usize, index: &'a ReadIndex<B>) -> CachedKv<'a, B>;
+
+    /// Writes one layer's new K/V at the places of a [`StepIndex`] (backends with
+    /// [`InferenceBackend::STEP_ATTENTION`]), in place.
+    ///
+    /// # Shapes
+    /// - `k`, `v`: `[n_tokens, n_kv_heads, head_dim]`, packed like the batch.
+    fn write_places(
+        &mut self,
+        layer: usize,
+        index: &StepIndex<B>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+    );
+
+    /// One layer's K and V storage, `[targets, n_kv_heads, slots, head_dim]` each: handles to
+    /// the cache's own tensors, to be dropped before the next write.
+    fn storage(&self, layer: usize) -> (Tensor<B, 4>, Tensor<B, 4>);
 
     /// Copies the K/V of every token `seq` holds to the host, in token order, for snapshots
     /// and tests.

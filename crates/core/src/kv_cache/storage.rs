@@ -221,6 +221,25 @@ impl<B: InferenceBackend> SlotStorage<B> {
         }
     }
 
+    /// Writes one layer's new K/V at the places of `index`, in place.
+    ///
+    /// # Shapes
+    /// - `k`, `v`: `[n_tokens, n_kv_heads, head_dim]`
+    pub fn write_places(
+        &mut self,
+        layer: usize,
+        index: &crate::attention::StepIndex<B>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+    ) {
+        B::write_kv_places(&mut self.k[layer], &mut self.v[layer], index, k, v);
+    }
+
+    /// One layer's K and V tensors (handles to the storage itself).
+    pub fn layer(&self, layer: usize) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        (self.k[layer].clone(), self.v[layer].clone())
+    }
+
     /// One layer's K/V as the rows of a step read them: where they are stored, and which
     /// parts each row reads. Nothing is copied; [`CachedKv::gather`] copies.
     pub fn read<'a>(&self, layer: usize, index: &'a ReadIndex<B>) -> CachedKv<'a, B> {

@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::*;
-use crate::attention::{AttentionPlan, attend};
+use crate::attention::{AttentionPlan, HostStepIndex, StepIndex, attend, step_attention_reference};
 use crate::batch::Batch;
 use crate::dtype::Dtype;
 use crate::ids::{Position, SeqId, TokenId};
@@ -180,6 +180,36 @@ fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::
                 tensor3::<B>(v.clone(), [t, hkv, d], device),
             );
             let out: Vec<f32> = out.into_data().iter::<f32>().collect();
+
+            // The step's attention in burn's operations from a step index (the default of
+            // `InferenceBackend::step_attention`) reads the same K/V the same way.
+            let index = StepIndex::<B>::upload(
+                HostStepIndex::new(&batch, plan.step(), hkv),
+                plan.step().window,
+                device,
+            );
+            let (k_store, v_store) = cache.storage(layer);
+            let by_index: Vec<f32> = step_attention_reference(
+                tensor3::<B>(q.clone(), [t, N_HEADS, d], device),
+                tensor3::<B>(k.clone(), [t, hkv, d], device),
+                tensor3::<B>(v.clone(), [t, hkv, d], device),
+                k_store,
+                v_store,
+                &index,
+            )
+            .into_data()
+            .iter::<f32>()
+            .collect();
+            let diff = out
+                .iter()
+                .zip(&by_index)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                diff < 1e-5,
+                "{} cache, step {step_index}, layer {layer}: attend and the step-index reference differ by {diff}",
+                cache.kind()
+            );
 
             // Record the new K/V, then check every token's output.
             for (seq, range) in batch.ranges() {

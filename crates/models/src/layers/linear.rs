@@ -94,9 +94,17 @@ fn fuse_dense<B: InferenceBackend>(parts: &[&Linear<B>]) -> Option<Tensor<B, 2>>
         .collect::<Option<_>>()?;
     let (first, rest) = weights.split_first()?;
     let same = |w: &&Tensor<B, 2>| w.dims()[0] == first.dims()[0] && w.dtype() == first.dtype();
-    rest.iter()
-        .all(same)
-        .then(|| Tensor::cat(weights.into_iter().cloned().collect(), 1))
+    if !rest.iter().all(same) {
+        return None;
+    }
+    let weights: Vec<Tensor<B, 2>> = weights.into_iter().cloned().collect();
+    Some(if B::DENSE_WEIGHTS_OUT_IN {
+        // The parts are transposed views of `[d_out_i, d_in]` tensors: stacked as such and
+        // viewed again, so the fused weight keeps the layout.
+        Tensor::cat(weights.into_iter().map(|w| w.transpose()).collect(), 0).transpose()
+    } else {
+        Tensor::cat(weights, 1)
+    })
 }
 
 /// `parts`' quantized weights stacked by output rows; `None` unless every weight is

@@ -471,6 +471,20 @@ impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
         self.storage.read(layer, index)
     }
 
+    fn write_places(
+        &mut self,
+        layer: usize,
+        index: &crate::attention::StepIndex<B>,
+        k: Tensor<B, 3>,
+        v: Tensor<B, 3>,
+    ) {
+        self.storage.write_places(layer, index, k, v);
+    }
+
+    fn storage(&self, layer: usize) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        self.storage.layer(layer)
+    }
+
     fn export(&self, seq: SeqId) -> Result<HostKv, CacheError> {
         let bs = self.block_size();
         let table = self.block_table(seq);

@@ -22,7 +22,11 @@
 //! backend by row copies. On the cpu backend that call sums over each query's visible keys
 //! only, so a sequence's outputs do not depend on what it was batched with.
 
+mod step;
+
 use burn::tensor::backend::Backend;
+
+pub use step::{HostStepIndex, StepIndex, StepLayout, TOKEN_FIELDS};
 
 use crate::backend::InferenceBackend;
 use burn::tensor::ops::AttentionModuleOptions;
@@ -66,6 +70,9 @@ pub struct AttentionPlan<B: Backend> {
     history: Option<HistoryGroup<B>>,
     /// Maps `[fresh tokens, history tokens]` back to batch order, when they differ. `[n_tokens]`
     unpermute: Option<Tensor<B, 1, Int>>,
+    /// The whole step as index arrays, for backends that attend in one launch
+    /// ([`InferenceBackend::STEP_ATTENTION`]); the groups above are not built then.
+    step_index: Option<StepIndex<B>>,
 }
 
 impl<B: InferenceBackend> AttentionPlan<B> {
@@ -85,6 +92,19 @@ impl<B: InferenceBackend> AttentionPlan<B> {
             n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
             "n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})"
         );
+        if B::STEP_ATTENTION {
+            let host = HostStepIndex::new(batch, &step, n_kv_heads);
+            let step_index = StepIndex::upload(host, step.window, device);
+            return Self {
+                step,
+                n_heads,
+                n_kv_heads,
+                fresh: None,
+                history: None,
+                unpermute: None,
+                step_index: Some(step_index),
+            };
+        }
         let positions = batch.positions();
         let window = step.window;
 
@@ -177,6 +197,7 @@ impl<B: InferenceBackend> AttentionPlan<B> {
             fresh,
             history,
             unpermute,
+            step_index: None,
         }
     }
 
@@ -216,6 +237,11 @@ pub fn attend<B: InferenceBackend>(
     let [n_tokens, n_heads, head_dim] = q.dims();
     debug_assert_eq!(n_heads, plan.n_heads);
     debug_assert_eq!(k.dims()[1], plan.n_kv_heads);
+    if let Some(index) = &plan.step_index {
+        cache.write_places(layer, index, k.clone(), v.clone());
+        let (k_store, v_store) = cache.storage(layer);
+        return B::step_attention(q, k, v, k_store, v_store, index);
+    }
     cache.write(layer, &plan.step, k.clone(), v.clone());
 
     let mut outputs = Vec::with_capacity(2);
@@ -248,6 +274,111 @@ pub fn attend<B: InferenceBackend>(
         Some(idx) => out.select(0, idx.clone()),
         None => out,
     }
+}
+
+/// The default [`InferenceBackend::step_attention`], in burn's operations on any backend: for
+/// each run of query tokens that read the same keys (a fresh sequence, or a history row), the
+/// keys gathered from the step's new K/V or from the storage through the row's blocks, the
+/// mask built from positions, and [`sdpa_reference`]. Slow (operations per sequence) and
+/// exact: the reference the fused kernels are held to.
+///
+/// # Shapes
+/// - `q`: `[n_tokens, n_heads, head_dim]`; `k`, `v`: `[n_tokens, n_kv_heads, head_dim]`
+/// - `k_store`, `v_store`: `[targets, n_kv_heads, slots, head_dim]`, after this step's write
+/// - returns `[n_tokens, n_heads * head_dim]` in batch order
+pub fn step_attention_reference<B: InferenceBackend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    k_store: Tensor<B, 4>,
+    v_store: Tensor<B, 4>,
+    index: &StepIndex<B>,
+) -> Tensor<B, 2> {
+    let host = &index.host;
+    let [n, n_heads, head_dim] = q.dims();
+    let n_kv = k.dims()[1];
+    let n_rep = n_heads / n_kv;
+    let [targets, _, slots, _] = k_store.dims();
+    let device = q.device();
+    let dtype = FloatDType::from(q.dtype());
+    let fields = |t: usize| &host.tokens[t * TOKEN_FIELDS..][..TOKEN_FIELDS];
+    let mut outputs = Vec::new();
+    let mut first = 0;
+    while first < n {
+        let mut end = first + 1;
+        while end < n && fields(end)[..3] == fields(first)[..3] {
+            end += 1;
+        }
+        let [row, start, count, _] = *fields(first) else {
+            unreachable!("TOKEN_FIELDS is 4")
+        };
+        let (start, count) = (start as usize, count as usize);
+        // [count, n_kv, head_dim] each, and the keys' positions.
+        let (keys, values, key_positions) = if row < 0 {
+            (
+                k.clone().slice([start..start + count]),
+                v.clone().slice([start..start + count]),
+                host.positions[start..start + count].to_vec(),
+            )
+        } else {
+            let row = row as usize;
+            let blocks = host.blocks_per_row;
+            let head_blocks: Vec<usize> = host.table[row * n_kv * blocks..][..n_kv * blocks]
+                .iter()
+                .map(|&b| b as usize)
+                .collect();
+            let gather = |store: Tensor<B, 4>| {
+                store
+                    .reshape([targets * n_kv, slots, head_dim])
+                    .select(0, int_tensor::<B>(head_blocks.clone(), &device))
+                    .reshape([n_kv, blocks * slots, head_dim])
+                    .slice([0..n_kv, 0..count])
+                    .swap_dims(0, 1)
+                    .cast(dtype)
+            };
+            (
+                gather(k_store.clone()),
+                gather(v_store.clone()),
+                host.key_positions[row * host.keys..][..count].to_vec(),
+            )
+        };
+        // Query head `h` reads KV head `h / n_rep`: [1, n_heads, count, head_dim].
+        let by_head = |x: Tensor<B, 3>| {
+            x.unsqueeze_dim::<4>(2)
+                .expand([count, n_kv, n_rep, head_dim])
+                .reshape([count, n_heads, head_dim])
+                .swap_dims(0, 1)
+                .unsqueeze_dim::<4>(0)
+        };
+        let queries = end - first;
+        let window = index.window;
+        let mask: Vec<bool> = (first..end)
+            .flat_map(|t| {
+                let q_pos = host.positions[t];
+                key_positions.iter().map(move |&k_pos| {
+                    !(k_pos >= 0
+                        && k_pos <= q_pos
+                        && window.is_none_or(|w| ((q_pos - k_pos) as usize) < w))
+                })
+            })
+            .collect();
+        let mask =
+            Tensor::<B, 4, Bool>::from_data(TensorData::new(mask, [1, 1, queries, count]), &device)
+                .expand([1, n_heads, queries, count]);
+        let q_rows = q
+            .clone()
+            .slice([first..end])
+            .swap_dims(0, 1)
+            .unsqueeze_dim::<4>(0);
+        let out = sdpa_reference(q_rows, by_head(keys), by_head(values), mask);
+        outputs.push(
+            out.reshape([n_heads, queries, head_dim])
+                .swap_dims(0, 1)
+                .reshape([queries, n_heads * head_dim]),
+        );
+        first = end;
+    }
+    Tensor::cat(outputs, 0)
 }
 
 /// Scaled dot-product attention through burn's fused op, with an explicit mask.
