@@ -107,6 +107,29 @@ struct CellReport {
     /// The model's linear weights the runs read, by storage: `"<count> <kind>"`, the kind a
     /// dtype (dense, the backend's matmul) or a GGUF type marked quantized (kiln's kernels).
     weights: Vec<String>,
+    /// Per decode step of the last run: kernel launches (where counted), uploads and blocking
+    /// reads.
+    per_step: StepWork,
+}
+
+/// A decode step's device work, averaged over a run's decode steps.
+#[derive(Debug, Clone, Copy, Default)]
+struct StepWork {
+    launches: Option<f64>,
+    uploads: f64,
+    reads: f64,
+}
+
+impl StepWork {
+    fn of(run: &CellTimings) -> Self {
+        let steps = run.decode_steps.len().max(1) as f64;
+        let work = &run.decode_work;
+        StepWork {
+            launches: work.launches.map(|l| l as f64 / steps),
+            uploads: work.transfers.uploads as f64 / steps,
+            reads: work.transfers.reads as f64 / steps,
+        }
+    }
 }
 
 impl CellReport {
@@ -156,6 +179,7 @@ fn report(
             .filter_map(|r| r.peak_device_memory.map(|m| m.reserved))
             .max(),
         weights,
+        per_step: runs.last().map(StepWork::of).unwrap_or_default(),
     }
 }
 
@@ -315,6 +339,16 @@ impl BackendTask for Task {
                         String::new()
                     }
                 );
+                if args.verbose {
+                    let w = r.per_step;
+                    println!(
+                        "{:>22} per decode step: {} kernel launches, {:.1} uploads, {:.1} blocking reads",
+                        "",
+                        w.launches.map_or("uncounted".into(), |l| format!("{l:.1}")),
+                        w.uploads,
+                        w.reads
+                    );
+                }
                 if speculation.is_some() {
                     println!(
                         "{:>22} speculation: {:.0} % of {} drafts accepted, {:.2} tokens per forward",
@@ -360,6 +394,11 @@ impl BackendTask for Task {
                     "peak_memory_bytes": r.peak_memory_bytes(),
                     "peak_rss_bytes": r.peak_rss_bytes,
                     "peak_device_reserved_bytes": r.peak_device_bytes,
+                    "per_decode_step": {
+                        "kernel_launches": r.per_step.launches,
+                        "uploads": r.per_step.uploads,
+                        "blocking_reads": r.per_step.reads,
+                    },
                 })).collect::<Vec<_>>(),
             });
             if let Some(dir) = path.parent() {

@@ -51,7 +51,8 @@ pub enum LogitsFor {
 }
 
 impl LogitsFor {
-    /// The batch rows (token indices, ascending) whose logits this asks for; `None` for all.
+    /// The batch rows (token indices, ascending) whose logits this asks for; `None` for all
+    /// (also when the rows asked for are every row, as in a step of single-token decodes).
     ///
     /// # Errors
     /// [`CoreError::ModelInput`] if a [`LogitsFor::LastOfEach`] count does not fit its
@@ -81,7 +82,8 @@ impl LogitsFor {
                 }
                 Some(rows)
             }
-        })
+        }
+        .filter(|rows| rows.len() != batch.n_tokens()))
     }
 }
 

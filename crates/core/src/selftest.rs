@@ -5,11 +5,11 @@
 //! operation and the largest difference.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::attention::{AttentionPlan, attend, sdpa, sdpa_reference};
+use crate::attention::{AttentionPlan, attend};
 use crate::backend::InferenceBackend;
 use crate::batch::Batch;
 use crate::dtype::Dtype;
@@ -44,10 +44,16 @@ pub fn run<B: InferenceBackend>(device: &B::Device) -> Vec<Check> {
     let reference = <Reference as InferenceBackend>::inference_device();
     vec![
         compare(
-            "matmul",
+            "linear layer, 3 rows (decode)",
             1e-4,
-            |r| matmul::<B>(r, device),
-            |r| matmul::<Reference>(r, &reference),
+            |r| linear::<B>(r, device, 3),
+            |r| linear::<Reference>(r, &reference, 3),
+        ),
+        compare(
+            "linear layer, 97 rows (prefill)",
+            1e-4,
+            |r| linear::<B>(r, device, 97),
+            |r| linear::<Reference>(r, &reference, 97),
         ),
         compare(
             "softmax",
@@ -56,22 +62,28 @@ pub fn run<B: InferenceBackend>(device: &B::Device) -> Vec<Check> {
             |r| softmax::<Reference>(r, &reference),
         ),
         compare(
-            "attention, causal mask",
+            "RMSNorm, rotary embedding, SwiGLU",
             1e-5,
-            |r| attention_masked::<B>(r, device, true, false),
-            |r| attention_masked::<Reference>(r, &reference, true, true),
+            |r| row_ops::<B>(r, device),
+            |r| row_ops::<Reference>(r, &reference),
         ),
         compare(
-            "attention, custom mask (sq != sk)",
+            "attention, fresh prompts packed (causal)",
             1e-5,
-            |r| attention_masked::<B>(r, device, false, false),
-            |r| attention_masked::<Reference>(r, &reference, false, true),
+            |r| cached_attention::<B>(r, device, Scenario::Fresh),
+            |r| cached_attention::<Reference>(r, &reference, Scenario::Fresh),
+        ),
+        compare(
+            "attention, chunks over a cache (sq != sk)",
+            1e-5,
+            |r| cached_attention::<B>(r, device, Scenario::Chunks),
+            |r| cached_attention::<Reference>(r, &reference, Scenario::Chunks),
         ),
         compare(
             "paged cache: packed prefill + decode, GQA",
             1e-5,
-            |r| cached_attention::<B>(r, device),
-            |r| cached_attention::<Reference>(r, &reference),
+            |r| cached_attention::<B>(r, device, Scenario::PrefillDecode),
+            |r| cached_attention::<Reference>(r, &reference, Scenario::PrefillDecode),
         ),
         compare(
             "static cache: append in place, read back",
@@ -142,10 +154,20 @@ fn compare(
     }
 }
 
-fn matmul<B: Backend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
-    let a = r.tensor::<B, 2>([33, 47], device);
-    let b = r.tensor::<B, 2>([47, 29], device);
-    host_f32(a.matmul(b))
+/// A linear layer as models run it ([`InferenceBackend::linear_dense`]), its weight stored as
+/// the backend's loaders store it ([`InferenceBackend::DENSE_WEIGHTS_OUT_IN`]).
+fn linear<B: InferenceBackend>(r: &mut Inputs, device: &B::Device, rows: usize) -> Vec<f32> {
+    let (d_in, d_out) = (96, 80);
+    let x = r.tensor::<B, 2>([rows, d_in], device);
+    let w_out_in = r.tensor::<B, 2>([d_out, d_in], device);
+    let w = if B::DENSE_WEIGHTS_OUT_IN {
+        w_out_in.transpose()
+    } else {
+        // Row-major `[d_in, d_out]`: the transpose made contiguous.
+        let values = host_f32(w_out_in.transpose());
+        Tensor::from_data(TensorData::new(values, [d_in, d_out]), device)
+    };
+    host_f32(B::linear_dense(x, &w))
 }
 
 fn softmax<B: Backend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
@@ -153,46 +175,43 @@ fn softmax<B: Backend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
     host_f32(burn::tensor::activation::softmax(x, 1))
 }
 
-/// Fused attention (or the plain reference) with a causal mask on equal lengths, or a custom
-/// mask on unequal lengths.
-fn attention_masked<B: Backend>(
-    r: &mut Inputs,
-    device: &B::Device,
-    causal: bool,
-    plain: bool,
-) -> Vec<f32> {
-    let (b, h, d) = (2, 3, 16);
-    let (sq, sk) = if causal { (11, 11) } else { (5, 13) };
-    let q = r.tensor::<B, 4>([b, h, sq, d], device);
-    let k = r.tensor::<B, 4>([b, h, sk, d], device);
-    let v = r.tensor::<B, 4>([b, h, sk, d], device);
-    let mask: Vec<bool> = (0..b * h * sq * sk)
-        .map(|i| {
-            let (row, col) = ((i / sk) % sq, i % sk);
-            if causal {
-                col > row
-            } else {
-                // Every row keeps its first key, so no row is fully masked.
-                col != 0 && (i * 2654435761) % 7 < 3
-            }
-        })
-        .collect();
-    let mask: Tensor<B, 4, Bool> = Tensor::from_data(TensorData::new(mask, [b, h, sq, sk]), device);
-    let out = if plain {
-        sdpa_reference(q, k, v, mask)
-    } else {
-        sdpa(q, k, v, mask)
-    };
-    host_f32(out)
+/// The fused row operations of a block: RMSNorm, rotary embeddings and SwiGLU's gating.
+fn row_ops<B: InferenceBackend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
+    let (n, d, heads, head_dim) = (5, 72, 3, 16);
+    let x = r.tensor::<B, 2>([n, d], device);
+    let gamma = r.tensor::<B, 1>([d], device);
+    let q = r.tensor::<B, 3>([n, heads, head_dim], device);
+    let cos = r.tensor::<B, 3>([n, 1, head_dim / 2], device);
+    let sin = r.tensor::<B, 3>([n, 1, head_dim / 2], device);
+    let gate_up = r.tensor::<B, 2>([n, 2 * d], device);
+    let mut out = host_f32(B::rms_norm(x, &gamma, 1e-5));
+    out.extend(host_f32(B::rotate_half(q, &cos, &sin)));
+    out.extend(host_f32(B::swiglu(gate_up)));
+    out
 }
 
 fn tokens(ids: &[u32]) -> Vec<TokenId> {
     ids.iter().copied().map(TokenId).collect()
 }
 
-/// Two prompts packed into one prefill, then one decode step each, through a paged cache with
-/// grouped-query attention (4 query heads, 2 KV heads).
-fn cached_attention<B: InferenceBackend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
+/// What [`cached_attention`] feeds through the cache.
+#[derive(Debug, Clone, Copy)]
+enum Scenario {
+    /// Two fresh prompts packed into one step.
+    Fresh,
+    /// A prompt, then chunks of 3 and 4 tokens attending over it.
+    Chunks,
+    /// Two prompts packed, then a decode step each.
+    PrefillDecode,
+}
+
+/// Steps of a [`Scenario`] through a paged cache with grouped-query attention (4 query heads,
+/// 2 KV heads), every step's attention output.
+fn cached_attention<B: InferenceBackend>(
+    r: &mut Inputs,
+    device: &B::Device,
+    scenario: Scenario,
+) -> Vec<f32> {
     let layout = KvLayout {
         n_layers: 1,
         n_kv_heads: 2,
@@ -201,21 +220,30 @@ fn cached_attention<B: InferenceBackend>(r: &mut Inputs, device: &B::Device) -> 
     let n_heads = 4;
     let mut cache = PagedKvCache::<B>::new(layout, 8, 4, Dtype::F32, device)
         .expect("valid cache configuration");
-    let mut prefill = Batch::new();
     let ok = "a valid batch";
-    prefill
-        .push(SeqId(0), &tokens(&[1, 2, 3, 4, 5]), Position(0))
-        .expect(ok);
-    prefill
-        .push(SeqId(1), &tokens(&[6, 7, 8]), Position(0))
-        .expect(ok);
-    let mut decode = Batch::new();
-    decode.push(SeqId(0), &tokens(&[9]), Position(5)).expect(ok);
-    decode
-        .push(SeqId(1), &tokens(&[10]), Position(3))
-        .expect(ok);
+    let batch = |seqs: &[(u64, &[u32], u32)]| {
+        let mut batch = Batch::new();
+        for &(seq, ids, start) in seqs {
+            batch
+                .push(SeqId(seq), &tokens(ids), Position(start))
+                .expect(ok);
+        }
+        batch
+    };
+    let steps = match scenario {
+        Scenario::Fresh => vec![batch(&[(0, &[1, 2, 3, 4, 5], 0), (1, &[6, 7, 8], 0)])],
+        Scenario::Chunks => vec![
+            batch(&[(0, &[1, 2, 3, 4, 5], 0)]),
+            batch(&[(0, &[6, 7, 8], 5)]),
+            batch(&[(0, &[9, 10, 11, 12], 8)]),
+        ],
+        Scenario::PrefillDecode => vec![
+            batch(&[(0, &[1, 2, 3, 4, 5], 0), (1, &[6, 7, 8], 0)]),
+            batch(&[(0, &[9], 5), (1, &[10], 3)]),
+        ],
+    };
     let mut out = Vec::new();
-    for batch in [prefill, decode] {
+    for batch in steps {
         let n = batch.n_tokens();
         let step = cache.plan(&batch).expect("the cache has room");
         let plan = AttentionPlan::new(&batch, step, n_heads, layout.n_kv_heads, device);
@@ -252,15 +280,13 @@ fn cache_roundtrip<B: InferenceBackend>(r: &mut Inputs, device: &B::Device) -> V
         .collect()
 }
 
-/// Argmax on the device, then seeded multinomial draws over logits read back from it.
-fn sampling<B: Backend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
+/// Greedy tokens picked as the engine picks them ([`InferenceBackend::argmax_rows`], on the
+/// device where it can), then seeded multinomial draws over logits read back from it.
+fn sampling<B: InferenceBackend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
     let vocab = 257;
     let logits = r.tensor::<B, 2>([3, vocab], device).mul_scalar(4.0);
-    let argmax: Vec<f32> = logits
-        .clone()
-        .argmax(1)
-        .into_data()
-        .iter::<i64>()
+    let argmax: Vec<f32> = B::argmax_rows(logits.clone())
+        .into_iter()
         .map(|i| i as f32)
         .collect();
     let host_logits = host_f32(logits);

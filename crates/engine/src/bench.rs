@@ -169,6 +169,18 @@ pub struct CellTimings {
     /// The device allocator's largest figures after any step of the run, each its own
     /// maximum; `None` where the backend does not report them.
     pub peak_device_memory: Option<DeviceMemory>,
+    /// What the decode steps cost in launches and transfers, all steps together.
+    pub decode_work: DeviceWork,
+}
+
+/// Kernel launches and host-device transfers over some steps.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceWork {
+    /// Kernels launched, where the backend counts them
+    /// ([`kiln_core::backend::launches_settled`]).
+    pub launches: Option<u64>,
+    /// Uploads and blocking reads ([`kiln_core::tensor::transfers`]).
+    pub transfers: kiln_core::tensor::Transfers,
 }
 
 impl CellTimings {
@@ -275,7 +287,10 @@ pub fn run_cell<B: InferenceBackend>(
     let mut decode_steps = Vec::with_capacity(cell.new_tokens.saturating_sub(1));
     let mut decode_tokens = 0;
     let mut preemptions = 0;
+    let mut decode_transfers = kiln_core::tensor::Transfers::default();
+    let mut launches_at_decode = None;
     while !engine.is_idle() {
+        let transfers_before = kiln_core::tensor::transfers();
         let step_start = Instant::now();
         let events = engine.step()?;
         let step = step_start.elapsed();
@@ -307,10 +322,20 @@ pub fn run_cell<B: InferenceBackend>(
             }
             decode_steps.push(step);
             decode_tokens += step_tokens;
+            let moved = kiln_core::tensor::transfers() - transfers_before;
+            decode_transfers.uploads += moved.uploads;
+            decode_transfers.reads += moved.reads;
         } else if waiting_for_first == 0 {
             prefill = Some(now);
+            launches_at_decode = kiln_core::backend::launches_settled();
         }
     }
+    let decode_work = DeviceWork {
+        launches: launches_at_decode
+            .zip(kiln_core::backend::launches_settled())
+            .map(|(before, after)| after - before),
+        transfers: decode_transfers,
+    };
     if preemptions > 0 {
         return invalid(format!(
             "the cache is too small for the cell: {preemptions} preemptions"
@@ -328,6 +353,7 @@ pub fn run_cell<B: InferenceBackend>(
         time_to_first_token,
         decode_steps,
         decode_tokens,
+        decode_work,
         speculation,
         tokens,
         peak_device_memory,

@@ -761,10 +761,22 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             }
         })?;
         let vocab = self.model.shape().vocab;
-        let rows = kiln_core::tensor::host_f32(logits);
+        // Where every row's token is a plain argmax, a device picks them itself and only the
+        // ids come back (one id a row instead of a vocabulary of logits).
+        let argmax_ids = (!on_host
+            && rows_of.iter().all(|&n| n == 1)
+            && fed.iter().all(|&(i, _)| self.running[i].argmax_on_device()))
+        .then(|| B::argmax_rows(logits.clone()));
+        let rows = match argmax_ids {
+            Some(_) => Vec::new(),
+            None => kiln_core::tensor::host_f32(logits),
+        };
         let mut first_row = 0;
         for (&(i, n), &n_rows) in fed.iter().zip(&rows_of) {
-            let seq_rows = &rows[first_row * vocab..(first_row + n_rows) * vocab];
+            let seq_rows = rows
+                .get(first_row * vocab..(first_row + n_rows) * vocab)
+                .unwrap_or_default();
+            let argmax = argmax_ids.as_ref().map(|ids| TokenId(ids[first_row]));
             first_row += n_rows;
             let reason = if self.running[i].beams.is_some() {
                 self.running[i].in_cache += n;
@@ -781,7 +793,10 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
                     continue;
                 }
                 self.running[i].counts.forwards += 1;
-                self.sample(i, seq_rows, &mut events)?
+                match argmax {
+                    Some(token) => self.take(i, token, seq_rows, &mut events),
+                    None => self.sample(i, seq_rows, &mut events)?,
+                }
             };
             if let Some(reason) = reason {
                 finished.push((i, reason));

@@ -101,6 +101,17 @@ impl Sequence {
         }
     }
 
+    /// Whether its next token is the plain argmax of its logits row, which the device can
+    /// pick itself: greedy without processors (no penalty, no grammar), no log-probabilities
+    /// asked for, no drafts to verify and no beams.
+    pub fn argmax_on_device(&self) -> bool {
+        self.sampler.is_plain_greedy()
+            && self.request.logprobs.is_none()
+            && self.drafts.is_empty()
+            && self.beams.is_none()
+            && self.constraint.is_none()
+    }
+
     /// Every cache sequence it may hold: its beams' with beam search, else its own.
     pub fn cache_seqs(&self) -> Vec<SeqId> {
         if self.beams.is_some() {

@@ -217,7 +217,7 @@ fn bool_tensor<B: Backend>(
     shape: [usize; 3],
     device: &B::Device,
 ) -> Tensor<B, 3, Bool> {
-    Tensor::from_data(TensorData::new(values, shape), device)
+    crate::tensor::upload(TensorData::new(values, shape), device)
 }
 
 /// One layer's attention: writes the new K/V into `cache`, then attends.

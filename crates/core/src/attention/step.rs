@@ -194,7 +194,7 @@ impl<B: InferenceBackend> StepIndex<B> {
             data.extend_from_slice(array);
         }
         let len = data.len();
-        let data = Tensor::<B, 1, Int>::from_data(TensorData::new(data, [len]), device);
+        let data: Tensor<B, 1, Int> = crate::tensor::upload(TensorData::new(data, [len]), device);
         let max_keys = host
             .tokens
             .chunks(TOKEN_FIELDS)

@@ -157,3 +157,23 @@ where
         Err(_) => crate::attention::step_attention_reference(q, k, v, k_store, v_store, index),
     }
 }
+
+pub(super) fn argmax_rows<R: CubeRuntime, BT: BoolElement>(
+    logits: Tensor<Cube<R, BT>, 2>,
+) -> Vec<u32>
+where
+    Cube<R, BT>: super::InferenceBackend,
+{
+    let Ok(ids) = kiln_cube::rowwise::argmax(raw(logits.clone())) else {
+        return super::argmax_on_host(logits);
+    };
+    let rows = ids.meta.shape()[0];
+    crate::tensor::count_read();
+    let Ok(bytes) = ids.client.read_one(ids.handle.clone()) else {
+        return super::argmax_on_host(logits);
+    };
+    bytes[..rows * 4]
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}

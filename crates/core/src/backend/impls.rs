@@ -591,6 +591,10 @@ macro_rules! cube_kernels {
             super::cube::swiglu(gate_up)
         }
 
+        fn argmax_rows(logits: burn::tensor::Tensor<Self, 2>) -> Vec<u32> {
+            super::cube::argmax_rows(logits)
+        }
+
         fn split_columns<const N: usize>(
             x: burn::tensor::Tensor<Self, 2>,
             widths: [usize; N],

@@ -262,15 +262,13 @@ pub trait InferenceBackend: Backend {
     fn linear_quantized(x: Tensor<Self, 2>, w: &QuantMatrix) -> Tensor<Self, 2> {
         let [n, d_in] = x.dims();
         let device = x.device();
-        let host = x
-            .cast(burn::tensor::FloatDType::F32)
-            .into_data()
+        let host = crate::tensor::read_back(x.cast(burn::tensor::FloatDType::F32))
             .into_vec::<f32>()
             .expect("an f32 tensor reads back as f32");
         debug_assert_eq!(host.len(), n * d_in);
         let mut out = vec![0f32; n * w.rows()];
         w.matmul(&host, n, &mut out);
-        Tensor::from_data(burn::tensor::TensorData::new(out, [n, w.rows()]), &device)
+        crate::tensor::upload(burn::tensor::TensorData::new(out, [n, w.rows()]), &device)
     }
 
     /// Attention of one packed row of fresh prompts over their own keys (the packed prefill):
@@ -421,6 +419,17 @@ pub trait InferenceBackend: Backend {
         crate::layer_ops::swiglu(gate_up)
     }
 
+    /// The index of each row's largest logit (the lowest among equal ones: the host sampler's
+    /// greedy rule), read back as token ids. The default reads the rows to the host and
+    /// scans them; the GPU backends pick on the device and read back one id a row instead of
+    /// a vocabulary of logits.
+    ///
+    /// # Shapes
+    /// - `logits`: `[rows, vocab]` → `rows` ids
+    fn argmax_rows(logits: Tensor<Self, 2>) -> Vec<u32> {
+        argmax_on_host(logits)
+    }
+
     /// What the backend's device allocator holds, where it reports it (the GPU backends);
     /// `None` on the CPU backends, whose memory is the process's resident set. Call after the
     /// work to be measured has been read back: queued work is not counted.
@@ -432,6 +441,29 @@ pub trait InferenceBackend: Backend {
     /// the CPU backends), so that a later [`device_memory`](Self::device_memory) counts less of
     /// what earlier work left behind. The allocator decides what it frees; nothing is promised.
     fn release_unused_device_memory(_device: &Self::Device) {}
+}
+
+/// Kernel launches counted in this process once the count has settled, where counting is on
+/// (a GPU backend configured with `count_launches`, [`device_runtime`]); `None` elsewhere.
+pub fn launches_settled() -> Option<u64> {
+    #[cfg(feature = "gpu-runtime")]
+    if device_runtime::LaunchCounter::is_active() {
+        return Some(device_runtime::LaunchCounter::settled());
+    }
+    None
+}
+
+/// [`InferenceBackend::argmax_rows`]'s default: the rows read back and scanned on the host.
+///
+/// # Shapes
+/// - `logits`: `[rows, vocab]` → `rows` ids
+pub fn argmax_on_host<B: Backend>(logits: Tensor<B, 2>) -> Vec<u32> {
+    let [_, vocab] = logits.dims();
+    let values = crate::tensor::host_f32(logits);
+    values
+        .chunks(vocab.max(1))
+        .map(|row| crate::sampling::first_max_index(row) as u32)
+        .collect()
 }
 
 /// [`InferenceBackend::write_kv_places`]'s default: each token's K and V written with

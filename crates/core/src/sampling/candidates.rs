@@ -201,7 +201,7 @@ impl Candidates {
 
 /// Index of the first highest value of `values` (0 when empty; a NaN is never the highest
 /// unless it comes first).
-pub(crate) fn first_max_index(values: &[f32]) -> usize {
+pub fn first_max_index(values: &[f32]) -> usize {
     let mut best = 0;
     for (i, &v) in values.iter().enumerate().skip(1) {
         if v > values[best] {

@@ -22,7 +22,7 @@ mod processors;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-pub use candidates::Candidates;
+pub use candidates::{Candidates, first_max_index};
 pub use history::TokenHistory;
 pub use params::{SamplingError, SamplingParams};
 pub use processors::{
@@ -127,6 +127,13 @@ impl Sampler {
     /// How the token is picked.
     pub fn selection(&self) -> Selection {
         self.selection
+    }
+
+    /// Whether this sampler takes the plain argmax of the logits (greedy, no processor), a
+    /// choice the device can make itself ([`crate::InferenceBackend::argmax_rows`]) so that
+    /// only token ids come back.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.selection == Selection::Greedy && self.processors.is_empty()
     }
 
     /// The candidates after every processor: what selection chooses from.

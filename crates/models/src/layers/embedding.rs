@@ -33,7 +33,7 @@ impl<B: InferenceBackend> Embedding<B> {
                 for (row, &t) in rows.chunks_exact_mut(d).zip(&tokens) {
                     table.dequantize_row(t, row);
                 }
-                Tensor::from_data(TensorData::new(rows, [tokens.len(), d]), device)
+                kiln_core::tensor::upload(TensorData::new(rows, [tokens.len(), d]), device)
             }
         }
     }

@@ -69,8 +69,11 @@ impl<B: Backend> RopeTables<B> {
             }
         }
         let make = |v: Vec<f32>| {
-            Tensor::<B, 3>::from_data(TensorData::new(v, [positions.len(), 1, half]), device)
-                .cast(dtype)
+            kiln_core::tensor::upload::<B, 3, burn::tensor::Float>(
+                TensorData::new(v, [positions.len(), 1, half]),
+                device,
+            )
+            .cast(dtype)
         };
         Self {
             cos: make(cos),
