@@ -9,6 +9,10 @@ the process's resident set high-water mark (reset per cell through /proc/self/cl
 cpu; on cuda the caching allocator's peak reserved memory (`torch.cuda.max_memory_reserved`,
 emptied before each cell), the twin of the reserved bytes kiln reads from cubecl.
 
+With `--compile` the decode steps run through `torch.compile(mode="reduce-overhead")` (CUDA
+graphs) over the same static cache, reused across a cell's runs; the prefill stays eager. This is
+the compiled static-cache baseline of transformers' own performance docs.
+
 Prints one JSON object (the same fields as kiln's) to stdout; progress goes to stderr.
 """
 
@@ -82,10 +86,16 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_cell(model, prompt_len, batch, new_tokens, device):
+def run_cell(model, prompt_len, batch, new_tokens, device, decode=None, cache=None):
+    """One run: prefill then greedy decode steps. `decode` replaces the model's forward for
+    the decode steps (a compiled one); `cache` is a static cache to reset and reuse."""
     vocab = model.config.vocab_size
     ids = torch.tensor(synthetic(batch, prompt_len, vocab), device=device)
-    cache = StaticCache(config=model.config, max_cache_len=prompt_len + new_tokens)
+    if cache is None:
+        cache = StaticCache(config=model.config, max_cache_len=prompt_len + new_tokens)
+    else:
+        cache.reset()
+    decode = decode or model
     sync(device)
     start = time.perf_counter()
     out = model(input_ids=ids, past_key_values=cache, use_cache=True,
@@ -97,8 +107,8 @@ def run_cell(model, prompt_len, batch, new_tokens, device):
     for step in range(1, new_tokens):
         step_start = time.perf_counter()
         position = torch.tensor([prompt_len + step - 1], device=device)
-        out = model(input_ids=token, past_key_values=cache, use_cache=True,
-                    cache_position=position)
+        out = decode(input_ids=token, past_key_values=cache, use_cache=True,
+                     cache_position=position)
         token = out.logits[:, -1, :].argmax(-1, keepdim=True)
         sync(device)
         steps.append(time.perf_counter() - step_start)
@@ -147,6 +157,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--compile", action="store_true",
+                        help="decode through torch.compile(mode='reduce-overhead') (CUDA graphs)")
     args = parser.parse_args()
     if bool(args.model) == bool(args.shape):
         parser.error("give --model or --shape")
@@ -156,15 +168,21 @@ def main():
     torch.set_grad_enabled(False)
     model, name = load(args, dtype, args.device)
     model.eval()
+    decode = (torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+              if args.compile else None)
     cells = []
     for prompt_len in [int(x) for x in args.prompt_lens.split(",")]:
         for batch in [int(x) for x in args.batch_sizes.split(",")]:
             reset_peak(args.device)
             runs = []
+            # A compiled decode keeps one cache per cell (its graphs hold its tensors).
+            cache = (StaticCache(config=model.config, max_cache_len=prompt_len + args.new_tokens)
+                     if args.compile else None)
             for run in range(args.repeats + 1):
                 # The warm-up decodes only WARM_UP_NEW_TOKENS, as kiln's (`Cell::warm_up`).
                 new_tokens = min(args.new_tokens, WARM_UP_NEW_TOKENS) if run == 0 else args.new_tokens
-                prefill, steps = run_cell(model, prompt_len, batch, new_tokens, args.device)
+                prefill, steps = run_cell(model, prompt_len, batch, new_tokens, args.device,
+                                          decode, cache)
                 if run > 0:
                     runs.append((prefill, steps))
             med = statistics.median
@@ -186,7 +204,8 @@ def main():
             cells.append(cell)
     print(json.dumps({
         "model": name,
-        "engine": f"transformers {__import__('transformers').__version__}, torch {torch.__version__}",
+        "engine": f"transformers {__import__('transformers').__version__}, torch {torch.__version__}"
+                  + (", torch.compile reduce-overhead decode" if args.compile else ", eager"),
         "device": args.device,
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,

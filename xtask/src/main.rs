@@ -26,6 +26,7 @@ mod bench;
 mod bench_llama;
 mod bench_serve;
 mod bench_spec;
+mod gpu_check;
 mod llama_cpp;
 mod system;
 
@@ -34,6 +35,8 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 const USAGE: &str = "usage: cargo xtask test [args passed on to cargo test]
+       cargo xtask test --backend cuda   (the CUDA tests and selftest, on a machine with a GPU)
+       cargo xtask gpu-check             (packs target/gpu-check for a GPU machine: bash target/gpu-check/check.sh)
        cargo xtask bench --backend KIND [--model PATH | --shape NAME] [--dtype D] [--quick] [--compare llama.cpp] [--compare transformers] [--kiln PATH]
        cargo xtask bench-serve [--kiln PATH] [--model GGUF] [--concurrency 1,8,32] [--requests N] [--max-tokens N] [--rounds N]
        cargo xtask bench-spec [--kiln PATH] [--prompts FILE] [--max-tokens N] [--rounds N] [--prompt-lookup N] [--draft-tokens K] [--draft-model PATH] [-- kiln generate flags]
@@ -45,7 +48,9 @@ fn main() -> Result<()> {
     let task = args.next().unwrap_or_default();
     let rest: Vec<String> = args.collect();
     match task.as_str() {
+        "test" if rest == ["--backend", "cuda"] => gpu_check::test_cuda(),
         "test" => test(&rest),
+        "gpu-check" => gpu_check::gpu_check(&rest),
         "references" => references(),
         "bench" => bench::bench(&rest),
         "bench-serve" => bench_serve::bench_serve(&rest),

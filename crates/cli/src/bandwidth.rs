@@ -32,20 +32,29 @@ pub fn host() -> f64 {
     (words * 8) as f64 / best
 }
 
-/// Device memory bandwidth in bytes/s: the best of 4 element-wise passes over a 64 MiB f32
-/// tensor (each reads and writes it once; wgpu refuses buffers of 256 MiB), or `None`
-/// when the device reports an error.
+/// Device memory bandwidth in bytes/s: the best of 3 rounds of 16 chained element-wise passes
+/// over a 64 MiB f32 tensor (each reads and writes it once; wgpu refuses buffers of 256 MiB),
+/// timed from one sync to the next so that a launch and a sync are a small part of a round (a
+/// single 64 MiB pass takes ~30 µs on an H200, about what the sync costs), or `None` when the
+/// device reports an error.
 pub fn device<B: InferenceBackend>(device: &B::Device) -> Option<f64> {
+    const PASSES: usize = 16;
     let n = (64usize << 20) / 4;
     let x = Tensor::<B, 1>::ones([n], device);
-    B::sync(device).ok()?;
+    // A first round allocates the outputs the next rounds reuse.
     let mut best = f64::INFINITY;
-    for _ in 0..4 {
-        let start = Instant::now();
-        let y = x.clone().mul_scalar(2.0);
+    for round in 0..4 {
         B::sync(device).ok()?;
-        best = best.min(start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        let mut y = x.clone();
+        for _ in 0..PASSES {
+            y = y.mul_scalar(1.0);
+        }
+        B::sync(device).ok()?;
+        if round > 0 {
+            best = best.min(start.elapsed().as_secs_f64());
+        }
         drop(y);
     }
-    Some((2 * n * 4) as f64 / best)
+    Some((PASSES * 2 * n * 4) as f64 / best)
 }

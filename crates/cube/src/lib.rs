@@ -14,7 +14,9 @@
 //!   over their own tokens, sequences with history over the cache through its block table),
 //!   split over keys for long contexts and combined by a second launch (flash-decoding);
 //! - [`matmul`]: products on fixed kernel choices (no autotuning on a request's path) that keep
-//!   f32 exact (no TF32).
+//!   f32 exact (no TF32);
+//! - [`quant`]: weights kept in their GGUF blocks on the device (Q8_0, Q4_0/1, Q5_0/1, Q4_K,
+//!   Q5_K, Q6_K), decoded where they are multiplied.
 //!
 //! Every kernel accumulates in f32 and is checked against a plain host computation in
 //! `tests/` on the wgpu backend (lavapipe in CI). The crate knows nothing of kiln's caches,
@@ -23,6 +25,7 @@
 pub mod attention;
 pub mod kv;
 pub mod matmul;
+pub mod quant;
 pub mod rowwise;
 mod util;
 

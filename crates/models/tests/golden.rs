@@ -92,3 +92,21 @@ mod wgpu {
         super::greedy_matches::<B>();
     }
 }
+
+mod cuda {
+    type B = burn::backend::Cuda;
+
+    #[test]
+    fn logits_match_transformers() {
+        if super::cuda_here("cuda::logits_match_transformers") {
+            super::logits_match::<B>();
+        }
+    }
+
+    #[test]
+    fn greedy_matches_transformers() {
+        if super::cuda_here("cuda::greedy_matches_transformers") {
+            super::greedy_matches::<B>();
+        }
+    }
+}

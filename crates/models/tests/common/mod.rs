@@ -19,10 +19,30 @@ pub const FIXTURES: [&str; 7] = [
     "mistral-tiny",
 ];
 
+/// The fixture `name`: under `$KILN_FIXTURES` when set (a test binary carried to another
+/// machine, `cargo xtask gpu-check`), else in this crate's `tests/fixtures`.
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    match std::env::var_os("KILN_FIXTURES") {
+        Some(dir) => PathBuf::from(dir).join(name),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name),
+    }
+}
+
+/// Whether the CUDA tests run here: where a CUDA device is usable, or always (failing without
+/// one) when `KILN_REQUIRE_CUDA=1` (`cargo xtask test --backend cuda`, the GPU check). Without
+/// a device they are skipped, with the reason printed.
+pub fn cuda_here(test: &str) -> bool {
+    let required = std::env::var("KILN_REQUIRE_CUDA").is_ok_and(|v| v == "1");
+    match kiln_core::BackendKind::Cuda.require() {
+        Ok(_) => true,
+        Err(err) if required => panic!("{test}: KILN_REQUIRE_CUDA=1 but {err}"),
+        Err(err) => {
+            eprintln!("skipped {test}: {err}");
+            false
+        }
+    }
 }
 
 pub struct Case {
