@@ -6,8 +6,9 @@
 //! buffers under burn's `CubeBackend`, and replace burn's generic compositions where those cost
 //! a launch per elementary operation or copy the KV cache:
 //!
-//! - [`rowwise`]: RMSNorm, rotary embeddings (rotate-half layout) and SwiGLU's gating, one
-//!   launch each;
+//! - [`rowwise`]: RMSNorm (alone, or with the residual addition before it), rotary
+//!   embeddings (rotate-half layout; alone, or with the cut of a fused Q/K/V projection into
+//!   its parts) and SwiGLU's gating, one launch each;
 //! - [`kv`]: a step's new K/V scattered into the cache storage in one launch per layer,
 //!   whatever the batch;
 //! - [`attention`]: one attention launch per layer for every sequence of a step (fresh prompts

@@ -5,7 +5,7 @@
 //!
 //! | weight | rows | kernel |
 //! |---|---|---|
-//! | stored `[d_out, d_in]` (kiln's layout on the GPU) | up to [`FEW_ROWS_MAX`] | kiln's [`few_rows_kernel`]: a cube per output, its dot products over the input width (decode's matrix-vector products: bandwidth-bound) |
+//! | stored `[d_out, d_in]` (kiln's layout on the GPU) | up to [`few_rows_max`] (64 in f32, 24 in f16/bf16) | kiln's [`few_rows_kernel`]: 32 units per output, 16-byte reads along the input width (decode's matrix-vector products: bandwidth-bound) |
 //! | any, f32 | more | cubek's `SimpleUnit` (exact f32 on every device) |
 //! | any, f16 or bf16 | more | cubek's `SimpleCyclicCmma` (tensor cores), `SimpleUnit` where the device has none |
 
@@ -22,35 +22,58 @@ use cubek::std::InputBinding;
 
 use crate::util::{CubeError, Result, cube_index, empty_like, grid, input_error, unit_last_stride};
 
-/// The most rows [`few_rows_kernel`] multiplies; more go to cubek's tiled kernels.
+/// The most rows [`few_rows_kernel`] multiplies in f32; more go to cubek's tiled kernels.
 pub const FEW_ROWS_MAX: usize = 64;
+
+/// The most rows [`few_rows_kernel`] multiplies in f16 or bf16, three passes of [`CHUNK`]
+/// rows: each pass reads the activations again, and past about three the tensor-core tiles are
+/// faster (on an H200, a 1B model's step took 9.3 ms in two passes at 16 rows where the tiles
+/// took 16.6 ms, and 30.4 ms in eight passes at 64 rows where the tiles took 18.5 ms).
+pub const FEW_ROWS_MAX_HALF: usize = 3 * CHUNK;
+
+/// The most rows `x` may have for the few-rows kernels ([`few_rows_kernel`], and the
+/// quantized blocks' `quant_rows_kernel`): [`FEW_ROWS_MAX`] in f32, [`FEW_ROWS_MAX_HALF`] in
+/// f16 and bf16, where the tiled products run on tensor cores.
+pub fn few_rows_max(dtype: DType) -> usize {
+    match dtype {
+        DType::F32 => FEW_ROWS_MAX,
+        _ => FEW_ROWS_MAX_HALF,
+    }
+}
 
 /// Rows a unit accumulates at once in [`few_rows_kernel`].
 const CHUNK: usize = 8;
 
-/// Units per cube of [`few_rows_kernel`].
-const BLOCK: usize = 128;
+/// Units that share one output column in [`few_rows_kernel`] (a warp on NVIDIA).
+const LANES: usize = 32;
 
-/// `out[r, j] = Σ_k x[r, k] · w[j, k]` for one output column `j` per cube: its units stride
-/// over the input width (reads of `w`'s row are contiguous across units), each holding the sums
-/// of [`CHUNK`] rows at a time, then add their sums up, with plane operations where the device
-/// has them and through shared memory where it has not.
+/// Output columns per cube of [`few_rows_kernel`].
+const COLUMNS_PER_CUBE: usize = 4;
+
+/// `out[r, j] = Σ_k x[r, k] · w[j, k]`, [`LANES`] units per output column `j`: they stride
+/// over the input width a vector at a time (16-byte reads of `w`'s row, contiguous across the
+/// lanes), each holding the sums of [`CHUNK`] rows at a time, then add their sums up, with
+/// plane operations where the device's planes are [`LANES`] wide and through shared memory
+/// elsewhere. More than [`CHUNK`] rows take further passes over the row, which a cube reads
+/// again from its cache, not from device memory.
 #[cube(launch_unchecked)]
-fn few_rows_kernel<F: Float, W: Float>(
-    x: &Tensor<F>,
-    w: &Tensor<W>,
+fn few_rows_kernel<F: Float, W: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    w: &Tensor<Vector<W, N>>,
     out: &mut Tensor<F>,
     rows: usize,
-    #[comptime] block: usize,
     #[comptime] planes: bool,
     #[define(F, W)] _dtypes: [StorageType; 2],
 ) {
-    let col = cube_index();
+    let unit = UNIT_POS_X as usize;
+    let lane = unit % LANES;
+    let col = cube_index() * COLUMNS_PER_CUBE + unit / LANES;
     let n = w.shape(0);
-    let k = w.shape(1);
-    let t = UNIT_POS_X as usize;
+    let width = w.vector_size();
+    let vectors = w.shape(1) / width;
     let live = col < n;
-    let mut partial = SharedMemory::<f32>::new(block * CHUNK);
+    let w_row = col * w.stride(0) / width;
+    let mut partial = SharedMemory::<f32>::new(LANES * COLUMNS_PER_CUBE * CHUNK);
     let mut first = 0;
     while first < rows {
         let mut acc = Array::<f32>::new(CHUNK);
@@ -59,54 +82,50 @@ fn few_rows_kernel<F: Float, W: Float>(
             acc[r] = 0.0f32;
         }
         if live {
-            let mut i = t;
-            while i < k {
-                let weight = f32::cast_from(w[col * w.stride(0) + i]);
+            let mut i = lane;
+            while i < vectors {
+                let weight = Vector::<f32, N>::cast_from(w[w_row + i]);
                 #[unroll]
                 for r in 0..CHUNK {
                     if first + r < rows {
-                        acc[r] += f32::cast_from(x[(first + r) * x.stride(0) + i]) * weight;
+                        let input =
+                            Vector::<f32, N>::cast_from(x[(first + r) * x.stride(0) / width + i]);
+                        let product = input * weight;
+                        #[unroll]
+                        for v in 0..width {
+                            acc[r] += product[v];
+                        }
                     }
                 }
-                i += block;
+                i += LANES;
             }
         }
         if planes {
-            let lanes = PLANE_DIM as usize;
-            let warps = block / lanes;
-            let warp = t / lanes;
             #[unroll]
             for r in 0..CHUNK {
                 let sum = plane_sum(acc[r]);
-                if UNIT_POS_PLANE == 0 {
-                    partial[r * block + warp] = sum;
+                if live && lane == 0 && first + r < rows {
+                    out[(first + r) * n + col] = F::cast_from(sum);
                 }
-            }
-            sync_cube();
-            if live && t < CHUNK && first + t < rows {
-                let mut total = 0.0f32;
-                for i in 0..warps {
-                    total += partial[t * block + i];
-                }
-                out[(first + t) * n + col] = F::cast_from(total);
             }
         } else {
-            // One barrier, then a unit per row adds the cube's sums: barriers cost most where
+            // One barrier, then a unit per row adds its column's sums: barriers cost most where
             // there are no planes (lavapipe runs a cube's units as coroutines on a CPU core).
             #[unroll]
             for r in 0..CHUNK {
-                partial[r * block + t] = acc[r];
+                partial[r * LANES * COLUMNS_PER_CUBE + unit] = acc[r];
             }
             sync_cube();
-            if live && t < CHUNK && first + t < rows {
+            if live && lane < CHUNK && first + lane < rows {
+                let base = lane * LANES * COLUMNS_PER_CUBE + unit - lane;
                 let mut total = 0.0f32;
-                for i in 0..block {
-                    total += partial[t * block + i];
+                for i in 0..LANES {
+                    total += partial[base + i];
                 }
-                out[(first + t) * n + col] = F::cast_from(total);
+                out[(first + lane) * n + col] = F::cast_from(total);
             }
+            sync_cube();
         }
-        sync_cube();
         first += CHUNK;
     }
 }
@@ -119,24 +138,37 @@ fn few_rows<R: CubeRuntime>(x: CubeTensor<R>, w_out_in: CubeTensor<R>) -> CubeTe
     let out = empty_like(&x, Shape::new([m, n]), x.dtype);
     let client = x.client.clone();
     let hardware = &client.properties().hardware;
-    // Planes of one fixed size that divides the cube: sums reduce within a plane first.
+    // Planes exactly as wide as a column's lanes: their sums reduce in registers.
     let planes = client.features().plane.contains(Plane::Ops)
-        && hardware.plane_size_min == hardware.plane_size_max
-        && hardware.plane_size_max > 0
-        && BLOCK.is_multiple_of(hardware.plane_size_max as usize);
+        && hardware.plane_size_min == LANES as u32
+        && hardware.plane_size_max == LANES as u32;
+    // The widest vector both operands' rows allow (16 bytes of the narrower type at most).
+    let width = [&x, &w_out_in]
+        .iter()
+        .map(|t| {
+            cubecl::tensor_vector_size_parallel(
+                client.io_optimized_vector_sizes(t.dtype.size()),
+                t.meta.shape(),
+                t.meta.strides(),
+                1,
+            )
+        })
+        .min()
+        .unwrap_or(1);
     let dtypes = [x.dtype.into(), w_out_in.dtype.into()];
-    // SAFETY: cube `j < n` reads row `j` of `w` (its `k` values through its row stride) and
-    // rows below `m` of `x`, and writes `out[r, j]` for `r < m`.
+    // SAFETY: the lanes of column `j < n` read row `j` of `w` (`k / width` vectors from its
+    // row start, `width` dividing the row stride and `k`) and the rows below `m` of `x`
+    // likewise, and write `out[r, j]` for `r < m`.
     unsafe {
         few_rows_kernel::launch_unchecked::<R>(
             &client,
-            grid(n),
-            CubeDim::new_1d(BLOCK as u32),
+            grid(n.div_ceil(COLUMNS_PER_CUBE)),
+            CubeDim::new_1d((LANES * COLUMNS_PER_CUBE) as u32),
+            width,
             x.into_tensor_arg(),
             w_out_in.into_tensor_arg(),
             out.clone().into_tensor_arg(),
             m,
-            BLOCK,
             planes,
             dtypes,
         );
@@ -157,7 +189,7 @@ fn as_out_in<R: CubeRuntime>(w: &CubeTensor<R>) -> Option<CubeTensor<R>> {
     })
 }
 
-/// The cubek strategies [`matmul`] tries for more than [`FEW_ROWS_MAX`] rows, best first.
+/// The cubek strategies [`matmul`] tries for more rows than [`few_rows_max`], best first.
 fn strategies<R: CubeRuntime>(x: &CubeTensor<R>) -> Vec<Strategy> {
     match x.dtype {
         DType::F32 => vec![Strategy::SimpleUnit(Default::default())],
@@ -182,7 +214,7 @@ pub fn matmul<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>) -> Result<Cube
     if xs.len() != 2 || ws.len() != 2 || xs[1] != ws[0] {
         return input_error("matmul", format!("x {xs:?} and w {ws:?} do not multiply"));
     }
-    if xs[0] <= FEW_ROWS_MAX
+    if xs[0] <= few_rows_max(x.dtype)
         && let Some(w_out_in) = as_out_in(&w)
     {
         return Ok(few_rows(x, w_out_in));

@@ -1,6 +1,6 @@
 //! Weights kept in their GGUF blocks on the device ([`QuantWeights`]: the file's bytes, as
 //! 32-bit words), multiplied without a dequantized copy: [`matmul`] decodes each 32-value group
-//! of a row where it multiplies it, for up to [`FEW_ROWS_MAX`] activation rows (decode); for more
+//! of a row where it multiplies it, for up to [`few_rows_max`] activation rows (decode); for more
 //! rows (prefill) [`dequantize`] writes the matrix in the activations' dtype once and a tiled
 //! product runs on it.
 //!
@@ -15,7 +15,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::features::Plane;
 use cubecl::prelude::*;
 
-use crate::matmul::FEW_ROWS_MAX;
+use crate::matmul::few_rows_max;
 use crate::util::{Result, cube_index, empty_like, grid, input_error, unit_last_stride};
 
 /// The GGUF block types kept quantized on the device, as the kernels' comptime codes.
@@ -508,7 +508,7 @@ pub fn dequantize<R: CubeRuntime>(w: &QuantWeights<R>, dtype: DType) -> Result<C
 ///
 /// # Errors
 /// [`crate::CubeError::Input`] when the widths disagree; the tiled product's errors for more
-/// than [`FEW_ROWS_MAX`] rows.
+/// than [`few_rows_max`] rows.
 pub fn matmul<R: CubeRuntime>(x: CubeTensor<R>, w: &QuantWeights<R>) -> Result<CubeTensor<R>> {
     let dims = x.meta.shape().to_vec();
     let [m, k] = dims[..] else {
@@ -520,7 +520,7 @@ pub fn matmul<R: CubeRuntime>(x: CubeTensor<R>, w: &QuantWeights<R>) -> Result<C
             format!("x {dims:?} against a weight of {} columns", w.cols),
         );
     }
-    if m > FEW_ROWS_MAX {
+    if m > few_rows_max(x.dtype) {
         let dense = dequantize(w, x.dtype)?;
         // `[rows, cols]` seen as `[cols, rows]`.
         let view = CubeTensor {

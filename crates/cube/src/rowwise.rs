@@ -108,6 +108,120 @@ pub fn rms_norm<R: CubeRuntime>(
 }
 
 #[cube(launch_unchecked)]
+fn add_rms_norm_kernel<F: Float, G: Float>(
+    x: &Tensor<F>,
+    delta: &Tensor<F>,
+    gamma: &Tensor<G>,
+    sum: &mut Tensor<F>,
+    out: &mut Tensor<F>,
+    rows: usize,
+    eps: f32,
+    #[comptime] block: usize,
+    #[define(F, G)] _dtypes: [StorageType; 2],
+) {
+    let row = cube_index();
+    let tid = UNIT_POS_X as usize;
+    let d = x.shape(1);
+    let mut sums = SharedMemory::<f32>::new(block);
+    let mut partial = 0.0f32;
+    if row < rows {
+        let (x_base, delta_base, base) = (row * x.stride(0), row * delta.stride(0), row * d);
+        let mut i = tid;
+        while i < d {
+            // The residual stream rounded to the dtype, as a separate addition would leave it.
+            let s =
+                F::cast_from(f32::cast_from(x[x_base + i]) + f32::cast_from(delta[delta_base + i]));
+            sum[base + i] = s;
+            let v = f32::cast_from(s);
+            partial += v * v;
+            i += block;
+        }
+    }
+    sums[tid] = partial;
+    sync_cube();
+    let mut stride = block.runtime() / 2;
+    while stride > 0 {
+        if tid < stride {
+            sums[tid] += sums[tid + stride];
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    if row < rows {
+        let rms = f32::sqrt(sums[0] / f32::cast_from(d) + eps);
+        let base = row * d;
+        let mut i = tid;
+        while i < d {
+            // Each unit reads back the sums it wrote itself.
+            let normed = F::cast_from(f32::cast_from(sum[base + i]) / rms);
+            out[base + i] = F::cast_from(f32::cast_from(normed) * f32::cast_from(gamma[i]));
+            i += block;
+        }
+    }
+}
+
+/// The residual stream's next value and its RMSNorm in one launch: `sum = x + delta` rounded
+/// to the dtype, then [`rms_norm`] of `sum` (the same values as the two apart).
+///
+/// # Shapes
+/// - `x`, `delta`: `[n, d]` (rows may be strided), `gamma`: `[d]` → (`sum`, `normed`), each
+///   `[n, d]` in `x`'s dtype
+///
+/// # Errors
+/// [`crate::CubeError::Input`] when the shapes or dtypes disagree.
+pub fn add_rms_norm<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    delta: CubeTensor<R>,
+    gamma: CubeTensor<R>,
+    eps: f64,
+) -> Result<(CubeTensor<R>, CubeTensor<R>)> {
+    let dims = x.meta.shape().to_vec();
+    let [rows, d] = dims[..] else {
+        return input_error("add_rms_norm", format!("x must be [n, d], got {dims:?}"));
+    };
+    if delta.meta.shape().to_vec() != dims
+        || delta.dtype != x.dtype
+        || gamma.meta.shape().to_vec() != [d]
+    {
+        return input_error(
+            "add_rms_norm",
+            format!(
+                "x {dims:?} ({:?}) needs delta of the same shape and dtype, got {:?} ({:?}), \
+                 and gamma of [{d}], got {:?}",
+                x.dtype,
+                delta.meta.shape(),
+                delta.dtype,
+                gamma.meta.shape()
+            ),
+        );
+    }
+    let (x, delta) = (unit_last_stride(x), unit_last_stride(delta));
+    let gamma = crate::util::contiguous(gamma);
+    let sum = empty_like(&x, Shape::new([rows, d]), x.dtype);
+    let out = empty_like(&x, Shape::new([rows, d]), x.dtype);
+    let dtypes = [x.dtype.into(), gamma.dtype.into()];
+    // SAFETY: the kernel reads `x` and `delta` rows below `rows` and columns below `d` through
+    // their strides, `gamma` below `d`, and writes `sum`'s and `out`'s `rows * d` values.
+    unsafe {
+        add_rms_norm_kernel::launch_unchecked::<R>(
+            &x.client,
+            grid(rows),
+            CubeDim::new_1d(BLOCK as u32),
+            x.clone().into_tensor_arg(),
+            delta.into_tensor_arg(),
+            gamma.into_tensor_arg(),
+            sum.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            rows,
+            eps as f32,
+            BLOCK,
+            dtypes,
+        );
+    }
+    Ok((sum, out))
+}
+
+#[cube(launch_unchecked)]
 fn rotate_half_kernel<F: Float, C: Float>(
     x: &Tensor<F>,
     cos: &Tensor<C>,
@@ -310,6 +424,121 @@ pub fn split3<R: CubeRuntime>(x: CubeTensor<R>, widths: [usize; 3]) -> Result<[C
             parts[2].clone().into_tensor_arg(),
             total,
             dtype,
+        );
+    }
+    Ok(parts)
+}
+
+#[cube(launch_unchecked)]
+fn split3_rope_kernel<F: Float, C: Float>(
+    x: &Tensor<F>,
+    a: &mut Tensor<F>,
+    b: &mut Tensor<F>,
+    c: &mut Tensor<F>,
+    cos: &Tensor<C>,
+    sin: &Tensor<C>,
+    total: usize,
+    head_dim: usize,
+    #[define(F, C)] _dtypes: [StorageType; 2],
+) {
+    // One unit per input value, written to its part; in the first two parts (Q and K) each
+    // head's value rotated with its pair across the head's halves.
+    let unit = cube_index() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    if unit < total {
+        let (wa, wb, wc) = (a.shape(1), b.shape(1), c.shape(1));
+        let width = wa + wb + wc;
+        let row = unit / width;
+        let col = unit % width;
+        let at = row * x.stride(0) + col;
+        let mut value = x[at];
+        if col < wa + wb {
+            let half = head_dim / 2;
+            let i = col % head_dim;
+            let own = f32::cast_from(value);
+            if i < half {
+                let pair = f32::cast_from(x[at + half]);
+                let cs = f32::cast_from(cos[row * cos.stride(0) + i]);
+                let sn = f32::cast_from(sin[row * sin.stride(0) + i]);
+                value = F::cast_from(own * cs - pair * sn);
+            } else {
+                let pair = f32::cast_from(x[at - half]);
+                let cs = f32::cast_from(cos[row * cos.stride(0) + i - half]);
+                let sn = f32::cast_from(sin[row * sin.stride(0) + i - half]);
+                value = F::cast_from(own * cs + pair * sn);
+            }
+        }
+        if col < wa {
+            a[row * wa + col] = value;
+        } else if col < wa + wb {
+            b[row * wb + col - wa] = value;
+        } else {
+            c[row * wc + col - wa - wb] = value;
+        }
+    }
+}
+
+/// A fused Q/K/V projection's output cut into its three parts, as [`split3`], with each
+/// `head_dim`-wide head of the first two rotated as [`rotate_half`] does, in one launch.
+///
+/// # Shapes
+/// - `x`: `[n, Σ widths]` (rows may be strided) → `[n, widths[i]]` each, contiguous
+/// - `cos`, `sin`: `[n, 1, head_dim / 2]`
+///
+/// # Errors
+/// [`crate::CubeError::Input`] when the widths do not add up to `x`'s, a part is not whole
+/// heads, or the tables disagree.
+pub fn split3_rope<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    widths: [usize; 3],
+    head_dim: usize,
+    cos: CubeTensor<R>,
+    sin: CubeTensor<R>,
+) -> Result<[CubeTensor<R>; 3]> {
+    let dims = x.meta.shape().to_vec();
+    let [n, width] = dims[..] else {
+        return input_error("split3_rope", format!("x must be 2-D, got {dims:?}"));
+    };
+    let table = [n, 1, head_dim / 2];
+    if widths.iter().sum::<usize>() != width
+        || widths.contains(&0)
+        || head_dim == 0
+        || !head_dim.is_multiple_of(2)
+        || widths.iter().any(|w| !w.is_multiple_of(head_dim))
+        || cos.meta.shape().to_vec() != table
+        || sin.meta.shape().to_vec() != table
+    {
+        return input_error(
+            "split3_rope",
+            format!(
+                "widths {widths:?} of heads of {head_dim} do not cut x {dims:?}, or the tables \
+                 {:?} / {:?} are not {table:?}",
+                cos.meta.shape(),
+                sin.meta.shape()
+            ),
+        );
+    }
+    let x = unit_last_stride(x);
+    let (cos, sin) = (unit_last_stride(cos), unit_last_stride(sin));
+    let parts = widths.map(|w| empty_like(&x, Shape::new([n, w]), x.dtype));
+    let total = n * width;
+    let dtypes = [x.dtype.into(), cos.dtype.into()];
+    // SAFETY: units below `n * width` read row `unit / width` of `x` at their column and, in
+    // Q and K, at the pair in the same head (heads are whole inside each part), the tables' rows
+    // below `n` at columns below `head_dim / 2`, and write one value inside their part.
+    unsafe {
+        split3_rope_kernel::launch_unchecked::<R>(
+            &x.client,
+            grid(total.div_ceil(BLOCK)),
+            CubeDim::new_1d(BLOCK as u32),
+            x.clone().into_tensor_arg(),
+            parts[0].clone().into_tensor_arg(),
+            parts[1].clone().into_tensor_arg(),
+            parts[2].clone().into_tensor_arg(),
+            cos.into_tensor_arg(),
+            sin.into_tensor_arg(),
+            total,
+            head_dim,
+            dtypes,
         );
     }
     Ok(parts)

@@ -28,6 +28,8 @@ fn f32_products_are_exact_for_both_weight_layouts() {
         (1, 64, 48),
         (3, 96, 130),
         (9, 300, 17),
+        // An odd width: no vector wider than one value divides it.
+        (2, 301, 7),
         (17, 128, 64),
         (70, 64, 40),
     ] {

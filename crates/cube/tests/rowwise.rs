@@ -144,3 +144,75 @@ fn argmax_takes_the_first_of_equal_maxima() {
     assert_eq!(got, expected);
     assert_eq!(got[1], 300);
 }
+
+#[test]
+fn add_rms_norm_equals_the_sum_then_rms_norm() {
+    for (rows, d) in [(1, 64), (3, 576), (2, 2048)] {
+        let (x, delta, gamma) = (random(rows * d, 12), random(rows * d, 13), random(d, 14));
+        let (sum, normed) = kiln_cube::rowwise::add_rms_norm(
+            f32s(&x, &[rows, d]),
+            f32s(&delta, &[rows, d]),
+            f32s(&gamma, &[d]),
+            1e-5,
+        )
+        .unwrap();
+        let expected_sum: Vec<f32> = x.iter().zip(&delta).map(|(a, b)| a + b).collect();
+        let sum = host(sum);
+        assert_eq!(sum, expected_sum, "rows {rows} d {d}");
+        let apart = host(
+            kiln_cube::rowwise::rms_norm(f32s(&sum, &[rows, d]), f32s(&gamma, &[d]), 1e-5).unwrap(),
+        );
+        assert_eq!(host(normed), apart, "rows {rows} d {d}");
+    }
+    let err = kiln_cube::rowwise::add_rms_norm(
+        f32s(&random(8, 1), &[2, 4]),
+        f32s(&random(4, 1), &[1, 4]),
+        f32s(&random(4, 1), &[4]),
+        1e-5,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("delta"), "{err}");
+}
+
+#[test]
+fn split3_rope_equals_split3_then_rotate_half() {
+    // 4 query heads, 2 key and value heads of 16, over 3 tokens, rows strided.
+    let (n, dim) = (3, 16);
+    let widths = [4 * dim, 2 * dim, 2 * dim];
+    let width: usize = widths.iter().sum();
+    let x = random(n * width, 15);
+    let (cos, sin) = (random(n * dim / 2, 16), random(n * dim / 2, 17));
+    let table = |v: &[f32]| f32s(v, &[n, 1, dim / 2]);
+    let fused = kiln_cube::rowwise::split3_rope(
+        f32s(&x, &[n, width]),
+        widths,
+        dim,
+        table(&cos),
+        table(&sin),
+    )
+    .unwrap();
+    let [q, k, v] = kiln_cube::rowwise::split3(f32s(&x, &[n, width]), widths).unwrap();
+    let rotate = |t: burn_cubecl::tensor::CubeTensor<R>, heads: usize| {
+        let t = burn_cubecl::tensor::CubeTensor {
+            meta: Box::new(burn_std::Metadata::new(
+                burn_backend::Shape::new([n, heads, dim]),
+                burn_std::strides![heads * dim, dim, 1],
+            )),
+            ..t
+        };
+        host(kiln_cube::rowwise::rotate_half(t, table(&cos), table(&sin)).unwrap())
+    };
+    let [fq, fk, fv] = fused;
+    assert_eq!(host(fq), rotate(q, 4));
+    assert_eq!(host(fk), rotate(k, 2));
+    assert_eq!(host(fv), host(v));
+    let err = kiln_cube::rowwise::split3_rope(
+        f32s(&x, &[n, width]),
+        [4 * dim + 1, 2 * dim - 1, 2 * dim],
+        dim,
+        table(&cos),
+        table(&sin),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("heads"), "{err}");
+}
