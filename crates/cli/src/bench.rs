@@ -13,6 +13,7 @@ use kiln_core::backend::BackendTask;
 use kiln_core::{CausalLm, InferenceBackend};
 use kiln_engine::Engine;
 use kiln_engine::bench::{Cell, CellTimings, Sampling, quantile, run_cell};
+use kiln_kernels::GgmlType;
 use kiln_models::random::{KnownShape, random_model};
 use serde_json::json;
 
@@ -28,6 +29,10 @@ pub struct Args {
     /// llama-3.1-8b, gpt2 or gpt2-xl.
     #[arg(long, value_name = "NAME", conflicts_with = "model")]
     shape: Option<KnownShape>,
+    /// With --shape: the linear layers and embedding in random blocks of a GGUF type (Q8_0,
+    /// Q4_0, Q4_1, Q4_K or Q6_K), kept quantized as a GGUF file's are, instead of dense.
+    #[arg(long, value_name = "TYPE", requires = "shape", value_parser = parse_quantized_type)]
+    weights: Option<GgmlType>,
     /// Prompt lengths, in tokens.
     #[arg(long, value_name = "N,..", value_delimiter = ',', default_values_t = [128, 512])]
     prompt_lens: Vec<usize>,
@@ -89,6 +94,22 @@ pub fn run(mut args: Args) -> Result<()> {
 }
 
 struct Task(Args);
+
+/// A GGUF type kiln multiplies in its blocks, by llama.cpp's name in either case.
+fn parse_quantized_type(name: &str) -> std::result::Result<GgmlType, String> {
+    GgmlType::ALL
+        .into_iter()
+        .filter(|&ty| kiln_kernels::quant::has_kernel(ty))
+        .find(|ty| ty.name().eq_ignore_ascii_case(name))
+        .ok_or_else(|| {
+            let names: Vec<&str> = GgmlType::ALL
+                .into_iter()
+                .filter(|&ty| kiln_kernels::quant::has_kernel(ty))
+                .map(GgmlType::name)
+                .collect();
+            format!("`{name}` is not one of {}", names.join(", "))
+        })
+}
 
 /// Medians over the timed runs of one cell.
 #[derive(Debug, Clone)]
@@ -191,7 +212,7 @@ impl BackendTask for Task {
         let dtype = args.model.dtype();
         let (model, name, draft) = match args.shape {
             Some(shape) => (
-                random_model::<B>(shape, dtype, 0, &device)?,
+                random_model::<B>(shape, dtype, args.weights, 0, &device)?,
                 format!("{} (random weights)", shape.name()),
                 None,
             ),

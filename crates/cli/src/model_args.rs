@@ -31,9 +31,10 @@ pub struct ModelArgs {
     /// Backend: cuda, wgpu, cpu or ndarray.
     #[arg(long, short, value_name = "KIND", default_value = "cpu")]
     pub backend: BackendKind,
-    /// Precision of weights, activations and KV cache: f32, f16 or bf16; naming one
-    /// dequantizes every weight to it (the exact path, equal to transformers). Default: f32,
-    /// with a quantized GGUF's weights kept quantized on the cpu backend.
+    /// Precision of weights, activations and KV cache: f32, f16 or bf16. On the cpu backend
+    /// naming one dequantizes every weight to it (the exact path, equal to transformers); on
+    /// cuda and wgpu a quantized GGUF's weights stay in their blocks on the device whatever
+    /// the dtype. Default: f32, with a quantized GGUF's weights kept quantized.
     #[arg(long)]
     pub dtype: Option<Dtype>,
     /// Meta folders: the llama3 RoPE scaling factor when params.json lacks it (8 for Llama
@@ -53,11 +54,15 @@ impl ModelArgs {
         self.dtype.unwrap_or(Dtype::F32)
     }
 
-    /// How quantized weights are held: kept quantized on the cpu backend unless a dtype was
-    /// named (kiln's kernels for them are CPU kernels), dequantized otherwise.
+    /// How quantized weights are held: kept quantized on the GPU backends whatever the dtype
+    /// (their kernels decode the blocks in the product and multiply in the activations'
+    /// dtype, exactly up to the order of the sums) and on the cpu backend unless a dtype was
+    /// named (its kernels quantize the activations to 8 bits), dequantized otherwise.
     pub fn weight_storage(&self) -> WeightStorage {
         match (self.dtype, self.backend) {
-            (None, BackendKind::Cpu) => WeightStorage::Quantized,
+            (None, BackendKind::Cpu) | (_, BackendKind::Cuda | BackendKind::Wgpu) => {
+                WeightStorage::Quantized
+            }
             _ => WeightStorage::Dequantized,
         }
     }

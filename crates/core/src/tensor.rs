@@ -55,6 +55,7 @@ pub fn upload<B: Backend, const D: usize, K: BasicOps<B>>(
 }
 
 /// Counts a blocking read a backend made below burn's tensors (a raw device buffer).
+#[cfg(feature = "gpu-runtime")]
 pub(crate) fn count_read() {
     READS.fetch_add(1, Ordering::Relaxed);
 }

@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use std::str::FromStr;
 
 use kiln_core::{Dtype, InferenceBackend, TokenId};
-use rand::{Rng, SeedableRng};
+use kiln_kernels::{GgmlType, QuantMatrix};
+use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::config::{
@@ -17,7 +18,7 @@ use crate::error::{ModelError, Result};
 use crate::host::HostTensor;
 use crate::llama::LlamaNames;
 use crate::transformer::Transformer;
-use crate::weights::TensorSource;
+use crate::weights::{QuantizedTensor, TensorSource};
 use crate::{gpt2, llama};
 
 /// Published model shapes.
@@ -152,6 +153,8 @@ fn gpt2_config(d_model: usize, n_layers: usize, n_heads: usize) -> TransformerCo
 struct RandomSource {
     shapes: HashMap<String, Vec<usize>>,
     seed: u64,
+    /// The GGUF type the linear layers and the embedding are stored in, or `None` for f32.
+    quantized: Option<GgmlType>,
 }
 
 impl RandomSource {
@@ -208,8 +211,44 @@ impl RandomSource {
         Self {
             shapes: shapes.into_iter().collect(),
             seed,
+            quantized: None,
         }
     }
+
+    /// The generator for `name`'s values.
+    fn rng(&self, name: &str) -> ChaCha8Rng {
+        let digest = name
+            .bytes()
+            .fold(self.seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            });
+        ChaCha8Rng::seed_from_u64(digest)
+    }
+}
+
+/// Random blocks of `ty` for `rows × cols` values: random quants, with each block's f16
+/// scales (and minimums) set so that the values stay within about ±0.03, as a trained model's
+/// do; only the values' scale matters for speed.
+fn random_blocks(ty: GgmlType, rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
+    let mut data = vec![0u8; ty.bytes_for(rows * cols).unwrap_or(0)];
+    rng.fill_bytes(&mut data);
+    let block = ty.type_size();
+    // (offset, value) of each f16 field: scale × the largest quant (× the largest sub-block
+    // scale for the K types) ≈ 0.03.
+    let fields: &[(usize, f32)] = match ty {
+        GgmlType::Q8_0 => &[(0, 0.03 / 127.0)],
+        GgmlType::Q4_0 | GgmlType::Q5_0 => &[(0, 0.03 / 16.0)],
+        GgmlType::Q4_1 | GgmlType::Q5_1 => &[(0, 0.03 / 32.0), (2, -0.015)],
+        GgmlType::Q4K | GgmlType::Q5K => &[(0, 0.03 / 63.0 / 31.0), (2, 0.015 / 63.0)],
+        GgmlType::Q6K => &[(block - 2, 0.03 / 128.0 / 32.0)],
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => &[],
+    };
+    for b in data.chunks_exact_mut(block) {
+        for &(offset, value) in fields {
+            b[offset..offset + 2].copy_from_slice(&half::f16::from_f32(value).to_le_bytes());
+        }
+    }
+    data
 }
 
 impl TensorSource for RandomSource {
@@ -219,6 +258,27 @@ impl TensorSource for RandomSource {
 
     fn contains(&self, name: &str) -> bool {
         self.shapes.contains_key(name)
+    }
+
+    fn read_quantized(&self, name: &str) -> Result<Option<QuantizedTensor>> {
+        let (Some(ty), Some(shape)) = (self.quantized, self.shapes.get(name)) else {
+            return Ok(None);
+        };
+        let &[rows, cols] = shape.as_slice() else {
+            return Ok(None);
+        };
+        if !cols.is_multiple_of(ty.block_size()) {
+            return Ok(None);
+        }
+        let data = random_blocks(ty, rows, cols, &mut self.rng(name));
+        let matrix = QuantMatrix::new(ty, rows, cols, data).map_err(|e| {
+            ModelError::config(self.describe(), format!("random {} blocks: {e}", ty.name()))
+        })?;
+        Ok(Some(QuantizedTensor {
+            file: self.describe(),
+            shape: shape.clone(),
+            matrix,
+        }))
     }
 
     fn read(&self, name: &str) -> Result<HostTensor> {
@@ -238,12 +298,7 @@ impl TensorSource for RandomSource {
         } else {
             // Uniform with the standard deviation of transformers' normal(0, 0.02) init:
             // cheaper to draw, and for speed only the scale matters.
-            let digest = name
-                .bytes()
-                .fold(self.seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
-                    (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-                });
-            let mut rng = ChaCha8Rng::seed_from_u64(digest);
+            let mut rng = self.rng(name);
             let half_width = 0.02 * 3f32.sqrt();
             (0..n)
                 .map(|_| rng.random_range(-half_width..half_width))
@@ -262,35 +317,65 @@ impl TensorSource for RandomSource {
     }
 
     fn stored_types(&self) -> Vec<(String, usize)> {
-        let n = self
-            .shapes
-            .values()
-            .map(|s| s.iter().product::<usize>())
-            .sum();
-        vec![("F32".into(), n)]
+        crate::weights::tally(self.shapes.iter().map(|(name, shape)| {
+            let ty = match self.quantized {
+                Some(ty) if shape.len() == 2 && !name.contains("wpe") => ty.name(),
+                _ => "F32",
+            };
+            (ty.to_string(), shape.iter().product())
+        }))
     }
 }
 
-/// A model of `shape` with random weights (the same for the same `seed`), on `device`.
+/// A model of `shape` with random weights (the same for the same `seed`), on `device`: in
+/// `dtype`, or with its linear layers and embedding in random blocks of `quantized` (a type
+/// kiln multiplies in its blocks; Llama shapes only), kept quantized as a GGUF file's are.
 ///
 /// # Errors
-/// An unsupported dtype on this device.
+/// An unsupported dtype on this device; a quantized type without kernels, or one asked of a
+/// GPT-2 shape or with a dtype other than f32 on a backend whose kernels take f32 only.
 pub fn random_model<B: InferenceBackend>(
     shape: KnownShape,
     dtype: Dtype,
+    quantized: Option<GgmlType>,
     seed: u64,
     device: &B::Device,
 ) -> Result<Transformer<B>> {
     B::require_dtype(device, dtype)?;
     let config = shape.config();
-    let source = RandomSource::new(&config, seed);
+    let mut source = RandomSource::new(&config, seed);
+    let storage = match quantized {
+        None => crate::loaders::WeightStorage::Dequantized,
+        Some(ty) => {
+            let problem = if !kiln_kernels::quant::has_kernel(ty) {
+                Some(format!(
+                    "{} has no kernel that multiplies its blocks",
+                    ty.name()
+                ))
+            } else if config.architecture != Architecture::Llama {
+                Some("quantized random weights are made for Llama shapes only".to_string())
+            } else if dtype != Dtype::F32 && !B::QUANTIZED_ANY_DTYPE {
+                Some(format!(
+                    "quantized weights compute in f32 on this backend, not {}",
+                    dtype.name()
+                ))
+            } else {
+                None
+            };
+            if let Some(problem) = problem {
+                return Err(ModelError::config(shape.name(), problem));
+            }
+            source.quantized = Some(ty);
+            crate::loaders::WeightStorage::Quantized
+        }
+    };
     match config.architecture {
         Architecture::Llama => llama::load(
             config,
             LlamaNames::HuggingFace,
             &source,
             dtype,
-            crate::loaders::WeightStorage::Dequantized,
+            storage,
             device,
         ),
         Architecture::Gpt2 => gpt2::load(config, &source, dtype, device),

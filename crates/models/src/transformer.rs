@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use burn::tensor::{FloatDType, Tensor};
 use kiln_core::attention::AttentionPlan;
+use kiln_core::backend::QuantWeight;
 use kiln_core::kv_cache::{KvCache, StepPlan};
 use kiln_core::tensor::int_tensor;
 use kiln_core::{Batch, CausalLm, CoreError, Dtype, InferenceBackend, LogitsFor, ModelShape};
@@ -124,7 +125,10 @@ impl<B: InferenceBackend> Transformer<B> {
                     self.dtype.name().to_string(),
                     t.dims().iter().product::<usize>() * self.dtype.size_bytes(),
                 ),
-                LinearWeight::Quantized(m) => (format!("{} (quantized)", m.ty().name()), m.bytes()),
+                LinearWeight::Quantized(m) => (
+                    format!("{} (quantized)", m.host().ty().name()),
+                    m.host().bytes(),
+                ),
             };
             match kinds.iter_mut().find(|(k, _, _)| *k == kind) {
                 Some(entry) => {
@@ -242,19 +246,26 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
             )),
             (None, None) => None,
         };
+        // Each block's output is added to the stream by the next norm
+        // (`Norm::forward_after`: one launch for the sum and the norm on the GPU backends).
+        let mut delta: Option<Tensor<B, 2>> = None;
         for (layer, block) in self.blocks.iter().enumerate() {
-            let h = block.attn_norm.forward(x.clone());
-            x = x + block
+            let (stream, h) = block.attn_norm.forward_after(x, delta.take());
+            let attended = block
                 .attn
                 .forward(h, layer, cache, plan_of(layer), rope.as_ref());
-            let h = block.mlp_norm.forward(x.clone());
-            x = x + block.mlp.forward(h);
+            let (stream, h) = block.mlp_norm.forward_after(stream, Some(attended));
+            x = stream;
+            delta = Some(block.mlp.forward(h));
         }
-        let x = match logits.rows(batch)? {
-            None => x,
-            Some(rows) => x.select(0, int_tensor::<B>(rows, device)),
+        let (x, delta) = match logits.rows(batch)? {
+            None => (x, delta),
+            Some(rows) => {
+                let rows = int_tensor::<B>(rows, device);
+                (x.select(0, rows.clone()), delta.map(|d| d.select(0, rows)))
+            }
         };
-        let x = self.final_norm.forward(x);
+        let (_, x) = self.final_norm.forward_after(x, delta);
         Ok(self.head.forward(x).cast(FloatDType::F32))
     }
 }
@@ -279,6 +290,7 @@ fn fingerprint<B: InferenceBackend>(
                 .collect()
         }
         LinearWeight::Quantized(w) => {
+            let w = w.host();
             let mut row = vec![0f32; w.cols()];
             (0..w.rows().min(4096))
                 .map(|r| {
@@ -432,7 +444,7 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
                 None => matrix,
             };
             return Ok(Linear {
-                weight: LinearWeight::Quantized(Arc::new(matrix)),
+                weight: LinearWeight::Quantized(B::QuantWeight::new(Arc::new(matrix))),
                 bias: b.map(|b| b.upload(self.dtype, self.device)),
             });
         }

@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use kiln_core::{Dtype, TokenId};
+use kiln_core::{Dtype, InferenceBackend, TokenId};
 use kiln_models::gguf::{GgmlType, GgufFile, dequantize, parse};
 use kiln_models::{ModelError, ModelFormat, TextTokenizer};
 use proptest::prelude::*;
@@ -231,9 +231,7 @@ fn tiny_tokenizer_matches_transformers() {
 
 /// kiln on the tiny GGUF equals transformers on the same file: last-position logits within
 /// 1e-4 and 20 greedy tokens, which also checks the Q/K permutation and `rope_freqs`.
-#[test]
-fn tiny_llama_matches_transformers_on_cpu() {
-    let loaded = load::<burn::backend::Flex>("gguf/tiny-llama.gguf", Dtype::F32);
+fn tiny_llama_matches_transformers<B: InferenceBackend>(loaded: &kiln_models::LoadedModel<B>) {
     assert_eq!(loaded.format, ModelFormat::Gguf);
     let reference = json("gguf/tiny-llama.reference.json");
     assert_eq!(loaded.generation.eos, vec![TokenId(393)]);
@@ -257,6 +255,44 @@ fn tiny_llama_matches_transformers_on_cpu() {
             greedy,
             "case {i}"
         );
+    }
+}
+
+#[test]
+fn tiny_llama_matches_transformers_on_cpu() {
+    tiny_llama_matches_transformers(&load::<burn::backend::Flex>(
+        "gguf/tiny-llama.gguf",
+        Dtype::F32,
+    ));
+}
+
+/// The tiny GGUF with its Q8_0 weights kept in their blocks on a GPU backend (multiplied by
+/// kiln-cube's kernels, f32 activations): still transformers' logits within 1e-4, since the
+/// blocks decode exactly and the sums run in f32.
+fn tiny_llama_quantized_on_the_device<B: InferenceBackend>() {
+    let options = kiln_models::LoadOptions {
+        dtype: Dtype::F32,
+        weights: kiln_models::WeightStorage::Quantized,
+        ..Default::default()
+    };
+    let loaded = kiln_models::load::<B>(&tiny_path(), &options, &B::inference_device()).unwrap();
+    let kinds = loaded.model.weight_summary();
+    assert!(
+        kinds.iter().any(|(kind, _, _)| kind == "Q8_0 (quantized)"),
+        "{kinds:?}"
+    );
+    tiny_llama_matches_transformers(&loaded);
+}
+
+#[test]
+fn tiny_llama_quantized_on_wgpu_matches_transformers() {
+    tiny_llama_quantized_on_the_device::<burn::backend::Wgpu>();
+}
+
+#[test]
+fn tiny_llama_quantized_on_cuda_matches_transformers() {
+    if cuda_here("tiny_llama_quantized_on_cuda_matches_transformers") {
+        tiny_llama_quantized_on_the_device::<burn::backend::Cuda>();
     }
 }
 

@@ -3,9 +3,15 @@
 //! tensors. Where a kernel refuses its inputs (a shape it does not take), the hook falls back to
 //! burn's composition, so the result is the same either way.
 
+use std::sync::{Arc, OnceLock};
+
 use burn::tensor::{Int, Tensor, TensorPrimitive};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
+use kiln_cube::quant::{BlockType, QuantWeights};
+use kiln_kernels::{GgmlType, QuantMatrix};
+
+use super::QuantWeight;
 
 use crate::attention::StepIndex;
 
@@ -58,6 +64,69 @@ pub(super) fn swiglu<R: CubeRuntime, BT: BoolElement>(
     match kiln_cube::rowwise::swiglu(raw(gate_up.clone())) {
         Ok(out) => wrap(out),
         Err(_) => crate::layer_ops::swiglu(gate_up),
+    }
+}
+
+pub(super) fn add_rms_norm<R: CubeRuntime, BT: BoolElement>(
+    x: Tensor<Cube<R, BT>, 2>,
+    delta: Tensor<Cube<R, BT>, 2>,
+    gamma: &Tensor<Cube<R, BT>, 1>,
+    eps: f64,
+) -> (Tensor<Cube<R, BT>, 2>, Tensor<Cube<R, BT>, 2>) {
+    match kiln_cube::rowwise::add_rms_norm(
+        raw(x.clone()),
+        raw(delta.clone()),
+        raw(gamma.clone()),
+        eps,
+    ) {
+        Ok((sum, normed)) => (wrap(sum), wrap(normed)),
+        Err(_) => {
+            let sum = x + delta;
+            (sum.clone(), rms_norm(sum, gamma, eps))
+        }
+    }
+}
+
+pub(super) fn split_heads_rope<R: CubeRuntime, BT: BoolElement>(
+    qkv: Tensor<Cube<R, BT>, 2>,
+    heads: [usize; 2],
+    head_dim: usize,
+    rope: Option<(&Tensor<Cube<R, BT>, 3>, &Tensor<Cube<R, BT>, 3>)>,
+) -> [Tensor<Cube<R, BT>, 3>; 3] {
+    let [n, _] = qkv.dims();
+    let [q_heads, kv_heads] = heads;
+    let widths = [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim];
+    let fused = match rope {
+        Some((cos, sin)) => kiln_cube::rowwise::split3_rope(
+            raw(qkv.clone()),
+            widths,
+            head_dim,
+            raw(cos.clone()),
+            raw(sin.clone()),
+        ),
+        None => kiln_cube::rowwise::split3(raw(qkv.clone()), widths),
+    };
+    let shapes = [
+        [n, q_heads, head_dim],
+        [n, kv_heads, head_dim],
+        [n, kv_heads, head_dim],
+    ];
+    if let Ok(parts) = fused {
+        let mut parts = parts.into_iter().zip(shapes);
+        return std::array::from_fn(|_| {
+            let (part, shape) = parts.next().expect("three parts");
+            wrap::<R, BT, 2>(part).reshape(shape)
+        });
+    }
+    let [q, k, v] = crate::layer_ops::split_columns(qkv, widths);
+    let [q, k, v] = [
+        q.reshape(shapes[0]),
+        k.reshape(shapes[1]),
+        v.reshape(shapes[2]),
+    ];
+    match rope {
+        Some((cos, sin)) => [rotate_half(q, cos, sin), rotate_half(k, cos, sin), v],
+        None => [q, k, v],
     }
 }
 
@@ -176,4 +245,74 @@ where
         .chunks_exact(4)
         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect()
+}
+
+/// A quantized weight on a GPU backend: the host blocks, and their copy on the device, made
+/// when the weight first multiplies (on the device of that product's input; a model lives on
+/// one device). `None` inside when the device takes no such block type: the product then runs
+/// on the host ([`super::linear_quantized_on_host`]).
+#[derive(Clone)]
+pub struct DeviceQuant<R: CubeRuntime> {
+    host: Arc<QuantMatrix>,
+    device: Arc<OnceLock<Option<QuantWeights<R>>>>,
+}
+
+impl<R: CubeRuntime> std::fmt::Debug for DeviceQuant<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let on_device = matches!(self.device.get(), Some(Some(_)));
+        write!(f, "DeviceQuant({:?}, on device: {on_device})", self.host)
+    }
+}
+
+impl<R: CubeRuntime> QuantWeight for DeviceQuant<R> {
+    fn new(host: Arc<QuantMatrix>) -> Self {
+        Self {
+            host,
+            device: Arc::new(OnceLock::new()),
+        }
+    }
+
+    fn host(&self) -> &Arc<QuantMatrix> {
+        &self.host
+    }
+}
+
+/// The device's block type for a GGUF type, where kiln-cube has one.
+fn block_type(ty: GgmlType) -> Option<BlockType> {
+    Some(match ty {
+        GgmlType::Q8_0 => BlockType::Q8_0,
+        GgmlType::Q4_0 => BlockType::Q4_0,
+        GgmlType::Q4_1 => BlockType::Q4_1,
+        GgmlType::Q5_0 => BlockType::Q5_0,
+        GgmlType::Q5_1 => BlockType::Q5_1,
+        GgmlType::Q4K => BlockType::Q4K,
+        GgmlType::Q5K => BlockType::Q5K,
+        GgmlType::Q6K => BlockType::Q6K,
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => return None,
+    })
+}
+
+/// `w`'s blocks in GGUF's row-after-row layout (the host may keep them interleaved for its
+/// own kernels), copied to `like`'s device.
+fn upload_blocks<R: CubeRuntime>(w: &QuantMatrix, like: &CubeTensor<R>) -> Option<QuantWeights<R>> {
+    let ty = block_type(w.ty())?;
+    let mut bytes = Vec::with_capacity(w.bytes());
+    for r in 0..w.rows() {
+        bytes.extend_from_slice(&w.row(r));
+    }
+    QuantWeights::upload(&like.client, &like.device, ty, w.rows(), w.cols(), &bytes).ok()
+}
+
+pub(super) fn linear_quantized<R: CubeRuntime, BT: BoolElement>(
+    x: Tensor<Cube<R, BT>, 2>,
+    w: &DeviceQuant<R>,
+) -> Tensor<Cube<R, BT>, 2> {
+    let x_raw = raw(x.clone());
+    let device = w.device.get_or_init(|| upload_blocks(&w.host, &x_raw));
+    if let Some(weights) = device
+        && let Ok(out) = kiln_cube::quant::matmul(x_raw, weights)
+    {
+        return wrap(out);
+    }
+    super::linear_quantized_on_host(x, &w.host)
 }

@@ -32,9 +32,11 @@ impl InferenceBackend for burn::backend::Flex {
         flex_linear::dense(x, w)
     }
 
+    type QuantWeight = std::sync::Arc<kiln_kernels::QuantMatrix>;
+
     fn linear_quantized(
         x: burn::tensor::Tensor<Self, 2>,
-        w: &kiln_kernels::QuantMatrix,
+        w: &Self::QuantWeight,
     ) -> burn::tensor::Tensor<Self, 2> {
         flex_linear::quantized(x, w)
     }
@@ -558,6 +560,7 @@ pub type NdarrayBackend = burn::backend::NdArray;
 #[cfg(feature = "ndarray")]
 impl InferenceBackend for burn::backend::NdArray {
     const KIND: BackendKind = BackendKind::Ndarray;
+    type QuantWeight = std::sync::Arc<kiln_kernels::QuantMatrix>;
 
     fn inference_device() -> Self::Device {
         burn::backend::ndarray::NdArrayDevice::Cpu
@@ -567,9 +570,18 @@ impl InferenceBackend for burn::backend::NdArray {
 /// The hooks both GPU backends run on kiln-cube's kernels ([`super::cube`]).
 #[cfg(feature = "gpu-runtime")]
 macro_rules! cube_kernels {
-    () => {
+    ($runtime:ty) => {
         const STEP_ATTENTION: bool = true;
         const DENSE_WEIGHTS_OUT_IN: bool = true;
+        const QUANTIZED_ANY_DTYPE: bool = true;
+        type QuantWeight = super::cube::DeviceQuant<$runtime>;
+
+        fn linear_quantized(
+            x: burn::tensor::Tensor<Self, 2>,
+            w: &Self::QuantWeight,
+        ) -> burn::tensor::Tensor<Self, 2> {
+            super::cube::linear_quantized(x, w)
+        }
 
         fn rms_norm(
             x: burn::tensor::Tensor<Self, 2>,
@@ -589,6 +601,27 @@ macro_rules! cube_kernels {
 
         fn swiglu(gate_up: burn::tensor::Tensor<Self, 2>) -> burn::tensor::Tensor<Self, 2> {
             super::cube::swiglu(gate_up)
+        }
+
+        fn add_rms_norm(
+            x: burn::tensor::Tensor<Self, 2>,
+            delta: burn::tensor::Tensor<Self, 2>,
+            gamma: &burn::tensor::Tensor<Self, 1>,
+            eps: f64,
+        ) -> (burn::tensor::Tensor<Self, 2>, burn::tensor::Tensor<Self, 2>) {
+            super::cube::add_rms_norm(x, delta, gamma, eps)
+        }
+
+        fn split_heads_rope(
+            qkv: burn::tensor::Tensor<Self, 2>,
+            heads: [usize; 2],
+            head_dim: usize,
+            rope: Option<(
+                &burn::tensor::Tensor<Self, 3>,
+                &burn::tensor::Tensor<Self, 3>,
+            )>,
+        ) -> [burn::tensor::Tensor<Self, 3>; 3] {
+            super::cube::split_heads_rope(qkv, heads, head_dim, rope)
         }
 
         fn argmax_rows(logits: burn::tensor::Tensor<Self, 2>) -> Vec<u32> {
@@ -652,7 +685,7 @@ impl InferenceBackend for burn::backend::Wgpu {
         cubecl_release::<burn::backend::wgpu::WgpuRuntime>(device);
     }
 
-    cube_kernels!();
+    cube_kernels!(burn::backend::wgpu::WgpuRuntime);
 }
 
 /// burn-cuda, kiln's `cuda` backend.
@@ -675,7 +708,7 @@ impl InferenceBackend for burn::backend::Cuda {
         cubecl_release::<cubecl::cuda::CudaRuntime>(device);
     }
 
-    cube_kernels!();
+    cube_kernels!(cubecl::cuda::CudaRuntime);
 }
 
 /// The report of cubecl's memory manager for `device` (burn's fusion backends share the

@@ -18,8 +18,11 @@ mod cuda_probe;
 #[cfg(feature = "gpu-runtime")]
 pub mod device_runtime;
 mod impls;
+mod quant_weight;
 #[cfg(feature = "wgpu")]
 mod wgpu_probe;
+
+pub use quant_weight::QuantWeight;
 
 use std::fmt;
 use std::str::FromStr;
@@ -252,23 +255,26 @@ pub trait InferenceBackend: Backend {
         crate::layer_ops::split_columns(x, widths)
     }
 
-    /// `x · wᵀ` for a weight kept in its quantized blocks in host memory, `x` in f32. The
-    /// default reads `x` back to the host, runs kiln's CPU kernel and uploads the result:
-    /// correct on every backend, fast where tensors live in host memory; the cpu backend
-    /// overrides it to skip both copies.
+    /// A quantized weight as this backend multiplies it ([`QuantWeight`]): the host blocks
+    /// on the cpu backends, the same blocks copied to the device on the GPU backends.
+    type QuantWeight: QuantWeight;
+
+    /// Whether [`linear_quantized`](Self::linear_quantized) takes activations in any dtype
+    /// (the GPU kernels, which return the activations' dtype) or f32 only (kiln's CPU
+    /// kernels).
+    const QUANTIZED_ANY_DTYPE: bool = false;
+
+    /// `x · wᵀ` for a weight kept in its quantized blocks. The default reads `x` back to the
+    /// host, runs kiln's CPU kernel and uploads the result
+    /// ([`linear_quantized_on_host`]): correct on every backend, fast where tensors live in
+    /// host memory; the cpu backend overrides it to skip both copies, the GPU backends to
+    /// multiply the blocks on the device.
     ///
     /// # Shapes
-    /// - `x`: `[n, d_in]`, `w`: `[d_out, d_in]` → `[n, d_out]` (f32)
-    fn linear_quantized(x: Tensor<Self, 2>, w: &QuantMatrix) -> Tensor<Self, 2> {
-        let [n, d_in] = x.dims();
-        let device = x.device();
-        let host = crate::tensor::read_back(x.cast(burn::tensor::FloatDType::F32))
-            .into_vec::<f32>()
-            .expect("an f32 tensor reads back as f32");
-        debug_assert_eq!(host.len(), n * d_in);
-        let mut out = vec![0f32; n * w.rows()];
-        w.matmul(&host, n, &mut out);
-        crate::tensor::upload(burn::tensor::TensorData::new(out, [n, w.rows()]), &device)
+    /// - `x`: `[n, d_in]`, `w`: `[d_out, d_in]` → `[n, d_out]` (f32 on the cpu backends,
+    ///   `x`'s dtype on the GPU backends)
+    fn linear_quantized(x: Tensor<Self, 2>, w: &Self::QuantWeight) -> Tensor<Self, 2> {
+        linear_quantized_on_host(x, w.host())
     }
 
     /// Attention of one packed row of fresh prompts over their own keys (the packed prefill):
@@ -392,6 +398,54 @@ pub trait InferenceBackend: Backend {
     /// - `x`: `[n, d]`, `gamma`: `[d]` → `[n, d]`
     fn rms_norm(x: Tensor<Self, 2>, gamma: &Tensor<Self, 1>, eps: f64) -> Tensor<Self, 2> {
         crate::layer_ops::rms_norm(x, gamma, eps)
+    }
+
+    /// The residual stream's next value and its RMSNorm: `sum = x + delta` (rounded to the
+    /// dtype, as an addition leaves it), then [`rms_norm`](Self::rms_norm) of `sum`. The
+    /// default is the two apart; the GPU backends run both in one launch.
+    ///
+    /// # Shapes
+    /// - `x`, `delta`: `[n, d]`, `gamma`: `[d]` → (`sum`, `normed`), each `[n, d]`
+    fn add_rms_norm(
+        x: Tensor<Self, 2>,
+        delta: Tensor<Self, 2>,
+        gamma: &Tensor<Self, 1>,
+        eps: f64,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+        let sum = x + delta;
+        (sum.clone(), Self::rms_norm(sum, gamma, eps))
+    }
+
+    /// A fused Q/K/V projection's output as Q, K and V heads, Q and K rotated with the rotary
+    /// tables `rope` (`(cos, sin)`) where given. The default is
+    /// [`split_columns`](Self::split_columns), reshapes and [`rotate_half`](Self::rotate_half)
+    /// on Q and K; the GPU backends cut and rotate in one launch.
+    ///
+    /// # Shapes
+    /// - `qkv`: `[n, (n_heads + 2 n_kv_heads) head_dim]`, `heads`: `[n_heads, n_kv_heads]`
+    /// - `cos`, `sin`: `[n, 1, head_dim / 2]`
+    /// - returns `[n, n_heads, head_dim]`, `[n, n_kv_heads, head_dim]` twice
+    fn split_heads_rope(
+        qkv: Tensor<Self, 2>,
+        heads: [usize; 2],
+        head_dim: usize,
+        rope: Option<(&Tensor<Self, 3>, &Tensor<Self, 3>)>,
+    ) -> [Tensor<Self, 3>; 3] {
+        let [n, _] = qkv.dims();
+        let [q_heads, kv_heads] = heads;
+        let widths = [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim];
+        let [q, k, v] = Self::split_columns(qkv, widths);
+        let q = q.reshape([n, q_heads, head_dim]);
+        let k = k.reshape([n, kv_heads, head_dim]);
+        let v = v.reshape([n, kv_heads, head_dim]);
+        match rope {
+            Some((cos, sin)) => [
+                Self::rotate_half(q, cos, sin),
+                Self::rotate_half(k, cos, sin),
+                v,
+            ],
+            None => [q, k, v],
+        }
     }
 
     /// Rotary embeddings in the rotate-half layout. The default is burn's composition
@@ -553,3 +607,20 @@ fn run_with<B: InferenceBackend, T: BackendTask>(task: T) -> T::Output {
 
 #[allow(unused_imports)] // empty when no backend feature is on
 pub use impls::*;
+
+/// `x · wᵀ` through kiln's CPU kernel on any backend: `x` read back to the host in f32, the
+/// product uploaded.
+///
+/// # Shapes
+/// - `x`: `[n, d_in]`, `w`: `[d_out, d_in]` → `[n, d_out]` (f32)
+pub fn linear_quantized_on_host<B: Backend>(x: Tensor<B, 2>, w: &QuantMatrix) -> Tensor<B, 2> {
+    let [n, d_in] = x.dims();
+    let device = x.device();
+    let host = crate::tensor::read_back(x.cast(burn::tensor::FloatDType::F32))
+        .into_vec::<f32>()
+        .expect("an f32 tensor reads back as f32");
+    debug_assert_eq!(host.len(), n * d_in);
+    let mut out = vec![0f32; n * w.rows()];
+    w.matmul(&host, n, &mut out);
+    crate::tensor::upload(burn::tensor::TensorData::new(out, [n, w.rows()]), &device)
+}

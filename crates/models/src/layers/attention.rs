@@ -62,26 +62,27 @@ impl<B: InferenceBackend> Attention<B> {
         rope: Option<&RopeTables<B>>,
     ) -> Tensor<B, 2> {
         let n = x.dims()[0];
-        let (hd, q_width, kv_width) = (
-            self.head_dim,
-            self.n_heads * self.head_dim,
-            self.n_kv_heads * self.head_dim,
-        );
+        let hd = self.head_dim;
         let (q, k, v) = match &self.qkv {
             QkvProjection::Fused(proj) => {
-                let [q, k, v] = B::split_columns(proj.forward(x), [q_width, kv_width, kv_width]);
+                // Cut into heads and rotated together ([`InferenceBackend::split_heads_rope`]).
+                let [q, k, v] = B::split_heads_rope(
+                    proj.forward(x),
+                    [self.n_heads, self.n_kv_heads],
+                    hd,
+                    rope.map(RopeTables::tables),
+                );
                 (q, k, v)
             }
             QkvProjection::Split { q, k, v } => {
-                (q.forward(x.clone()), k.forward(x.clone()), v.forward(x))
+                let q = q.forward(x.clone()).reshape([n, self.n_heads, hd]);
+                let k = k.forward(x.clone()).reshape([n, self.n_kv_heads, hd]);
+                let v = v.forward(x).reshape([n, self.n_kv_heads, hd]);
+                match rope {
+                    Some(rope) => (rope.apply(q), rope.apply(k), v),
+                    None => (q, k, v),
+                }
             }
-        };
-        let q = q.reshape([n, self.n_heads, hd]);
-        let k = k.reshape([n, self.n_kv_heads, hd]);
-        let v = v.reshape([n, self.n_kv_heads, hd]);
-        let (q, k) = match rope {
-            Some(rope) => (rope.apply(q), rope.apply(k)),
-            None => (q, k),
         };
         self.out.forward(attend(cache, layer, plan, q, k, v))
     }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use burn::tensor::{Tensor, TensorData};
 use kiln_core::InferenceBackend;
+use kiln_core::backend::QuantWeight;
 use kiln_core::tensor::int_tensor;
 use kiln_kernels::QuantMatrix;
 
@@ -43,7 +44,9 @@ impl<B: InferenceBackend> Embedding<B> {
     pub fn as_head(&self) -> Linear<B> {
         let weight = match self {
             Embedding::Dense(table) => LinearWeight::Dense(table.clone().transpose()),
-            Embedding::Quantized(table) => LinearWeight::Quantized(Arc::clone(table)),
+            Embedding::Quantized(table) => {
+                LinearWeight::Quantized(B::QuantWeight::new(Arc::clone(table)))
+            }
         };
         Linear { weight, bias: None }
     }

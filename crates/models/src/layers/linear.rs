@@ -1,11 +1,13 @@
 //! [`Linear`]: `y = x W + b`, with `W` dense on the device or kept in its quantized GGUF
-//! blocks on the host ([`LinearWeight`]); the backend picks the kernel
-//! ([`InferenceBackend::linear_dense`], [`InferenceBackend::linear_quantized`]).
+//! blocks ([`LinearWeight`]: on the host for the cpu backends, on the device for the GPU
+//! backends); the backend picks the kernel ([`InferenceBackend::linear_dense`],
+//! [`InferenceBackend::linear_quantized`]).
 
 use std::sync::Arc;
 
 use burn::tensor::Tensor;
 use kiln_core::InferenceBackend;
+use kiln_core::backend::QuantWeight;
 use kiln_kernels::QuantMatrix;
 
 /// A linear layer's weight.
@@ -15,8 +17,8 @@ pub enum LinearWeight<B: InferenceBackend> {
     /// `nn.Linear`) are transposed on load; GPT-2's `Conv1D` already stores `[d_in, d_out]`.
     Dense(Tensor<B, 2>),
     /// `[d_out, d_in]` in ggml blocks (GGUF's own layout), multiplied without dequantizing;
-    /// shared with the embedding when the output head is tied.
-    Quantized(Arc<QuantMatrix>),
+    /// its host blocks shared with the embedding when the output head is tied.
+    Quantized(B::QuantWeight),
 }
 
 /// A dense layer.
@@ -38,7 +40,8 @@ impl<B: InferenceBackend> Linear<B> {
     }
 
     /// # Shapes
-    /// - `x`: `[n, d_in]` → `[n, d_out]` (f32 for a quantized weight, else `x`'s dtype)
+    /// - `x`: `[n, d_in]` → `[n, d_out]` (f32 for a quantized weight on the cpu backends, else
+    ///   `x`'s dtype)
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         let y = match &self.weight {
             LinearWeight::Dense(w) => B::linear_dense(x, w),
@@ -71,7 +74,9 @@ impl<B: InferenceBackend> Linear<B> {
         };
         let weight = match parts.first().map(|l| &l.weight)? {
             LinearWeight::Dense(_) => LinearWeight::Dense(fuse_dense(parts)?),
-            LinearWeight::Quantized(_) => LinearWeight::Quantized(Arc::new(fuse_quantized(parts)?)),
+            LinearWeight::Quantized(_) => {
+                LinearWeight::Quantized(B::QuantWeight::new(Arc::new(fuse_quantized(parts)?)))
+            }
         };
         Some(Self { weight, bias })
     }
@@ -113,7 +118,7 @@ fn fuse_quantized<B: InferenceBackend>(parts: &[&Linear<B>]) -> Option<QuantMatr
     let matrices: Vec<&QuantMatrix> = parts
         .iter()
         .map(|l| match &l.weight {
-            LinearWeight::Quantized(w) => Some(w.as_ref()),
+            LinearWeight::Quantized(w) => Some(w.host().as_ref()),
             LinearWeight::Dense(_) => None,
         })
         .collect::<Option<_>>()?;

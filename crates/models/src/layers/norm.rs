@@ -43,4 +43,27 @@ impl<B: InferenceBackend> Norm<B> {
         };
         y.cast(dtype)
     }
+
+    /// The residual stream after adding `delta` (when there is one), and its normalisation:
+    /// `(x + delta, norm(x + delta))`, through [`InferenceBackend::add_rms_norm`] for RMSNorm
+    /// (one launch on the GPU backends).
+    ///
+    /// # Shapes
+    /// - `x`, `delta`: `[n, d_model]` → (`[n, d_model]`, `[n, d_model]`)
+    pub fn forward_after(
+        &self,
+        x: Tensor<B, 2>,
+        delta: Option<Tensor<B, 2>>,
+    ) -> (Tensor<B, 2>, Tensor<B, 2>) {
+        match delta {
+            Some(delta) if self.kind == NormKind::RmsNorm => {
+                B::add_rms_norm(x, delta, &self.gamma, self.eps)
+            }
+            Some(delta) => {
+                let x = x + delta;
+                (x.clone(), self.forward(x))
+            }
+            None => (x.clone(), self.forward(x)),
+        }
+    }
 }

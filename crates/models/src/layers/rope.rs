@@ -81,6 +81,11 @@ impl<B: Backend> RopeTables<B> {
         }
     }
 
+    /// The tables, `(cos, sin)`, each `[n_tokens, 1, head_dim / 2]`.
+    pub fn tables(&self) -> (&Tensor<B, 3>, &Tensor<B, 3>) {
+        (&self.cos, &self.sin)
+    }
+
     /// Rotates each head's halves: `(x1, x2) → (x1 cos − x2 sin, x2 cos + x1 sin)`
     /// ([`InferenceBackend::rotate_half`], one pass on the cpu backend).
     ///

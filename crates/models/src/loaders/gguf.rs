@@ -182,11 +182,15 @@ pub(super) fn load<B: InferenceBackend>(
     let file = GgufFile::open(path)?;
     let mut config = config(&file)?;
     let mut warnings = config.drop_impossible_special_tokens();
-    if options.weights == WeightStorage::Quantized && options.dtype != Dtype::F32 {
+    if options.weights == WeightStorage::Quantized
+        && options.dtype != Dtype::F32
+        && !B::QUANTIZED_ANY_DTYPE
+    {
         return Err(ModelError::config(
             path,
             format!(
-                "quantized weights compute in f32; {} asks to dequantize, so the two do not mix",
+                "quantized weights compute in f32 on this backend; {} asks to dequantize, so the \
+                 two do not mix",
                 options.dtype.name()
             ),
         ));
