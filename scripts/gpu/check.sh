@@ -13,12 +13,13 @@
 #      compiles, second reuses)
 #   3. `kiln selftest --backend cuda`
 #   4. golden logits and greedy tokens on cuda (f32 within 1e-4 of transformers), bf16's KL
-#      divergence and top-1 agreement against f32
+#      divergence and top-1 agreement against f32, a GGUF's Q8_0 blocks multiplied on the device
 #   5. `kiln bench --backend cuda --shape llama-3.2-1b --dtype bf16 --verbose`
 #   6. transformers eager on the same matrix, then its torch.compile'd static-cache decode
-#   7. kiln's batch-1 decode again (drift check) and a per-kernel time profile
+#   7. kiln with Q4_K blocks on the device; `kiln bench`'s default cells
+#   8. kiln's batch-1 decode again (drift check) and a per-kernel time profile
 # Output: $OUT (default ./out): log.txt (everything), summary.json, kiln_bench.json,
-# hf_eager.json, hf_compiled.json, profile.txt.
+# hf_eager.json, hf_compiled.json, kiln_q4k.json, profile.txt.
 set -u
 PACK="$(cd "$(dirname "$0")" && pwd)"
 OUT="${OUT:-$PACK/out}"
@@ -87,6 +88,7 @@ step "kiln selftest --backend cuda" 90 "$BIN/kiln" selftest --backend cuda
 export KILN_REQUIRE_CUDA=1
 step "golden logits and greedy tokens on cuda (f32)" 150 "$BIN/golden" cuda:: --test-threads 1 --nocapture
 step "bf16 on cuda against f32 (KL, top-1)" 90 "$BIN/precision" bf16_on_cuda --test-threads 1 --nocapture
+step "GGUF Q8_0 blocks on the device against transformers" 60 "$BIN/gguf" quantized_on_cuda --test-threads 1 --nocapture
 unset KILN_REQUIRE_CUDA
 
 MATRIX=(--prompt-lens 128,512 --batch-sizes 1,16,64 --new-tokens 64 --repeats 1)
@@ -96,6 +98,11 @@ step "transformers eager, llama-3.2-1b bf16" 120 bash -c \
     "$PY $PACK/transformers_bench.py --shape llama-3.2-1b --dtype bf16 --device cuda ${MATRIX[*]} >$OUT/hf_eager.json"
 step "transformers torch.compile, llama-3.2-1b bf16" 180 bash -c \
     "$PY $PACK/transformers_bench.py --shape llama-3.2-1b --dtype bf16 --device cuda --compile --prompt-lens 128 --batch-sizes 1,64 --new-tokens 64 --repeats 1 >$OUT/hf_compiled.json"
+step "kiln bench, llama-3.2-1b Q4_K blocks on the device, bf16 activations" 90 "$BIN/kiln" bench \
+    --backend cuda --shape llama-3.2-1b --weights q4_k --dtype bf16 --verbose \
+    --prompt-lens 128,512 --batch-sizes 1,64 --new-tokens 64 --repeats 1 --json "$OUT/kiln_q4k.json"
+step "kiln bench, default cells (llama-3.2-1b bf16)" 150 "$BIN/kiln" bench --backend cuda \
+    --shape llama-3.2-1b --dtype bf16
 step "kiln bench again (batch 1, drift)" 60 "$BIN/kiln" bench --backend cuda \
     --shape llama-3.2-1b --dtype bf16 --prompt-lens 128 --batch-sizes 1 --new-tokens 64 --repeats 1
 

@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use crate::{cargo, run, workspace_root};
 
 /// The test binaries (crates/models/tests) whose `cuda` tests the check runs.
-const TEST_BINARIES: [&str; 2] = ["golden", "precision"];
+const TEST_BINARIES: [&str; 3] = ["golden", "precision", "gguf"];
 
 pub fn gpu_check(args: &[String]) -> Result<()> {
     if !args.is_empty() {
