@@ -647,3 +647,49 @@ fn a_forced_kernel_tier_is_checked_and_reported() {
         text(&out.stdout)
     );
 }
+
+/// A decode step's device work does not grow with the batch or the context: the same kernel
+/// launches and uploads, and one blocking read (the sampled ids), in every cell of a small
+/// `kiln bench --verbose` on wgpu.
+#[cfg(feature = "wgpu")]
+#[test]
+fn a_decode_step_launches_the_same_kernels_whatever_the_batch_or_context() {
+    let dir = tempfile_dir("bench-counts");
+    let json = dir.join("bench.json");
+    let out = kiln(&[
+        "bench",
+        "--backend",
+        "wgpu",
+        "--model",
+        &fixture("llama-tiny"),
+        "--verbose",
+        "--prompt-lens",
+        "8,40",
+        "--batch-sizes",
+        "1,4",
+        "--new-tokens",
+        "6",
+        "--repeats",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let steps: Vec<&serde_json::Value> = report["cells"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|cell| &cell["per_decode_step"])
+        .collect();
+    assert_eq!(steps.len(), 4, "{report}");
+    let launches = steps[0]["kernel_launches"].as_f64().unwrap();
+    // Two layers of 11 launches, the embedding, the final norm, the head and argmax.
+    assert_eq!(launches, 26.0, "{report}");
+    for step in &steps {
+        assert_eq!(step["kernel_launches"].as_f64(), Some(launches), "{report}");
+        assert_eq!(step["uploads"], steps[0]["uploads"], "{report}");
+        assert_eq!(step["blocking_reads"].as_f64(), Some(1.0), "{report}");
+    }
+}

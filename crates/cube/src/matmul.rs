@@ -5,7 +5,7 @@
 //!
 //! | weight | rows | kernel |
 //! |---|---|---|
-//! | stored `[d_out, d_in]` (kiln's layout on the GPU) | up to [`few_rows_max`] (64 in f32, 24 in f16/bf16) | kiln's [`few_rows_kernel`]: 32 units per output, 16-byte reads along the input width (decode's matrix-vector products: bandwidth-bound) |
+//! | stored `[d_out, d_in]` (kiln's layout on the GPU) | up to [`few_rows_max`] (64 in f32, 24 in f16/bf16) | kiln's `few_rows_kernel`: 32 units per output, 16-byte reads along the input width (decode's matrix-vector products: bandwidth-bound) |
 //! | any, f32 | more | cubek's `SimpleUnit` (exact f32 on every device) |
 //! | any, f16 or bf16 | more | cubek's `SimpleCyclicCmma` (tensor cores), `SimpleUnit` where the device has none |
 
@@ -22,16 +22,16 @@ use cubek::std::InputBinding;
 
 use crate::util::{CubeError, Result, cube_index, empty_like, grid, input_error, unit_last_stride};
 
-/// The most rows [`few_rows_kernel`] multiplies in f32; more go to cubek's tiled kernels.
+/// The most rows `few_rows_kernel` multiplies in f32; more go to cubek's tiled kernels.
 pub const FEW_ROWS_MAX: usize = 64;
 
-/// The most rows [`few_rows_kernel`] multiplies in f16 or bf16, three passes of [`CHUNK`]
+/// The most rows `few_rows_kernel` multiplies in f16 or bf16, three passes of `CHUNK` (8)
 /// rows: each pass reads the activations again, and past about three the tensor-core tiles are
 /// faster (on an H200, a 1B model's step took 9.3 ms in two passes at 16 rows where the tiles
 /// took 16.6 ms, and 30.4 ms in eight passes at 64 rows where the tiles took 18.5 ms).
 pub const FEW_ROWS_MAX_HALF: usize = 3 * CHUNK;
 
-/// The most rows `x` may have for the few-rows kernels ([`few_rows_kernel`], and the
+/// The most rows `x` may have for the few-rows kernels (`few_rows_kernel`, and the
 /// quantized blocks' `quant_rows_kernel`): [`FEW_ROWS_MAX`] in f32, [`FEW_ROWS_MAX_HALF`] in
 /// f16 and bf16, where the tiled products run on tensor cores.
 pub fn few_rows_max(dtype: DType) -> usize {
@@ -41,13 +41,13 @@ pub fn few_rows_max(dtype: DType) -> usize {
     }
 }
 
-/// Rows a unit accumulates at once in [`few_rows_kernel`].
+/// Rows a unit accumulates at once in `few_rows_kernel`.
 const CHUNK: usize = 8;
 
-/// Units that share one output column in [`few_rows_kernel`] (a warp on NVIDIA).
+/// Units that share one output column in `few_rows_kernel` (a warp on NVIDIA).
 const LANES: usize = 32;
 
-/// Output columns per cube of [`few_rows_kernel`].
+/// Output columns per cube of `few_rows_kernel`.
 const COLUMNS_PER_CUBE: usize = 4;
 
 /// `out[r, j] = Σ_k x[r, k] · w[j, k]`, [`LANES`] units per output column `j`: they stride
@@ -130,7 +130,7 @@ fn few_rows_kernel<F: Float, W: Float, N: Size>(
     }
 }
 
-/// [`few_rows_kernel`] on `x` `[m, k]` and `w_out_in` `[n, k]` (its rows may be strided).
+/// `few_rows_kernel` on `x` `[m, k]` and `w_out_in` `[n, k]` (its rows may be strided).
 fn few_rows<R: CubeRuntime>(x: CubeTensor<R>, w_out_in: CubeTensor<R>) -> CubeTensor<R> {
     let m = x.meta.shape()[0];
     let n = w_out_in.meta.shape()[0];

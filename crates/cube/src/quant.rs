@@ -9,6 +9,11 @@
 //! computes them, and the products sum in f32 with unquantized activations: the result equals
 //! the dequantized weights' product up to the order of the sums.
 
+// Kernel bodies are cubecl's language, expanded at compile time, not plain Rust: it has no
+// `div_ceil` or `is_multiple_of` on its integers, and a comptime condition stays its own `if`
+// so the expansion drops the branch.
+#![allow(clippy::manual_is_multiple_of, clippy::collapsible_if)]
+
 use burn_backend::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;

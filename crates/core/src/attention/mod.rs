@@ -316,8 +316,8 @@ pub fn step_attention_reference<B: InferenceBackend>(
         // [count, n_kv, head_dim] each, and the keys' positions.
         let (keys, values, key_positions) = if row < 0 {
             (
-                k.clone().slice([start..start + count]),
-                v.clone().slice([start..start + count]),
+                k.clone().narrow(0, start, count),
+                v.clone().narrow(0, start, count),
                 host.positions[start..start + count].to_vec(),
             )
         } else {
@@ -367,7 +367,7 @@ pub fn step_attention_reference<B: InferenceBackend>(
                 .expand([1, n_heads, queries, count]);
         let q_rows = q
             .clone()
-            .slice([first..end])
+            .narrow(0, first, end - first)
             .swap_dims(0, 1)
             .unsqueeze_dim::<4>(0);
         let out = sdpa_reference(q_rows, by_head(keys), by_head(values), mask);

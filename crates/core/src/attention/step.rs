@@ -23,7 +23,7 @@ use crate::backend::InferenceBackend;
 use crate::batch::Batch;
 use crate::kv_cache::{ReadPlan, StepPlan};
 
-/// Integers per query token in [`StepIndex::tokens`].
+/// Integers per query token in [`StepLayout::tokens`].
 pub const TOKEN_FIELDS: usize = 4;
 
 /// A step's attention and KV writes as device index arrays (see the module): one buffer,

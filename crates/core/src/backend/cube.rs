@@ -18,6 +18,12 @@ use crate::attention::StepIndex;
 /// A GPU backend as kiln builds it: burn's `CubeBackend` with f32 defaults and i32 indices.
 pub(super) type Cube<R, BT> = CubeBackend<R, f32, i32, BT>;
 
+/// A pair of 2-D tensors of a GPU backend (a sum and its norm).
+type Pair<R, BT> = (Tensor<Cube<R, BT>, 2>, Tensor<Cube<R, BT>, 2>);
+
+/// The rotary tables `(cos, sin)` of a GPU backend.
+type RopeRefs<'a, R, BT> = Option<(&'a Tensor<Cube<R, BT>, 3>, &'a Tensor<Cube<R, BT>, 3>)>;
+
 fn raw<R: CubeRuntime, BT: BoolElement, const D: usize>(
     t: Tensor<Cube<R, BT>, D>,
 ) -> CubeTensor<R> {
@@ -72,7 +78,7 @@ pub(super) fn add_rms_norm<R: CubeRuntime, BT: BoolElement>(
     delta: Tensor<Cube<R, BT>, 2>,
     gamma: &Tensor<Cube<R, BT>, 1>,
     eps: f64,
-) -> (Tensor<Cube<R, BT>, 2>, Tensor<Cube<R, BT>, 2>) {
+) -> Pair<R, BT> {
     match kiln_cube::rowwise::add_rms_norm(
         raw(x.clone()),
         raw(delta.clone()),
@@ -91,7 +97,7 @@ pub(super) fn split_heads_rope<R: CubeRuntime, BT: BoolElement>(
     qkv: Tensor<Cube<R, BT>, 2>,
     heads: [usize; 2],
     head_dim: usize,
-    rope: Option<(&Tensor<Cube<R, BT>, 3>, &Tensor<Cube<R, BT>, 3>)>,
+    rope: RopeRefs<'_, R, BT>,
 ) -> [Tensor<Cube<R, BT>, 3>; 3] {
     let [n, _] = qkv.dims();
     let [q_heads, kv_heads] = heads;

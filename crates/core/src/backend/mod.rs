@@ -543,7 +543,7 @@ pub fn write_kv_one_by_one<B: InferenceBackend>(
         for (store, new) in [(&mut *k_store, &k), (&mut *v_store, &v)] {
             let row = new
                 .clone()
-                .slice([t..t + 1])
+                .narrow(0, t, 1)
                 .reshape([1, heads, 1, dim])
                 .cast(dtype);
             B::write_in_place(store, ranges.clone(), row);
