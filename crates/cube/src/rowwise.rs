@@ -13,6 +13,25 @@ use crate::util::{Result, cube_index, empty_like, grid, input_error, unit_last_s
 /// Threads per cube of the row kernels: one RMSNorm row, or 256 elements.
 const BLOCK: usize = 256;
 
+/// The sum of every unit's `partial` over a cube of `block` units (a power of two), by a tree
+/// through shared memory; every unit gets it.
+#[cube]
+fn cube_sum(partial: f32, #[comptime] block: usize) -> f32 {
+    let tid = UNIT_POS_X as usize;
+    let mut sums = SharedMemory::<f32>::new(block);
+    sums[tid] = partial;
+    sync_cube();
+    let mut stride = block.runtime() / 2;
+    while stride > 0 {
+        if tid < stride {
+            sums[tid] += sums[tid + stride];
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    sums[0]
+}
+
 #[cube(launch_unchecked)]
 fn rms_norm_kernel<F: Float, G: Float>(
     x: &Tensor<F>,
@@ -26,7 +45,6 @@ fn rms_norm_kernel<F: Float, G: Float>(
     let row = cube_index();
     let tid = UNIT_POS_X as usize;
     let d = x.shape(1);
-    let mut sums = SharedMemory::<f32>::new(block);
     let mut partial = 0.0f32;
     if row < rows {
         let base = row * x.stride(0);
@@ -37,18 +55,9 @@ fn rms_norm_kernel<F: Float, G: Float>(
             i += block;
         }
     }
-    sums[tid] = partial;
-    sync_cube();
-    let mut stride = block.runtime() / 2;
-    while stride > 0 {
-        if tid < stride {
-            sums[tid] += sums[tid + stride];
-        }
-        sync_cube();
-        stride /= 2;
-    }
+    let total = cube_sum(partial, block);
     if row < rows {
-        let rms = f32::sqrt(sums[0] / f32::cast_from(d) + eps);
+        let rms = f32::sqrt(total / f32::cast_from(d) + eps);
         let base = row * x.stride(0);
         let out_base = row * d;
         let mut i = tid;
@@ -122,7 +131,6 @@ fn add_rms_norm_kernel<F: Float, G: Float>(
     let row = cube_index();
     let tid = UNIT_POS_X as usize;
     let d = x.shape(1);
-    let mut sums = SharedMemory::<f32>::new(block);
     let mut partial = 0.0f32;
     if row < rows {
         let (x_base, delta_base, base) = (row * x.stride(0), row * delta.stride(0), row * d);
@@ -137,18 +145,9 @@ fn add_rms_norm_kernel<F: Float, G: Float>(
             i += block;
         }
     }
-    sums[tid] = partial;
-    sync_cube();
-    let mut stride = block.runtime() / 2;
-    while stride > 0 {
-        if tid < stride {
-            sums[tid] += sums[tid + stride];
-        }
-        sync_cube();
-        stride /= 2;
-    }
+    let total = cube_sum(partial, block);
     if row < rows {
-        let rms = f32::sqrt(sums[0] / f32::cast_from(d) + eps);
+        let rms = f32::sqrt(total / f32::cast_from(d) + eps);
         let base = row * d;
         let mut i = tid;
         while i < d {
