@@ -383,6 +383,13 @@ impl BackendTask for Task {
             reports.push(r);
         }
         bar.finish_and_clear();
+        let (fallbacks, first_fallback) = kiln_core::backend::kernel_fallbacks();
+        if args.verbose && fallbacks > 0 {
+            println!(
+                "{fallbacks} kernel calls ran burn's composition instead of kiln's kernel (first: {})",
+                first_fallback.as_deref().unwrap_or("?")
+            );
+        }
         if let Some(path) = &args.json {
             let value = json!({
                 "model": name,
@@ -398,6 +405,7 @@ impl BackendTask for Task {
                 "bandwidth_measured_on": where_,
                 "weight_bytes": weight_bytes,
                 "decode_bound_batch_1_tokens_per_s": bound,
+                "kernel_fallbacks": fallbacks,
                 "cells": reports.iter().map(|r| json!({
                     "prompt_len": r.cell.prompt_len,
                     "batch": r.cell.batch,

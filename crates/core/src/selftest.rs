@@ -56,6 +56,12 @@ pub fn run<B: InferenceBackend>(device: &B::Device) -> Vec<Check> {
             |r| linear::<Reference>(r, &reference, 97),
         ),
         compare(
+            "linear layer, f16, 40 rows (batched decode)",
+            F16_LINEAR_TOLERANCE,
+            |r| linear_f16::<B>(r, device, 40, Dtype::F16),
+            |r| linear_f16::<Reference>(r, &reference, 40, Dtype::F32),
+        ),
+        compare(
             "softmax",
             1e-6,
             |r| softmax::<B>(r, device),
@@ -168,6 +174,28 @@ fn linear<B: InferenceBackend>(r: &mut Inputs, device: &B::Device, rows: usize) 
         Tensor::from_data(TensorData::new(values, [d_in, d_out]), device)
     };
     host_f32(B::linear_dense(x, &w))
+}
+
+/// One unit in the last place of f16 at the outputs' largest magnitude (8..16: sums of 96
+/// products of values in [-1, 1)): the device rounds its f32 sums to f16 once, from sums
+/// added in another order than the reference's.
+const F16_LINEAR_TOLERANCE: f32 = 8.0 / 1024.0;
+
+/// A linear layer on f16-rounded inputs, multiplied in `dtype` (f16 on the backend checked,
+/// f32 on the reference) and rounded to f16 at the end: the half-precision products
+/// (tensor-core tiles on a GPU) against an f32 product of the same values.
+fn linear_f16<B: InferenceBackend>(
+    r: &mut Inputs,
+    device: &B::Device,
+    rows: usize,
+    dtype: Dtype,
+) -> Vec<f32> {
+    let (d_in, d_out) = (96, 80);
+    let half = |t: Tensor<B, 2>| t.cast(Dtype::F16.burn_float()).cast(dtype.burn_float());
+    let x = half(r.tensor::<B, 2>([rows, d_in], device));
+    let w = half(r.tensor::<B, 2>([d_out, d_in], device)).transpose();
+    let y = B::linear_dense(x, &w).cast(Dtype::F16.burn_float());
+    host_f32(y.cast(Dtype::F32.burn_float()))
 }
 
 fn softmax<B: Backend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {

@@ -7,6 +7,7 @@
 //! |---|---|---|
 //! | stored `[d_out, d_in]` (kiln's layout on the GPU) | up to [`few_rows_max`] (64 in f32, 24 in f16/bf16) | kiln's `few_rows_kernel`: 32 units per output, 16-byte reads along the input width (decode's matrix-vector products: bandwidth-bound) |
 //! | any, f32 | more | cubek's `SimpleUnit` (exact f32 on every device) |
+//! | any, f16 or bf16 | up to [`SKINNY_MAX`] (64) | cubek's `SimpleCyclicCmma` on a [`SkinnyTiles`] blueprint: one cube over every row and a narrow strip of columns (batched decode) |
 //! | any, f16 or bf16 | more | cubek's `SimpleCyclicCmma` (tensor cores), `SimpleUnit` where the device has none |
 
 use burn_backend::DType;
@@ -16,8 +17,13 @@ use burn_cubecl::kernel::matmul::init_matmul_output;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::features::Plane;
 use cubecl::prelude::*;
-use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
+use cubek::matmul::components::stage::PartitionBuffering;
+use cubek::matmul::components::tile::TileMatmulKind;
+use cubek::matmul::definition::{
+    MatmulElems, MatmulGlobalElems, MatmulProblem, TilingBlueprint, TilingScheme,
+};
 use cubek::matmul::launch::{Strategy, launch_ref};
+use cubek::matmul::routines::BlueprintStrategy;
 use cubek::std::InputBinding;
 
 use crate::util::{CubeError, Result, cube_index, empty_like, grid, input_error, unit_last_stride};
@@ -190,14 +196,138 @@ fn as_out_in<R: CubeRuntime>(w: &CubeTensor<R>) -> Option<CubeTensor<R>> {
 }
 
 /// The cubek strategies [`matmul`] tries for more rows than [`few_rows_max`], best first.
-fn strategies<R: CubeRuntime>(x: &CubeTensor<R>) -> Vec<Strategy> {
+fn strategies<R: CubeRuntime>(x: &CubeTensor<R>, w: &CubeTensor<R>) -> Vec<Strategy> {
     match x.dtype {
         DType::F32 => vec![Strategy::SimpleUnit(Default::default())],
-        _ => vec![
-            Strategy::SimpleCyclicCmma(Default::default()),
-            Strategy::SimpleUnit(Default::default()),
-        ],
+        _ => skinny_strategy(x, w)
+            .into_iter()
+            .chain([
+                Strategy::SimpleCyclicCmma(Default::default()),
+                Strategy::SimpleUnit(Default::default()),
+            ])
+            .collect(),
     }
+}
+
+/// The most rows the skinny tensor-core tiles ([`SKINNY_TILES`]) take: batched decode.
+pub const SKINNY_MAX: usize = 64;
+
+/// A tensor-core tiling for products of a few dozen rows (batched decode) by a wide weight:
+/// one cube covers every row (`stage_m` planes of `partition_m` tiles of `tile.0` rows) and a
+/// narrow strip of output columns, so each weight element is read once and the grid has one
+/// cube per strip (cubek's own choice for such shapes covers 32 rows by 128 columns, so a
+/// 2048-wide output ran on 32 cubes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SkinnyTiles {
+    /// The tensor-core instruction's `(m, n, k)`.
+    pub tile: (u32, u32, u32),
+    /// Tiles per plane along `(m, n, k)`.
+    pub partition: (u32, u32, u32),
+    /// Planes per cube along `m`.
+    pub stage_m: u32,
+    /// Double-buffered loads (cubek's `DoubleCyclic`) instead of one stage at a time.
+    pub double_buffered: bool,
+}
+
+/// The skinny tilings `KILN_GPU_SKINNY_TILES=<index>` picks from (index 0 turns them off); the
+/// default is [`SKINNY_DEFAULT`], the fastest at batch 64 on an H200 (docs/benchmarks.md has
+/// the comparison; `scripts/gpu/tiles.sh` repeats it).
+pub const SKINNY_TILES: [SkinnyTiles; 8] = [
+    skinny((16, 16, 16), (1, 1, 8), 4, false),
+    skinny((16, 16, 16), (1, 2, 8), 4, false),
+    skinny((8, 32, 16), (1, 1, 8), 8, false),
+    skinny((16, 16, 16), (1, 1, 4), 4, false),
+    skinny((16, 16, 16), (1, 1, 8), 4, true),
+    skinny((16, 16, 16), (4, 1, 8), 1, false),
+    skinny((8, 32, 16), (2, 1, 8), 4, false),
+    skinny((16, 16, 16), (2, 1, 8), 2, false),
+];
+
+/// A [`SkinnyTiles`] from its fields in order (one row of the table above per tiling).
+const fn skinny(
+    tile: (u32, u32, u32),
+    partition: (u32, u32, u32),
+    stage_m: u32,
+    double_buffered: bool,
+) -> SkinnyTiles {
+    SkinnyTiles {
+        tile,
+        partition,
+        stage_m,
+        double_buffered,
+    }
+}
+
+/// The 1-based index into [`SKINNY_TILES`] used when `KILN_GPU_SKINNY_TILES` is unset.
+pub const SKINNY_DEFAULT: usize = 3;
+
+/// `KILN_GPU_SKINNY_TILES`, read once: `None` when unset (the default applies and a failing
+/// launch falls back to the general tiles), `Some(0)` for off, `Some(i)` for tiling `i`
+/// (a failing launch is then an error: the comparison asked for that tiling).
+fn skinny_choice() -> Option<usize> {
+    static CHOICE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| {
+        std::env::var("KILN_GPU_SKINNY_TILES")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+    })
+}
+
+/// cubek's strategy for [`SkinnyTiles`] `tiles` on `x` `[m, k]` · `w` `[k, n]`.
+fn skinny_blueprint<R: CubeRuntime>(
+    tiles: SkinnyTiles,
+    x: &CubeTensor<R>,
+    w: &CubeTensor<R>,
+) -> Option<Strategy> {
+    let (m, k, n) = (x.meta.shape()[0], x.meta.shape()[1], w.meta.shape()[1]);
+    let layout = |t: &CubeTensor<R>| {
+        cubek::std::MatrixLayout::from_shape_and_strides(t.meta.shape(), t.meta.strides(), None)
+            .ok()
+    };
+    let problem = MatmulProblem::from_parameters(
+        m,
+        n,
+        k,
+        Shape::new([]),
+        Shape::new([]),
+        layout(x)?,
+        layout(w)?,
+        cubek::std::MatrixLayout::RowMajor,
+        None,
+        None,
+        MatmulGlobalElems {
+            lhs: x.dtype.into(),
+            rhs: w.dtype.into(),
+            out: x.dtype.into(),
+        },
+        Default::default(),
+    );
+    let scheme = TilingScheme::builder()
+        .with_tile_size(tiles.tile.into())
+        .with_partition_size(tiles.partition.into())
+        .with_stage_size((tiles.stage_m, 1, 1).into())
+        .build()
+        .ok()?;
+    let plane_dim = x.client.properties().hardware.plane_size_max;
+    let blueprint = TilingBlueprint::builder(TileMatmulKind::Cmma, scheme, plane_dim, &problem)
+        .partition_buffering(PartitionBuffering::Single)
+        .build();
+    Some(if tiles.double_buffered {
+        Strategy::DoubleCyclicCmma(BlueprintStrategy::Forced(blueprint))
+    } else {
+        Strategy::SimpleCyclicCmma(BlueprintStrategy::Forced(blueprint))
+    })
+}
+
+/// The skinny strategy for `x` · `w`, when `x` has at most [`SKINNY_MAX`] rows and a tiling is
+/// chosen.
+fn skinny_strategy<R: CubeRuntime>(x: &CubeTensor<R>, w: &CubeTensor<R>) -> Option<Strategy> {
+    if x.meta.shape()[0] > SKINNY_MAX {
+        return None;
+    }
+    let index = skinny_choice().unwrap_or(SKINNY_DEFAULT);
+    let tiles = *SKINNY_TILES.get(index.checked_sub(1)?)?;
+    skinny_blueprint(tiles, x, w)
 }
 
 /// `x · w` on a fixed kernel choice (see the module's table), accumulated in f32.
@@ -220,7 +350,8 @@ pub fn matmul<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>) -> Result<Cube
         return Ok(few_rows(x, w_out_in));
     }
     let mut last = String::new();
-    for strategy in strategies(&x) {
+    let strict = x.meta.shape()[0] <= SKINNY_MAX && skinny_choice().is_some_and(|i| i > 0);
+    for strategy in strategies(&x, &w) {
         let out = init_matmul_output(&x, &w, x.dtype);
         let mut dtypes = MatmulElems::from_globals(&MatmulGlobalElems {
             lhs: x.dtype.into(),
@@ -238,6 +369,9 @@ pub fn matmul<R: CubeRuntime>(x: CubeTensor<R>, w: CubeTensor<R>) -> Result<Cube
         ) {
             Ok(()) => return Ok(out),
             Err(err) => last = format!("{strategy}: {err:?}"),
+        }
+        if strict && x.dtype != DType::F32 {
+            break;
         }
     }
     Err(CubeError::Launch {

@@ -3,6 +3,7 @@
 //! tensors. Where a kernel refuses its inputs (a shape it does not take), the hook falls back to
 //! burn's composition, so the result is the same either way.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use burn::tensor::{Int, Tensor, TensorPrimitive};
@@ -23,6 +24,24 @@ type Pair<R, BT> = (Tensor<Cube<R, BT>, 2>, Tensor<Cube<R, BT>, 2>);
 
 /// The rotary tables `(cos, sin)` of a GPU backend.
 type RopeRefs<'a, R, BT> = Option<(&'a Tensor<Cube<R, BT>, 3>, &'a Tensor<Cube<R, BT>, 3>)>;
+
+/// Hook calls whose kiln-cube kernel refused its inputs and ran burn's composition instead,
+/// and the first refusal's reason: [`kernel_fallbacks`](super::kernel_fallbacks).
+static FALLBACKS: AtomicU64 = AtomicU64::new(0);
+static FIRST_FALLBACK: OnceLock<String> = OnceLock::new();
+
+fn fell_back(err: &kiln_cube::CubeError) {
+    FALLBACKS.fetch_add(1, Ordering::Relaxed);
+    let _ = FIRST_FALLBACK.set(err.to_string());
+}
+
+/// See [`super::kernel_fallbacks`].
+pub(super) fn fallbacks() -> (u64, Option<String>) {
+    (
+        FALLBACKS.load(Ordering::Relaxed),
+        FIRST_FALLBACK.get().cloned(),
+    )
+}
 
 fn raw<R: CubeRuntime, BT: BoolElement, const D: usize>(
     t: Tensor<Cube<R, BT>, D>,
@@ -49,7 +68,10 @@ pub(super) fn rms_norm<R: CubeRuntime, BT: BoolElement>(
 ) -> Tensor<Cube<R, BT>, 2> {
     match kiln_cube::rowwise::rms_norm(raw(x.clone()), raw(gamma.clone()), eps) {
         Ok(out) => wrap(out),
-        Err(_) => crate::layer_ops::rms_norm(x, gamma, eps),
+        Err(err) => {
+            fell_back(&err);
+            crate::layer_ops::rms_norm(x, gamma, eps)
+        }
     }
 }
 
@@ -60,7 +82,10 @@ pub(super) fn rotate_half<R: CubeRuntime, BT: BoolElement>(
 ) -> Tensor<Cube<R, BT>, 3> {
     match kiln_cube::rowwise::rotate_half(raw(x.clone()), raw(cos.clone()), raw(sin.clone())) {
         Ok(out) => wrap(out),
-        Err(_) => crate::layer_ops::rotate_half(x, cos, sin),
+        Err(err) => {
+            fell_back(&err);
+            crate::layer_ops::rotate_half(x, cos, sin)
+        }
     }
 }
 
@@ -69,7 +94,10 @@ pub(super) fn swiglu<R: CubeRuntime, BT: BoolElement>(
 ) -> Tensor<Cube<R, BT>, 2> {
     match kiln_cube::rowwise::swiglu(raw(gate_up.clone())) {
         Ok(out) => wrap(out),
-        Err(_) => crate::layer_ops::swiglu(gate_up),
+        Err(err) => {
+            fell_back(&err);
+            crate::layer_ops::swiglu(gate_up)
+        }
     }
 }
 
@@ -86,7 +114,8 @@ pub(super) fn add_rms_norm<R: CubeRuntime, BT: BoolElement>(
         eps,
     ) {
         Ok((sum, normed)) => (wrap(sum), wrap(normed)),
-        Err(_) => {
+        Err(err) => {
+            fell_back(&err);
             let sum = x + delta;
             (sum.clone(), rms_norm(sum, gamma, eps))
         }
@@ -117,12 +146,15 @@ pub(super) fn split_heads_rope<R: CubeRuntime, BT: BoolElement>(
         [n, kv_heads, head_dim],
         [n, kv_heads, head_dim],
     ];
-    if let Ok(parts) = fused {
-        let mut parts = parts.into_iter().zip(shapes);
-        return std::array::from_fn(|_| {
-            let (part, shape) = parts.next().expect("three parts");
-            wrap::<R, BT, 2>(part).reshape(shape)
-        });
+    match fused {
+        Ok(parts) => {
+            let mut parts = parts.into_iter().zip(shapes);
+            return std::array::from_fn(|_| {
+                let (part, shape) = parts.next().expect("three parts");
+                wrap::<R, BT, 2>(part).reshape(shape)
+            });
+        }
+        Err(err) => fell_back(&err),
     }
     let [q, k, v] = crate::layer_ops::split_columns(qkv, widths);
     let [q, k, v] = [
@@ -158,7 +190,10 @@ pub(super) fn linear_dense<R: CubeRuntime, BT: BoolElement>(
     }
     match kiln_cube::matmul::matmul(raw(x.clone()), raw(w.clone())) {
         Ok(out) => wrap(out),
-        Err(_) => x.matmul(w.clone()),
+        Err(err) => {
+            fell_back(&err);
+            x.matmul(w.clone())
+        }
     }
 }
 
@@ -229,7 +264,10 @@ where
         scale,
     ) {
         Ok(out) => wrap(out),
-        Err(_) => crate::attention::step_attention_reference(q, k, v, k_store, v_store, index),
+        Err(err) => {
+            fell_back(&err);
+            crate::attention::step_attention_reference(q, k, v, k_store, v_store, index)
+        }
     }
 }
 

@@ -507,6 +507,18 @@ pub fn launches_settled() -> Option<u64> {
     None
 }
 
+/// How many GPU hook calls in this process ran burn's composition because kiln's own kernel
+/// refused the inputs (a shape or dtype it does not take, or a kernel choice the device cannot
+/// launch), and the first refusal's reason. The results are the same either way; the count
+/// says whether the fixed kernels (and their launch and speed figures) were what ran. `(0,
+/// None)` without a GPU backend.
+pub fn kernel_fallbacks() -> (u64, Option<String>) {
+    #[cfg(feature = "gpu-runtime")]
+    return cube::fallbacks();
+    #[cfg(not(feature = "gpu-runtime"))]
+    (0, None)
+}
+
 /// [`InferenceBackend::argmax_rows`]'s default: the rows read back and scanned on the host.
 ///
 /// # Shapes
