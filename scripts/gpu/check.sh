@@ -86,9 +86,9 @@ grep "^wall:" "$LOG" | tee -a "$SUMMARY"
 step "kiln selftest --backend cuda" 90 "$BIN/kiln" selftest --backend cuda
 
 export KILN_REQUIRE_CUDA=1
-step "golden logits and greedy tokens on cuda (f32)" 150 "$BIN/golden" cuda:: --test-threads 1 --nocapture
-step "bf16 on cuda against f32 (KL, top-1)" 90 "$BIN/precision" bf16_on_cuda --test-threads 1 --nocapture
-step "GGUF Q8_0 blocks on the device against transformers" 60 "$BIN/gguf" quantized_on_cuda --test-threads 1 --nocapture
+step "golden logits and greedy tokens on cuda (f32)" 150 "$BIN/models-tests" golden::cuda:: --test-threads 1 --nocapture
+step "bf16 on cuda against f32 (KL, top-1)" 90 "$BIN/models-tests" precision::bf16_on_cuda --test-threads 1 --nocapture
+step "GGUF Q8_0 blocks on the device against transformers" 60 "$BIN/models-tests" gguf::tiny_llama_quantized_on_cuda --test-threads 1 --nocapture
 unset KILN_REQUIRE_CUDA
 
 MATRIX=(--prompt-lens 128,512 --batch-sizes 1,16,64 --new-tokens 64 --repeats 1)

@@ -14,8 +14,21 @@ use anyhow::{Context, Result, bail};
 
 use crate::{cargo, run, workspace_root};
 
-/// The test binaries (crates/models/tests) whose `cuda` tests the check runs.
-const TEST_BINARIES: [&str; 3] = ["golden", "precision", "gguf"];
+/// The package whose integration tests (crates/models/tests, one binary) hold the `cuda`
+/// tests the check runs, and the name the packed binary takes.
+const TEST_PACKAGE: &str = "kiln-models";
+const TEST_BINARY: &str = "models-tests";
+
+/// The release binary with the workspace's features (as the tests build it: a build of the
+/// `kiln` package alone unifies fewer features and recompiles most crates).
+const KILN_BUILD: [&str; 6] = [
+    "build",
+    "--release",
+    "--locked",
+    "--workspace",
+    "--bin",
+    "kiln",
+];
 
 pub fn gpu_check(args: &[String]) -> Result<()> {
     if !args.is_empty() {
@@ -28,13 +41,17 @@ pub fn gpu_check(args: &[String]) -> Result<()> {
     }
     std::fs::create_dir_all(&pack)?;
 
-    run(Command::new(cargo()).args(["build", "--release", "--locked", "--bin", "kiln"]))?;
+    // `--workspace`: the features `cargo xtask test` builds with, so nothing is rebuilt.
+    run(Command::new(cargo()).args(KILN_BUILD))?;
     compress(&root.join("target/release/kiln"), &pack.join("kiln.xz"))?;
-    for (name, path) in test_binaries(&root)? {
-        compress(&path, &pack.join(format!("{name}.xz")))?;
-    }
+    compress(
+        &test_binary(&root)?,
+        &pack.join(format!("{TEST_BINARY}.xz")),
+    )?;
     for (from, to) in [
         ("scripts/gpu/check.sh", "check.sh"),
+        ("scripts/gpu/quick.sh", "quick.sh"),
+        ("scripts/gpu/tiles.sh", "tiles.sh"),
         ("scripts/gpu/profile_summary.py", "profile_summary.py"),
         (
             "scripts/bench/transformers_bench.py",
@@ -60,41 +77,36 @@ pub fn gpu_check(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// Builds the test binaries in release and returns `(name, executable)` for each.
-fn test_binaries(root: &Path) -> Result<Vec<(String, PathBuf)>> {
-    let mut command = Command::new(cargo());
-    command
+/// Builds kiln-models' integration tests in release and returns the executable.
+fn test_binary(root: &Path) -> Result<PathBuf> {
+    let output = Command::new(cargo())
         .current_dir(root)
         // The workspace's features (every backend), as `cargo xtask test` builds them.
         .args(["test", "--release", "--locked", "--workspace", "--no-run"])
-        .args(["--message-format", "json"]);
-    for name in TEST_BINARIES {
-        command.args(["--test", name]);
-    }
-    let output = command.output().context("building the test binaries")?;
+        .args(["--test", "integration", "--message-format", "json"])
+        .output()
+        .context("building the test binaries")?;
     if !output.status.success() {
         bail!(
             "building the test binaries failed:\n{}",
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    let mut found = Vec::new();
     for line in String::from_utf8_lossy(&output.stdout).lines() {
         let Ok(message) = serde_json::from_str::<serde_json::Value>(line) else {
             continue;
         };
-        let name = message["target"]["name"].as_str().unwrap_or_default();
-        if let (Some(path), true) = (
-            message["executable"].as_str(),
-            TEST_BINARIES.contains(&name),
-        ) {
-            found.push((name.to_string(), PathBuf::from(path)));
+        let package = message["package_id"].as_str().unwrap_or_default();
+        if let Some(path) = message["executable"].as_str()
+            && message["target"]["name"] == "integration"
+            // `path+file:///…#kiln-models@0.1.0`, or `kiln-models 0.1.0 (…)` from older cargo.
+            && (package.contains(&format!("#{TEST_PACKAGE}@"))
+                || package.starts_with(&format!("{TEST_PACKAGE} ")))
+        {
+            return Ok(PathBuf::from(path));
         }
     }
-    if found.len() != TEST_BINARIES.len() {
-        bail!("expected the test binaries {TEST_BINARIES:?}, cargo built {found:?}");
-    }
-    Ok(found)
+    bail!("cargo built no integration test binary for {TEST_PACKAGE}")
 }
 
 /// `from` stripped of its symbols and compressed with `xz -6` into `to`.
@@ -151,9 +163,10 @@ pub fn test_cuda() -> Result<()> {
     let mut command = Command::new(cargo());
     command
         .args(["test", "--release", "--locked", "--workspace"])
-        .args(["--test", "golden", "--test", "precision", "--", "cuda"])
+        // Every crate's integration tests build; the filter runs the `cuda` ones.
+        .args(["--test", "integration", "--", "cuda"])
         .env("KILN_REQUIRE_CUDA", "1");
     run(&mut command)?;
-    run(Command::new(cargo()).args(["build", "--release", "--locked", "--bin", "kiln"]))?;
+    run(Command::new(cargo()).args(KILN_BUILD))?;
     run(Command::new(root.join("target/release/kiln")).args(["selftest", "--backend", "cuda"]))
 }

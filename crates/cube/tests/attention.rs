@@ -4,9 +4,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kiln_cube::attention::{StepIndex, TOKEN_FIELDS, attention};
 
 /// Softmax attention of one query over the keys it sees (each `(k, v)` a head_dim row).
@@ -257,11 +255,48 @@ fn fresh_prompts_and_paged_history_in_one_launch() {
 }
 
 #[test]
+fn many_queries_share_a_cube_per_kv_head() {
+    // 40 fresh tokens × 2 KV heads: enough (query, KV head) pairs for the kernel to serve the
+    // 4 query heads of each KV head from one cube (192 outputs: two per unit for some); a
+    // decoding row beside them.
+    let (n_heads, n_kv_heads, dim, slots) = (8, 2, 48, 8);
+    let shape = [2, n_kv_heads, slots, dim];
+    let len: usize = shape.iter().product();
+    let storage = Storage {
+        k: random(len, 60),
+        v: random(len, 61),
+        shape,
+    };
+    let histories = [History {
+        blocks: vec![1, 0],
+        key_positions: (0..12).collect(),
+    }];
+    let mut kinds = vec![Err(0..40); 40];
+    kinds.push(Ok(0));
+    let mut positions: Vec<i32> = (0..40).collect();
+    positions.push(11);
+    check(
+        n_heads, n_kv_heads, dim, &storage, &histories, &kinds, &positions, None, 62,
+    );
+    check(
+        n_heads,
+        n_kv_heads,
+        dim,
+        &storage,
+        &histories,
+        &kinds,
+        &positions,
+        Some(5),
+        63,
+    );
+}
+
+#[test]
 fn long_rows_split_over_cubes_and_wide_heads() {
     // Dense rows: one block of 400 slots per row; row 1 holds 300 keys, so a single decoding
     // query splits its keys over three cubes. head_dim 160 uses two accumulators per unit.
-    for dim in [64, 160] {
-        let (n_heads, n_kv_heads, slots) = (2, 1, 400);
+    for (dim, n_heads) in [(64, 2), (160, 2), (64, 8), (160, 8)] {
+        let (n_kv_heads, slots) = (1, 400);
         let shape = [2, n_kv_heads, slots, dim];
         let len: usize = shape.iter().product();
         let storage = Storage {

@@ -4,10 +4,8 @@
 
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
+use crate::common::*;
 use burn_backend::DType;
-use common::*;
 use cubecl::Runtime;
 use kiln_cube::quant::{BlockType, QuantWeights, dequantize, matmul};
 use kiln_kernels::GgmlType;

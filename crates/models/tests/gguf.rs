@@ -4,9 +4,7 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kiln_core::{Dtype, InferenceBackend, TokenId};
 use kiln_models::gguf::{GgmlType, GgufFile, dequantize, parse};
 use kiln_models::{ModelError, ModelFormat, TextTokenizer};

@@ -3,9 +3,7 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kiln_core::{Dtype, InferenceBackend};
 
 /// f32 logits within 1e-4 of transformers, for every position of every prompt.

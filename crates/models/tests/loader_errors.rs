@@ -2,11 +2,9 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
 
-mod common;
-
 use std::path::Path;
 
-use common::fixture;
+use crate::common::fixture;
 use kiln_core::{Dtype, InferenceBackend};
 use kiln_models::{LoadOptions, ModelError};
 use serde_json::Value;
@@ -148,7 +146,7 @@ fn truncated_meta_checkpoint_is_an_error() {
 fn out_of_range_input_is_an_error_not_a_panic() {
     use kiln_core::kv_cache::DynamicKvCache;
     use kiln_core::{Batch, CausalLm, LogitsFor, Position, SeqId, TokenId};
-    let loaded = common::load::<B>("gpt2-tiny", Dtype::F32);
+    let loaded = crate::common::load::<B>("gpt2-tiny", Dtype::F32);
     let shape = loaded.model.shape();
     let mut cache = DynamicKvCache::<B>::new(shape.kv_layout(), Dtype::F32, &B::inference_device());
     let bad_token = Batch::single(SeqId(0), &[TokenId(shape.vocab as u32)], Position(0)).unwrap();

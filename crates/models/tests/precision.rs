@@ -10,9 +10,7 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kiln_core::{CoreError, Dtype, InferenceBackend};
 use kiln_models::ModelError;
 

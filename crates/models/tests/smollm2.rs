@@ -7,12 +7,10 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
 
-mod common;
-
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use common::*;
+use crate::common::*;
 use kiln_core::{CausalLm, Dtype, InferenceBackend, TokenId};
 use kiln_models::chat::{ChatMessage, ChatTemplate, Role};
 use kiln_models::default_model::{SMOLLM2_135M_INSTRUCT, kiln_home};

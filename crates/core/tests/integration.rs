@@ -1,0 +1,7 @@
+//! kiln-core's integration tests in one binary, a module per file: every test binary
+//! compiles and links its own copy of the backends' generic code, so one binary per crate
+//! keeps the test build short.
+
+mod layer_ops;
+mod sampling_hf;
+mod static_cache_in_place;

@@ -1,0 +1,11 @@
+//! kiln-models' integration tests in one binary, a module per file: every test binary
+//! compiles and links its own copy of the backends' generic code, so one binary per crate
+//! keeps the test build short.
+
+mod common;
+mod gguf;
+mod golden;
+mod loader_errors;
+mod precision;
+mod smollm2;
+mod tokenizers;
