@@ -19,16 +19,11 @@ use crate::{cargo, run, workspace_root};
 const TEST_PACKAGE: &str = "kiln-models";
 const TEST_BINARY: &str = "models-tests";
 
-/// The release binary with the workspace's features (as the tests build it: a build of the
-/// `kiln` package alone unifies fewer features and recompiles most crates).
-const KILN_BUILD: [&str; 6] = [
-    "build",
-    "--release",
-    "--locked",
-    "--workspace",
-    "--bin",
-    "kiln",
-];
+/// The release binary with the features `cargo xtask test` builds with (every workspace
+/// member, dev-dependencies included: the kiln binary the CLI tests use). A build of the
+/// `kiln` binary alone unifies fewer features and recompiles most crates; after the tests this
+/// rebuilds nothing.
+const KILN_BUILD: [&str; 5] = ["build", "--release", "--locked", "--workspace", "--tests"];
 
 pub fn gpu_check(args: &[String]) -> Result<()> {
     if !args.is_empty() {
@@ -41,7 +36,6 @@ pub fn gpu_check(args: &[String]) -> Result<()> {
     }
     std::fs::create_dir_all(&pack)?;
 
-    // `--workspace`: the features `cargo xtask test` builds with, so nothing is rebuilt.
     run(Command::new(cargo()).args(KILN_BUILD))?;
     compress(&root.join("target/release/kiln"), &pack.join("kiln.xz"))?;
     compress(
