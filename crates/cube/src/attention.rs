@@ -154,11 +154,11 @@ fn attention_kernel<F: Float, S: Float, I: Int, N: Size>(
 
     let live = cube < total;
     let split = cube % splits;
-    let head_group = cube / splits;
+    let group_index = cube / splits;
     let n_heads = q.shape(1);
     let groups_per_token = n_heads / group;
-    let first_head = (head_group % groups_per_token) * group;
-    let token = head_group / groups_per_token;
+    let first_head = (group_index % groups_per_token) * group;
+    let token = group_index / groups_per_token;
     let kv_heads = v_new.shape(1);
     let kv_head = first_head / (n_heads / kv_heads);
 

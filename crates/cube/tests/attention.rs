@@ -77,6 +77,16 @@ struct Storage {
 }
 
 impl Storage {
+    /// Random keys and values for a storage of `shape`, from `seed` and `seed + 1`.
+    fn random(shape: [usize; 4], seed: u64) -> Self {
+        let len = shape.iter().product();
+        Storage {
+            k: random(len, seed),
+            v: random(len, seed + 1),
+            shape,
+        }
+    }
+
     fn row(&self, target: usize, head: usize, slot: usize) -> std::ops::Range<usize> {
         let [_, heads, slots, dim] = self.shape;
         let at = ((target * heads + head) * slots + slot) * dim;
@@ -205,13 +215,7 @@ fn check(
 #[test]
 fn fresh_prompts_and_paged_history_in_one_launch() {
     let (n_heads, n_kv_heads, dim, slots) = (4, 2, 16, 4);
-    let shape = [6, n_kv_heads, slots, dim];
-    let len: usize = shape.iter().product();
-    let storage = Storage {
-        k: random(len, 20),
-        v: random(len, 21),
-        shape,
-    };
+    let storage = Storage::random([6, n_kv_heads, slots, dim], 20);
     // Row 0: 6 keys in blocks 2 then 4 (positions 0..6); row 1: 5 keys in blocks 5, 0, one
     // slot empty (position -1) in the middle.
     let histories = [
@@ -237,21 +241,12 @@ fn fresh_prompts_and_paged_history_in_one_launch() {
         Ok(1),
     ];
     let positions = [0, 1, 2, 5, 0, 1, 2, 3];
-    check(
-        n_heads, n_kv_heads, dim, &storage, &histories, &kinds, &positions, None, 30,
-    );
-    // The same with a window of 2 positions.
-    check(
-        n_heads,
-        n_kv_heads,
-        dim,
-        &storage,
-        &histories,
-        &kinds,
-        &positions,
-        Some(2),
-        31,
-    );
+    // Without a window, then with one.
+    for (window, seed) in [(None, 30), (Some(2), 31)] {
+        check(
+            n_heads, n_kv_heads, dim, &storage, &histories, &kinds, &positions, window, seed,
+        );
+    }
 }
 
 #[test]
@@ -260,13 +255,7 @@ fn many_queries_share_a_cube_per_kv_head() {
     // 4 query heads of each KV head from one cube (192 outputs: two per unit for some); a
     // decoding row beside them.
     let (n_heads, n_kv_heads, dim, slots) = (8, 2, 48, 8);
-    let shape = [2, n_kv_heads, slots, dim];
-    let len: usize = shape.iter().product();
-    let storage = Storage {
-        k: random(len, 60),
-        v: random(len, 61),
-        shape,
-    };
+    let storage = Storage::random([2, n_kv_heads, slots, dim], 60);
     let histories = [History {
         blocks: vec![1, 0],
         key_positions: (0..12).collect(),
@@ -275,20 +264,12 @@ fn many_queries_share_a_cube_per_kv_head() {
     kinds.push(Ok(0));
     let mut positions: Vec<i32> = (0..40).collect();
     positions.push(11);
-    check(
-        n_heads, n_kv_heads, dim, &storage, &histories, &kinds, &positions, None, 62,
-    );
-    check(
-        n_heads,
-        n_kv_heads,
-        dim,
-        &storage,
-        &histories,
-        &kinds,
-        &positions,
-        Some(5),
-        63,
-    );
+    // Without a window, then with one.
+    for (window, seed) in [(None, 62), (Some(5), 63)] {
+        check(
+            n_heads, n_kv_heads, dim, &storage, &histories, &kinds, &positions, window, seed,
+        );
+    }
 }
 
 #[test]
@@ -297,13 +278,7 @@ fn long_rows_split_over_cubes_and_wide_heads() {
     // query splits its keys over three cubes. head_dim 160 uses two accumulators per unit.
     for (dim, n_heads) in [(64, 2), (160, 2), (64, 8), (160, 8)] {
         let (n_kv_heads, slots) = (1, 400);
-        let shape = [2, n_kv_heads, slots, dim];
-        let len: usize = shape.iter().product();
-        let storage = Storage {
-            k: random(len, 40),
-            v: random(len, 41),
-            shape,
-        };
+        let storage = Storage::random([2, n_kv_heads, slots, dim], 40);
         let histories = [
             History {
                 blocks: vec![1],
@@ -316,20 +291,12 @@ fn long_rows_split_over_cubes_and_wide_heads() {
         ];
         let kinds = [Ok(0), Ok(1)];
         let positions = [299, 6];
-        check(
-            n_heads, n_kv_heads, dim, &storage, &histories, &kinds, &positions, None, 50,
-        );
-        check(
-            n_heads,
-            n_kv_heads,
-            dim,
-            &storage,
-            &histories,
-            &kinds,
-            &positions,
-            Some(100),
-            51,
-        );
+        // Without a window, then with one.
+        for (window, seed) in [(None, 50), (Some(100), 51)] {
+            check(
+                n_heads, n_kv_heads, dim, &storage, &histories, &kinds, &positions, window, seed,
+            );
+        }
     }
 }
 
