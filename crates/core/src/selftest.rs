@@ -39,27 +39,22 @@ impl Check {
 /// The reference backend every other backend is compared with.
 pub type Reference = burn::backend::Flex;
 
-/// Runs every check on `B`, comparing with [`Reference`].
+/// Runs every check on `B`, comparing with [`Reference`] (the f16 product only where `B` holds
+/// f16).
 pub fn run<B: InferenceBackend>(device: &B::Device) -> Vec<Check> {
     let reference = <Reference as InferenceBackend>::inference_device();
-    vec![
+    let mut checks = vec![
         compare(
             "linear layer, 3 rows (decode)",
             1e-4,
-            |r| linear::<B>(r, device, 3),
-            |r| linear::<Reference>(r, &reference, 3),
+            |r| linear::<B>(r, device, 3, Dtype::F32, Dtype::F32),
+            |r| linear::<Reference>(r, &reference, 3, Dtype::F32, Dtype::F32),
         ),
         compare(
             "linear layer, 97 rows (prefill)",
             1e-4,
-            |r| linear::<B>(r, device, 97),
-            |r| linear::<Reference>(r, &reference, 97),
-        ),
-        compare(
-            "linear layer, f16, 40 rows (batched decode)",
-            F16_LINEAR_TOLERANCE,
-            |r| linear_f16::<B>(r, device, 40, Dtype::F16),
-            |r| linear_f16::<Reference>(r, &reference, 40, Dtype::F32),
+            |r| linear::<B>(r, device, 97, Dtype::F32, Dtype::F32),
+            |r| linear::<Reference>(r, &reference, 97, Dtype::F32, Dtype::F32),
         ),
         compare(
             "softmax",
@@ -103,7 +98,20 @@ pub fn run<B: InferenceBackend>(device: &B::Device) -> Vec<Check> {
             |r| sampling::<B>(r, device),
             |r| sampling::<Reference>(r, &reference),
         ),
-    ]
+    ];
+    // Half-precision products (tensor-core tiles on a GPU), where the backend holds f16.
+    if B::supports(device, Dtype::F16) {
+        checks.insert(
+            2,
+            compare(
+                "linear layer, f16, 40 rows (batched decode)",
+                F16_LINEAR_TOLERANCE,
+                |r| linear::<B>(r, device, 40, Dtype::F16, Dtype::F16),
+                |r| linear::<Reference>(r, &reference, 40, Dtype::F16, Dtype::F32),
+            ),
+        );
+    }
+    checks
 }
 
 /// Seeded inputs, identical for both sides of a comparison.
@@ -160,42 +168,37 @@ fn compare(
     }
 }
 
-/// A linear layer as models run it ([`InferenceBackend::linear_dense`]), its weight stored as
-/// the backend's loaders store it ([`InferenceBackend::DENSE_WEIGHTS_OUT_IN`]).
-fn linear<B: InferenceBackend>(r: &mut Inputs, device: &B::Device, rows: usize) -> Vec<f32> {
-    let (d_in, d_out) = (96, 80);
-    let x = r.tensor::<B, 2>([rows, d_in], device);
-    let w_out_in = r.tensor::<B, 2>([d_out, d_in], device);
-    let w = if B::DENSE_WEIGHTS_OUT_IN {
-        w_out_in.transpose()
-    } else {
-        // Row-major `[d_in, d_out]`: the transpose made contiguous.
-        let values = host_f32(w_out_in.transpose());
-        Tensor::from_data(TensorData::new(values, [d_in, d_out]), device)
-    };
-    host_f32(B::linear_dense(x, &w))
-}
-
 /// One unit in the last place of f16 at the outputs' largest magnitude (8..16: sums of 96
 /// products of values in [-1, 1)): the device rounds its f32 sums to f16 once, from sums
 /// added in another order than the reference's.
 const F16_LINEAR_TOLERANCE: f32 = 8.0 / 1024.0;
 
-/// A linear layer on f16-rounded inputs, multiplied in `dtype` (f16 on the backend checked,
-/// f32 on the reference) and rounded to f16 at the end: the half-precision products
-/// (tensor-core tiles on a GPU) against an f32 product of the same values.
-fn linear_f16<B: InferenceBackend>(
+/// A linear layer as models run it ([`InferenceBackend::linear_dense`]), its weight stored as
+/// the backend's loaders store it ([`InferenceBackend::DENSE_WEIGHTS_OUT_IN`]), on inputs
+/// rounded to `inputs`, multiplied in `product` and rounded to `inputs` at the end. f32 for
+/// both is the exact product; f16 inputs multiplied in f16 (tensor-core tiles on a GPU) are
+/// checked against an f32 product of the same values.
+fn linear<B: InferenceBackend>(
     r: &mut Inputs,
     device: &B::Device,
     rows: usize,
-    dtype: Dtype,
+    inputs: Dtype,
+    product: Dtype,
 ) -> Vec<f32> {
     let (d_in, d_out) = (96, 80);
-    let half = |t: Tensor<B, 2>| t.cast(Dtype::F16.burn_float()).cast(dtype.burn_float());
-    let x = half(r.tensor::<B, 2>([rows, d_in], device));
-    let w = half(r.tensor::<B, 2>([d_out, d_in], device)).transpose();
-    let y = B::linear_dense(x, &w).cast(Dtype::F16.burn_float());
-    host_f32(y.cast(Dtype::F32.burn_float()))
+    let round = |t: Tensor<B, 2>| t.cast(inputs.burn_float()).cast(product.burn_float());
+    let x = round(r.tensor::<B, 2>([rows, d_in], device));
+    let w_out_in = round(r.tensor::<B, 2>([d_out, d_in], device));
+    let w = if B::DENSE_WEIGHTS_OUT_IN {
+        w_out_in.transpose()
+    } else {
+        // Row-major `[d_in, d_out]`: the transpose made contiguous.
+        let values = host_f32(w_out_in.transpose());
+        Tensor::<B, 2>::from_data(TensorData::new(values, [d_in, d_out]), device)
+            .cast(product.burn_float())
+    };
+    let y = B::linear_dense(x, &w).cast(inputs.burn_float());
+    host_f32(y)
 }
 
 fn softmax<B: Backend>(r: &mut Inputs, device: &B::Device) -> Vec<f32> {
