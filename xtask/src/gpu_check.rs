@@ -19,11 +19,20 @@ use crate::{cargo, run, workspace_root};
 const TEST_PACKAGE: &str = "kiln-models";
 const TEST_BINARY: &str = "models-tests";
 
-/// The release binary with the features `cargo xtask test` builds with (every workspace
-/// member, dev-dependencies included: the kiln binary the CLI tests use). A build of the
-/// `kiln` binary alone unifies fewer features and recompiles most crates; after the tests this
-/// rebuilds nothing.
-const KILN_BUILD: [&str; 5] = ["build", "--release", "--locked", "--workspace", "--tests"];
+/// The release binary with the features of the CUDA test build (every workspace member,
+/// dev-dependencies included). A build of the `kiln` binary alone unifies fewer features and
+/// recompiles most crates; after the test binary's build this rebuilds nothing.
+const KILN_BUILD: [&str; 6] = [
+    "build",
+    "--release",
+    "--locked",
+    "--workspace",
+    "--tests",
+    CUDA_TESTS,
+];
+
+/// kiln-models' CUDA tests (off in `cargo xtask test`, which cannot run them).
+const CUDA_TESTS: &str = "--features=kiln-models/cuda";
 
 pub fn gpu_check(args: &[String]) -> Result<()> {
     if !args.is_empty() {
@@ -75,8 +84,15 @@ pub fn gpu_check(args: &[String]) -> Result<()> {
 fn test_binary(root: &Path) -> Result<PathBuf> {
     let output = Command::new(cargo())
         .current_dir(root)
-        // The workspace's features (every backend), as `cargo xtask test` builds them.
-        .args(["test", "--release", "--locked", "--workspace", "--no-run"])
+        // Every backend and the CUDA tests, with the same features as KILN_BUILD.
+        .args([
+            "test",
+            "--release",
+            "--locked",
+            "--workspace",
+            "--no-run",
+            CUDA_TESTS,
+        ])
         .args(["--test", "integration", "--message-format", "json"])
         .output()
         .context("building the test binaries")?;
@@ -156,7 +172,7 @@ pub fn test_cuda() -> Result<()> {
     let root = workspace_root();
     let mut command = Command::new(cargo());
     command
-        .args(["test", "--release", "--locked", "--workspace"])
+        .args(["test", "--release", "--locked", "--workspace", CUDA_TESTS])
         // Every crate's integration tests build; the filter runs the `cuda` ones.
         .args(["--test", "integration", "--", "cuda"])
         .env("KILN_REQUIRE_CUDA", "1");

@@ -3,7 +3,8 @@
 //! - `test`: the README's test command. Makes sure the system has what the tests need (a Vulkan
 //!   driver for wgpu, Mesa's lavapipe without a GPU; tmux for the terminal chat test), installing
 //!   it with apt-get when run as root on Debian/Ubuntu; runs the whole workspace's tests in
-//!   release mode (numeric tests crawl without optimisation), then every example, then the
+//!   release mode (numeric tests crawl without optimisation) with every backend but CUDA
+//!   (`test --backend cuda` builds and runs the CUDA tests on a GPU), then every example, then the
 //!   `kiln serve` suite (the OpenAI Python SDK and a small load test, with pytest in a virtual
 //!   environment under `target/python`). Extra arguments go to `cargo test`, and skip the
 //!   examples and the server suite.
@@ -73,10 +74,21 @@ const EXAMPLES: [(&str, &[&str]); 4] = [
     ("batch", &[]),
 ];
 
+/// The features `cargo xtask test` builds with: every backend but CUDA. No CUDA test can run
+/// without a GPU (they are built by `cargo xtask test --backend cuda` and `cargo xtask
+/// gpu-check`), and compiling the CUDA backend into every test binary made the test build
+/// minutes longer.
+const TEST_FEATURES: [&str; 2] = [
+    "--no-default-features",
+    "--features=kiln-core/cpu,kiln-core/ndarray,kiln-core/wgpu,\
+     kiln-cli/cpu,kiln-cli/ndarray,kiln-cli/wgpu,kiln-benches/wgpu",
+];
+
 fn test(extra: &[String]) -> Result<()> {
     system::ensure_test_packages()?;
     run(Command::new(cargo())
         .args(["test", "--workspace", "--release", "--locked"])
+        .args(TEST_FEATURES)
         .args(extra))?;
     if !extra.is_empty() {
         return Ok(());

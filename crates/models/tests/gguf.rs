@@ -287,6 +287,7 @@ fn tiny_llama_quantized_on_wgpu_matches_transformers() {
     tiny_llama_quantized_on_the_device::<burn::backend::Wgpu>();
 }
 
+#[cfg(feature = "cuda")]
 #[test]
 fn tiny_llama_quantized_on_cuda_matches_transformers() {
     if cuda_here("tiny_llama_quantized_on_cuda_matches_transformers") {

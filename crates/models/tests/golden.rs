@@ -91,6 +91,7 @@ mod wgpu {
     }
 }
 
+#[cfg(feature = "cuda")]
 mod cuda {
     type B = burn::backend::Cuda;
 

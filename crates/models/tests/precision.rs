@@ -88,6 +88,7 @@ fn bf16_on_cpu_agrees_with_f32() {
     bf16_agrees_with_f32::<burn::backend::Flex>("cpu");
 }
 
+#[cfg(feature = "cuda")]
 #[test]
 fn bf16_on_cuda_agrees_with_f32() {
     if cuda_here("bf16_on_cuda_agrees_with_f32") {

@@ -33,6 +33,7 @@ pub fn fixture(name: &str) -> PathBuf {
 /// Whether the CUDA tests run here: where a CUDA device is usable, or always (failing without
 /// one) when `KILN_REQUIRE_CUDA=1` (`cargo xtask test --backend cuda`, the GPU check). Without
 /// a device they are skipped, with the reason printed.
+#[cfg(feature = "cuda")]
 pub fn cuda_here(test: &str) -> bool {
     let required = std::env::var("KILN_REQUIRE_CUDA").is_ok_and(|v| v == "1");
     match kiln_core::BackendKind::Cuda.require() {
