@@ -18,6 +18,8 @@ pub struct ActBlock {
     pub d_sum: f32,
     /// `Σ qs`, for integer sums taken against offset weights (Q8_0 stored as `w + 128`).
     pub sum: i32,
+    /// `Σ qs` over the first 16 values, for Q6_K's offset, whose scales cover 16 values.
+    pub sum_first_half: i32,
 }
 
 /// Values per activation block.
@@ -31,16 +33,17 @@ impl ActBlock {
         let d = amax / 127.0;
         let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
         let mut qs = [0i8; ACT_BLOCK];
-        let mut sum = 0i32;
         for (q, v) in qs.iter_mut().zip(x) {
             *q = round(v * inv) as i8;
-            sum += i32::from(*q);
         }
+        let sum_first_half = qs[..16].iter().map(|&q| i32::from(q)).sum();
+        let sum = sum_first_half + qs[16..].iter().map(|&q| i32::from(q)).sum::<i32>();
         Self {
             qs,
             d,
             d_sum: d * sum as f32,
             sum,
+            sum_first_half,
         }
     }
 }
@@ -159,7 +162,8 @@ mod x86 {
         // Round to nearest, ties to even (the default MXCSR mode), as the scalar code does.
         let qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
         let qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-        let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        let sum_first_half = _mm512_reduce_add_epi32(qa);
+        let sum = sum_first_half + _mm512_reduce_add_epi32(qb);
         let mut qs = [0i8; ACT_BLOCK];
         // SAFETY: two 16-byte stores into the 32 bytes of `qs`.
         unsafe {
@@ -174,6 +178,7 @@ mod x86 {
             d,
             d_sum: d * sum as f32,
             sum,
+            sum_first_half,
         };
         (block, ra, rb)
     }
@@ -194,6 +199,8 @@ mod tests {
         assert!((b.d * 127.0 - 5.25).abs() < 1e-6);
         let sum: i32 = b.qs.iter().map(|&q| i32::from(q)).sum();
         assert_eq!((b.sum, b.d_sum), (sum, b.d * sum as f32));
+        let first: i32 = b.qs[..16].iter().map(|&q| i32::from(q)).sum();
+        assert_eq!(b.sum_first_half, first);
         for (q, v) in b.qs.iter().zip(&x) {
             assert!((f32::from(*q) * b.d - v).abs() <= b.d / 2.0 + 1e-6);
         }

@@ -246,15 +246,32 @@ fn q8_0(b: &[u8], y: &mut [f32]) {
 /// Scale and minimum of sub-block `j` from the 12 packed 6-bit K-quant scale bytes
 /// (llama.cpp's `get_scale_min_k4`).
 pub(crate) fn scale_min_k4(j: usize, s: &[u8]) -> (f32, f32) {
-    let (sc, m) = if j < 4 {
+    let (sc, m) = scale_min_k4_bits(j, s);
+    (f32::from(sc), f32::from(m))
+}
+
+/// [`scale_min_k4`] as the 6-bit integers.
+pub(crate) fn scale_min_k4_bits(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
         (
             (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4),
             (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
         )
-    };
-    (f32::from(sc), f32::from(m))
+    }
+}
+
+/// The 12 packed bytes of eight 6-bit scales and minimums: the inverse of
+/// [`scale_min_k4_bits`] (every bit of the 12 bytes is used, so the packing is one to one).
+pub(crate) fn pack_scale_min_k4(sc: [u8; 8], m: [u8; 8]) -> [u8; 12] {
+    let mut s = [0u8; 12];
+    for j in 0..4 {
+        s[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        s[j + 4] = m[j] | ((m[j + 4] >> 4) << 6);
+        s[j + 8] = (sc[j + 4] & 0xF) | ((m[j + 4] & 0xF) << 4);
+    }
+    s
 }
 
 /// The (scale, minimum) of the two 32-value sub-blocks of K-quant group `group` (64 values).

@@ -1,7 +1,7 @@
 //! Weights repacked eight output rows at a time, so one SIMD register holds one value of each
 //! of eight rows and a product yields eight outputs without horizontal sums (llama.cpp's
-//! `block_q4_0x8` repack in `ggml-cpu/repack.cpp`, done here for Q4_1 and Q8_0, the types of
-//! the default model).
+//! `block_q4_0x8` and `block_q4_Kx8` repacks in `ggml-cpu/repack.cpp`), done here for Q4_1
+//! and Q8_0 (the default model's types) and for Q4_K and Q6_K (the types of a Q4_K_M file).
 //!
 //! Layout of a group of eight rows: for each block column `b` (32 values of every row), the
 //! eight f16 scales, for Q4_1 the eight f16 minimums, then the quants as 4-byte lanes: lane `r`
@@ -12,6 +12,21 @@
 //! in lane `r`: `vpdpbusd` (unsigned weights × signed activations) sums them there, and for
 //! Q8_0 `128 × Σ a` (the activation block's [`ActBlock::sum`]) is taken off the integer sum.
 //!
+//! The K-quants keep their 256-value super-blocks as block columns; each 32-value sub-block
+//! (one activation block) is laid out as a Q4_1 block's nibbles are:
+//! - Q4_K: the eight f16 `d`, the eight f16 `dmin`, the 6-bit scales unpacked to one byte
+//!   each (`[sub-block][row]`, 64 bytes), the minimums likewise, then eight sub-blocks of 128
+//!   bytes of nibbles. `d × scale` and `dmin × min` are exact in f32, so the products are the
+//!   row kernel's exactly, to the order of the float sums.
+//! - Q6_K: the eight f16 `d`, the 16 i8 scales (`[scale][row]`, 128 bytes), then per
+//!   sub-block 128 bytes of the low four bits (as Q4_1's nibbles) and 64 of the high two: lane
+//!   `r` of chunk `c` holds, for `j = 2c + k`, value `4j + t`'s two bits at bit `4k` and value
+//!   `16 + 4j + t`'s at `4k + 2`. A chunk's low nibbles are the sub-block's first 16 values and
+//!   its high nibbles the last 16, the halves Q6_K scales apart; the stored values are `q + 32`
+//!   (unsigned), and `32 × Σ a` over each half ([`ActBlock::sum_first_half`]) comes off.
+//!
+//! Both are the GGUF bytes rearranged (Q6_K's 1680 bytes a group, Q4_K's 1184 for 1152).
+//!
 //! Each call takes an activation row in two passes ([`crate::act::quantize_split`]): the
 //! 8-bit blocks and the 8-bit blocks of what they left over, so the product is as exact as
 //! 16-bit activations while every multiply stays an 8-bit one.
@@ -19,7 +34,7 @@
 use half::f16;
 
 use crate::act::ActBlock;
-use crate::ggml::GgmlType;
+use crate::ggml::{GgmlType, pack_scale_min_k4, scale_min_k4_bits};
 use crate::tier::Tier;
 
 /// Rows per group.
@@ -28,13 +43,57 @@ pub const GROUP: usize = 8;
 /// What a Q8_0 quant is stored XOR-ed with: `q ^ 0x80` is `q + 128` read as an unsigned byte.
 const Q8_0_OFFSET: u8 = 0x80;
 
+/// Bytes of Q4_K's block column: `d`, `dmin`, scales, minimums, eight sub-blocks of nibbles.
+const Q4_K_BYTES: usize = 2 * 8 + 2 * 8 + 64 + 64 + 8 * 128;
+/// Where Q4_K's eight sub-blocks of nibbles start in a block column.
+const Q4_K_QUANTS: usize = 160;
+/// Bytes of Q6_K's block column: `d`, scales, eight sub-blocks of low nibbles and high bits.
+const Q6_K_BYTES: usize = 2 * 8 + 16 * 8 + 8 * Q6_K_SUB;
+/// Where Q6_K's sub-blocks start in a block column.
+const Q6_K_QUANTS: usize = 144;
+/// Bytes of one Q6_K sub-block of a group: 128 of low nibbles, 64 of high bits.
+const Q6_K_SUB: usize = 192;
+
 /// Bytes of one block column of a group, or `None` for a type without an interleaved kernel.
 pub fn group_block_bytes(ty: GgmlType) -> Option<usize> {
     match ty {
         GgmlType::Q4_1 => Some(2 * 8 + 2 * 8 + 128),
         GgmlType::Q8_0 => Some(2 * 8 + 256),
+        GgmlType::Q4K => Some(Q4_K_BYTES),
+        GgmlType::Q6K => Some(Q6_K_BYTES),
         _ => None,
     }
+}
+
+/// Value `e` (0..32) of a Q4_1-ordered 128-byte nibble block (Q4_1's quants, a Q4_K or Q6_K
+/// sub-block) for row `r`: the byte that holds it and whether it is the high nibble.
+fn nibble_at(e: usize, r: usize) -> (usize, bool) {
+    (32 * (e % 16 / 4) + 4 * r + e % 4, e >= 16)
+}
+
+/// Value `v` (0..256) of a GGUF Q6_K block: its six bits, `q + 32`.
+fn q6_k_value(block: &[u8], v: usize) -> u8 {
+    let (half, k, l) = (v / 128, v % 128 / 32, v % 32);
+    let low = block[64 * half + l + 32 * (k % 2)];
+    let low = if k < 2 { low & 0xF } else { low >> 4 };
+    let high = (block[128 + 32 * half + l] >> (2 * k)) & 3;
+    low | (high << 4)
+}
+
+/// Sets value `v` of a GGUF Q6_K block (whose bits for it are zero) to `q` (six bits).
+fn set_q6_k_value(block: &mut [u8], v: usize, q: u8) {
+    let (half, k, l) = (v / 128, v % 128 / 32, v % 32);
+    let low = &mut block[64 * half + l + 32 * (k % 2)];
+    *low |= if k < 2 { q & 0xF } else { (q & 0xF) << 4 };
+    block[128 + 32 * half + l] |= (q >> 4) << (2 * k);
+}
+
+/// Where the high two bits of value `e` (0..32) of a Q6_K sub-block of a group sit for row
+/// `r`: the byte (from the sub-block's start) and the shift.
+fn q6_k_high_bits_at(e: usize, r: usize) -> (usize, u32) {
+    let j = e % 16 / 4;
+    let shift = 4 * (j % 2) + if e >= 16 { 2 } else { 0 };
+    (128 + 32 * (j / 2) + 4 * r + e % 4, shift as u32)
 }
 
 /// Rearranges `rows` (a multiple of [`GROUP`]) rows of `ty` blocks, `row_bytes` each, into
@@ -46,6 +105,11 @@ pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8>
     let out_block = group_block_bytes(ty).expect("a type with an interleaved layout");
     let in_block = ty.type_size();
     assert!(rows.is_multiple_of(GROUP) && data.len() == rows * row_bytes);
+    let q4_1_nibbles = |dst: &mut [u8], r: usize, value: &dyn Fn(usize) -> u8| {
+        for e in 0..16 {
+            dst[nibble_at(e, r).0] = value(e) | (value(16 + e) << 4);
+        }
+    };
     let blocks = row_bytes / in_block;
     let mut out = vec![0u8; rows / GROUP * blocks * out_block];
     for g in 0..rows / GROUP {
@@ -64,14 +128,37 @@ pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8>
                                 src[4 + e - 16] >> 4
                             }
                         };
-                        for j in 0..4 {
-                            for t in 0..4 {
-                                dst[32 + 32 * j + 4 * r + t] =
-                                    value(4 * j + t) | (value(16 + 4 * j + t) << 4);
+                        q4_1_nibbles(&mut dst[32..], r, &value);
+                    }
+                    GgmlType::Q4K => {
+                        dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                        dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
+                        for s in 0..8 {
+                            let (sc, m) = scale_min_k4_bits(s, &src[4..16]);
+                            dst[32 + 8 * s + r] = sc;
+                            dst[96 + 8 * s + r] = m;
+                            // Sub-block `s`: nibble `s % 2` of the 32 bytes of group `s / 2`.
+                            let value =
+                                |e: usize| (src[16 + 32 * (s / 2) + e] >> (4 * (s % 2))) & 0xF;
+                            q4_1_nibbles(&mut dst[Q4_K_QUANTS + 128 * s..], r, &value);
+                        }
+                    }
+                    GgmlType::Q6K => {
+                        dst[2 * r..2 * r + 2].copy_from_slice(&src[208..210]);
+                        for i in 0..16 {
+                            dst[16 + 8 * i + r] = src[192 + i];
+                        }
+                        for s in 0..8 {
+                            let sub = &mut dst[Q6_K_QUANTS + Q6_K_SUB * s..][..Q6_K_SUB];
+                            let value = |e: usize| q6_k_value(src, 32 * s + e);
+                            q4_1_nibbles(sub, r, &|e| value(e) & 0xF);
+                            for e in 0..32 {
+                                let (at, shift) = q6_k_high_bits_at(e, r);
+                                sub[at] |= (value(e) >> 4) << shift;
                             }
                         }
                     }
-                    _ => {
+                    GgmlType::Q8_0 => {
                         dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
                         for j in 0..8 {
                             for t in 0..4 {
@@ -79,6 +166,7 @@ pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8>
                             }
                         }
                     }
+                    _ => unreachable!("group_block_bytes admits only the types above"),
                 }
             }
         }
@@ -94,11 +182,35 @@ pub fn unpack_row(ty: GgmlType, group: &[u8], r: usize, out: &mut Vec<u8>) {
             GgmlType::Q4_1 => {
                 out.extend_from_slice(&dst[2 * r..2 * r + 2]);
                 out.extend_from_slice(&dst[16 + 2 * r..16 + 2 * r + 2]);
-                let byte = |e: usize| dst[32 + 32 * (e / 4) + 4 * r + e % 4];
-                // Byte `e` of the group is the original byte `e`: values `e` and `16 + e`.
-                out.extend((0..16).map(byte));
+                // The byte of value `e` also holds value `16 + e`, as GGUF's byte `e` does.
+                out.extend((0..16).map(|e| dst[32 + nibble_at(e, r).0]));
             }
-            _ => {
+            GgmlType::Q4K => {
+                out.extend_from_slice(&dst[2 * r..2 * r + 2]);
+                out.extend_from_slice(&dst[16 + 2 * r..16 + 2 * r + 2]);
+                let sc = std::array::from_fn(|s| dst[32 + 8 * s + r]);
+                let m = std::array::from_fn(|s| dst[96 + 8 * s + r]);
+                out.extend_from_slice(&pack_scale_min_k4(sc, m));
+                let value = |s: usize, e: usize| nibble(&dst[Q4_K_QUANTS + 128 * s..], e, r);
+                for g in 0..4 {
+                    out.extend((0..32).map(|l| value(2 * g, l) | (value(2 * g + 1, l) << 4)));
+                }
+            }
+            GgmlType::Q6K => {
+                let mut block = [0u8; 210];
+                for s in 0..8 {
+                    let sub = &dst[Q6_K_QUANTS + Q6_K_SUB * s..][..Q6_K_SUB];
+                    for e in 0..32 {
+                        set_q6_k_value(&mut block, 32 * s + e, q6_k_group_value(sub, e, r));
+                    }
+                }
+                for i in 0..16 {
+                    block[192 + i] = dst[16 + 8 * i + r];
+                }
+                block[208..210].copy_from_slice(&dst[2 * r..2 * r + 2]);
+                out.extend_from_slice(&block);
+            }
+            GgmlType::Q8_0 => {
                 out.extend_from_slice(&dst[2 * r..2 * r + 2]);
                 for j in 0..8 {
                     out.extend(
@@ -108,6 +220,7 @@ pub fn unpack_row(ty: GgmlType, group: &[u8], r: usize, out: &mut Vec<u8>) {
                     );
                 }
             }
+            _ => unreachable!("group_block_bytes admits only the types above"),
         }
     }
 }
@@ -156,8 +269,12 @@ impl TileKernels {
         {
             let simd = match (tier, ty) {
                 (Tier::Avx512Vnni, GgmlType::Q4_1) => Some(tile_kernels!(x86::vnni::q4_1_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q4K) => Some(tile_kernels!(x86::vnni::q4_k_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q6K) => Some(tile_kernels!(x86::vnni::q6_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_offset::tile)),
                 (Tier::Avx2, GgmlType::Q4_1) => Some(tile_kernels!(x86::avx2::q4_1_tile)),
+                (Tier::Avx2, GgmlType::Q4K) => Some(tile_kernels!(x86::avx2::q4_k_tile)),
+                (Tier::Avx2, GgmlType::Q6K) => Some(tile_kernels!(x86::avx2::q6_k_tile)),
                 (Tier::Avx2, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_sign::tile)),
                 _ => None,
             };
@@ -168,6 +285,8 @@ impl TileKernels {
         let _ = tier;
         match ty {
             GgmlType::Q4_1 => Some(tile_kernels!(scalar_tile_q4_1)),
+            GgmlType::Q4K => Some(tile_kernels!(scalar_tile_q4_k)),
+            GgmlType::Q6K => Some(tile_kernels!(scalar_tile_q6_k)),
             GgmlType::Q8_0 => Some(tile_kernels!(scalar_tile_q8_0)),
             _ => None,
         }
@@ -230,6 +349,24 @@ fn scalar_tile_q4_1<const N: usize>(
 }
 
 /// The scalar tile: the scalar reference row by row.
+fn scalar_tile_q4_k<const N: usize>(
+    w: &[u8],
+    hi: [&[ActBlock]; N],
+    lo: [&[ActBlock]; N],
+) -> [[f32; GROUP]; N] {
+    std::array::from_fn(|i| q4_k_scalar(w, hi[i], lo[i]))
+}
+
+/// The scalar tile: the scalar reference row by row.
+fn scalar_tile_q6_k<const N: usize>(
+    w: &[u8],
+    hi: [&[ActBlock]; N],
+    lo: [&[ActBlock]; N],
+) -> [[f32; GROUP]; N] {
+    std::array::from_fn(|i| q6_k_scalar(w, hi[i], lo[i]))
+}
+
+/// The scalar tile: the scalar reference row by row.
 fn scalar_tile_q8_0<const N: usize>(
     w: &[u8],
     hi: [&[ActBlock]; N],
@@ -242,24 +379,102 @@ fn f16_at(bytes: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32()
 }
 
+/// Value `e` of row `r` in a Q4_1-ordered 128-byte block of nibbles.
+fn nibble(quants: &[u8], e: usize, r: usize) -> u8 {
+    let (at, high) = nibble_at(e, r);
+    if high {
+        quants[at] >> 4
+    } else {
+        quants[at] & 0xF
+    }
+}
+
+/// Value `e` of row `r` (six bits, `q + 32`) in a Q6_K sub-block of a group.
+fn q6_k_group_value(sub: &[u8], e: usize, r: usize) -> u8 {
+    let (at, shift) = q6_k_high_bits_at(e, r);
+    nibble(sub, e, r) | (((sub[at] >> shift) & 3) << 4)
+}
+
+/// Row `r`'s integer sums with both activation passes over a Q4_1-ordered block of nibbles.
+fn nibble_sums(quants: &[u8], r: usize, h: &ActBlock, l: &ActBlock) -> (i32, i32) {
+    (0..32).fold((0, 0), |(sum_h, sum_l), e| {
+        let q = i32::from(nibble(quants, e, r));
+        (
+            sum_h + q * i32::from(h.qs[e]),
+            sum_l + q * i32::from(l.qs[e]),
+        )
+    })
+}
+
 /// The scalar reference for Q4_1 groups.
 fn q4_1_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
     let mut out = [0f32; GROUP];
     for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
         let block = &w[b * 160..(b + 1) * 160];
         for (r, y) in out.iter_mut().enumerate() {
-            let (mut sum_h, mut sum_l) = (0i32, 0i32);
-            for e in 0..32 {
-                let byte = block[32 + 32 * (e % 16 / 4) + 4 * r + e % 4];
-                let q = i32::from(if e < 16 { byte & 0x0F } else { byte >> 4 });
-                sum_h += q * i32::from(h.qs[e]);
-                sum_l += q * i32::from(l.qs[e]);
-            }
+            let (sum_h, sum_l) = nibble_sums(&block[32..], r, h, l);
             let (d, m) = (f16_at(block, r), f16_at(&block[16..], r));
             *y += d * (h.d * sum_h as f32 + l.d * sum_l as f32) + m * (h.d_sum + l.d_sum);
         }
     }
     out
+}
+
+/// The scalar reference for Q4_K groups.
+fn q4_k_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
+    let mut out = [0f32; GROUP];
+    for (c, (hs, ls)) in hi.chunks_exact(8).zip(lo.chunks_exact(8)).enumerate() {
+        let column = &w[c * Q4_K_BYTES..(c + 1) * Q4_K_BYTES];
+        for (r, y) in out.iter_mut().enumerate() {
+            let (d, dmin) = (f16_at(column, r), f16_at(&column[16..], r));
+            for (s, (h, l)) in hs.iter().zip(ls).enumerate() {
+                let (sum_h, sum_l) = nibble_sums(&column[Q4_K_QUANTS + 128 * s..], r, h, l);
+                let scale = d * f32::from(column[32 + 8 * s + r]);
+                let min = dmin * f32::from(column[96 + 8 * s + r]);
+                *y += scale * (h.d * sum_h as f32 + l.d * sum_l as f32) - min * (h.d_sum + l.d_sum);
+            }
+        }
+    }
+    out
+}
+
+/// The scalar reference for Q6_K groups.
+fn q6_k_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
+    let mut out = [0f32; GROUP];
+    for (c, (hs, ls)) in hi.chunks_exact(8).zip(lo.chunks_exact(8)).enumerate() {
+        let column = &w[c * Q6_K_BYTES..(c + 1) * Q6_K_BYTES];
+        for (r, y) in out.iter_mut().enumerate() {
+            let d = f16_at(column, r);
+            for (s, (h, l)) in hs.iter().zip(ls).enumerate() {
+                let sub = &column[Q6_K_QUANTS + Q6_K_SUB * s..][..Q6_K_SUB];
+                // [half][pass]: the stored `q + 32` times the activations.
+                let mut sums = [[0i32; 2]; 2];
+                for e in 0..32 {
+                    let q = i32::from(q6_k_group_value(sub, e, r));
+                    sums[e / 16][0] += q * i32::from(h.qs[e]);
+                    sums[e / 16][1] += q * i32::from(l.qs[e]);
+                }
+                for (half, [sum_h, sum_l]) in sums.into_iter().enumerate() {
+                    let scale = d * f32::from(column[16 + 8 * (2 * s + half) + r] as i8);
+                    let (sum_h, sum_l) = (
+                        sum_h - 32 * half_sum(h, half),
+                        sum_l - 32 * half_sum(l, half),
+                    );
+                    *y += scale * (h.d * sum_h as f32 + l.d * sum_l as f32);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `Σ qs` over half `half` (0: values 0-15, 1: values 16-31) of `a`.
+fn half_sum(a: &ActBlock, half: usize) -> i32 {
+    if half == 0 {
+        a.sum_first_half
+    } else {
+        a.sum - a.sum_first_half
+    }
 }
 
 /// The scalar reference for Q8_0 groups.
@@ -400,23 +615,72 @@ mod x86 {
         }
     }
 
-    macro_rules! q4_1_tile {
+    /// Eight bytes at `p` as f32 (unsigned).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn u8_lanes(p: *const u8) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p.cast()) }))
+    }
+
+    /// Eight bytes at `p` as f32 (signed).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn i8_lanes(p: *const u8) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(unsafe { _mm_loadl_epi64(p.cast()) }))
+    }
+
+    macro_rules! nibble_tiles {
         ($tier:ident, $features:literal, $dot:ident, $parts:ident) => {
             pub(super) mod $tier {
                 use super::*;
+                use crate::interleaved::{
+                    Q4_K_BYTES, Q4_K_QUANTS, Q6_K_BYTES, Q6_K_QUANTS, Q6_K_SUB,
+                };
 
-                /// Eight Q4_1 rows × `N` two-pass activation rows ([`super::super::TileFn`]):
-                /// each chunk of nibbles is unpacked once for all of them.
+                /// The integer sums of `N` two-pass activation rows with a Q4_1-ordered block
+                /// of nibbles of eight rows at `p` (four chunks of 32 bytes): per row, the `hi`
+                /// and the `lo` pass's. Each chunk is unpacked once for all the rows.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn nibble_sums<const N: usize>(
+                    p: *const u8,
+                    h: [&ActBlock; N],
+                    l: [&ActBlock; N],
+                ) -> [(__m256i, __m256i); N] {
+                    let parts = $parts(N);
+                    let mask = _mm256_set1_epi8(0x0F);
+                    let mut sh = [[_mm256_setzero_si256(); 4]; N];
+                    let mut sl = [[_mm256_setzero_si256(); 4]; N];
+                    for j in 0..4 {
+                        let raw = unsafe { _mm256_loadu_si256(p.add(32 * j).cast()) };
+                        let low = _mm256_and_si256(raw, mask);
+                        let high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                        let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
+                        for i in 0..N {
+                            unsafe {
+                                sh[i][k_low] = $dot(sh[i][k_low], low, broadcast(h[i], j));
+                                sh[i][k_high] = $dot(sh[i][k_high], high, broadcast(h[i], 4 + j));
+                                sl[i][k_low] = $dot(sl[i][k_low], low, broadcast(l[i], j));
+                                sl[i][k_high] = $dot(sl[i][k_high], high, broadcast(l[i], 4 + j));
+                            }
+                        }
+                    }
+                    let mut sums = [(_mm256_setzero_si256(), _mm256_setzero_si256()); N];
+                    for i in 0..N {
+                        sums[i] = unsafe { (total(sh[i]), total(sl[i])) };
+                    }
+                    sums
+                }
+
+                /// Eight Q4_1 rows × `N` two-pass activation rows ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
                 pub(in crate::interleaved) unsafe fn q4_1_tile<const N: usize>(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
-                    let parts = $parts(N);
                     let blocks = hi[0].len();
                     debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
-                    let mask = _mm256_set1_epi8(0x0F);
                     let mut acc = [_mm256_setzero_ps(); N];
                     let mut mins = [_mm256_setzero_ps(); N];
                     for b in 0..blocks {
@@ -429,28 +693,11 @@ mod x86 {
                             std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
                         let l: [&ActBlock; N] =
                             std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
-                        let mut sh = [[_mm256_setzero_si256(); 4]; N];
-                        let mut sl = [[_mm256_setzero_si256(); 4]; N];
-                        for j in 0..4 {
-                            let raw = unsafe { _mm256_loadu_si256(p.add(32 + 32 * j).cast()) };
-                            let low = _mm256_and_si256(raw, mask);
-                            let high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-                            let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
-                            for i in 0..N {
-                                unsafe {
-                                    sh[i][k_low] = $dot(sh[i][k_low], low, broadcast(h[i], j));
-                                    sh[i][k_high] =
-                                        $dot(sh[i][k_high], high, broadcast(h[i], 4 + j));
-                                    sl[i][k_low] = $dot(sl[i][k_low], low, broadcast(l[i], j));
-                                    sl[i][k_high] =
-                                        $dot(sl[i][k_high], high, broadcast(l[i], 4 + j));
-                                }
-                            }
-                        }
+                        let sums = unsafe { nibble_sums(p.add(32), h, l) };
                         let d = unsafe { halves(p) };
                         let m = unsafe { halves(p.add(16)) };
                         for i in 0..N {
-                            let (sum_h, sum_l) = unsafe { (total(sh[i]), total(sl[i])) };
+                            let (sum_h, sum_l) = sums[i];
                             acc[i] = unsafe { add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]) };
                             mins[i] = _mm256_fmadd_ps(
                                 m,
@@ -465,12 +712,154 @@ mod x86 {
                     }
                     out
                 }
+
+                /// Eight Q4_K rows × `N` two-pass activation rows ([`super::super::TileFn`]):
+                /// each sub-block as a Q4_1 block whose scale and minimum are `d × scale` and
+                /// `dmin × min`.
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) unsafe fn q4_k_tile<const N: usize>(
+                    w: &[u8],
+                    hi: [&[ActBlock]; N],
+                    lo: [&[ActBlock]; N],
+                ) -> [[f32; GROUP]; N] {
+                    let blocks = hi[0].len();
+                    debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    let mut mins = [_mm256_setzero_ps(); N];
+                    for c in 0..blocks / 8 {
+                        let p = unsafe { w.as_ptr().add(Q4_K_BYTES * c) };
+                        let (d, dmin) = unsafe { (halves(p), halves(p.add(16))) };
+                        for s in 0..8 {
+                            if N >= PREFETCH_MIN_ROWS {
+                                // An eighth of the column per sub-block covers the stream.
+                                prefetch_ahead(p.wrapping_add(Q4_K_BYTES / 8 * s), Q4_K_BYTES / 8);
+                            }
+                            let b = 8 * c + s;
+                            // SAFETY: every row holds `blocks` blocks (the caller's contract).
+                            let h: [&ActBlock; N] =
+                                std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
+                            let l: [&ActBlock; N] =
+                                std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
+                            let sums = unsafe { nibble_sums(p.add(Q4_K_QUANTS + 128 * s), h, l) };
+                            let scale = _mm256_mul_ps(d, unsafe { u8_lanes(p.add(32 + 8 * s)) });
+                            let min = _mm256_mul_ps(dmin, unsafe { u8_lanes(p.add(96 + 8 * s)) });
+                            for i in 0..N {
+                                let (sum_h, sum_l) = sums[i];
+                                acc[i] =
+                                    unsafe { add_sums(acc[i], scale, sum_h, sum_l, h[i], l[i]) };
+                                mins[i] = _mm256_fmadd_ps(
+                                    min,
+                                    _mm256_set1_ps(h[i].d_sum + l[i].d_sum),
+                                    mins[i],
+                                );
+                            }
+                        }
+                    }
+                    let mut out = [[0f32; GROUP]; N];
+                    for ((out, acc), mins) in out.iter_mut().zip(acc).zip(mins) {
+                        *out = unsafe { store(_mm256_sub_ps(acc, mins)) };
+                    }
+                    out
+                }
+
+                /// Eight Q6_K rows × `N` two-pass activation rows ([`super::super::TileFn`]):
+                /// the low nibbles and high bits of a chunk are joined once for all the rows,
+                /// and each sub-block's halves are summed apart for their two scales.
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) unsafe fn q6_k_tile<const N: usize>(
+                    w: &[u8],
+                    hi: [&[ActBlock]; N],
+                    lo: [&[ActBlock]; N],
+                ) -> [[f32; GROUP]; N] {
+                    let blocks = hi[0].len();
+                    debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+                    let mask = _mm256_set1_epi8(0x0F);
+                    let top = _mm256_set1_epi8(0x30);
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    for c in 0..blocks / 8 {
+                        let p = unsafe { w.as_ptr().add(Q6_K_BYTES * c) };
+                        let d = unsafe { halves(p) };
+                        for s in 0..8 {
+                            if N >= PREFETCH_MIN_ROWS {
+                                prefetch_ahead(p.wrapping_add(Q6_K_BYTES / 8 * s), Q6_K_BYTES / 8);
+                            }
+                            let b = 8 * c + s;
+                            // SAFETY: every row holds `blocks` blocks (the caller's contract).
+                            let h: [&ActBlock; N] =
+                                std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
+                            let l: [&ActBlock; N] =
+                                std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
+                            let q = unsafe { p.add(Q6_K_QUANTS + Q6_K_SUB * s) };
+                            // Per row: [first half, second half] of the hi pass, then the lo's.
+                            let mut sums = [[_mm256_setzero_si256(); 4]; N];
+                            for j in 0..4 {
+                                let raw = unsafe { _mm256_loadu_si256(q.add(32 * j).cast()) };
+                                let bits =
+                                    unsafe { _mm256_loadu_si256(q.add(128 + 32 * (j / 2)).cast()) };
+                                // Bits 4k and 4k + 2 of `bits` (k = j % 2) moved to bit 4.
+                                let (first, second) = if j % 2 == 0 {
+                                    (_mm256_slli_epi16(bits, 4), _mm256_slli_epi16(bits, 2))
+                                } else {
+                                    (bits, _mm256_srli_epi16(bits, 2))
+                                };
+                                let first = _mm256_or_si256(
+                                    _mm256_and_si256(raw, mask),
+                                    _mm256_and_si256(first, top),
+                                );
+                                let second = _mm256_or_si256(
+                                    _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask),
+                                    _mm256_and_si256(second, top),
+                                );
+                                for i in 0..N {
+                                    unsafe {
+                                        let [f_h, s_h, f_l, s_l] = &mut sums[i];
+                                        *f_h = $dot(*f_h, first, broadcast(h[i], j));
+                                        *s_h = $dot(*s_h, second, broadcast(h[i], 4 + j));
+                                        *f_l = $dot(*f_l, first, broadcast(l[i], j));
+                                        *s_l = $dot(*s_l, second, broadcast(l[i], 4 + j));
+                                    }
+                                }
+                            }
+                            let scales = unsafe {
+                                [
+                                    _mm256_mul_ps(d, i8_lanes(p.add(16 + 8 * (2 * s)))),
+                                    _mm256_mul_ps(d, i8_lanes(p.add(16 + 8 * (2 * s + 1)))),
+                                ]
+                            };
+                            for i in 0..N {
+                                let [f_h, s_h, f_l, s_l] = sums[i];
+                                // The stored values are `q + 32`: `32 × Σ a` per half comes off.
+                                let unoffset = |sum: __m256i, a: &ActBlock, half: usize| {
+                                    let a_sum = if half == 0 {
+                                        a.sum_first_half
+                                    } else {
+                                        a.sum - a.sum_first_half
+                                    };
+                                    _mm256_sub_epi32(sum, _mm256_set1_epi32(32 * a_sum))
+                                };
+                                let halves = [(f_h, f_l), (s_h, s_l)];
+                                for (half, (sum_h, sum_l)) in halves.into_iter().enumerate() {
+                                    let (sum_h, sum_l) =
+                                        (unoffset(sum_h, h[i], half), unoffset(sum_l, l[i], half));
+                                    acc[i] = unsafe {
+                                        add_sums(acc[i], scales[half], sum_h, sum_l, h[i], l[i])
+                                    };
+                                }
+                            }
+                        }
+                    }
+                    let mut out = [[0f32; GROUP]; N];
+                    for (out, acc) in out.iter_mut().zip(acc) {
+                        *out = unsafe { store(acc) };
+                    }
+                    out
+                }
             }
         };
     }
 
-    q4_1_tile!(avx2, "avx2,fma,f16c", dot_avx2, avx2_parts);
-    q4_1_tile!(
+    nibble_tiles!(avx2, "avx2,fma,f16c", dot_avx2, avx2_parts);
+    nibble_tiles!(
         vnni,
         "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
         dot_vnni,

@@ -1,5 +1,5 @@
 //! [`QuantMatrix`]: a weight matrix kept in its ggml blocks, and its product with f32
-//! activations. Types with an interleaved kernel (Q4_1, Q8_0) are repacked eight rows at a
+//! activations. Types with an interleaved kernel (Q4_1, Q8_0, Q4_K, Q6_K) are repacked eight rows at a
 //! time at construction ([`crate::interleaved`]); the others stay one output row after another
 //! (the layout of a GGUF tensor). Activations are quantized in two 8-bit passes
 //! ([`crate::act::quantize_split`]) for every type.
@@ -111,6 +111,12 @@ impl QuantMatrix {
         self.data.len()
     }
 
+    /// Bytes of one group of [`GROUP`] interleaved rows.
+    fn group_bytes(&self) -> usize {
+        let column = group_block_bytes(self.ty).expect("an interleaved type");
+        self.cols / self.ty.block_size() * column
+    }
+
     /// Whether the rows are stored in interleaved groups (the fast layout for decoding).
     pub fn is_interleaved(&self) -> bool {
         self.interleaved
@@ -123,7 +129,7 @@ impl QuantMatrix {
     pub fn row(&self, r: usize) -> Cow<'_, [u8]> {
         assert!(r < self.rows, "row {r} of {}", self.rows);
         if self.interleaved {
-            let group_bytes = GROUP * self.row_bytes;
+            let group_bytes = self.group_bytes();
             let group = &self.data[r / GROUP * group_bytes..][..group_bytes];
             let mut row = Vec::with_capacity(self.row_bytes);
             unpack_row(self.ty, group, r % GROUP, &mut row);
@@ -238,7 +244,7 @@ impl QuantMatrix {
         if self.interleaved {
             let tiles =
                 TileKernels::new(self.ty, tier).expect("interleaved types have tile kernels");
-            let group_bytes = GROUP * self.row_bytes;
+            let group_bytes = self.group_bytes();
             let groups_per_task = chunk.div_ceil(GROUP);
             let groups = self.rows / GROUP;
             pool.run(groups.div_ceil(groups_per_task), &|task| {
@@ -308,6 +314,7 @@ fn quantize_activations(
         d: 0.0,
         d_sum: 0.0,
         sum: 0,
+        sum_first_half: 0,
     };
     let (mut hi, mut lo) = (vec![empty; m * per_row], vec![empty; m * per_row]);
     let quantize_row = |row: usize, hi: &SharedOut<ActBlock>, lo: &SharedOut<ActBlock>| {

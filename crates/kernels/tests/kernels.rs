@@ -124,14 +124,14 @@ proptest! {
             x[32..64].fill(0.0);
             x[40] = -scale;
         }
-        let empty = ActBlock { qs: [0; 32], d: 0.0, d_sum: 0.0, sum: 0 };
+        let empty = ActBlock { qs: [0; 32], d: 0.0, d_sum: 0.0, sum: 0, sum_first_half: 0 };
         let (mut hi, mut lo) = (vec![empty; blocks], vec![empty; blocks]);
         quantize_split_row(&x, &mut hi, &mut lo, Tier::Scalar);
         for (i, chunk) in x.chunks_exact(32).enumerate() {
             prop_assert_eq!((hi[i], lo[i]), quantize_split(chunk.try_into().unwrap()));
         }
-        let bits = |b: &[ActBlock]| -> Vec<(Vec<i8>, u32, u32, i32)> {
-            b.iter().map(|b| (b.qs.to_vec(), b.d.to_bits(), b.d_sum.to_bits(), b.sum)).collect()
+        let bits = |b: &[ActBlock]| -> Vec<(Vec<i8>, u32, u32, i32, i32)> {
+            b.iter().map(|b| (b.qs.to_vec(), b.d.to_bits(), b.d_sum.to_bits(), b.sum, b.sum_first_half)).collect()
         };
         for tier in Tier::supported() {
             let (mut th, mut tl) = (vec![empty; blocks], vec![empty; blocks]);
@@ -141,7 +141,7 @@ proptest! {
         }
     }
 
-    /// Every tier's product (interleaved groups for Q4_1 and Q8_0 when the rows come in
+    /// Every tier's product (interleaved groups for Q4_1, Q8_0, Q4_K and Q6_K when the rows come in
     /// eights, rows otherwise) equals the scalar per-row dots with the two activation passes,
     /// and the f64 product of the dequantized weights with the unquantized activations to
     /// 16-bit activation precision.
@@ -284,13 +284,13 @@ fn row_permutation_and_dequantization_agree() {
 #[test]
 fn interleaved_rows_read_back_as_given() {
     let mut rng = Rng(11);
-    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
-        let (rows, cols) = (16, 96);
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+        let (rows, cols) = (16, 3 * ty.block_size());
         let plain = random_matrix(ty, 1, cols, &mut rng);
         let mut data = Vec::new();
         let mut given = Vec::new();
         for _ in 0..rows {
-            let row: Vec<u8> = (0..cols / 32)
+            let row: Vec<u8> = (0..cols / ty.block_size())
                 .flat_map(|_| random_block(ty, &mut rng))
                 .collect();
             data.extend_from_slice(&row);
