@@ -1,7 +1,8 @@
 //! Weights repacked eight output rows at a time, so one SIMD register holds one value of each
 //! of eight rows and a product yields eight outputs without horizontal sums (llama.cpp's
 //! `block_q4_0x8` and `block_q4_Kx8` repacks in `ggml-cpu/repack.cpp`), done here for Q4_1
-//! and Q8_0 (the default model's types) and for Q4_K and Q6_K (the types of a Q4_K_M file).
+//! and Q8_0 (the default model's types) and for the K-quants Q4_K, Q5_K and Q6_K (the types of
+//! the Q4_K_M, Q5_K_M and Q6_K files users download).
 //!
 //! Layout of a group of eight rows: for each block column `b` (32 values of every row), the
 //! eight f16 scales, for Q4_1 the eight f16 minimums, then the quants as 4-byte lanes: lane `r`
@@ -18,6 +19,9 @@
 //!   each (`[sub-block][row]`, 64 bytes), the minimums likewise, then eight sub-blocks of 128
 //!   bytes of nibbles. `d × scale` and `dmin × min` are exact in f32, so the products are the
 //!   row kernel's exactly, to the order of the float sums.
+//! - Q5_K: as Q4_K, each sub-block followed by 32 bytes of fifth bits: lane `r`'s byte `t`
+//!   holds, for chunk `j`, value `4j + t`'s bit at `2j` and value `16 + 4j + t`'s at `2j + 1`
+//!   (1,440 bytes for GGUF's 1,408).
 //! - Q6_K: the eight f16 `d`, the 16 i8 scales (`[scale][row]`, 128 bytes), then per
 //!   sub-block 128 bytes of the low four bits (as Q4_1's nibbles) and 64 of the high two: lane
 //!   `r` of chunk `c` holds, for `j = 2c + k`, value `4j + t`'s two bits at bit `4k` and value
@@ -25,7 +29,7 @@
 //!   its high nibbles the last 16, the halves Q6_K scales apart; the stored values are `q + 32`
 //!   (unsigned), and `32 × Σ a` over each half ([`ActBlock::sum_first_half`]) comes off.
 //!
-//! Both are the GGUF bytes rearranged (Q6_K's 1680 bytes a group, Q4_K's 1184 for 1152).
+//! All are the GGUF bytes rearranged, and read back exactly ([`unpack_row`]).
 //!
 //! Each call takes an activation row in two passes ([`crate::act::quantize_split`]): the
 //! 8-bit blocks and the 8-bit blocks of what they left over, so the product is as exact as
@@ -43,10 +47,19 @@ pub const GROUP: usize = 8;
 /// What a Q8_0 quant is stored XOR-ed with: `q ^ 0x80` is `q + 128` read as an unsigned byte.
 const Q8_0_OFFSET: u8 = 0x80;
 
-/// Bytes of Q4_K's block column: `d`, `dmin`, scales, minimums, eight sub-blocks of nibbles.
-const Q4_K_BYTES: usize = 2 * 8 + 2 * 8 + 64 + 64 + 8 * 128;
-/// Where Q4_K's eight sub-blocks of nibbles start in a block column.
-const Q4_K_QUANTS: usize = 160;
+/// Where Q4_K's and Q5_K's eight sub-blocks start in a block column, after `d`, `dmin`, the
+/// scales and the minimums.
+const K_QUANTS: usize = 2 * 8 + 2 * 8 + 64 + 64;
+/// Bytes of one Q4_K sub-block of a group: 128 of nibbles.
+const Q4_K_SUB: usize = 128;
+/// Bytes of one Q5_K sub-block of a group: 128 of nibbles, 32 of fifth bits.
+const Q5_K_SUB: usize = 160;
+
+/// Bytes of a Q4_K (`fifth` false) or Q5_K block column and of one of its sub-blocks.
+const fn k_sizes(fifth: bool) -> (usize, usize) {
+    let sub = if fifth { Q5_K_SUB } else { Q4_K_SUB };
+    (K_QUANTS + 8 * sub, sub)
+}
 /// Bytes of Q6_K's block column: `d`, scales, eight sub-blocks of low nibbles and high bits.
 const Q6_K_BYTES: usize = 2 * 8 + 16 * 8 + 8 * Q6_K_SUB;
 /// Where Q6_K's sub-blocks start in a block column.
@@ -59,7 +72,8 @@ pub fn group_block_bytes(ty: GgmlType) -> Option<usize> {
     match ty {
         GgmlType::Q4_1 => Some(2 * 8 + 2 * 8 + 128),
         GgmlType::Q8_0 => Some(2 * 8 + 256),
-        GgmlType::Q4K => Some(Q4_K_BYTES),
+        GgmlType::Q4K => Some(k_sizes(false).0),
+        GgmlType::Q5K => Some(k_sizes(true).0),
         GgmlType::Q6K => Some(Q6_K_BYTES),
         _ => None,
     }
@@ -69,6 +83,15 @@ pub fn group_block_bytes(ty: GgmlType) -> Option<usize> {
 /// sub-block) for row `r`: the byte that holds it and whether it is the high nibble.
 fn nibble_at(e: usize, r: usize) -> (usize, bool) {
     (32 * (e % 16 / 4) + 4 * r + e % 4, e >= 16)
+}
+
+/// Where the fifth bit of value `e` (0..32) of a Q5_K sub-block of a group sits for row `r`:
+/// the byte (from the sub-block's start) and the bit. Lane `r`'s byte `t` holds, for chunk
+/// `j`, value `4j + t`'s bit at `2j` and value `16 + 4j + t`'s at `2j + 1`.
+fn fifth_bit_at(e: usize, r: usize) -> (usize, u32) {
+    let j = e % 16 / 4;
+    let bit = 2 * j + usize::from(e >= 16);
+    (Q4_K_SUB + 4 * r + e % 4, bit as u32)
 }
 
 /// Value `v` (0..256) of a GGUF Q6_K block: its six bits, `q + 32`.
@@ -130,17 +153,29 @@ pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8>
                         };
                         q4_1_nibbles(&mut dst[32..], r, &value);
                     }
-                    GgmlType::Q4K => {
+                    GgmlType::Q4K | GgmlType::Q5K => {
+                        let fifth = ty == GgmlType::Q5K;
+                        let (_, sub_bytes) = k_sizes(fifth);
+                        let (qh, qs) = if fifth {
+                            (&src[16..48], &src[48..176])
+                        } else {
+                            (&src[..0], &src[16..144])
+                        };
                         dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
                         dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
                         for s in 0..8 {
                             let (sc, m) = scale_min_k4_bits(s, &src[4..16]);
                             dst[32 + 8 * s + r] = sc;
                             dst[96 + 8 * s + r] = m;
-                            // Sub-block `s`: nibble `s % 2` of the 32 bytes of group `s / 2`.
-                            let value =
-                                |e: usize| (src[16 + 32 * (s / 2) + e] >> (4 * (s % 2))) & 0xF;
-                            q4_1_nibbles(&mut dst[Q4_K_QUANTS + 128 * s..], r, &value);
+                            let sub = &mut dst[K_QUANTS + sub_bytes * s..][..sub_bytes];
+                            // Sub-block `s`: nibble `s % 2` of the 32 bytes of group `s / 2`,
+                            // and for Q5_K bit `s` of each `qh` byte.
+                            let value = |e: usize| (qs[32 * (s / 2) + e] >> (4 * (s % 2))) & 0xF;
+                            q4_1_nibbles(sub, r, &value);
+                            for (e, h) in qh.iter().enumerate() {
+                                let (at, bit) = fifth_bit_at(e, r);
+                                sub[at] |= ((h >> s) & 1) << bit;
+                            }
                         }
                     }
                     GgmlType::Q6K => {
@@ -185,15 +220,27 @@ pub fn unpack_row(ty: GgmlType, group: &[u8], r: usize, out: &mut Vec<u8>) {
                 // The byte of value `e` also holds value `16 + e`, as GGUF's byte `e` does.
                 out.extend((0..16).map(|e| dst[32 + nibble_at(e, r).0]));
             }
-            GgmlType::Q4K => {
+            GgmlType::Q4K | GgmlType::Q5K => {
+                let fifth = ty == GgmlType::Q5K;
+                let (_, sub_bytes) = k_sizes(fifth);
+                let sub = |s: usize| &dst[K_QUANTS + sub_bytes * s..][..sub_bytes];
                 out.extend_from_slice(&dst[2 * r..2 * r + 2]);
                 out.extend_from_slice(&dst[16 + 2 * r..16 + 2 * r + 2]);
                 let sc = std::array::from_fn(|s| dst[32 + 8 * s + r]);
                 let m = std::array::from_fn(|s| dst[96 + 8 * s + r]);
                 out.extend_from_slice(&pack_scale_min_k4(sc, m));
-                let value = |s: usize, e: usize| nibble(&dst[Q4_K_QUANTS + 128 * s..], e, r);
+                if fifth {
+                    out.extend((0..32).map(|e| {
+                        let (at, bit) = fifth_bit_at(e, r);
+                        (0..8).fold(0u8, |qh, s| qh | (((sub(s)[at] >> bit) & 1) << s))
+                    }));
+                }
                 for g in 0..4 {
-                    out.extend((0..32).map(|l| value(2 * g, l) | (value(2 * g + 1, l) << 4)));
+                    out.extend(
+                        (0..32).map(|l| {
+                            nibble(sub(2 * g), l, r) | (nibble(sub(2 * g + 1), l, r) << 4)
+                        }),
+                    );
                 }
             }
             GgmlType::Q6K => {
@@ -270,10 +317,12 @@ impl TileKernels {
             let simd = match (tier, ty) {
                 (Tier::Avx512Vnni, GgmlType::Q4_1) => Some(tile_kernels!(x86::vnni::q4_1_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q4K) => Some(tile_kernels!(x86::vnni::q4_k_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q5K) => Some(tile_kernels!(x86::vnni::q5_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q6K) => Some(tile_kernels!(x86::vnni::q6_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_offset::tile)),
                 (Tier::Avx2, GgmlType::Q4_1) => Some(tile_kernels!(x86::avx2::q4_1_tile)),
                 (Tier::Avx2, GgmlType::Q4K) => Some(tile_kernels!(x86::avx2::q4_k_tile)),
+                (Tier::Avx2, GgmlType::Q5K) => Some(tile_kernels!(x86::avx2::q5_k_tile)),
                 (Tier::Avx2, GgmlType::Q6K) => Some(tile_kernels!(x86::avx2::q6_k_tile)),
                 (Tier::Avx2, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_sign::tile)),
                 _ => None,
@@ -286,6 +335,7 @@ impl TileKernels {
         match ty {
             GgmlType::Q4_1 => Some(tile_kernels!(scalar_tile_q4_1)),
             GgmlType::Q4K => Some(tile_kernels!(scalar_tile_q4_k)),
+            GgmlType::Q5K => Some(tile_kernels!(scalar_tile_q5_k)),
             GgmlType::Q6K => Some(tile_kernels!(scalar_tile_q6_k)),
             GgmlType::Q8_0 => Some(tile_kernels!(scalar_tile_q8_0)),
             _ => None,
@@ -354,7 +404,16 @@ fn scalar_tile_q4_k<const N: usize>(
     hi: [&[ActBlock]; N],
     lo: [&[ActBlock]; N],
 ) -> [[f32; GROUP]; N] {
-    std::array::from_fn(|i| q4_k_scalar(w, hi[i], lo[i]))
+    std::array::from_fn(|i| k_quant_scalar::<false>(w, hi[i], lo[i]))
+}
+
+/// The scalar tile: the scalar reference row by row.
+fn scalar_tile_q5_k<const N: usize>(
+    w: &[u8],
+    hi: [&[ActBlock]; N],
+    lo: [&[ActBlock]; N],
+) -> [[f32; GROUP]; N] {
+    std::array::from_fn(|i| k_quant_scalar::<true>(w, hi[i], lo[i]))
 }
 
 /// The scalar tile: the scalar reference row by row.
@@ -395,10 +454,10 @@ fn q6_k_group_value(sub: &[u8], e: usize, r: usize) -> u8 {
     nibble(sub, e, r) | (((sub[at] >> shift) & 3) << 4)
 }
 
-/// Row `r`'s integer sums with both activation passes over a Q4_1-ordered block of nibbles.
-fn nibble_sums(quants: &[u8], r: usize, h: &ActBlock, l: &ActBlock) -> (i32, i32) {
+/// The integer sums of the 32 values `value(e)` with both activation passes.
+fn value_sums(value: impl Fn(usize) -> u8, h: &ActBlock, l: &ActBlock) -> (i32, i32) {
     (0..32).fold((0, 0), |(sum_h, sum_l), e| {
-        let q = i32::from(nibble(quants, e, r));
+        let q = i32::from(value(e));
         (
             sum_h + q * i32::from(h.qs[e]),
             sum_l + q * i32::from(l.qs[e]),
@@ -412,7 +471,7 @@ fn q4_1_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
     for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
         let block = &w[b * 160..(b + 1) * 160];
         for (r, y) in out.iter_mut().enumerate() {
-            let (sum_h, sum_l) = nibble_sums(&block[32..], r, h, l);
+            let (sum_h, sum_l) = value_sums(|e| nibble(&block[32..], e, r), h, l);
             let (d, m) = (f16_at(block, r), f16_at(&block[16..], r));
             *y += d * (h.d * sum_h as f32 + l.d * sum_l as f32) + m * (h.d_sum + l.d_sum);
         }
@@ -420,15 +479,26 @@ fn q4_1_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
     out
 }
 
-/// The scalar reference for Q4_K groups.
-fn q4_k_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
+/// The scalar reference for Q4_K (`FIFTH` false) and Q5_K groups.
+fn k_quant_scalar<const FIFTH: bool>(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
+    let (column_bytes, sub_bytes) = k_sizes(FIFTH);
     let mut out = [0f32; GROUP];
     for (c, (hs, ls)) in hi.chunks_exact(8).zip(lo.chunks_exact(8)).enumerate() {
-        let column = &w[c * Q4_K_BYTES..(c + 1) * Q4_K_BYTES];
+        let column = &w[c * column_bytes..(c + 1) * column_bytes];
         for (r, y) in out.iter_mut().enumerate() {
             let (d, dmin) = (f16_at(column, r), f16_at(&column[16..], r));
             for (s, (h, l)) in hs.iter().zip(ls).enumerate() {
-                let (sum_h, sum_l) = nibble_sums(&column[Q4_K_QUANTS + 128 * s..], r, h, l);
+                let sub = &column[K_QUANTS + sub_bytes * s..][..sub_bytes];
+                let value = |e: usize| {
+                    let fifth = if FIFTH {
+                        let (at, bit) = fifth_bit_at(e, r);
+                        ((sub[at] >> bit) & 1) << 4
+                    } else {
+                        0
+                    };
+                    nibble(sub, e, r) | fifth
+                };
+                let (sum_h, sum_l) = value_sums(value, h, l);
                 let scale = d * f32::from(column[32 + 8 * s + r]);
                 let min = dmin * f32::from(column[96 + 8 * s + r]);
                 *y += scale * (h.d * sum_h as f32 + l.d * sum_l as f32) - min * (h.d_sum + l.d_sum);
@@ -629,32 +699,58 @@ mod x86 {
         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(unsafe { _mm_loadl_epi64(p.cast()) }))
     }
 
+    /// The fifth bits of chunk `j`'s values (a Q5_K sub-block's bits at `bits`, laid out as
+    /// [`super::fifth_bit_at`] says) moved to bit 4 of their bytes: those of the low nibbles'
+    /// values (bits `2j`), then the high nibbles' (bits `2j + 1`). The 16-bit shifts carry
+    /// bits across bytes only into bits that the mask clears.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn fifth_bits_at_4(bits: __m256i, j: usize) -> (__m256i, __m256i) {
+        let (first, second) = match j {
+            0 => (_mm256_slli_epi16(bits, 4), _mm256_slli_epi16(bits, 3)),
+            1 => (_mm256_slli_epi16(bits, 2), _mm256_slli_epi16(bits, 1)),
+            2 => (bits, _mm256_srli_epi16(bits, 1)),
+            _ => (_mm256_srli_epi16(bits, 2), _mm256_srli_epi16(bits, 3)),
+        };
+        let bit = _mm256_set1_epi8(0x10);
+        (_mm256_and_si256(first, bit), _mm256_and_si256(second, bit))
+    }
+
     macro_rules! nibble_tiles {
         ($tier:ident, $features:literal, $dot:ident, $parts:ident) => {
             pub(super) mod $tier {
                 use super::*;
-                use crate::interleaved::{
-                    Q4_K_BYTES, Q4_K_QUANTS, Q6_K_BYTES, Q6_K_QUANTS, Q6_K_SUB,
-                };
+                use crate::interleaved::{K_QUANTS, Q6_K_BYTES, Q6_K_QUANTS, Q6_K_SUB, k_sizes};
 
                 /// The integer sums of `N` two-pass activation rows with a Q4_1-ordered block
-                /// of nibbles of eight rows at `p` (four chunks of 32 bytes): per row, the `hi`
-                /// and the `lo` pass's. Each chunk is unpacked once for all the rows.
+                /// of nibbles of eight rows at `p` (four chunks of 32 bytes), with `FIFTH` the
+                /// Q5_K fifth bits after them: per row, the `hi` and the `lo` pass's. Each
+                /// chunk is unpacked once for all the rows.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn nibble_sums<const N: usize>(
+                unsafe fn nibble_sums<const N: usize, const FIFTH: bool>(
                     p: *const u8,
                     h: [&ActBlock; N],
                     l: [&ActBlock; N],
                 ) -> [(__m256i, __m256i); N] {
                     let parts = $parts(N);
                     let mask = _mm256_set1_epi8(0x0F);
+                    let fifth_bits = if FIFTH {
+                        unsafe { _mm256_loadu_si256(p.add(128).cast()) }
+                    } else {
+                        _mm256_setzero_si256()
+                    };
                     let mut sh = [[_mm256_setzero_si256(); 4]; N];
                     let mut sl = [[_mm256_setzero_si256(); 4]; N];
                     for j in 0..4 {
                         let raw = unsafe { _mm256_loadu_si256(p.add(32 * j).cast()) };
-                        let low = _mm256_and_si256(raw, mask);
-                        let high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                        let mut low = _mm256_and_si256(raw, mask);
+                        let mut high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                        if FIFTH {
+                            let (first, second) = unsafe { fifth_bits_at_4(fifth_bits, j) };
+                            low = _mm256_or_si256(low, first);
+                            high = _mm256_or_si256(high, second);
+                        }
                         let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
                         for i in 0..N {
                             unsafe {
@@ -693,7 +789,7 @@ mod x86 {
                             std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
                         let l: [&ActBlock; N] =
                             std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
-                        let sums = unsafe { nibble_sums(p.add(32), h, l) };
+                        let sums = unsafe { nibble_sums::<N, false>(p.add(32), h, l) };
                         let d = unsafe { halves(p) };
                         let m = unsafe { halves(p.add(16)) };
                         for i in 0..N {
@@ -713,26 +809,51 @@ mod x86 {
                     out
                 }
 
-                /// Eight Q4_K rows × `N` two-pass activation rows ([`super::super::TileFn`]):
-                /// each sub-block as a Q4_1 block whose scale and minimum are `d × scale` and
-                /// `dmin × min`.
+                /// Eight Q4_K rows × `N` two-pass activation rows ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
                 pub(in crate::interleaved) unsafe fn q4_k_tile<const N: usize>(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
+                    // SAFETY: the caller's contract.
+                    unsafe { k_tile::<N, false>(w, hi, lo) }
+                }
+
+                /// Eight Q5_K rows × `N` two-pass activation rows ([`super::super::TileFn`]).
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) unsafe fn q5_k_tile<const N: usize>(
+                    w: &[u8],
+                    hi: [&[ActBlock]; N],
+                    lo: [&[ActBlock]; N],
+                ) -> [[f32; GROUP]; N] {
+                    // SAFETY: the caller's contract.
+                    unsafe { k_tile::<N, true>(w, hi, lo) }
+                }
+
+                /// Eight Q4_K (`FIFTH` false) or Q5_K rows × `N` two-pass activation rows:
+                /// each sub-block as a Q4_1 block (with Q5_K's fifth bits joined to the
+                /// nibbles) whose scale and minimum are `d × scale` and `dmin × min`.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn k_tile<const N: usize, const FIFTH: bool>(
+                    w: &[u8],
+                    hi: [&[ActBlock]; N],
+                    lo: [&[ActBlock]; N],
+                ) -> [[f32; GROUP]; N] {
+                    let (column_bytes, sub_bytes) = k_sizes(FIFTH);
                     let blocks = hi[0].len();
                     debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
                     let mut acc = [_mm256_setzero_ps(); N];
                     let mut mins = [_mm256_setzero_ps(); N];
                     for c in 0..blocks / 8 {
-                        let p = unsafe { w.as_ptr().add(Q4_K_BYTES * c) };
+                        let p = unsafe { w.as_ptr().add(column_bytes * c) };
                         let (d, dmin) = unsafe { (halves(p), halves(p.add(16))) };
                         for s in 0..8 {
                             if N >= PREFETCH_MIN_ROWS {
                                 // An eighth of the column per sub-block covers the stream.
-                                prefetch_ahead(p.wrapping_add(Q4_K_BYTES / 8 * s), Q4_K_BYTES / 8);
+                                let eighth = column_bytes / 8;
+                                prefetch_ahead(p.wrapping_add(eighth * s), eighth);
                             }
                             let b = 8 * c + s;
                             // SAFETY: every row holds `blocks` blocks (the caller's contract).
@@ -740,7 +861,8 @@ mod x86 {
                                 std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
                             let l: [&ActBlock; N] =
                                 std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
-                            let sums = unsafe { nibble_sums(p.add(Q4_K_QUANTS + 128 * s), h, l) };
+                            let sub = unsafe { p.add(K_QUANTS + sub_bytes * s) };
+                            let sums = unsafe { nibble_sums::<N, FIFTH>(sub, h, l) };
                             let scale = _mm256_mul_ps(d, unsafe { u8_lanes(p.add(32 + 8 * s)) });
                             let min = _mm256_mul_ps(dmin, unsafe { u8_lanes(p.add(96 + 8 * s)) });
                             for i in 0..N {

@@ -10,11 +10,12 @@ use kiln_kernels::quant::DotKernel;
 use kiln_kernels::{GgmlType, QuantMatrix, ThreadPool, Tier};
 use proptest::prelude::*;
 
-const TYPES: [GgmlType; 5] = [
+const TYPES: [GgmlType; 6] = [
     GgmlType::Q8_0,
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q4K,
+    GgmlType::Q5K,
     GgmlType::Q6K,
 ];
 
@@ -45,7 +46,7 @@ fn random_block(ty: GgmlType, rng: &mut Rng) -> Vec<u8> {
     let mut b: Vec<u8> = (0..ty.type_size()).map(|_| rng.byte()).collect();
     match ty {
         GgmlType::Q8_0 | GgmlType::Q4_0 => b[..2].copy_from_slice(&rng.scale()),
-        GgmlType::Q4_1 | GgmlType::Q4K => {
+        GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q5K => {
             b[..2].copy_from_slice(&rng.scale());
             b[2..4].copy_from_slice(&rng.scale());
         }
@@ -141,7 +142,7 @@ proptest! {
         }
     }
 
-    /// Every tier's product (interleaved groups for Q4_1, Q8_0, Q4_K and Q6_K when the rows come in
+    /// Every tier's product (interleaved groups for Q4_1, Q8_0 and the K-quants when the rows come in
     /// eights, rows otherwise) equals the scalar per-row dots with the two activation passes,
     /// and the f64 product of the dequantized weights with the unquantized activations to
     /// 16-bit activation precision.
@@ -284,7 +285,13 @@ fn row_permutation_and_dequantization_agree() {
 #[test]
 fn interleaved_rows_read_back_as_given() {
     let mut rng = Rng(11);
-    for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+    for ty in [
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ] {
         let (rows, cols) = (16, 3 * ty.block_size());
         let plain = random_matrix(ty, 1, cols, &mut rng);
         let mut data = Vec::new();

@@ -21,7 +21,12 @@ pub(crate) type DotFn = unsafe fn(&[u8], &[ActBlock]) -> f32;
 pub fn has_kernel(ty: GgmlType) -> bool {
     matches!(
         ty,
-        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q6K
+        GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
     )
 }
 
@@ -96,7 +101,9 @@ fn scalar_kernel(ty: GgmlType) -> DotFn {
         GgmlType::Q4_0 => scalar::q4_0,
         GgmlType::Q4_1 => scalar::q4_1,
         GgmlType::Q4K => scalar::q4_k,
-        _ => scalar::q6_k,
+        GgmlType::Q5K => scalar::q5_k,
+        GgmlType::Q6K => scalar::q6_k,
+        other => unreachable!("{} has no kernel (has_kernel)", other.name()),
     }
 }
 

@@ -76,6 +76,35 @@ pub fn q4_k(w: &[u8], a: &[ActBlock]) -> f32 {
         .sum()
 }
 
+/// Q5_K (176-byte blocks of 256: as Q4_K, with 32 bytes of fifth bits before the nibbles;
+/// sub-block `j`'s fifth bits are bit `j` of each byte).
+pub fn q5_k(w: &[u8], a: &[ActBlock]) -> f32 {
+    w.chunks_exact(176)
+        .zip(a.chunks_exact(8))
+        .map(|(b, ab)| {
+            let (d, dmin) = (half(b, 0), half(b, 2));
+            let (scales, qh) = (&b[4..16], &b[16..48]);
+            let mut sum = 0f32;
+            for (j, act) in ab.iter().enumerate() {
+                let qs = &b[48 + 32 * (j / 2)..48 + 32 * (j / 2) + 32];
+                let shift = if j % 2 == 0 { 0 } else { 4 };
+                let dot: i32 = qs
+                    .iter()
+                    .zip(qh)
+                    .zip(&act.qs)
+                    .map(|((&q, &h), &x)| {
+                        let q = ((q >> shift) & 0xF) | (((h >> j) & 1) << 4);
+                        i32::from(q) * i32::from(x)
+                    })
+                    .sum();
+                let (sc, m) = scale_min_k4(j, scales);
+                sum += d * sc * act.d * dot as f32 - dmin * m * act.d_sum;
+            }
+            sum
+        })
+        .sum()
+}
+
 /// Q6_K (210-byte blocks of 256: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16
 /// i8 scales, f16 d; values offset by 32, one scale per 16).
 pub fn q6_k(w: &[u8], a: &[ActBlock]) -> f32 {
