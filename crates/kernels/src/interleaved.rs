@@ -1,7 +1,8 @@
 //! Weights repacked eight output rows at a time, so one SIMD register holds one value of each
 //! of eight rows and a product yields eight outputs without horizontal sums (llama.cpp's
 //! `block_q4_0x8` and `block_q4_Kx8` repacks in `ggml-cpu/repack.cpp`), done here for Q4_1
-//! and Q8_0 (the default model's types) and for the K-quants Q4_K, Q5_K and Q6_K (the types of
+//! and Q8_0 (the default model's types), Q4_0 (Q4_1's layout without the minimums) and for
+//! the K-quants Q4_K, Q5_K and Q6_K (the types of
 //! the Q4_K_M, Q5_K_M and Q6_K files users download).
 //!
 //! Layout of a group of eight rows: for each block column `b` (32 values of every row), the
@@ -67,10 +68,18 @@ const Q6_K_QUANTS: usize = 144;
 /// Bytes of one Q6_K sub-block of a group: 128 of low nibbles, 64 of high bits.
 const Q6_K_SUB: usize = 192;
 
+/// Bytes of a Q4_0 (`min` false) or Q4_1 block column, and where its nibbles start: the
+/// eight `d` (f16), Q4_1's eight minimums, 128 bytes of nibbles.
+const fn q4_sizes(min: bool) -> (usize, usize) {
+    let quants = if min { 32 } else { 16 };
+    (quants + 128, quants)
+}
+
 /// Bytes of one block column of a group, or `None` for a type without an interleaved kernel.
 pub fn group_block_bytes(ty: GgmlType) -> Option<usize> {
     match ty {
-        GgmlType::Q4_1 => Some(2 * 8 + 2 * 8 + 128),
+        GgmlType::Q4_0 => Some(q4_sizes(false).0),
+        GgmlType::Q4_1 => Some(q4_sizes(true).0),
         GgmlType::Q8_0 => Some(2 * 8 + 256),
         GgmlType::Q4K => Some(k_sizes(false).0),
         GgmlType::Q5K => Some(k_sizes(true).0),
@@ -141,17 +150,23 @@ pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8>
             for r in 0..GROUP {
                 let src = &data[(g * GROUP + r) * row_bytes + b * in_block..][..in_block];
                 match ty {
-                    GgmlType::Q4_1 => {
+                    GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                        let min = ty == GgmlType::Q4_1;
+                        let (_, quants) = q4_sizes(min);
                         dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
-                        dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
+                        if min {
+                            dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
+                        }
+                        // GGUF's nibbles follow the scales (`quants / 8` bytes of them).
+                        let qs = &src[quants / 8..];
                         let value = |e: usize| {
                             if e < 16 {
-                                src[4 + e] & 0x0F
+                                qs[e] & 0x0F
                             } else {
-                                src[4 + e - 16] >> 4
+                                qs[e - 16] >> 4
                             }
                         };
-                        q4_1_nibbles(&mut dst[32..], r, &value);
+                        q4_1_nibbles(&mut dst[quants..], r, &value);
                     }
                     GgmlType::Q4K | GgmlType::Q5K => {
                         let fifth = ty == GgmlType::Q5K;
@@ -214,11 +229,15 @@ pub fn unpack_row(ty: GgmlType, group: &[u8], r: usize, out: &mut Vec<u8>) {
     let size = group_block_bytes(ty).expect("a type with an interleaved layout");
     for dst in group.chunks_exact(size) {
         match ty {
-            GgmlType::Q4_1 => {
+            GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                let min = ty == GgmlType::Q4_1;
+                let (_, quants) = q4_sizes(min);
                 out.extend_from_slice(&dst[2 * r..2 * r + 2]);
-                out.extend_from_slice(&dst[16 + 2 * r..16 + 2 * r + 2]);
+                if min {
+                    out.extend_from_slice(&dst[16 + 2 * r..16 + 2 * r + 2]);
+                }
                 // The byte of value `e` also holds value `16 + e`, as GGUF's byte `e` does.
-                out.extend((0..16).map(|e| dst[32 + nibble_at(e, r).0]));
+                out.extend((0..16).map(|e| dst[quants + nibble_at(e, r).0]));
             }
             GgmlType::Q4K | GgmlType::Q5K => {
                 let fifth = ty == GgmlType::Q5K;
@@ -315,11 +334,13 @@ impl TileKernels {
         #[cfg(target_arch = "x86_64")]
         {
             let simd = match (tier, ty) {
+                (Tier::Avx512Vnni, GgmlType::Q4_0) => Some(tile_kernels!(x86::vnni::q4_0_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q4_1) => Some(tile_kernels!(x86::vnni::q4_1_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q4K) => Some(tile_kernels!(x86::vnni::q4_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q5K) => Some(tile_kernels!(x86::vnni::q5_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q6K) => Some(tile_kernels!(x86::vnni::q6_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_offset::tile)),
+                (Tier::Avx2, GgmlType::Q4_0) => Some(tile_kernels!(x86::avx2::q4_0_tile)),
                 (Tier::Avx2, GgmlType::Q4_1) => Some(tile_kernels!(x86::avx2::q4_1_tile)),
                 (Tier::Avx2, GgmlType::Q4K) => Some(tile_kernels!(x86::avx2::q4_k_tile)),
                 (Tier::Avx2, GgmlType::Q5K) => Some(tile_kernels!(x86::avx2::q5_k_tile)),
@@ -333,6 +354,7 @@ impl TileKernels {
         }
         let _ = tier;
         match ty {
+            GgmlType::Q4_0 => Some(tile_kernels!(scalar_tile_q4_0)),
             GgmlType::Q4_1 => Some(tile_kernels!(scalar_tile_q4_1)),
             GgmlType::Q4K => Some(tile_kernels!(scalar_tile_q4_k)),
             GgmlType::Q5K => Some(tile_kernels!(scalar_tile_q5_k)),
@@ -390,12 +412,21 @@ impl TileKernels {
 }
 
 /// The scalar tile: the scalar reference row by row.
+fn scalar_tile_q4_0<const N: usize>(
+    w: &[u8],
+    hi: [&[ActBlock]; N],
+    lo: [&[ActBlock]; N],
+) -> [[f32; GROUP]; N] {
+    std::array::from_fn(|i| q4_scalar::<false>(w, hi[i], lo[i]))
+}
+
+/// The scalar tile: the scalar reference row by row.
 fn scalar_tile_q4_1<const N: usize>(
     w: &[u8],
     hi: [&[ActBlock]; N],
     lo: [&[ActBlock]; N],
 ) -> [[f32; GROUP]; N] {
-    std::array::from_fn(|i| q4_1_scalar(w, hi[i], lo[i]))
+    std::array::from_fn(|i| q4_scalar::<true>(w, hi[i], lo[i]))
 }
 
 /// The scalar tile: the scalar reference row by row.
@@ -465,14 +496,20 @@ fn value_sums(value: impl Fn(usize) -> u8, h: &ActBlock, l: &ActBlock) -> (i32, 
     })
 }
 
-/// The scalar reference for Q4_1 groups.
-fn q4_1_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
+/// The scalar reference for Q4_0 (`MIN` false: the minimum is `-8 d`) and Q4_1 groups.
+fn q4_scalar<const MIN: bool>(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
+    let (bytes, quants) = q4_sizes(MIN);
     let mut out = [0f32; GROUP];
     for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
-        let block = &w[b * 160..(b + 1) * 160];
+        let block = &w[b * bytes..(b + 1) * bytes];
         for (r, y) in out.iter_mut().enumerate() {
-            let (sum_h, sum_l) = value_sums(|e| nibble(&block[32..], e, r), h, l);
-            let (d, m) = (f16_at(block, r), f16_at(&block[16..], r));
+            let (sum_h, sum_l) = value_sums(|e| nibble(&block[quants..], e, r), h, l);
+            let d = f16_at(block, r);
+            let m = if MIN {
+                f16_at(&block[16..], r)
+            } else {
+                -8.0 * d
+            };
             *y += d * (h.d * sum_h as f32 + l.d * sum_l as f32) + m * (h.d_sum + l.d_sum);
         }
     }
@@ -720,7 +757,9 @@ mod x86 {
         ($tier:ident, $features:literal, $dot:ident, $parts:ident) => {
             pub(super) mod $tier {
                 use super::*;
-                use crate::interleaved::{K_QUANTS, Q6_K_BYTES, Q6_K_QUANTS, Q6_K_SUB, k_sizes};
+                use crate::interleaved::{
+                    K_QUANTS, Q6_K_BYTES, Q6_K_QUANTS, Q6_K_SUB, k_sizes, q4_sizes,
+                };
 
                 /// The integer sums of `N` two-pass activation rows with a Q4_1-ordered block
                 /// of nibbles of eight rows at `p` (four chunks of 32 bytes), with `FIFTH` the
@@ -768,6 +807,17 @@ mod x86 {
                     sums
                 }
 
+                /// Eight Q4_0 rows × `N` two-pass activation rows ([`super::super::TileFn`]).
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) unsafe fn q4_0_tile<const N: usize>(
+                    w: &[u8],
+                    hi: [&[ActBlock]; N],
+                    lo: [&[ActBlock]; N],
+                ) -> [[f32; GROUP]; N] {
+                    // SAFETY: the caller's contract.
+                    unsafe { q4_tile::<N, false>(w, hi, lo) }
+                }
+
                 /// Eight Q4_1 rows × `N` two-pass activation rows ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
                 pub(in crate::interleaved) unsafe fn q4_1_tile<const N: usize>(
@@ -775,23 +825,41 @@ mod x86 {
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
+                    // SAFETY: the caller's contract.
+                    unsafe { q4_tile::<N, true>(w, hi, lo) }
+                }
+
+                /// Eight Q4_0 (`MIN` false: the minimum is `-8 d`) or Q4_1 rows × `N`
+                /// two-pass activation rows.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn q4_tile<const N: usize, const MIN: bool>(
+                    w: &[u8],
+                    hi: [&[ActBlock]; N],
+                    lo: [&[ActBlock]; N],
+                ) -> [[f32; GROUP]; N] {
+                    let (bytes, quants) = q4_sizes(MIN);
                     let blocks = hi[0].len();
                     debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
                     let mut acc = [_mm256_setzero_ps(); N];
                     let mut mins = [_mm256_setzero_ps(); N];
                     for b in 0..blocks {
-                        let p = unsafe { w.as_ptr().add(160 * b) };
+                        let p = unsafe { w.as_ptr().add(bytes * b) };
                         if N >= PREFETCH_MIN_ROWS {
-                            prefetch_ahead(p, 160);
+                            prefetch_ahead(p, bytes);
                         }
                         // SAFETY: every row holds `blocks` blocks (the caller's contract).
                         let h: [&ActBlock; N] =
                             std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
                         let l: [&ActBlock; N] =
                             std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
-                        let sums = unsafe { nibble_sums::<N, false>(p.add(32), h, l) };
+                        let sums = unsafe { nibble_sums::<N, false>(p.add(quants), h, l) };
                         let d = unsafe { halves(p) };
-                        let m = unsafe { halves(p.add(16)) };
+                        let m = if MIN {
+                            unsafe { halves(p.add(16)) }
+                        } else {
+                            _mm256_mul_ps(d, _mm256_set1_ps(-8.0))
+                        };
                         for i in 0..N {
                             let (sum_h, sum_l) = sums[i];
                             acc[i] = unsafe { add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]) };

@@ -142,7 +142,7 @@ proptest! {
         }
     }
 
-    /// Every tier's product (interleaved groups for Q4_1, Q8_0 and the K-quants when the rows come in
+    /// Every tier's product (interleaved groups when the rows come in
     /// eights, rows otherwise) equals the scalar per-row dots with the two activation passes,
     /// and the f64 product of the dequantized weights with the unquantized activations to
     /// 16-bit activation precision.
@@ -285,13 +285,7 @@ fn row_permutation_and_dequantization_agree() {
 #[test]
 fn interleaved_rows_read_back_as_given() {
     let mut rng = Rng(11);
-    for ty in [
-        GgmlType::Q4_1,
-        GgmlType::Q8_0,
-        GgmlType::Q4K,
-        GgmlType::Q5K,
-        GgmlType::Q6K,
-    ] {
+    for ty in TYPES {
         let (rows, cols) = (16, 3 * ty.block_size());
         let plain = random_matrix(ty, 1, cols, &mut rng);
         let mut data = Vec::new();
