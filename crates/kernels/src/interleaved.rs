@@ -758,7 +758,7 @@ mod x86 {
             pub(super) mod $tier {
                 use super::*;
                 use crate::interleaved::{
-                    K_QUANTS, Q6_K_BYTES, Q6_K_QUANTS, Q6_K_SUB, k_sizes, q4_sizes,
+                    K_QUANTS, Q6_K_BYTES, Q6_K_QUANTS, Q6_K_SUB, half_sum, k_sizes, q4_sizes,
                 };
 
                 /// The integer sums of `N` two-pass activation rows with a Q4_1-ordered block
@@ -1020,12 +1020,7 @@ mod x86 {
                                 let [f_h, s_h, f_l, s_l] = sums[i];
                                 // The stored values are `q + 32`: `32 × Σ a` per half comes off.
                                 let unoffset = |sum: __m256i, a: &ActBlock, half: usize| {
-                                    let a_sum = if half == 0 {
-                                        a.sum_first_half
-                                    } else {
-                                        a.sum - a.sum_first_half
-                                    };
-                                    _mm256_sub_epi32(sum, _mm256_set1_epi32(32 * a_sum))
+                                    _mm256_sub_epi32(sum, _mm256_set1_epi32(32 * half_sum(a, half)))
                                 };
                                 let halves = [(f_h, f_l), (s_h, s_l)];
                                 for (half, (sum_h, sum_l)) in halves.into_iter().enumerate() {
