@@ -670,8 +670,8 @@ fn bench_cell_generates_what_generate_does<B: InferenceBackend>() {
     }
 }
 
-/// Speculative decoding with prompt lookup (on every cache kind), and with `draft` as a draft
-/// model (on `draft_kinds`), gives exactly the plain greedy tokens of each prompt alone, one
+/// Speculative decoding with prompt lookup and with `draft` as a draft model, each on the cache
+/// kinds in `kinds`, gives exactly the plain greedy tokens of each prompt alone, one
 /// request at a time and all in one batch. Returns the counts over every run of each source (so a caller can
 /// check that drafts were proposed and accepted).
 fn speculative_greedy_matches_alone<B: InferenceBackend>(
