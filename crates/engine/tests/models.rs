@@ -242,8 +242,8 @@ fn tiny_fixtures() -> Vec<(PathBuf, WeightStorage)> {
 }
 
 /// Prompts of 1 to 300 tokens (SmolLM2; the tiny fixtures hold 128 positions, so 1 to 100
-/// there) in one engine: each cache kind in `kinds` gives each prompt its continuation alone, greedy
-/// for four prompts and sampled with a fixed seed for two more in the same batch. The sliding
+/// there) in one engine: each cache kind in `kinds` gives each prompt its continuation alone,
+/// greedy for four prompts and sampled with a fixed seed for two more in the same batch. The sliding
 /// window (512) is wider than any sequence, so it must equal the static cache too.
 fn mixed_batch_matches_alone<B: InferenceBackend>(
     path: &std::path::Path,
@@ -671,9 +671,9 @@ fn bench_cell_generates_what_generate_does<B: InferenceBackend>() {
 }
 
 /// Speculative decoding with prompt lookup and with `draft` as a draft model, each on the cache
-/// kinds in `kinds`, gives exactly the plain greedy tokens of each prompt alone, one
-/// request at a time and all in one batch. Returns the counts over every run of each source (so a caller can
-/// check that drafts were proposed and accepted).
+/// kinds in `kinds`, gives exactly the plain greedy tokens of each prompt alone, one request at
+/// a time and all in one batch. Returns the counts over every run of each source (so a caller
+/// can check that drafts were proposed and accepted).
 fn speculative_greedy_matches_alone<B: InferenceBackend>(
     model: &dyn CausalLm<B>,
     draft: &dyn CausalLm<B>,

@@ -1,8 +1,9 @@
 //! [`QuantMatrix`]: a weight matrix kept in its ggml blocks, and its product with f32
 //! activations. Types with an interleaved kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) are
 //! repacked eight rows at a time at construction ([`crate::interleaved`]) when the rows come in
-//! eights; other matrices stay one output row after another (the layout of a GGUF tensor). Activations are quantized in two 8-bit passes
-//! ([`crate::act::quantize_split`]) for every type.
+//! eights; other matrices stay one output row after another (the layout of a GGUF tensor).
+//! Activations are quantized in two 8-bit passes ([`crate::act::quantize_split`]) for every
+//! type.
 
 use crate::SharedOut;
 use std::borrow::Cow;
