@@ -243,8 +243,8 @@ fn tiny_fixtures() -> Vec<(PathBuf, WeightStorage)> {
 
 /// Prompts of 1 to 300 tokens (SmolLM2; the tiny fixtures hold 128 positions, so 1 to 100
 /// there) in one engine: each cache kind in `kinds` gives each prompt its continuation alone,
-/// greedy for four prompts and sampled with a fixed seed for two more in the same batch. The sliding
-/// window (512) is wider than any sequence, so it must equal the static cache too.
+/// greedy for four prompts and sampled with a fixed seed for two more in the same batch. The
+/// sliding window (512) is wider than any sequence, so it must equal the static cache too.
 fn mixed_batch_matches_alone<B: InferenceBackend>(
     path: &std::path::Path,
     weights: WeightStorage,
