@@ -6,11 +6,26 @@
 //! masked): batches equal single runs exactly, also on the quantized path, where activation
 //! rounding would otherwise turn a last-bit difference into a different token.
 //!
-//! The work splits into tasks of (batch row, KV head, a run of query rows); each KV head's
-//! keys are read once per task for all the query heads sharing it (grouped-query attention).
+//! A row's keys are taken in partitions of [`PARTITION_KEYS`] counted from its first visible
+//! key; each partition gives a partial result (its normalized weighted sum, its largest score
+//! and its sum of exponentials) and the partials are merged in partition order. Where a step
+//! has few rows (decoding), the partitions of one row run as separate tasks on the threads
+//! (flash-decoding), so one long sequence with three KV heads keeps every thread busy; where
+//! it has many (prefill), a task takes all partitions of its rows. Which one ran does not
+//! change a bit: the partials and their merge are the same.
+//!
+//! The work splits into tasks of (batch row, KV head, a run of query rows[, a partition]);
+//! each KV head's keys are read once per task for all the query heads sharing it
+//! (grouped-query attention). Keys and values may be f32, f16 or bf16 ([`KvElement`]): the
+//! kernels widen them as they load them.
 
+mod element;
 #[cfg(target_arch = "x86_64")]
 mod tile;
+
+use std::ops::Range;
+
+pub use element::KvElement;
 
 use crate::SharedOut;
 use crate::error::KernelError;
@@ -39,10 +54,10 @@ impl AttentionShape {
         self.n_rep * self.q_len
     }
 
-    fn check(
+    fn check<T: KvElement>(
         &self,
         q: &[f32],
-        kv: &KvBlocks<'_>,
+        kv: &KvBlocks<'_, T>,
         mask: &[bool],
         out: &[f32],
     ) -> Result<(), KernelError> {
@@ -91,13 +106,13 @@ impl AttentionShape {
 
 /// Keys and values stored in blocks of `block_keys` rows of `head_dim`, and which blocks each
 /// (batch row, KV head) reads: a paged KV cache read where it lies, without gathering it
-/// into one tensor first.
+/// into one tensor first. The values are f32, f16 or bf16 ([`KvElement`]).
 #[derive(Debug, Clone, Copy)]
-pub struct KvBlocks<'a> {
+pub struct KvBlocks<'a, T = f32> {
     /// `[blocks, block_keys, head_dim]`
-    pub k: &'a [f32],
+    pub k: &'a [T],
     /// `[blocks, block_keys, head_dim]`
-    pub v: &'a [f32],
+    pub v: &'a [T],
     /// `[batch, n_kv_heads, blocks_per_head]`: the blocks holding a head's keys, in key order
     /// (key `j` is row `j % block_keys` of block `j / block_keys`); may cover more keys than
     /// the mask, whose columns are the first of them.
@@ -107,13 +122,13 @@ pub struct KvBlocks<'a> {
 }
 
 /// One (batch row, KV head)'s keys and values, wherever their blocks lie.
-struct HeadKv<'a> {
-    kv: KvBlocks<'a>,
+struct HeadKv<'a, T> {
+    kv: KvBlocks<'a, T>,
     blocks: &'a [usize],
     head_dim: usize,
 }
 
-impl HeadKv<'_> {
+impl<T> HeadKv<'_, T> {
     /// The offsets (into `k` and `v`) of keys `span`, in key order: walked block by block, so
     /// the inner loop pays no division per key.
     fn offsets(&self, span: std::ops::Range<usize>) -> impl Iterator<Item = usize> + '_ {
@@ -175,7 +190,8 @@ pub fn attention(
     attention_blocks(shape, q, kv, mask, out, pool)
 }
 
-/// [`attention`] over keys and values read through a block table ([`KvBlocks`]).
+/// [`attention`] over keys and values read through a block table ([`KvBlocks`]), which may
+/// hold f32, f16 or bf16.
 ///
 /// # Shapes
 /// As [`attention`], with `k` and `v` as `kv` lays them out.
@@ -183,10 +199,10 @@ pub fn attention(
 /// # Errors
 /// [`KernelError::Shape`] when a slice's length disagrees with `shape`, or the table names a
 /// block `kv` does not hold or covers fewer than `shape.keys` keys.
-pub fn attention_blocks(
+pub fn attention_blocks<T: KvElement>(
     shape: AttentionShape,
     q: &[f32],
-    kv: KvBlocks<'_>,
+    kv: KvBlocks<'_, T>,
     mask: &[bool],
     out: &mut [f32],
     pool: &ThreadPool,
@@ -205,122 +221,334 @@ pub fn attention_blocks(
 ///
 /// # Panics
 /// If this CPU cannot run `tier`.
-pub fn attention_blocks_with(
+pub fn attention_blocks_with<T: KvElement>(
     shape: AttentionShape,
     q: &[f32],
-    kv: KvBlocks<'_>,
+    kv: KvBlocks<'_, T>,
     mask: &[bool],
     out: &mut [f32],
     pool: &ThreadPool,
     tier: Tier,
+) -> Result<(), KernelError> {
+    attention_partitioned(shape, q, kv, mask, out, pool, tier, PARTITION_KEYS)
+}
+
+/// Keys a row takes per partition (see the module doc): a decode step of one sequence at a
+/// depth of 4,096 gives each KV head eight tasks. (Each partition costs a pass of its own
+/// over the tile's setup and a partial to merge, so smaller ones lose at short depths.)
+pub const PARTITION_KEYS: usize = 512;
+
+/// A step whose tasks (without splitting rows by partition) number fewer than this many per
+/// thread splits them: a decode step of a few sequences, where a task per KV head would leave
+/// threads idle.
+const SPLIT_BELOW_TASKS_PER_THREAD: usize = 4;
+
+/// [`attention_blocks_with`] with partitions of `partition_keys` keys instead of
+/// [`PARTITION_KEYS`]: a row's output depends on the partition size (a partition's partial is
+/// rounded before the merge), on nothing else but its visible keys. Small partitions let the
+/// tests reach the merge with few keys.
+///
+/// # Errors
+/// As [`attention_blocks`], and [`KernelError::Shape`] for a partition of no keys.
+///
+/// # Panics
+/// If this CPU cannot run `tier`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_partitioned<T: KvElement>(
+    shape: AttentionShape,
+    q: &[f32],
+    kv: KvBlocks<'_, T>,
+    mask: &[bool],
+    out: &mut [f32],
+    pool: &ThreadPool,
+    tier: Tier,
+    partition_keys: usize,
 ) -> Result<(), KernelError> {
     assert!(
         tier.is_supported(),
         "kernel tier {tier} is not supported on this CPU"
     );
     shape.check(q, &kv, mask, out)?;
+    if partition_keys == 0 {
+        return Err(KernelError::Shape(
+            "attention partitions of 0 keys".to_string(),
+        ));
+    }
     let AttentionShape {
         batch,
         n_kv_heads,
         q_len,
         keys,
         head_dim,
-        ..
+        n_rep,
     } = shape;
-    let q_rows = shape.q_rows();
-    if q_rows == 0 || head_dim == 0 || batch * n_kv_heads == 0 {
+    if shape.q_rows() == 0 || head_dim == 0 || batch * n_kv_heads == 0 {
         return Ok(());
     }
-    let per_head = kv.table.len() / (batch * n_kv_heads);
     // A task takes a run of positions with every query head of its KV head at them: those
     // rows see the same keys, so the AVX-512 tiles share one pass over them.
-    let n_rep = shape.n_rep;
     let positions = (ROWS_PER_TASK / n_rep).max(1);
-    let chunks = q_len.div_ceil(positions);
-    let scale = 1.0 / (head_dim as f32).sqrt();
+    let job = Job {
+        shape,
+        q,
+        kv,
+        mask,
+        per_head: kv.table.len() / (batch * n_kv_heads),
+        positions,
+        chunks: q_len.div_ceil(positions),
+        scale: 1.0 / (head_dim as f32).sqrt(),
+        tier,
+        partition_keys,
+    };
+    let tasks = batch * n_kv_heads * job.chunks;
+    let parts = keys.div_ceil(partition_keys).max(1);
+    let record = record_len(head_dim);
+    let task_rows = positions * n_rep;
     let shared = SharedOut::new(out);
-    pool.run(batch * n_kv_heads * chunks, &|task| {
-        let (block, chunk) = (task / chunks, task % chunks);
-        let b = block / n_kv_heads;
-        let head = HeadKv {
-            kv,
-            blocks: &kv.table[block * per_head..(block + 1) * per_head],
-            head_dim,
-        };
-        let span = chunk * positions..((chunk + 1) * positions).min(q_len);
-        let rows = span.flat_map(|i| (0..n_rep).map(move |rep| (i, rep * q_len + i)));
-        #[cfg(target_arch = "x86_64")]
-        if tier == Tier::Avx512Vnni && head_dim.is_multiple_of(16) {
-            let rows: Vec<tile::Row> = rows
-                .map(|(i, row)| {
-                    let mask_at = (b * q_len + i) * keys;
-                    tile::Row {
-                        at: (block * q_rows + row) * head_dim,
-                        mask_at,
-                        visible: visible_span(&mask[mask_at..mask_at + keys]),
-                    }
-                })
-                .collect();
-            // SAFETY: the tier was checked above; the rows are this task's alone.
-            unsafe { tile::attend_rows(&rows, q, &head, mask, keys, scale, &shared) };
-            return;
-        }
-        let mut scores = Vec::with_capacity(keys);
-        let mut probs = Vec::with_capacity(keys);
-        let mut acc = vec![0f32; head_dim];
-        for (i, row) in rows {
-            let row_mask = &mask[(b * q_len + i) * keys..][..keys];
-            let q_start = (block * q_rows + row) * head_dim;
-            let q_row = &q[q_start..q_start + head_dim];
-            match tier {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: the tier was checked above (AVX2 and FMA are part of both).
-                Tier::Avx2 | Tier::Avx512Vnni => unsafe {
-                    x86::attend_row(
-                        q_row,
-                        &head,
-                        row_mask,
-                        scale,
-                        &mut scores,
-                        &mut probs,
-                        &mut acc,
-                    )
-                },
-                _ => attend_row(q_row, &head, row_mask, scale, &mut scores, &mut acc),
-            }
-            for (d, &value) in acc.iter().enumerate() {
-                // SAFETY: each (block, row) belongs to exactly one task.
-                unsafe { shared.write(q_start + d, value) };
-            }
-        }
-    });
+    if parts > 1 && tasks < SPLIT_BELOW_TASKS_PER_THREAD * pool.threads() {
+        // Every (task, partition) on its own, then every row's partials merged.
+        let per_task = task_rows * parts * record;
+        let mut records = vec![0f32; tasks * per_task];
+        let sink = SharedOut::new(&mut records);
+        pool.run(tasks * parts, &|t| {
+            let (task, part) = (t / parts, t % parts);
+            let dest = |row: usize, _: usize| task * per_task + (row * parts + part) * record;
+            job.partials(task, part..part + 1, &dest, &sink);
+        });
+        pool.run(tasks, &|task| {
+            job.merge(
+                task,
+                &records[task * per_task..][..per_task],
+                parts,
+                &shared,
+            );
+        });
+    } else {
+        pool.run(tasks, &|task| {
+            let mut records = vec![0f32; task_rows * parts * record];
+            let dest = |row: usize, part: usize| (row * parts + part) * record;
+            job.partials(task, 0..parts, &dest, &SharedOut::new(&mut records));
+            job.merge(task, &records, parts, &shared);
+        });
+    }
     Ok(())
 }
 
-/// One query row: `acc = Σ_j p_j v_j / Σ_j p_j` over the visible keys `j`, in key order
-/// (`scores` holds each visible key's offset and score).
-fn attend_row(
+/// Floats in one partial result: the partition's normalized weighted sum (`head_dim`), its
+/// largest score, its sum of exponentials (0 when the row sees no key in it).
+fn record_len(head_dim: usize) -> usize {
+    head_dim + 2
+}
+
+/// Partition `part` of the visible keys `visible`: `partition_keys` keys from the first
+/// visible one on (empty past the last).
+fn partition_span(visible: &Range<usize>, part: usize, partition_keys: usize) -> Range<usize> {
+    let start = visible
+        .start
+        .saturating_add(part.saturating_mul(partition_keys));
+    start.min(visible.end)..start.saturating_add(partition_keys).min(visible.end)
+}
+
+/// One attention call's operands and how it splits into tasks.
+struct Job<'a, T> {
+    shape: AttentionShape,
+    q: &'a [f32],
+    kv: KvBlocks<'a, T>,
+    mask: &'a [bool],
+    per_head: usize,
+    positions: usize,
+    chunks: usize,
+    scale: f32,
+    tier: Tier,
+    partition_keys: usize,
+}
+
+impl<T: KvElement> Job<'_, T> {
+    /// Task `task`'s KV head block (batch row × KV head) and its query rows, as (position,
+    /// row of the block) in the order their partials are stored.
+    fn rows(&self, task: usize) -> (usize, impl Iterator<Item = (usize, usize)>) {
+        let (block, chunk) = (task / self.chunks, task % self.chunks);
+        let (q_len, n_rep) = (self.shape.q_len, self.shape.n_rep);
+        let span = chunk * self.positions..((chunk + 1) * self.positions).min(q_len);
+        let rows = span.flat_map(move |i| (0..n_rep).map(move |rep| (i, rep * q_len + i)));
+        (block, rows)
+    }
+
+    /// Writes the partials of task `task`'s rows over partitions `parts`, the record of the
+    /// task's `r`-th row and partition `p` at `dest(r, p)` of `sink`.
+    fn partials(
+        &self,
+        task: usize,
+        parts: Range<usize>,
+        dest: &(dyn Fn(usize, usize) -> usize + Sync),
+        sink: &SharedOut<f32>,
+    ) {
+        let AttentionShape {
+            n_kv_heads,
+            q_len,
+            keys,
+            head_dim,
+            ..
+        } = self.shape;
+        let q_rows = self.shape.q_rows();
+        let (block, rows) = self.rows(task);
+        let b = block / n_kv_heads;
+        let head = HeadKv {
+            kv: self.kv,
+            blocks: &self.kv.table[block * self.per_head..(block + 1) * self.per_head],
+            head_dim,
+        };
+        let rows = rows.map(|(i, row)| {
+            let mask_at = (b * q_len + i) * keys;
+            let visible = visible_span(&self.mask[mask_at..mask_at + keys]);
+            (mask_at, (block * q_rows + row) * head_dim, visible)
+        });
+        #[cfg(target_arch = "x86_64")]
+        if self.tier == Tier::Avx512Vnni && head_dim.is_multiple_of(16) {
+            let mut rows: Vec<tile::Row> = rows
+                .map(|(mask_at, at, visible)| tile::Row {
+                    at,
+                    mask_at,
+                    visible,
+                    dest: 0,
+                })
+                .collect();
+            for part in parts {
+                for (r, row) in rows.iter_mut().enumerate() {
+                    row.dest = dest(r, part);
+                }
+                let partition = tile::Partition {
+                    index: part,
+                    keys: self.partition_keys,
+                };
+                // SAFETY: the tier was checked by the caller; the records are this task's.
+                unsafe {
+                    tile::attend_rows(
+                        &rows, partition, self.q, &head, self.mask, keys, self.scale, sink,
+                    )
+                };
+            }
+            return;
+        }
+        let mut scores = Vec::new();
+        let mut probs = Vec::new();
+        for (r, (mask_at, at, visible)) in rows.enumerate() {
+            let row_mask = &self.mask[mask_at..mask_at + keys];
+            let q_row = &self.q[at..at + head_dim];
+            for part in parts.clone() {
+                let span = partition_span(&visible, part, self.partition_keys);
+                // SAFETY: each (row, partition) record belongs to exactly one task.
+                let record = unsafe { sink.slice(dest(r, part), record_len(head_dim)) };
+                match self.tier {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: the tier was checked by the caller (AVX2, FMA and F16C are part
+                    // of both).
+                    Tier::Avx2 | Tier::Avx512Vnni => unsafe {
+                        x86::attend_row(
+                            q_row,
+                            &head,
+                            row_mask,
+                            span,
+                            self.scale,
+                            &mut scores,
+                            &mut probs,
+                            record,
+                        )
+                    },
+                    _ => attend_row(
+                        q_row,
+                        &head,
+                        row_mask,
+                        span,
+                        self.scale,
+                        &mut scores,
+                        record,
+                    ),
+                }
+            }
+        }
+    }
+
+    /// Merges the partials of task `task`'s rows (`records`, `parts` per row) into `out`.
+    fn merge(&self, task: usize, records: &[f32], parts: usize, out: &SharedOut<f32>) {
+        let head_dim = self.shape.head_dim;
+        let q_rows = self.shape.q_rows();
+        let record = record_len(head_dim);
+        let (block, rows) = self.rows(task);
+        for (r, (_, row)) in rows.enumerate() {
+            let at = (block * q_rows + row) * head_dim;
+            // SAFETY: each (block, row) belongs to exactly one task.
+            let out = unsafe { out.slice(at, head_dim) };
+            merge_partials(
+                &records[r * parts * record..][..parts * record],
+                head_dim,
+                out,
+            );
+        }
+    }
+}
+
+/// A row's output from its partials (`[parts, head_dim + 2]`, see [`record_len`]): the one
+/// partition that saw keys as it is; several weighted by `Σ exp(score)` relative to the largest
+/// score of all, in partition order; zeros when none saw a key.
+fn merge_partials(records: &[f32], head_dim: usize, out: &mut [f32]) {
+    let record = record_len(head_dim);
+    let seen = || {
+        records
+            .chunks_exact(record)
+            .filter(|p| p[head_dim + 1] > 0.0)
+    };
+    let mut live = seen();
+    match (live.next(), live.next()) {
+        (None, _) => out.fill(0.0),
+        (Some(one), None) => out.copy_from_slice(&one[..head_dim]),
+        _ => {
+            let max = seen().fold(f32::NEG_INFINITY, |m, p| m.max(p[head_dim]));
+            out.fill(0.0);
+            let mut total = 0f32;
+            for p in seen() {
+                let weight = p[head_dim + 1] * (p[head_dim] - max).exp();
+                total += weight;
+                for (o, &x) in out.iter_mut().zip(&p[..head_dim]) {
+                    *o = weight.mul_add(x, *o);
+                }
+            }
+            let inv = 1.0 / total;
+            for o in out.iter_mut() {
+                *o *= inv;
+            }
+        }
+    }
+}
+
+/// One query row over the keys `span` of its mask row: `record` gets `Σ_j p_j v_j / Σ_j p_j`
+/// over the visible keys `j` of the span, in key order, then the largest score and `Σ_j p_j`
+/// (see [`record_len`]; `scores` holds each visible key's offset and score).
+fn attend_row<T: KvElement>(
     q: &[f32],
-    kv: &HeadKv<'_>,
+    kv: &HeadKv<'_, T>,
     mask: &[bool],
+    span: Range<usize>,
     scale: f32,
     scores: &mut Vec<(usize, f32)>,
-    acc: &mut [f32],
+    record: &mut [f32],
 ) {
     scores.clear();
     let mut max = f32::NEG_INFINITY;
     let head_dim = q.len();
-    let visible = visible_span(mask);
     for (at, _) in kv
-        .offsets(visible.clone())
-        .zip(&mask[visible])
+        .offsets(span.clone())
+        .zip(&mask[span])
         .filter(|(_, masked)| !**masked)
     {
         let s = dot(q, &kv.kv.k[at..at + head_dim]) * scale;
         max = max.max(s);
         scores.push((at, s));
     }
+    let (acc, tail) = record.split_at_mut(head_dim);
     acc.fill(0.0);
+    tail[0] = max;
+    tail[1] = 0.0;
     if scores.is_empty() {
         return;
     }
@@ -329,13 +557,14 @@ fn attend_row(
         let p = (s - max).exp();
         sum += p;
         for (a, &x) in acc.iter_mut().zip(&kv.kv.v[at..at + head_dim]) {
-            *a += p * x;
+            *a += p * x.to_f32();
         }
     }
     let inv = 1.0 / sum;
     for a in acc.iter_mut() {
         *a *= inv;
     }
+    tail[1] = sum;
 }
 
 /// The keys from the first visible one to the last: a packed prompt's row sees one span of a
@@ -370,18 +599,18 @@ fn visible_span(mask: &[bool]) -> std::ops::Range<usize> {
 /// `a · b` in eight interleaved partial sums (one vector register), a fixed order on every
 /// machine.
 #[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<T: KvElement>(a: &[f32], b: &[T]) -> f32 {
     let mut lanes = [0f32; 8];
     let (a8, a_rest) = a.split_at(a.len() / 8 * 8);
     let (b8, b_rest) = b.split_at(a8.len());
     for (x, y) in a8.chunks_exact(8).zip(b8.chunks_exact(8)) {
         for l in 0..8 {
-            lanes[l] += x[l] * y[l];
+            lanes[l] += x[l] * y[l].to_f32();
         }
     }
     let mut tail = 0f32;
     for (x, y) in a_rest.iter().zip(b_rest) {
-        tail += x * y;
+        tail += x * y.to_f32();
     }
     ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
         + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
@@ -408,38 +637,45 @@ pub(crate) const EXP_POLY: [f32; 6] = [
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{EXP_MIN, EXP_POLY, HeadKv, LN2_HI, LN2_LO, visible_span};
+    use std::ops::Range;
+
+    use super::{EXP_MIN, EXP_POLY, HeadKv, KvElement, LN2_HI, LN2_LO};
 
     /// [`super::attend_row`] with AVX2 and FMA: the scores as dot products in two 8-lane
     /// accumulators, the exponentials eight at a time ([`exp8`]), and the weighted sum of the
-    /// values with a 64-wide slice of the output held in registers.
+    /// values with a 64-wide slice of the output held in registers; f16 and bf16 keys and
+    /// values widened as they load ([`KvElement::load8`]).
     ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn attend_row(
+    /// The CPU must support AVX2, FMA and F16C.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn attend_row<T: KvElement>(
         q: &[f32],
-        kv: &HeadKv<'_>,
+        kv: &HeadKv<'_, T>,
         mask: &[bool],
+        span: Range<usize>,
         scale: f32,
         scores: &mut Vec<(usize, f32)>,
         probs: &mut Vec<f32>,
-        acc: &mut [f32],
+        record: &mut [f32],
     ) {
         scores.clear();
         let head_dim = q.len();
-        let visible = visible_span(mask);
         let mut max = f32::NEG_INFINITY;
         for (at, _) in kv
-            .offsets(visible.clone())
-            .zip(&mask[visible])
+            .offsets(span.clone())
+            .zip(&mask[span])
             .filter(|(_, masked)| !**masked)
         {
             let s = unsafe { dot(q, &kv.kv.k[at..at + head_dim]) } * scale;
             max = max.max(s);
             scores.push((at, s));
         }
+        let (acc, tail) = record.split_at_mut(head_dim);
         acc.fill(0.0);
+        tail[0] = max;
+        tail[1] = 0.0;
         if scores.is_empty() {
             return;
         }
@@ -458,7 +694,9 @@ mod x86 {
             unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), p) };
             probs.extend_from_slice(&lanes[..chunk.len()]);
         }
-        let inv = 1.0 / unsafe { hsum(sums) };
+        let sum = unsafe { hsum(sums) };
+        let inv = 1.0 / sum;
+        tail[1] = sum;
         // acc = Σ_j p_j v_j, 64 columns at a time in eight registers, then 8, then one.
         let v = kv.kv.v;
         let mut c = 0;
@@ -468,7 +706,9 @@ mod x86 {
                 let p = _mm256_set1_ps(p);
                 let row = &v[at + c..at + c + 64];
                 for (u, lane) in lanes.iter_mut().enumerate() {
-                    let x = unsafe { _mm256_loadu_ps(row.as_ptr().add(8 * u)) };
+                    // SAFETY: eight values inside `row`; the CPU has F16C (this function's
+                    // contract).
+                    let x = unsafe { T::load8(row.as_ptr().add(8 * u)) };
                     *lane = _mm256_fmadd_ps(p, x, *lane);
                 }
             }
@@ -481,7 +721,8 @@ mod x86 {
         while c + 8 <= head_dim {
             let mut lane = _mm256_setzero_ps();
             for (&(at, _), &p) in scores.iter().zip(probs.iter()) {
-                let x = unsafe { _mm256_loadu_ps(v[at + c..at + c + 8].as_ptr()) };
+                // SAFETY: eight values inside the value row.
+                let x = unsafe { T::load8(v[at + c..at + c + 8].as_ptr()) };
                 lane = _mm256_fmadd_ps(_mm256_set1_ps(p), x, lane);
             }
             let out = _mm256_mul_ps(lane, _mm256_set1_ps(inv));
@@ -492,7 +733,9 @@ mod x86 {
             let sum: f32 = scores
                 .iter()
                 .zip(probs.iter())
-                .fold(0.0, |sum, (&(at, _), &p)| p.mul_add(v[at + d], sum));
+                .fold(0.0, |sum, (&(at, _), &p)| {
+                    p.mul_add(v[at + d].to_f32(), sum)
+                });
             *a = sum * inv;
         }
     }
@@ -508,8 +751,8 @@ mod x86 {
 
     /// `a · b`: sixteen lanes in two accumulators, then eight, then the rest one by one.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot<T: KvElement>(a: &[f32], b: &[T]) -> f32 {
         let n = a.len().min(b.len());
         let (pa, pb) = (a.as_ptr(), b.as_ptr());
         let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
@@ -517,22 +760,18 @@ mod x86 {
         // SAFETY: every load reads eight values below `n`.
         unsafe {
             while i + 16 <= n {
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), s0);
-                s1 = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(pa.add(i + 8)),
-                    _mm256_loadu_ps(pb.add(i + 8)),
-                    s1,
-                );
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), T::load8(pb.add(i)), s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), T::load8(pb.add(i + 8)), s1);
                 i += 16;
             }
             if i + 8 <= n {
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), s0);
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), T::load8(pb.add(i)), s0);
                 i += 8;
             }
         }
         let mut sum = unsafe { hsum(_mm256_add_ps(s0, s1)) };
         for j in i..n {
-            sum = a[j].mul_add(b[j], sum);
+            sum = a[j].mul_add(b[j].to_f32(), sum);
         }
         sum
     }

@@ -1,8 +1,10 @@
 //! The attention kernel against an f64 reference, and its promise that a query's output does
 //! not depend on the keys it cannot see (so batches equal single runs bit for bit).
 
+use half::{bf16, f16};
 use kiln_kernels::attention::{
-    AttentionShape, KvBlocks, attention, attention_blocks, attention_blocks_with,
+    AttentionShape, KvBlocks, KvElement, attention, attention_blocks, attention_blocks_with,
+    attention_partitioned,
 };
 use kiln_kernels::{ThreadPool, Tier};
 use proptest::prelude::*;
@@ -116,6 +118,32 @@ fn shapes() -> impl Strategy<Value = (AttentionShape, u64)> {
         })
 }
 
+/// [`attention_partitioned`] on `tier` over K/V of type `T`, each (batch row, KV head)'s
+/// keys one block.
+#[allow(clippy::too_many_arguments)]
+fn partitioned_on<T: KvElement>(
+    tier: Tier,
+    shape: AttentionShape,
+    partition_keys: usize,
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    mask: &[bool],
+    pool: &ThreadPool,
+) -> Vec<f32> {
+    let table: Vec<usize> = (0..shape.batch * shape.n_kv_heads).collect();
+    let kv = KvBlocks {
+        k,
+        v,
+        table: &table,
+        block_keys: shape.keys,
+    };
+    let mut out = vec![f32::NAN; q.len()];
+    attention_partitioned(shape, q, kv, mask, &mut out, pool, tier, partition_keys)
+        .expect("the test builds matching shapes");
+    out
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
@@ -139,10 +167,79 @@ proptest! {
         }
     }
 
+    /// Keys in partitions of any size, merged, and f16 or bf16 K/V read in place: the f64
+    /// reference over the same (widened) values, on every tier.
+    #[test]
+    fn partitions_and_narrow_kv_match_the_f64_reference(
+        (shape, seed) in shapes(),
+        partition_keys in 1usize..12,
+        threads in 1usize..4,
+    ) {
+        let q = values(shape.batch * shape.n_kv_heads * shape.n_rep * shape.q_len * shape.head_dim, seed);
+        let k = values(shape.batch * shape.n_kv_heads * shape.keys * shape.head_dim, seed ^ 1);
+        let v = values(k.len(), seed ^ 2);
+        let mask: Vec<bool> = values(shape.batch * shape.q_len * shape.keys, seed ^ 3)
+            .iter()
+            .map(|x| *x > 0.2)
+            .collect();
+        let pool = ThreadPool::new(threads);
+        let (k16, v16): (Vec<f16>, Vec<f16>) =
+            (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
+        let (kb, vb): (Vec<bf16>, Vec<bf16>) =
+            (k.iter().map(|&x| bf16::from_f32(x)).collect(), v.iter().map(|&x| bf16::from_f32(x)).collect());
+        let widen = |x: &[f16]| x.iter().map(|v| v.to_f32()).collect::<Vec<_>>();
+        let widen_b = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<_>>();
+        let cases = [
+            ("f32", reference(shape, &q, &k, &v, &mask)),
+            ("f16", reference(shape, &q, &widen(&k16), &widen(&v16), &mask)),
+            ("bf16", reference(shape, &q, &widen_b(&kb), &widen_b(&vb), &mask)),
+        ];
+        for tier in Tier::supported() {
+            for (name, expected) in &cases {
+                let out = match *name {
+                    "f32" => partitioned_on(tier, shape, partition_keys, &q, &k, &v, &mask, &pool),
+                    "f16" => partitioned_on(tier, shape, partition_keys, &q, &k16, &v16, &mask, &pool),
+                    _ => partitioned_on(tier, shape, partition_keys, &q, &kb, &vb, &mask, &pool),
+                };
+                for (got, want) in out.iter().zip(expected) {
+                    prop_assert!((*got as f64 - want).abs() < 1e-5, "{tier} {name}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
+    /// A row's partitions run as tasks of their own when a step has few rows for the threads
+    /// (one thread: together): the same bits either way.
+    #[test]
+    fn splitting_partitions_over_threads_keeps_the_bits(
+        (shape, seed) in shapes(),
+        partition_keys in 1usize..12,
+    ) {
+        let q = values(shape.batch * shape.n_kv_heads * shape.n_rep * shape.q_len * shape.head_dim, seed);
+        let k: Vec<f16> = values(shape.batch * shape.n_kv_heads * shape.keys * shape.head_dim, seed ^ 1)
+            .into_iter().map(f16::from_f32).collect();
+        let v: Vec<f16> = values(k.len(), seed ^ 2).into_iter().map(f16::from_f32).collect();
+        let mask: Vec<bool> = values(shape.batch * shape.q_len * shape.keys, seed ^ 3)
+            .iter()
+            .map(|x| *x > 0.2)
+            .collect();
+        let bits = |x: Vec<f32>| x.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        for tier in Tier::supported() {
+            let together = partitioned_on(tier, shape, partition_keys, &q, &k, &v, &mask, &ThreadPool::new(1));
+            let split = partitioned_on(tier, shape, partition_keys, &q, &k, &v, &mask, &ThreadPool::new(7));
+            prop_assert_eq!(bits(together), bits(split), "{}", tier);
+        }
+    }
+
     /// The same query over the same visible keys, once alone and once among masked keys (another
     /// prompt's, or padding), gives the same bits.
     #[test]
-    fn masked_keys_do_not_change_the_bits((shape, seed) in shapes(), before in 0usize..20, after in 0usize..20) {
+    fn masked_keys_do_not_change_the_bits(
+        (shape, seed) in shapes(),
+        before in 0usize..20,
+        after in 0usize..20,
+        partition_keys in prop_oneof![Just(kiln_kernels::attention::PARTITION_KEYS), 1usize..12],
+    ) {
         let shape = AttentionShape { batch: 1, ..shape };
         let q = values(shape.n_kv_heads * shape.n_rep * shape.q_len * shape.head_dim, seed);
         let k = values(shape.n_kv_heads * shape.keys * shape.head_dim, seed ^ 1);
@@ -152,8 +249,7 @@ proptest! {
             .collect();
         let pool = ThreadPool::new(2);
         for tier in Tier::supported() {
-            let mut alone = vec![0f32; q.len()];
-            attention_on(tier, shape, &q, &k, &v, &causal, &mut alone, &pool);
+            let alone = partitioned_on(tier, shape, partition_keys, &q, &k, &v, &causal, &pool);
 
             // The keys again, with `before` and `after` masked junk keys around them.
             let wide = AttentionShape { keys: before + shape.keys + after, ..shape };
@@ -173,8 +269,8 @@ proptest! {
                     mask[i * wide.keys + before + j] = causal[i * shape.keys + j];
                 }
             }
-            let mut packed = vec![0f32; q.len()];
-            attention_on(tier, wide, &q, &widen(&k), &widen(&v), &mask, &mut packed, &pool);
+            let packed =
+                partitioned_on(tier, wide, partition_keys, &q, &widen(&k), &widen(&v), &mask, &pool);
             prop_assert_eq!(
                 alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                 packed.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),

@@ -3,12 +3,13 @@
 //!
 //! The row kernels read a KV head's keys once per query row and reduce every score across
 //! lanes; here a tile of query rows that see the same first key shares one pass over the keys,
-//! which are transposed once per task into a scratch buffer (`[chunk][dim][16 keys]`), so a
-//! score is sixteen keys in the lanes of one register and a row of values is loaded once for
-//! every row of the tile.
+//! which are transposed (and widened to f32) once per task and partition into a scratch
+//! buffer (`[chunk][dim][16 keys]`), so a score is sixteen keys in the lanes of one register
+//! and a row of values is loaded once for every row of the tile.
 //!
-//! A row's output still depends only on its visible keys: every number is computed in an
-//! order fixed relative to the row's first visible key (`start`), whatever else is in the
+//! A row's partial result for a partition (see `super`'s doc) still depends only on its
+//! visible keys: every number is computed in an order fixed relative to the partition's first
+//! key (`start`, a fixed distance from the row's first visible key), whatever else is in the
 //! tile, the task or the cache.
 //! - score of key `j`: `Σ_d q_d k_jd`, one FMA per `d` from 0 up, times `1/√head_dim`;
 //! - masked keys (and keys past the row's last visible one) get probability exactly 0;
@@ -25,7 +26,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 use std::ops::Range;
 
-use super::{EXP_MIN, EXP_POLY, HeadKv, LN2_HI, LN2_LO};
+use super::{EXP_MIN, EXP_POLY, HeadKv, KvElement, LN2_HI, LN2_LO};
 use crate::SharedOut;
 
 /// Keys per register.
@@ -43,39 +44,52 @@ thread_local! {
 /// One query row of a task.
 #[derive(Debug, Clone)]
 pub(super) struct Row {
-    /// Offset of its query (and output) vector.
+    /// Offset of its query vector.
     pub at: usize,
     /// Its mask row: `keys` entries, `true` = masked.
     pub mask_at: usize,
     /// Its visible span (first to last visible key).
     pub visible: Range<usize>,
+    /// Offset of its partial result in the sink (`head_dim + 2` values, see
+    /// `super::record_len`).
+    pub dest: usize,
 }
 
-/// The attention of `rows` (one task's, all on one KV head): tiles of up to four rows with
-/// the same first visible key.
+/// Which partition of each row's keys a call attends over.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Partition {
+    /// Its index, from the row's first visible key.
+    pub index: usize,
+    /// Keys per partition.
+    pub keys: usize,
+}
+
+/// The partials of `rows` (one task's, all on one KV head) over one partition of their keys:
+/// tiles of up to four rows with the same first visible key.
 ///
 /// # Shapes
-/// - `q`, `out`: as [`super::attention_blocks`]; each row reads `q[at..at + head_dim]` and
-///   writes `out[at..at + head_dim]`
-/// - `mask`: as [`super::attention_blocks`]
+/// - `q`, `mask`: as [`super::attention_blocks`]; each row reads `q[at..at + head_dim]`
+/// - `sink`: each row writes `sink[dest..dest + head_dim + 2]`
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW and VL; `head_dim` must be a positive multiple of 16;
-/// no other task may write these rows' outputs.
+/// no other task may write these rows' records.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-pub(super) unsafe fn attend_rows(
+pub(super) unsafe fn attend_rows<T: KvElement>(
     rows: &[Row],
+    partition: Partition,
     q: &[f32],
-    kv: &HeadKv<'_>,
+    kv: &HeadKv<'_, T>,
     mask: &[bool],
     keys: usize,
     scale: f32,
-    out: &SharedOut<f32>,
+    sink: &SharedOut<f32>,
 ) {
     let head_dim = kv.head_dim;
     debug_assert!(head_dim > 0 && head_dim.is_multiple_of(LANES));
     let (mut kt, mut probs) = SCRATCH.take();
-    // The transposed keys cover `built` for the start they were built from.
+    // The transposed keys cover `built`.
     let mut built: Option<Range<usize>> = None;
     let mut r = 0;
     while r < rows.len() {
@@ -91,19 +105,20 @@ pub(super) unsafe fn attend_rows(
             .map(|row| row.visible.end)
             .max()
             .unwrap_or(start);
-        if end <= start {
-            // No row sees a key: zeros, as the row kernels give.
+        let span = super::partition_span(&(start..end), partition.index, partition.keys);
+        if span.is_empty() {
+            // No row sees a key here: an empty partial, as the row kernels give.
             for row in tile {
-                for d in 0..head_dim {
-                    // SAFETY: the row is this task's (the caller's contract).
-                    unsafe { out.write(row.at + d, 0.0) };
-                }
+                // SAFETY: the record is this task's (the caller's contract).
+                let record = unsafe { sink.slice(row.dest, head_dim + 2) };
+                record.fill(0.0);
+                record[head_dim] = f32::NEG_INFINITY;
             }
             continue;
         }
         if !built
             .as_ref()
-            .is_some_and(|b| b.start == start && b.end >= end)
+            .is_some_and(|b| b.start == span.start && b.end >= span.end)
         {
             // Build once for every row of the task that starts here.
             let task_end = rows
@@ -112,35 +127,48 @@ pub(super) unsafe fn attend_rows(
                 .map(|row| row.visible.end)
                 .max()
                 .unwrap_or(end);
-            transpose_keys(kv, start..task_end, &mut kt);
-            built = Some(start..task_end);
+            let task_span =
+                super::partition_span(&(start..task_end), partition.index, partition.keys);
+            transpose_keys(kv, task_span.clone(), &mut kt);
+            built = Some(task_span);
         }
-        let chunks = (end - start).div_ceil(LANES);
-        probs.clear();
-        probs.resize(TILE_ROWS * chunks * LANES, 0.0);
+        let chunks = span.len().div_ceil(LANES);
+        // Every value a tile reads is written first (each row's scores, then probabilities):
+        // grown, never cleared.
+        let needed = TILE_ROWS * chunks * LANES;
+        if probs.len() < needed {
+            probs.resize(needed, 0.0);
+        }
         let keys_seen = KeysSeen {
             kt: &kt,
             mask,
             keys,
-            span: start..end,
+            span: span.clone(),
             scale,
             head_dim,
         };
-        let inv = match tile.len() {
+        let (maxes, sums) = match tile.len() {
             1 => scores_to_probabilities::<1>(tile, q, &keys_seen, &mut probs),
             2 => scores_to_probabilities::<2>(tile, q, &keys_seen, &mut probs),
             3 => scores_to_probabilities::<3>(tile, q, &keys_seen, &mut probs),
             _ => scores_to_probabilities::<4>(tile, q, &keys_seen, &mut probs),
         };
+        let inv = sums.map(|s| if s > 0.0 { 1.0 / s } else { 0.0 });
         // SAFETY: as this function's.
         unsafe {
             match tile.len() {
-                1 => weighted_sum::<1>(tile, kv, start..end, &probs, &inv, out),
-                2 => weighted_sum::<2>(tile, kv, start..end, &probs, &inv, out),
-                3 => weighted_sum::<3>(tile, kv, start..end, &probs, &inv, out),
-                _ => weighted_sum::<4>(tile, kv, start..end, &probs, &inv, out),
+                1 => weighted_sum::<1, T>(tile, kv, span, &probs, &inv, sink),
+                2 => weighted_sum::<2, T>(tile, kv, span, &probs, &inv, sink),
+                3 => weighted_sum::<3, T>(tile, kv, span, &probs, &inv, sink),
+                _ => weighted_sum::<4, T>(tile, kv, span, &probs, &inv, sink),
             }
         };
+        for (i, row) in tile.iter().enumerate() {
+            // SAFETY: the record is this task's (the caller's contract).
+            let tail = unsafe { sink.slice(row.dest + head_dim, 2) };
+            tail[0] = maxes[i];
+            tail[1] = sums[i];
+        }
     }
     SCRATCH.set((kt, probs));
 }
@@ -162,21 +190,24 @@ struct KeysSeen<'a> {
 }
 
 /// `kt[c][d][l] = k[start + 16c + l][d]` over `span`, the last chunk's missing keys 0:
-/// sixteen keys by sixteen dimensions at a time through [`transpose16`].
+/// sixteen keys by sixteen dimensions at a time through [`transpose16`], widened to f32.
 #[target_feature(enable = "avx512f")]
-fn transpose_keys(kv: &HeadKv<'_>, span: Range<usize>, kt: &mut Vec<f32>) {
+fn transpose_keys<T: KvElement>(kv: &HeadKv<'_, T>, span: Range<usize>, kt: &mut Vec<f32>) {
     let head_dim = kv.head_dim;
     let chunks = span.len().div_ceil(LANES);
-    kt.clear();
-    kt.resize(chunks * head_dim * LANES, 0.0);
+    // Every value of the chunks is written below (missing keys as zeros): grown, never
+    // cleared.
+    if kt.len() < chunks * head_dim * LANES {
+        kt.resize(chunks * head_dim * LANES, 0.0);
+    }
     // A missing key (past the span's end) reads zeros.
-    let zeros = vec![0f32; head_dim];
+    let zeros = vec![T::ZERO; head_dim];
     let k = kv.kv.k;
     let mut offsets = kv.offsets(span);
-    for chunk in kt.chunks_exact_mut(head_dim * LANES) {
+    for chunk in kt[..chunks * head_dim * LANES].chunks_exact_mut(head_dim * LANES) {
         // Each key's row, found once per chunk: the loads below are then plain loads the core
         // can overlap (a lookup per load, through a call, serialized the cache misses).
-        let keys: [&[f32]; LANES] = std::array::from_fn(|_| {
+        let keys: [&[T]; LANES] = std::array::from_fn(|_| {
             offsets
                 .next()
                 .map_or(&zeros[..], |at| &k[at..at + head_dim])
@@ -188,7 +219,7 @@ fn transpose_keys(kv: &HeadKv<'_>, span: Range<usize>, kt: &mut Vec<f32>) {
             let mut rows = [_mm512_setzero_ps(); LANES];
             for (row, key) in rows.iter_mut().zip(&keys) {
                 // SAFETY: `d0 + 16 <= head_dim`, the length of every slice in `keys`.
-                *row = unsafe { _mm512_loadu_ps(key.as_ptr().add(d0)) };
+                *row = unsafe { T::load16(key.as_ptr().add(d0)) };
             }
             for (dd, column) in transpose16(rows).into_iter().enumerate() {
                 let at = (d0 + dd) * LANES;
@@ -208,15 +239,15 @@ fn transpose_keys(kv: &HeadKv<'_>, span: Range<usize>, kt: &mut Vec<f32>) {
 /// end).
 const KEYS_AHEAD: usize = 2 * LANES;
 
-/// Prefetches the cache lines of `row`'s span moved `ahead` floats on (the key `ahead /
+/// Prefetches the cache lines of `row`'s span moved `ahead` values on (the key `ahead /
 /// head_dim` rows later when the keys are contiguous; a hint only, so an address past the
 /// buffer or in another block costs nothing but the wasted fetch).
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn prefetch_ahead(row: &[f32], ahead: usize) {
-    const LINE_FLOATS: usize = 16;
+fn prefetch_ahead<T>(row: &[T], ahead: usize) {
+    let line_values = (64 / size_of::<T>()).max(1);
     let base = row.as_ptr().wrapping_add(ahead);
-    for offset in (0..row.len()).step_by(LINE_FLOATS) {
+    for offset in (0..row.len()).step_by(line_values) {
         // A prefetch never faults, whatever the address.
         _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(offset).cast());
     }
@@ -287,7 +318,8 @@ fn masked_lanes(mask_row: &[bool], j0: usize, end: usize) -> __mmask16 {
 }
 
 /// The scores of the tile's `R` rows over `seen.span` (`probs[r][c * 16 + l]`, then their
-/// probabilities in place) and each row's `1 / Σ p` (0 for a row that sees no key).
+/// probabilities in place), and each row's largest score and `Σ p` (-inf and 0 for a row
+/// that sees no key).
 ///
 /// # Shapes
 /// - `seen.kt`: `[chunks ≥ span / 16, head_dim, 16]` from [`transpose_keys`]
@@ -298,7 +330,7 @@ fn scores_to_probabilities<const R: usize>(
     q: &[f32],
     seen: &KeysSeen<'_>,
     probs: &mut [f32],
-) -> [f32; TILE_ROWS] {
+) -> ([f32; TILE_ROWS], [f32; TILE_ROWS]) {
     let tile = &tile[..R];
     let start = seen.span.start;
     let chunks = seen.span.len().div_ceil(LANES);
@@ -332,7 +364,7 @@ fn scores_to_probabilities<const R: usize>(
             let mask_row = &seen.mask[row.mask_at..row.mask_at + seen.keys];
             for (h, &sum) in s[r].iter().enumerate().take(pair) {
                 let j0 = start + (c + h) * LANES;
-                let masked = masked_lanes(mask_row, j0, row.visible.end);
+                let masked = masked_lanes(mask_row, j0, row.visible.end.min(seen.span.end));
                 let score = _mm512_mask_mov_ps(_mm512_mul_ps(sum, scale16), masked, minus_inf);
                 maxes[r] = _mm512_max_ps(maxes[r], score);
                 let at = r * stride + (c + h) * LANES;
@@ -343,10 +375,12 @@ fn scores_to_probabilities<const R: usize>(
         c += pair;
     }
     // Probabilities and their sums.
-    let mut inv = [0f32; TILE_ROWS];
+    let mut row_maxes = [f32::NEG_INFINITY; TILE_ROWS];
+    let mut row_sums = [0f32; TILE_ROWS];
     for r in 0..R {
         let row_probs = &mut probs[r * stride..(r + 1) * stride];
         let max = _mm512_reduce_max_ps(maxes[r]);
+        row_maxes[r] = max;
         if max == f32::NEG_INFINITY {
             row_probs.fill(0.0);
             continue;
@@ -362,20 +396,20 @@ fn scores_to_probabilities<const R: usize>(
             sums = _mm512_add_ps(sums, p);
             unsafe { _mm512_storeu_ps(chunk.as_mut_ptr(), p) };
         }
-        inv[r] = 1.0 / _mm512_reduce_add_ps(sums);
+        row_sums[r] = _mm512_reduce_add_ps(sums);
     }
-    inv
+    (row_maxes, row_sums)
 }
 
-/// `out[row] = inv[row] × Σ_j p_j v_j` over keys `span`, 64 columns at a time (four
+/// `out[row.dest..] = inv[row] × Σ_j p_j v_j` over keys `span`, 64 columns at a time (four
 /// registers per row: sixteen accumulators for a full tile), fewer for the last columns.
 ///
 /// # Safety
 /// As [`attend_rows`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn weighted_sum<const R: usize>(
+unsafe fn weighted_sum<const R: usize, T: KvElement>(
     tile: &[Row],
-    kv: &HeadKv<'_>,
+    kv: &HeadKv<'_, T>,
     span: Range<usize>,
     probs: &[f32],
     inv: &[f32; TILE_ROWS],
@@ -386,10 +420,10 @@ unsafe fn weighted_sum<const R: usize>(
         // SAFETY: as this function's.
         unsafe {
             column += match (kv.head_dim - column) / LANES {
-                1 => columns::<R, 1>(tile, kv, span.clone(), column, probs, inv, out),
-                2 => columns::<R, 2>(tile, kv, span.clone(), column, probs, inv, out),
-                3 => columns::<R, 3>(tile, kv, span.clone(), column, probs, inv, out),
-                _ => columns::<R, 4>(tile, kv, span.clone(), column, probs, inv, out),
+                1 => columns::<R, 1, T>(tile, kv, span.clone(), column, probs, inv, out),
+                2 => columns::<R, 2, T>(tile, kv, span.clone(), column, probs, inv, out),
+                3 => columns::<R, 3, T>(tile, kv, span.clone(), column, probs, inv, out),
+                _ => columns::<R, 4, T>(tile, kv, span.clone(), column, probs, inv, out),
             }
         };
     }
@@ -400,9 +434,9 @@ unsafe fn weighted_sum<const R: usize>(
 /// # Safety
 /// As [`attend_rows`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn columns<const R: usize, const W: usize>(
+unsafe fn columns<const R: usize, const W: usize, T: KvElement>(
     tile: &[Row],
-    kv: &HeadKv<'_>,
+    kv: &HeadKv<'_, T>,
     span: Range<usize>,
     column: usize,
     probs: &[f32],
@@ -421,7 +455,7 @@ unsafe fn columns<const R: usize, const W: usize>(
         let mut values = [_mm512_setzero_ps(); W];
         for (w, x) in values.iter_mut().enumerate() {
             // SAFETY: 16 values inside `row`.
-            *x = unsafe { _mm512_loadu_ps(row.as_ptr().add(w * LANES)) };
+            *x = unsafe { T::load16(row.as_ptr().add(w * LANES)) };
         }
         for (r, acc) in acc.iter_mut().enumerate() {
             let p = _mm512_set1_ps(probs[r * stride + i]);
@@ -438,7 +472,7 @@ unsafe fn columns<const R: usize, const W: usize>(
             unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_mul_ps(a, inv16)) };
             for (l, &x) in lanes.iter().enumerate() {
                 // SAFETY: the row is this task's (the caller's contract).
-                unsafe { out.write(row.at + column + w * LANES + l, x) };
+                unsafe { out.write(row.dest + column + w * LANES + l, x) };
             }
         }
     }
