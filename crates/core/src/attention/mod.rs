@@ -237,12 +237,28 @@ pub fn attend<B: InferenceBackend>(
     let [n_tokens, n_heads, head_dim] = q.dims();
     debug_assert_eq!(n_heads, plan.n_heads);
     debug_assert_eq!(k.dims()[1], plan.n_kv_heads);
+    // A step's fresh K/V are attended as they are, a history's as the cache stores them: a
+    // cache narrower than the activations (f16 K/V) gets them rounded to its precision first,
+    // so that a prompt attends over the same values whether its prefix was computed in this
+    // step or found in the cache. The rounded copy is also what the cache stores.
+    let (k, v, k_stored, v_stored) = if cache.dtype().burn() == k.dtype() {
+        (k.clone(), v.clone(), k, v)
+    } else {
+        let computed = FloatDType::from(k.dtype());
+        let stored = cache.dtype().burn_float();
+        let (k_stored, v_stored) = (k.cast(stored), v.cast(stored));
+        let (k, v) = (
+            k_stored.clone().cast(computed),
+            v_stored.clone().cast(computed),
+        );
+        (k, v, k_stored, v_stored)
+    };
     if let Some(index) = &plan.step_index {
-        cache.write_places(layer, index, k.clone(), v.clone());
+        cache.write_places(layer, index, k_stored, v_stored);
         let (k_store, v_store) = cache.storage(layer);
         return B::step_attention(q, k, v, k_store, v_store, index);
     }
-    cache.write(layer, &plan.step, k.clone(), v.clone());
+    cache.write(layer, &plan.step, k_stored, v_stored);
 
     let mut outputs = Vec::with_capacity(2);
     if let Some(fresh) = &plan.fresh {

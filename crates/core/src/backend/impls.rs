@@ -142,9 +142,14 @@ mod flex_buffers {
 #[cfg(feature = "cpu")]
 mod flex_attention {
     use burn::backend::Flex;
+    use burn::backend::flex::FlexTensor;
+    use burn::tensor::DType;
     use burn::tensor::{Bool, Tensor};
+    use burn::tensor::{bf16, f16};
     use kiln_kernels::ThreadPool;
-    use kiln_kernels::attention::{AttentionShape, KvBlocks, attention, attention_blocks};
+    use kiln_kernels::attention::{
+        AttentionShape, KvBlocks, KvElement, attention, attention_blocks,
+    };
 
     use crate::kv_cache::CachedKv;
 
@@ -224,14 +229,17 @@ mod flex_attention {
         out
     }
 
-    /// Attention over the cache's K/V where they lie (no gather per layer), the token-major
-    /// queries of each row regrouped head-major and back by row copies.
+    /// Attention over the cache's K/V where they lie (no gather per layer), f32, f16 or bf16
+    /// read in place by the kernel, the token-major queries of each row regrouped head-major
+    /// and back by row copies.
     pub(super) fn cached(
         q: Tensor<Flex, 4>,
         kv: CachedKv<'_, Flex>,
         mask: Tensor<Flex, 3, Bool>,
     ) -> Tensor<Flex, 4> {
-        if !all_f32(&[q.dtype(), kv.k.dtype(), kv.v.dtype()]) {
+        let kv_dtype = kv.k.dtype();
+        let readable = matches!(kv_dtype, DType::F32 | DType::F16 | DType::BF16);
+        if q.dtype() != DType::F32 || kv.v.dtype() != kv_dtype || !readable {
             return crate::attention::sdpa_cached(q, kv, mask);
         }
         let dims @ [rows, q_len, n_heads, head_dim] = q.dims();
@@ -246,20 +254,47 @@ mod flex_attention {
         };
         let table = kv.table().to_vec();
         let (k, v) = (host(kv.k), host(kv.v));
-        let blocks = KvBlocks {
-            k: f32_slice(&k),
-            v: f32_slice(&v),
-            table: &table,
-            block_keys: slots,
-        };
         let q = host(q);
         let q = transpose_rows(f32_slice(&q), rows, q_len, n_heads, head_dim);
         let mut out = vec![0f32; q.len()];
         with_mask(mask, |mask| {
-            attention_blocks(shape, &q, blocks, mask, &mut out, ThreadPool::global())
+            let pool = ThreadPool::global();
+            match kv_dtype {
+                DType::F16 => {
+                    let blocks = blocks_of::<f16>(&k, &v, &table, slots);
+                    attention_blocks(shape, &q, blocks, mask, &mut out, pool)
+                }
+                DType::BF16 => {
+                    let blocks = blocks_of::<bf16>(&k, &v, &table, slots);
+                    attention_blocks(shape, &q, blocks, mask, &mut out, pool)
+                }
+                _ => {
+                    let blocks = blocks_of::<f32>(&k, &v, &table, slots);
+                    attention_blocks(shape, &q, blocks, mask, &mut out, pool)
+                }
+            }
         })
         .expect("the shapes were taken from the tensors");
         wrap(transpose_rows(&out, rows, n_heads, q_len, head_dim), dims)
+    }
+
+    /// The kernel's view of contiguous K/V storage of element type `T`.
+    fn blocks_of<'a, T: KvElement + burn::tensor::Element + bytemuck::Pod>(
+        k: &'a FlexTensor,
+        v: &'a FlexTensor,
+        table: &'a [usize],
+        block_keys: usize,
+    ) -> KvBlocks<'a, T> {
+        let values = |t: &'a FlexTensor| -> &'a [T] {
+            let start = t.layout().start_offset();
+            &t.storage::<T>()[start..start + t.layout().num_elements()]
+        };
+        KvBlocks {
+            k: values(k),
+            v: values(v),
+            table,
+            block_keys,
+        }
     }
 
     /// The kernel's view of `q` (`[batch, n_kv_heads, n_rep * q_len, head_dim]`) and `mask`

@@ -73,6 +73,11 @@ impl<B: InferenceBackend> DenseCache<B> {
         self.storage.layout()
     }
 
+    /// The precision stored.
+    pub fn dtype(&self) -> Dtype {
+        self.storage.dtype()
+    }
+
     pub fn write(&mut self, layer: usize, plan: &StepPlan, k: Tensor<B, 3>, v: Tensor<B, 3>) {
         self.storage.write(layer, &plan.writes, k, v);
     }
@@ -453,6 +458,9 @@ macro_rules! delegate_dense_cache {
         }
 
         impl<B: InferenceBackend> $crate::kv_cache::KvCache<B> for $name<B> {
+            fn dtype(&self) -> $crate::dtype::Dtype {
+                self.inner.dtype()
+            }
             fn plan(
                 &mut self,
                 batch: &$crate::batch::Batch,

@@ -357,6 +357,9 @@ pub trait KvCache<B: InferenceBackend>: CacheBook {
     /// [`CacheError`] when the step does not fit.
     fn plan(&mut self, batch: &Batch) -> Result<StepPlan, CacheError>;
 
+    /// The precision the K/V are stored in (each write is cast to it).
+    fn dtype(&self) -> Dtype;
+
     /// Writes one layer's new K/V where the plan says, in place.
     ///
     /// # Shapes

@@ -160,6 +160,11 @@ impl<B: InferenceBackend> SlotStorage<B> {
         self.layout
     }
 
+    /// The precision stored.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
     /// Rows or blocks per layer.
     pub fn targets(&self) -> usize {
         self.targets

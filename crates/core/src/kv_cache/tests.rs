@@ -111,7 +111,23 @@ fn attend_host(q: &[f32], keys: &[(&[f32], &[f32])]) -> Vec<f32> {
         .collect()
 }
 
-/// Runs the scenario through `cache` and checks every attention output against the host.
+/// Runs the scenario through `cache` and checks every attention output against the host (which
+/// takes the K/V rounded to the cache's precision, as attention reads them).
+/// `values` rounded to `dtype`'s precision (and back to f32).
+fn round_to(dtype: Dtype, values: Vec<f32>) -> Vec<f32> {
+    match dtype {
+        Dtype::F32 => values,
+        Dtype::F16 => values
+            .into_iter()
+            .map(|x| burn::tensor::f16::from_f32(x).to_f32())
+            .collect(),
+        Dtype::Bf16 => values
+            .into_iter()
+            .map(|x| burn::tensor::bf16::from_f32(x).to_f32())
+            .collect(),
+    }
+}
+
 fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::Device) {
     let window = cache.window();
     let (hkv, d) = (LAYOUT.n_kv_heads, LAYOUT.head_dim);
@@ -169,8 +185,8 @@ fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::
         }
         for layer in 0..LAYOUT.n_layers {
             let q = rand.values(t * N_HEADS * d);
-            let k = rand.values(t * hkv * d);
-            let v = rand.values(t * hkv * d);
+            let k = round_to(cache.dtype(), rand.values(t * hkv * d));
+            let v = round_to(cache.dtype(), rand.values(t * hkv * d));
             let out = attend(
                 cache,
                 layer,
@@ -268,19 +284,24 @@ fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::
 }
 
 fn all_kinds<B: InferenceBackend>(device: &B::Device) -> Vec<Box<dyn KvCache<B>>> {
+    all_kinds_in::<B>(Dtype::F32, device)
+}
+
+/// Every kind, holding its K/V in `dtype`.
+fn all_kinds_in<B: InferenceBackend>(dtype: Dtype, device: &B::Device) -> Vec<Box<dyn KvCache<B>>> {
     vec![
-        Box::new(StaticKvCache::new(LAYOUT, 4, 32, Dtype::F32, device).unwrap()),
-        Box::new(DynamicKvCache::new(LAYOUT, Dtype::F32, device)),
+        Box::new(StaticKvCache::new(LAYOUT, 4, 32, dtype, device).unwrap()),
+        Box::new(DynamicKvCache::new(LAYOUT, dtype, device)),
         // A window longer than any sequence: must equal the others.
-        Box::new(SlidingKvCache::new(LAYOUT, 4, 64, 8, Dtype::F32, device).unwrap()),
+        Box::new(SlidingKvCache::new(LAYOUT, 4, 64, 8, dtype, device).unwrap()),
         // A window shorter than the sequences: the ring wraps, old keys drop out.
-        Box::new(SlidingKvCache::new(LAYOUT, 4, 3, 2, Dtype::F32, device).unwrap()),
-        Box::new(PagedKvCache::new(LAYOUT, 16, 4, Dtype::F32, device).unwrap()),
-        Box::new(PagedKvCache::new(LAYOUT, 64, 1, Dtype::F32, device).unwrap()),
+        Box::new(SlidingKvCache::new(LAYOUT, 4, 3, 2, dtype, device).unwrap()),
+        Box::new(PagedKvCache::new(LAYOUT, 16, 4, dtype, device).unwrap()),
+        Box::new(PagedKvCache::new(LAYOUT, 64, 1, dtype, device).unwrap()),
         // Prefix caching registers full blocks as they fill and unregisters them on a
         // truncation into them; attention must not change.
         Box::new(with_prefix_cache(
-            PagedKvCache::new(LAYOUT, 16, 4, Dtype::F32, device).unwrap(),
+            PagedKvCache::new(LAYOUT, 16, 4, dtype, device).unwrap(),
         )),
     ]
 }
@@ -544,6 +565,16 @@ fn conformance_on<B: InferenceBackend>(device: &B::Device) {
     }
 }
 
+/// Every kind holding f16 and bf16 K/V (the cpu backend's kernel reads them in place), the
+/// scenario's K/V drawn as values those types hold exactly: the host's attention over them.
+fn narrow_conformance_on<B: InferenceBackend>(device: &B::Device) {
+    for dtype in [Dtype::F16, Dtype::Bf16] {
+        for mut cache in all_kinds_in::<B>(dtype, device) {
+            run_conformance(cache.as_mut(), device);
+        }
+    }
+}
+
 fn one(seq: u64, n: usize, start: u32) -> Batch {
     let tokens: Vec<TokenId> = (0..n as u32).map(TokenId).collect();
     Batch::single(SeqId(seq), &tokens, Position(start)).unwrap()
@@ -660,6 +691,11 @@ mod flex {
     #[test]
     fn conformance() {
         conformance_on::<B>(&Default::default());
+    }
+
+    #[test]
+    fn narrow_conformance() {
+        narrow_conformance_on::<B>(&Default::default());
     }
 
     #[test]

@@ -369,6 +369,10 @@ impl<B: InferenceBackend> PagedKvCache<B> {
 }
 
 impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
+    fn dtype(&self) -> Dtype {
+        self.storage.dtype()
+    }
+
     fn plan(&mut self, batch: &Batch) -> Result<StepPlan, CacheError> {
         let incoming = incoming(batch, |seq| self.seq_len(seq));
         let needed: usize = incoming
