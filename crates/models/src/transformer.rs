@@ -114,6 +114,13 @@ impl<B: InferenceBackend> Transformer<B> {
             .map(|l| &l.weight)
     }
 
+    /// Whether any linear layer keeps its weights in quantized blocks (the cpu backend's fast
+    /// path, rather than the exact one).
+    pub fn holds_quantized_weights(&self) -> bool {
+        self.linear_weights()
+            .any(|w| matches!(w, LinearWeight::Quantized(_)))
+    }
+
     /// How the linear layers' weights are held: `(storage, count, bytes)` per kind, e.g.
     /// `("Q4_1 (quantized)", 210, …)` or `("f32", 211, …)`, most bytes first. A tied head is
     /// counted once more (it reads the embedding's table).
