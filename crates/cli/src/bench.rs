@@ -226,6 +226,7 @@ impl BackendTask for Task {
             }
         };
         let speculation = args.speculation.speculation()?;
+        let kv_dtype = args.model.kv_dtype(model.holds_quantized_weights())?;
         let shape = model.shape();
         let longest = args.prompt_lens.iter().max().copied().unwrap_or(0) + args.new_tokens;
         if longest > shape.max_positions {
@@ -243,7 +244,7 @@ impl BackendTask for Task {
         // `run_on` has already probed the backend; this only names the device.
         let device_name = args.model.backend.require().unwrap_or_default();
         eprintln!(
-            "kiln bench: {name} on {} ({device_name}), {dtype}, {} new tokens, median of {} runs after a warm-up ({} new tokens)",
+            "kiln bench: {name} on {} ({device_name}), {dtype}, KV cache {kv_dtype}, {} new tokens, median of {} runs after a warm-up ({} new tokens)",
             args.model.backend,
             args.new_tokens,
             args.repeats,
@@ -314,7 +315,7 @@ impl BackendTask for Task {
             B::release_unused_device_memory(&device);
             let cache = cell
                 .cache_spec()
-                .build::<B>(shape.kv_layout(), dtype, &device)?;
+                .build::<B>(shape.kv_layout(), kv_dtype, &device)?;
             // One engine per cell, its warm-up and timed runs one after another on it.
             let mut engine = Engine::new(&model, cache, cell.engine_config())?;
             if let Some(draft) = &draft {

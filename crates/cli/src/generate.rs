@@ -277,7 +277,12 @@ impl BackendTask for Task {
             page_size: args.page_size,
             blocks: None,
         };
-        let cache = spec.build::<B>(shape.kv_layout(), args.model.dtype(), &device)?;
+        let cache = spec.build::<B>(
+            shape.kv_layout(),
+            args.model
+                .kv_dtype(loaded.model.holds_quantized_weights())?,
+            &device,
+        )?;
         let tokenizer = loaded.tokenizer.as_ref();
         let detok = tokenizer.map(|t| move |ids: &[TokenId]| t.decode(ids, false).ok());
         let mut engine = Engine::new(&loaded.model, cache, config)?;

@@ -3,7 +3,8 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use kiln_models::config::{Architecture, PositionKind};
+use kiln_core::Dtype;
+use kiln_models::config::{Architecture, PositionKind, TransformerConfig};
 use kiln_models::{LoadOptions, ModelInfo};
 use serde_json::json;
 
@@ -125,6 +126,7 @@ fn rows(info: &ModelInfo) -> Vec<(&'static str, String)> {
         ),
         ("stored as", stored_as(info)),
         ("on cpu", cpu_path(info)),
+        ("KV cache", kv_cache(c)),
         (
             "tokenizer",
             info.tokenizer
@@ -176,8 +178,29 @@ fn cpu_path(info: &ModelInfo) -> String {
     }
 }
 
+/// Bytes the KV cache holds per token (K and V of every layer) in `dtype`.
+fn kv_bytes_per_token(c: &TransformerConfig, dtype: Dtype) -> usize {
+    2 * c.n_layers * c.n_kv_heads * c.head_dim * dtype.size_bytes()
+}
+
+/// The KV cache's memory per token in the cpu default (f16) and the exact path's f32, and
+/// for a full context.
+fn kv_cache(c: &TransformerConfig) -> String {
+    let kib = |d| kv_bytes_per_token(c, d) as f64 / 1024.0;
+    format!(
+        "{:.1} KiB per token in f16 (cpu default, --kv-dtype), {:.1} KiB in f32; full context: {:.0} MB in f16",
+        kib(Dtype::F16),
+        kib(Dtype::F32),
+        (kv_bytes_per_token(c, Dtype::F16) * c.max_positions) as f64 / 1e6
+    )
+}
+
 fn report_json(info: &ModelInfo) -> serde_json::Value {
     let c = &info.config;
+    let kv_bytes: serde_json::Map<String, serde_json::Value> = Dtype::ALL
+        .iter()
+        .map(|d| (d.name().to_string(), kv_bytes_per_token(c, *d).into()))
+        .collect();
     json!({
         "path": info.path,
         "format": info.format.name(),
@@ -193,6 +216,7 @@ fn report_json(info: &ModelInfo) -> serde_json::Value {
         "vocab": c.vocab,
         "context": c.max_positions,
         "tied_head": c.tied_head,
+        "kv_bytes_per_token": kv_bytes,
         "stored_types": info.stored_types.iter().map(|(t, n)| json!({"type": t, "elements": n})).collect::<Vec<_>>(),
         "tokenizer": info.tokenizer,
         "chat_template": info.chat_template,

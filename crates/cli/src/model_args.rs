@@ -37,6 +37,12 @@ pub struct ModelArgs {
     /// the dtype. Default: f32, with a quantized GGUF's weights kept quantized.
     #[arg(long)]
     pub dtype: Option<Dtype>,
+    /// Precision of the KV cache: f32, f16 or bf16. Default: f16 on the cpu backend when the
+    /// model's weights stay quantized (the fast path; its accuracy against f32 K/V is in
+    /// docs/benchmarks.md), else the model's dtype (the exact path stays exact).
+    /// cuda and wgpu hold the cache in the model's dtype; a draft model's cache holds its own.
+    #[arg(long, value_name = "DTYPE")]
+    pub kv_dtype: Option<Dtype>,
     /// Meta folders: the llama3 RoPE scaling factor when params.json lacks it (8 for Llama
     /// 3.1, 32 for 3.2 1B/3B).
     #[arg(long, value_name = "FACTOR")]
@@ -52,6 +58,29 @@ impl ModelArgs {
     /// The precision asked for (f32 unless named).
     pub fn dtype(&self) -> Dtype {
         self.dtype.unwrap_or(Dtype::F32)
+    }
+
+    /// The KV cache's precision (see `--kv-dtype`) for a model that does or does not hold
+    /// quantized weights.
+    ///
+    /// # Errors
+    /// A [`UsageError`] for a cache precision other than the model's on cuda or wgpu, whose
+    /// attention kernels read the cache in the model's dtype.
+    pub fn kv_dtype(&self, quantized_weights: bool) -> Result<Dtype> {
+        let model = self.dtype();
+        match (self.kv_dtype, self.backend) {
+            (Some(kv), BackendKind::Cuda | BackendKind::Wgpu) if kv != model => {
+                Err(UsageError(format!(
+                    "--kv-dtype {kv} differs from the model's dtype ({model}): on {} the KV \
+                     cache holds the model's dtype (pass --dtype {kv} to run both in it)",
+                    self.backend
+                ))
+                .into())
+            }
+            (Some(kv), _) => Ok(kv),
+            (None, BackendKind::Cpu) if quantized_weights => Ok(Dtype::F16),
+            (None, _) => Ok(model),
+        }
     }
 
     /// How quantized weights are held: kept quantized on the GPU backends whatever the dtype
@@ -287,6 +316,7 @@ impl SpeculationArgs {
             model: (path.as_os_str() != "default").then(|| path.clone()),
             backend,
             dtype: self.draft_dtype,
+            kv_dtype: None,
             rope_scaling_factor: None,
         };
         let draft: LoadedModel<B> = args.load(device).context("loading the draft model")?;

@@ -178,7 +178,9 @@ impl BackendTask for Task {
             )
         });
         let shape = kiln_core::CausalLm::shape(&loaded.model);
-        let dtype = args.model.dtype();
+        let dtype = args
+            .model
+            .kv_dtype(loaded.model.holds_quantized_weights())?;
         let per_token = shape.kv_layout().bytes_per_token(dtype);
         let config = EngineConfig {
             max_batch: args.max_batch,
@@ -210,7 +212,7 @@ impl BackendTask for Task {
             .map(|(kind, count, _)| format!("{count} {kind}"))
             .collect();
         tracing::info!(
-            "serving {name} on {} (weights: {}): max batch {}, KV cache {} MiB = {tokens} tokens ({} cache, {} KiB per token), prefix caching {}, speculative decoding {}",
+            "serving {name} on {} (weights: {}): max batch {}, KV cache {} MiB = {tokens} tokens ({} cache, {dtype}, {} KiB per token), prefix caching {}, speculative decoding {}",
             backend.name(),
             weights.join(", "),
             args.max_batch,
