@@ -344,6 +344,8 @@ pub struct BenchTest {
     pub n_depth: u64,
     /// Tokens per second, the mean over `-r` repetitions.
     pub avg_ts: f64,
+    /// `flash_attn` as the tool printed it: 1 on, 0 off, -1 auto (a boolean in older builds).
+    pub flash_attn: i64,
     /// The llama.cpp build: its git commit and build number (`1` for a build from a tarball).
     pub build_commit: String,
     pub build_number: u64,
@@ -369,6 +371,10 @@ pub fn parse_llama_bench(text: &str) -> Result<Vec<BenchTest>> {
                 n_gen: int("n_gen")?,
                 n_depth: int("n_depth")?,
                 avg_ts: test["avg_ts"].as_f64().with_context(|| missing("avg_ts"))?,
+                flash_attn: match &test["flash_attn"] {
+                    Value::Bool(on) => i64::from(*on),
+                    value => value.as_i64().with_context(|| missing("flash_attn"))?,
+                },
                 build_commit: test["build_commit"]
                     .as_str()
                     .with_context(|| missing("build_commit"))?
@@ -488,6 +494,7 @@ mod tests {
                 n_gen: 0,
                 n_depth: 0,
                 avg_ts: 276.443929,
+                flash_attn: -1,
                 build_commit: "0c1e570".into(),
                 build_number: 1,
             }]
