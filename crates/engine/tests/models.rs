@@ -130,12 +130,24 @@ fn alone_with<B: InferenceBackend>(
     model: &dyn CausalLm<B>,
     prompt: &[TokenId],
     n: usize,
+    sampler: Sampler,
+    ends: impl Fn(TokenId) -> bool,
+) -> Vec<TokenId> {
+    alone_in(model, model.dtype(), prompt, n, sampler, ends)
+}
+
+/// [`alone_with`] over a cache that holds its K/V in `kv_dtype`.
+fn alone_in<B: InferenceBackend>(
+    model: &dyn CausalLm<B>,
+    kv_dtype: Dtype,
+    prompt: &[TokenId],
+    n: usize,
     mut sampler: Sampler,
     ends: impl Fn(TokenId) -> bool,
 ) -> Vec<TokenId> {
     let shape = model.shape();
     let mut history = TokenHistory::with_prompt(prompt);
-    let mut cache = DynamicKvCache::<B>::new(shape.kv_layout(), model.dtype(), &model.device());
+    let mut cache = DynamicKvCache::<B>::new(shape.kv_layout(), kv_dtype, &model.device());
     let mut batch = Batch::single(SeqId(0), prompt, Position(0)).unwrap();
     for fed in prompt.len()..prompt.len() + n {
         let logits = model
@@ -298,8 +310,14 @@ fn mixed_batch_matches_alone<B: InferenceBackend>(
 /// Prefix caching changes no token: prompts that share leading tokens with each other (in one
 /// wave: they wait for each other's blocks) and with the previous wave's finished requests
 /// (their blocks are cached) give exactly what each gives alone, greedy, and what the same
-/// engine gives with prefix caching off; the second wave really reads cached blocks.
-fn prefix_cache_matches_alone<B: InferenceBackend>(path: &std::path::Path, weights: WeightStorage) {
+/// engine gives with prefix caching off; the second wave really reads cached blocks. The KV
+/// cache holds `kv_dtype` (f16: a prefix read from the cache must equal one computed in the
+/// step, which attention rounds to the cache's precision).
+fn prefix_cache_matches_alone<B: InferenceBackend>(
+    path: &std::path::Path,
+    weights: WeightStorage,
+    kv_dtype: Dtype,
+) {
     let loaded = load_with::<B>(path, Dtype::F32, weights);
     let model = &loaded.model;
     let vocab = model.shape().vocab;
@@ -329,7 +347,7 @@ fn prefix_cache_matches_alone<B: InferenceBackend>(path: &std::path::Path, weigh
             ..CacheSpec::paged(4, 128)
         };
         let cache = spec
-            .build::<B>(model.shape().kv_layout(), model.dtype(), &model.device())
+            .build::<B>(model.shape().kv_layout(), kv_dtype, &model.device())
             .unwrap();
         let config = EngineConfig {
             max_batch: 4,
@@ -358,7 +376,8 @@ fn prefix_cache_matches_alone<B: InferenceBackend>(path: &std::path::Path, weigh
     let off = run(false);
     for (wave, (ours, plain)) in waves.iter().zip(on.iter().zip(&off)) {
         for ((prompt, ours), plain) in wave.iter().zip(ours).zip(plain) {
-            let expected = alone(model, prompt, n, &greedy);
+            let sampler = Sampler::new(&greedy, vocab).unwrap();
+            let expected = alone_in(model, kv_dtype, prompt, n, sampler, |_| false);
             assert_eq!(ours.tokens, expected, "prefix caching on");
             assert_eq!(plain.tokens, expected, "prefix caching off");
             assert_eq!(plain.cached_tokens, 0);
@@ -1152,6 +1171,7 @@ mod cpu {
         super::prefix_cache_matches_alone::<B>(
             &super::smollm2(),
             super::WeightStorage::Dequantized,
+            super::Dtype::F32,
         );
     }
 
@@ -1208,7 +1228,12 @@ mod cpu_quantized {
 
     #[test]
     fn prefix_cache_matches_alone() {
-        super::prefix_cache_matches_alone::<B>(&super::smollm2(), WeightStorage::Quantized);
+        // The KV precision `kiln` picks for quantized weights on the cpu backend.
+        super::prefix_cache_matches_alone::<B>(
+            &super::smollm2(),
+            WeightStorage::Quantized,
+            super::Dtype::F16,
+        );
     }
 
     #[test]
@@ -1263,7 +1288,11 @@ mod wgpu {
     #[test]
     fn prefix_cache_matches_alone() {
         let path = super::fixture("llama-tiny");
-        super::prefix_cache_matches_alone::<B>(&path, super::WeightStorage::Dequantized);
+        super::prefix_cache_matches_alone::<B>(
+            &path,
+            super::WeightStorage::Dequantized,
+            super::Dtype::F32,
+        );
     }
 
     #[test]
