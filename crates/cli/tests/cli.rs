@@ -454,11 +454,41 @@ fn info_describes_the_default_model() {
     assert_eq!(info["format"], "gguf");
     assert_eq!(info["chat_template"], true);
     assert!(info["tokenizer"].as_str().unwrap().contains("smollm"));
+    // K and V of every layer, per token: two bytes a value in f16, four in f32.
+    let values = 2 * ["layers", "kv_heads", "head_dim"]
+        .iter()
+        .map(|k| info[*k].as_u64().unwrap())
+        .product::<u64>();
+    assert_eq!(info["kv_bytes_per_token"]["f16"].as_u64(), Some(2 * values));
+    assert_eq!(info["kv_bytes_per_token"]["f32"].as_u64(), Some(4 * values));
     let table = text(&kiln(&["info"]).stdout);
     assert!(table.contains("chat template yes"), "{table}");
 
     let missing = kiln(&["info", "--model", "no-such-model.gguf"]);
     assert_eq!(missing.status.code(), Some(2), "{}", text(&missing.stderr));
+}
+
+/// A KV cache precision other than the model's is the cpu backend's: on wgpu it is refused in
+/// one line naming the flag, exit code 2.
+#[cfg(feature = "wgpu")]
+#[test]
+fn a_kv_dtype_other_than_the_models_is_refused_on_wgpu() {
+    let out = kiln(&[
+        "generate",
+        "hi",
+        "--model",
+        &fixture("llama-tiny"),
+        "--backend",
+        "wgpu",
+        "--kv-dtype",
+        "f16",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--kv-dtype f16 differs from the model's dtype (f32)"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 /// Without Python on PATH and an empty cache, the default model cannot be fetched: one line
