@@ -92,6 +92,25 @@ fn reference(shape: AttentionShape, q: &[f32], k: &[f32], v: &[f32], mask: &[boo
     out
 }
 
+/// Random queries, keys, values and masks for `shape` (masks hide about 40 % of the keys,
+/// sometimes every key of a query).
+fn operands(shape: AttentionShape, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<bool>) {
+    let q = values(
+        shape.batch * shape.n_kv_heads * shape.n_rep * shape.q_len * shape.head_dim,
+        seed,
+    );
+    let k = values(
+        shape.batch * shape.n_kv_heads * shape.keys * shape.head_dim,
+        seed ^ 1,
+    );
+    let v = values(k.len(), seed ^ 2);
+    let mask = values(shape.batch * shape.q_len * shape.keys, seed ^ 3)
+        .iter()
+        .map(|x| *x > 0.2)
+        .collect();
+    (q, k, v, mask)
+}
+
 fn shapes() -> impl Strategy<Value = (AttentionShape, u64)> {
     (
         1usize..3,
@@ -149,14 +168,7 @@ proptest! {
 
     #[test]
     fn matches_the_f64_reference((shape, seed) in shapes(), threads in 1usize..4) {
-        let q = values(shape.batch * shape.n_kv_heads * shape.n_rep * shape.q_len * shape.head_dim, seed);
-        let k = values(shape.batch * shape.n_kv_heads * shape.keys * shape.head_dim, seed ^ 1);
-        let v = values(k.len(), seed ^ 2);
-        // Random masks, sometimes hiding every key of a query.
-        let mask: Vec<bool> = values(shape.batch * shape.q_len * shape.keys, seed ^ 3)
-            .iter()
-            .map(|x| *x > 0.2)
-            .collect();
+        let (q, k, v, mask) = operands(shape, seed);
         let expected = reference(shape, &q, &k, &v, &mask);
         for tier in Tier::supported() {
             let mut out = vec![f32::NAN; q.len()];
@@ -175,13 +187,7 @@ proptest! {
         partition_keys in 1usize..12,
         threads in 1usize..4,
     ) {
-        let q = values(shape.batch * shape.n_kv_heads * shape.n_rep * shape.q_len * shape.head_dim, seed);
-        let k = values(shape.batch * shape.n_kv_heads * shape.keys * shape.head_dim, seed ^ 1);
-        let v = values(k.len(), seed ^ 2);
-        let mask: Vec<bool> = values(shape.batch * shape.q_len * shape.keys, seed ^ 3)
-            .iter()
-            .map(|x| *x > 0.2)
-            .collect();
+        let (q, k, v, mask) = operands(shape, seed);
         let pool = ThreadPool::new(threads);
         let (k16, v16): (Vec<f16>, Vec<f16>) =
             (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect());
@@ -215,14 +221,9 @@ proptest! {
         (shape, seed) in shapes(),
         partition_keys in 1usize..12,
     ) {
-        let q = values(shape.batch * shape.n_kv_heads * shape.n_rep * shape.q_len * shape.head_dim, seed);
-        let k: Vec<f16> = values(shape.batch * shape.n_kv_heads * shape.keys * shape.head_dim, seed ^ 1)
-            .into_iter().map(f16::from_f32).collect();
-        let v: Vec<f16> = values(k.len(), seed ^ 2).into_iter().map(f16::from_f32).collect();
-        let mask: Vec<bool> = values(shape.batch * shape.q_len * shape.keys, seed ^ 3)
-            .iter()
-            .map(|x| *x > 0.2)
-            .collect();
+        let (q, k, v, mask) = operands(shape, seed);
+        let k: Vec<f16> = k.into_iter().map(f16::from_f32).collect();
+        let v: Vec<f16> = v.into_iter().map(f16::from_f32).collect();
         let bits = |x: Vec<f32>| x.into_iter().map(f32::to_bits).collect::<Vec<_>>();
         for tier in Tier::supported() {
             let together = partitioned_on(tier, shape, partition_keys, &q, &k, &v, &mask, &ThreadPool::new(1));
@@ -283,13 +284,7 @@ proptest! {
     /// their block table, give the same bits as the same keys laid out in one run per head.
     #[test]
     fn block_tables_read_the_same_keys((shape, seed) in shapes(), block_keys in 1usize..9, spare in 0usize..4) {
-        let q = values(shape.batch * shape.n_kv_heads * shape.n_rep * shape.q_len * shape.head_dim, seed);
-        let k = values(shape.batch * shape.n_kv_heads * shape.keys * shape.head_dim, seed ^ 1);
-        let v = values(k.len(), seed ^ 2);
-        let mask: Vec<bool> = values(shape.batch * shape.q_len * shape.keys, seed ^ 3)
-            .iter()
-            .map(|x| *x > 0.2)
-            .collect();
+        let (q, k, v, mask) = operands(shape, seed);
         let pool = ThreadPool::new(2);
         let mut dense = vec![0f32; q.len()];
         attention(shape, &q, &k, &v, &mask, &mut dense, &pool).unwrap();
