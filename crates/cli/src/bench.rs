@@ -397,6 +397,7 @@ impl BackendTask for Task {
                 "backend": args.model.backend.name(),
                 "device": device_name,
                 "dtype": dtype.name(),
+                "kv_dtype": kv_dtype.name(),
                 "weights": weights,
                 "parameters": model.config().parameters(),
                 "new_tokens": args.new_tokens,

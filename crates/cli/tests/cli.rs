@@ -714,6 +714,8 @@ fn a_decode_step_launches_the_same_kernels_whatever_the_batch_or_context() {
         .map(|cell| &cell["per_decode_step"])
         .collect();
     assert_eq!(steps.len(), 4, "{report}");
+    // wgpu holds the cache in the model's dtype.
+    assert_eq!(report["kv_dtype"], "f32", "{report}");
     let launches = steps[0]["kernel_launches"].as_f64().unwrap();
     // Two layers of 11 launches, the embedding, the final norm, the head and argmax.
     assert_eq!(launches, 26.0, "{report}");
