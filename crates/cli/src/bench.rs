@@ -226,7 +226,7 @@ impl BackendTask for Task {
             }
         };
         let speculation = args.speculation.speculation()?;
-        let kv_dtype = args.model.kv_dtype(model.holds_quantized_weights())?;
+        let kv_dtype = args.model.kv_dtype(&model)?;
         let shape = model.shape();
         let longest = args.prompt_lens.iter().max().copied().unwrap_or(0) + args.new_tokens;
         if longest > shape.max_positions {

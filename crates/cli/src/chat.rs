@@ -315,12 +315,8 @@ impl BackendTask for Task {
             max_step: EngineConfig::default().max_step_tokens,
             ..CacheSpec::paged(1, shape.max_positions)
         };
-        let cache = spec.build::<B>(
-            shape.kv_layout(),
-            args.model
-                .kv_dtype(loaded.model.holds_quantized_weights())?,
-            &device,
-        )?;
+        let kv_dtype = args.model.kv_dtype(&loaded.model)?;
+        let cache = spec.build::<B>(shape.kv_layout(), kv_dtype, &device)?;
         let mut session = Session::new(&loaded.model, cache, EngineConfig::default())?;
         let mut settings = Settings {
             sampling: args.sampling.params()?,

@@ -277,12 +277,8 @@ impl BackendTask for Task {
             page_size: args.page_size,
             blocks: None,
         };
-        let cache = spec.build::<B>(
-            shape.kv_layout(),
-            args.model
-                .kv_dtype(loaded.model.holds_quantized_weights())?,
-            &device,
-        )?;
+        let kv_dtype = args.model.kv_dtype(&loaded.model)?;
+        let cache = spec.build::<B>(shape.kv_layout(), kv_dtype, &device)?;
         let tokenizer = loaded.tokenizer.as_ref();
         let detok = tokenizer.map(|t| move |ids: &[TokenId]| t.decode(ids, false).ok());
         let mut engine = Engine::new(&loaded.model, cache, config)?;

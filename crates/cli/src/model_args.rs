@@ -14,7 +14,7 @@ use kiln_engine::{
     BeamSearch, DraftSource, EarlyStopping, Grammar, GrammarCompiler, OutputConstraint, Speculation,
 };
 use kiln_models::default_model::{FetchEvent, SMOLLM2_135M_INSTRUCT, kiln_home};
-use kiln_models::{LoadOptions, LoadedModel, WeightStorage};
+use kiln_models::{LoadOptions, LoadedModel, Transformer, WeightStorage};
 
 use crate::exit::UsageError;
 use crate::progress;
@@ -60,26 +60,26 @@ impl ModelArgs {
         self.dtype.unwrap_or(Dtype::F32)
     }
 
-    /// The KV cache's precision (see `--kv-dtype`) for a model that does or does not hold
-    /// quantized weights.
+    /// The KV cache's precision (see `--kv-dtype`) for `model`, which may hold quantized
+    /// weights.
     ///
     /// # Errors
     /// A [`UsageError`] for a cache precision other than the model's on cuda or wgpu, whose
     /// attention kernels read the cache in the model's dtype.
-    pub fn kv_dtype(&self, quantized_weights: bool) -> Result<Dtype> {
-        let model = self.dtype();
+    pub fn kv_dtype<B: InferenceBackend>(&self, model: &Transformer<B>) -> Result<Dtype> {
+        let dtype = self.dtype();
         match (self.kv_dtype, self.backend) {
-            (Some(kv), BackendKind::Cuda | BackendKind::Wgpu) if kv != model => {
+            (Some(kv), BackendKind::Cuda | BackendKind::Wgpu) if kv != dtype => {
                 Err(UsageError(format!(
-                    "--kv-dtype {kv} differs from the model's dtype ({model}): on {} the KV \
+                    "--kv-dtype {kv} differs from the model's dtype ({dtype}): on {} the KV \
                      cache holds the model's dtype (pass --dtype {kv} to run both in it)",
                     self.backend
                 ))
                 .into())
             }
             (Some(kv), _) => Ok(kv),
-            (None, BackendKind::Cpu) if quantized_weights => Ok(Dtype::F16),
-            (None, _) => Ok(model),
+            (None, BackendKind::Cpu) if model.holds_quantized_weights() => Ok(Dtype::F16),
+            (None, _) => Ok(dtype),
         }
     }
 

@@ -178,9 +178,7 @@ impl BackendTask for Task {
             )
         });
         let shape = kiln_core::CausalLm::shape(&loaded.model);
-        let dtype = args
-            .model
-            .kv_dtype(loaded.model.holds_quantized_weights())?;
+        let dtype = args.model.kv_dtype(&loaded.model)?;
         let per_token = shape.kv_layout().bytes_per_token(dtype);
         let config = EngineConfig {
             max_batch: args.max_batch,
