@@ -122,8 +122,13 @@ mod flex_buffers {
 
     /// The values of a contiguous f32 tensor.
     pub(super) fn f32_slice(t: &FlexTensor) -> &[f32] {
+        values(t)
+    }
+
+    /// The values of a contiguous tensor of element type `E`.
+    pub(super) fn values<E: burn::tensor::Element + bytemuck::Pod>(t: &FlexTensor) -> &[E] {
         let start = t.layout().start_offset();
-        &t.storage::<f32>()[start..start + t.layout().num_elements()]
+        &t.storage::<E>()[start..start + t.layout().num_elements()]
     }
 
     /// `out` as a contiguous f32 tensor of `shape`.
@@ -153,7 +158,7 @@ mod flex_attention {
 
     use crate::kv_cache::CachedKv;
 
-    use super::flex_buffers::{all_f32, f32_slice, host, wrap};
+    use super::flex_buffers::{all_f32, f32_slice, host, values, wrap};
 
     pub(super) fn grouped(
         q: Tensor<Flex, 4>,
@@ -285,10 +290,6 @@ mod flex_attention {
         table: &'a [usize],
         block_keys: usize,
     ) -> KvBlocks<'a, T> {
-        let values = |t: &'a FlexTensor| -> &'a [T] {
-            let start = t.layout().start_offset();
-            &t.storage::<T>()[start..start + t.layout().num_elements()]
-        };
         KvBlocks {
             k: values(k),
             v: values(v),
