@@ -3,14 +3,15 @@
 
 Writes, under crates/models/tests/fixtures/:
   gguf/quants.json                 512 elements of raw blocks for F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
-                                   Q5_1, Q4_K, Q5_K, Q6_K and what gguf-py's `gguf.quants.dequantize` makes
+                                   Q5_1, Q4_K, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL, IQ4_XS and what gguf-py's `gguf.quants.dequantize` makes
                                    of them. Quantized blocks are seeded random bytes whose fp16 scale fields
                                    (d, and dmin / m where the type has one) are overwritten with finite fp16
                                    values of magnitude in [0.001, 2] and random sign; the byte offsets come
                                    from gguf-py's quants.py (`np.hsplit` in each `dequantize_blocks`):
                                    Q8_0 d@0 (34 B); Q4_0 d@0 (18 B); Q4_1 d@0 m@2 (20 B); Q5_0 d@0 (22 B);
                                    Q5_1 d@0 m@2 (24 B); Q4_K d@0 dmin@2 (144 B); Q5_K d@0 dmin@2 (176 B);
-                                   Q6_K d@208 (210 B). F32/F16/BF16 hold random normals in that type.
+                                   Q6_K d@208 (210 B); Q2_K d@80 dmin@82 (84 B); Q3_K d@108 (110 B);
+                                   IQ4_NL d@0 (18 B); IQ4_XS d@0 (136 B). F32/F16/BF16 hold random normals in that type.
   gguf/tiny-llama.gguf             llama-tiny (the HF fixture) written with gguf.GGUFWriter the way
                                    llama.cpp's convert_hf_to_gguf.py writes a Llama: llama.cpp tensor names,
                                    attn_q / attn_k rows permuted by LlamaModel.permute, matrices in a mix of
@@ -80,7 +81,11 @@ SEED = 20261121
 GREEDY_STEPS = 32
 TINY_GREEDY_STEPS = 20
 
-QUANT_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# New types go last: the seeded generator then leaves the earlier samples as they were.
+QUANT_TYPES = [
+    Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+    Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS,
+]
 # Byte offsets of the fp16 scale fields inside one block, from gguf-py's quants.py dequantize_blocks.
 SCALE_OFFSETS = {
     Q.Q8_0: [0],
@@ -91,6 +96,10 @@ SCALE_OFFSETS = {
     Q.Q4_K: [0, 2],
     Q.Q5_K: [0, 2],
     Q.Q6_K: [208],
+    Q.Q2_K: [80, 82],
+    Q.Q3_K: [108],
+    Q.IQ4_NL: [0],
+    Q.IQ4_XS: [0],
 }
 
 TOKENIZER_CASES = [

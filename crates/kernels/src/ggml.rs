@@ -32,11 +32,24 @@ pub enum GgmlType {
     Q5K,
     /// 256 values in 16 sub-blocks with i8 scales, 6-bit values, offset 32.
     Q6K,
+    /// 256 values in 16 sub-blocks with 4-bit scales and minimums, 2-bit values.
+    Q2K,
+    /// 256 values in 16 sub-blocks with 6-bit scales, 3-bit values, offset 4.
+    Q3K,
+    /// 32 values: f16 scale, 32 × 4-bit indices into a fixed non-uniform table.
+    Iq4Nl,
+    /// 256 values in 8 sub-blocks with 6-bit scales, IQ4_NL's table.
+    Iq4Xs,
 }
+
+/// The 16 values an IQ4_NL or IQ4_XS index stands for (ggml's `kvalues_iq4nl`).
+pub const IQ4_VALUES: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
 
 impl GgmlType {
     /// Every supported type.
-    pub const ALL: [GgmlType; 11] = [
+    pub const ALL: [GgmlType; 15] = [
         Self::F32,
         Self::F16,
         Self::Bf16,
@@ -48,6 +61,10 @@ impl GgmlType {
         Self::Q4K,
         Self::Q5K,
         Self::Q6K,
+        Self::Q2K,
+        Self::Q3K,
+        Self::Iq4Nl,
+        Self::Iq4Xs,
     ];
 
     /// The type with ggml id `id`, or `None` for one kiln cannot dequantize.
@@ -68,6 +85,10 @@ impl GgmlType {
             Self::Q4K => 12,
             Self::Q5K => 13,
             Self::Q6K => 14,
+            Self::Q2K => 10,
+            Self::Q3K => 11,
+            Self::Iq4Nl => 20,
+            Self::Iq4Xs => 23,
             Self::Bf16 => 30,
         }
     }
@@ -86,6 +107,10 @@ impl GgmlType {
             Self::Q4K => "Q4_K",
             Self::Q5K => "Q5_K",
             Self::Q6K => "Q6_K",
+            Self::Q2K => "Q2_K",
+            Self::Q3K => "Q3_K",
+            Self::Iq4Nl => "IQ4_NL",
+            Self::Iq4Xs => "IQ4_XS",
         }
     }
 
@@ -93,8 +118,8 @@ impl GgmlType {
     pub fn block_size(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::Bf16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
-            Self::Q4K | Self::Q5K | Self::Q6K => 256,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Iq4Nl => 32,
+            Self::Q4K | Self::Q5K | Self::Q6K | Self::Q2K | Self::Q3K | Self::Iq4Xs => 256,
         }
     }
 
@@ -111,6 +136,10 @@ impl GgmlType {
             Self::Q4K => 144,
             Self::Q5K => 176,
             Self::Q6K => 210,
+            Self::Q2K => 84,
+            Self::Q3K => 110,
+            Self::Iq4Nl => 18,
+            Self::Iq4Xs => 136,
         }
     }
 
@@ -123,16 +152,19 @@ impl GgmlType {
 
 /// The name of any ggml type id, for errors about types kiln does not read.
 pub fn ggml_type_name(id: u32) -> String {
-    const OTHERS: [(u32, &str); 9] = [
+    const OTHERS: [(u32, &str); 12] = [
         (9, "Q8_1"),
-        (10, "Q2_K"),
-        (11, "Q3_K"),
         (15, "Q8_K"),
         (16, "IQ2_XXS"),
         (17, "IQ2_XS"),
         (18, "IQ3_XXS"),
-        (20, "IQ4_NL"),
+        (19, "IQ1_S"),
+        (21, "IQ3_S"),
+        (22, "IQ2_S"),
         (29, "IQ1_M"),
+        (34, "TQ1_0"),
+        (35, "TQ2_0"),
+        (39, "MXFP4"),
     ];
     GgmlType::from_id(id)
         .map(|t| t.name().to_string())
@@ -184,6 +216,10 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
         GgmlType::Q4K => blocks.for_each(|(b, y)| q4_k(b, y)),
         GgmlType::Q5K => blocks.for_each(|(b, y)| q5_k(b, y)),
         GgmlType::Q6K => blocks.for_each(|(b, y)| q6_k(b, y)),
+        GgmlType::Q2K => blocks.for_each(|(b, y)| q2_k(b, y)),
+        GgmlType::Q3K => blocks.for_each(|(b, y)| q3_k(b, y)),
+        GgmlType::Iq4Nl => blocks.for_each(|(b, y)| iq4_nl(b, y)),
+        GgmlType::Iq4Xs => blocks.for_each(|(b, y)| iq4_xs(b, y)),
     }
 }
 
@@ -343,6 +379,98 @@ fn q6_k(b: &[u8], y: &mut [f32]) {
                 let scale = f32::from(sc[is + 2 * k] as i8);
                 y[l + 32 * k] = d * scale * (i32::from(q) - 32) as f32;
             }
+        }
+    }
+}
+
+/// Sub-block `s` (0..16) of a Q2_K block: its 4-bit scale and minimum (`scales[s]`), and
+/// where its 16 values sit: bytes `16 * (s % 2)..` of the 32-byte quant chunk `s / 8`, at bit
+/// `2 * (s / 2 % 4)`.
+pub(crate) fn q2_k_sub(b: &[u8], s: usize) -> (u8, u8, usize, u32) {
+    let sc = b[s];
+    (
+        sc & 0xF,
+        sc >> 4,
+        16 + 32 * (s / 8) + 16 * (s % 2),
+        2 * ((s / 2) % 4) as u32,
+    )
+}
+
+/// `scales: [u8; 16], qs: [u8; 64], d, dmin: f16`: 16 sub-blocks of 16 values, value = `d ×
+/// scale × q − dmin × min` with `q` two bits (see [`q2_k_sub`]).
+fn q2_k(b: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (half(b, 80), half(b, 82));
+    for (s, y) in y.chunks_exact_mut(16).enumerate() {
+        let (sc, m, at, shift) = q2_k_sub(b, s);
+        let (dl, ml) = (d * f32::from(sc), dmin * f32::from(m));
+        for (l, y) in y.iter_mut().enumerate() {
+            *y = dl * f32::from((b[at + l] >> shift) & 3) - ml;
+        }
+    }
+}
+
+/// The sixteen 6-bit scales of a Q3_K block, unpacked from its 12 bytes and offset by 32
+/// (ggml's `kmask` shuffle in `dequantize_row_q3_K`).
+pub(crate) fn q3_k_scales(packed: &[u8]) -> [i8; 16] {
+    std::array::from_fn(|s| {
+        let low = if s < 8 {
+            packed[s] & 0xF
+        } else {
+            packed[s - 8] >> 4
+        };
+        let high = (packed[8 + s % 4] >> (2 * (s / 4))) & 3;
+        (low | (high << 4)) as i8 - 32
+    })
+}
+
+/// Value `v` (0..256) of a Q3_K block, from −4 to 3: two low bits as Q2_K places them, minus 4
+/// where the value's bit in `hmask` (byte `v % 32`, bit `v / 32`) is clear.
+pub(crate) fn q3_k_value(b: &[u8], v: usize) -> i8 {
+    let s = v / 16;
+    let at = 32 + 32 * (s / 8) + 16 * (s % 2) + v % 16;
+    let low = ((b[at] >> (2 * ((s / 2) % 4))) & 3) as i8;
+    let high = (b[v % 32] >> (v / 32)) & 1;
+    if high == 0 { low - 4 } else { low }
+}
+
+/// `hmask: [u8; 32], qs: [u8; 64], scales: [u8; 12], d: f16`: 16 sub-blocks of 16 values,
+/// value = `d × (scale − 32) × q` with `q` in −4..=3 ([`q3_k_value`]).
+fn q3_k(b: &[u8], y: &mut [f32]) {
+    let d = half(b, 108);
+    let scales = q3_k_scales(&b[96..108]);
+    for (v, y) in y.iter_mut().enumerate() {
+        *y = d * f32::from(scales[v / 16]) * f32::from(q3_k_value(b, v));
+    }
+}
+
+/// `d: f16, qs: [u8; 16]`: value `j` is the table entry of nibble `j % 16` (low for `j < 16`)
+/// times d.
+fn iq4_nl(b: &[u8], y: &mut [f32]) {
+    let d = half(b, 0);
+    for (j, &q) in b[2..18].iter().enumerate() {
+        y[j] = d * f32::from(IQ4_VALUES[usize::from(q & 0xF)]);
+        y[j + 16] = d * f32::from(IQ4_VALUES[usize::from(q >> 4)]);
+    }
+}
+
+/// The 6-bit scale (offset by 32) of sub-block `s` (0..8) of an IQ4_XS block: four low bits
+/// from `scales_l`, two high bits from `scales_h`.
+pub(crate) fn iq4_xs_scale(b: &[u8], s: usize) -> i32 {
+    let scales_h = u16::from_le_bytes([b[2], b[3]]);
+    let low = (b[4 + s / 2] >> (4 * (s % 2))) & 0xF;
+    let high = ((scales_h >> (2 * s)) & 3) as u8;
+    i32::from(low | (high << 4)) - 32
+}
+
+/// `d: f16, scales_h: u16, scales_l: [u8; 4], qs: [u8; 128]`: eight IQ4_NL-like sub-blocks of
+/// 32 (16 bytes each), value = `d × scale × table[nibble]`.
+fn iq4_xs(b: &[u8], y: &mut [f32]) {
+    let d = half(b, 0);
+    for (s, y) in y.chunks_exact_mut(32).enumerate() {
+        let dl = d * iq4_xs_scale(b, s) as f32;
+        for (j, &q) in b[8 + 16 * s..8 + 16 * s + 16].iter().enumerate() {
+            y[j] = dl * f32::from(IQ4_VALUES[usize::from(q & 0xF)]);
+            y[j + 16] = dl * f32::from(IQ4_VALUES[usize::from(q >> 4)]);
         }
     }
 }

@@ -1,9 +1,11 @@
 //! Weights repacked eight output rows at a time, so one SIMD register holds one value of each
 //! of eight rows and a product yields eight outputs without horizontal sums (llama.cpp's
 //! `block_q4_0x8` and `block_q4_Kx8` repacks in `ggml-cpu/repack.cpp`), done here for Q4_1
-//! and Q8_0 (the default model's types), Q4_0 (Q4_1's layout without the minimums) and for
-//! the K-quants Q4_K, Q5_K and Q6_K (the types of
-//! the Q4_K_M, Q5_K_M and Q6_K files users download).
+//! and Q8_0 (the default model's types), Q4_0 (Q4_1's layout without the minimums), Q5_0 and
+//! Q5_1 (Q4_0's and Q4_1's with Q5_K's fifth bits after the nibbles: the fallbacks
+//! llama-quantize writes for matrices whose width is not a multiple of 256, most of a small
+//! model's Q4_K_M or Q5_K_M file) and for the K-quants Q4_K, Q5_K and Q6_K (the types of the
+//! Q4_K_M, Q5_K_M and Q6_K files users download).
 //!
 //! Layout of a group of eight rows: for each block column `b` (32 values of every row), the
 //! eight f16 scales, for Q4_1 the eight f16 minimums, then the quants as 4-byte lanes: lane `r`
@@ -39,7 +41,7 @@
 use half::f16;
 
 use crate::act::ActBlock;
-use crate::ggml::{GgmlType, pack_scale_min_k4, scale_min_k4_bits};
+use crate::ggml::{GgmlType, IQ4_VALUES, iq4_xs_scale, pack_scale_min_k4, scale_min_k4_bits};
 use crate::tier::Tier;
 
 /// Rows per group.
@@ -68,18 +70,36 @@ const Q6_K_QUANTS: usize = 144;
 /// Bytes of one Q6_K sub-block of a group: 128 of low nibbles, 64 of high bits.
 const Q6_K_SUB: usize = 192;
 
-/// Bytes of a Q4_0 (`min` false) or Q4_1 block column, and where its nibbles start: the
-/// eight `d` (f16), Q4_1's eight minimums, 128 bytes of nibbles.
-const fn q4_sizes(min: bool) -> (usize, usize) {
+/// Bytes of a Q4_0 (`min` false, `fifth` false), Q4_1 (`min`), Q5_0 (`fifth`) or Q5_1 (both)
+/// block column, and where its nibbles start: the eight `d` (f16), the eight minimums (Q4_1,
+/// Q5_1), 128 bytes of nibbles, and for Q5_0/Q5_1 32 bytes of fifth bits laid out as a Q5_K
+/// sub-block's ([`fifth_bit_at`]).
+const fn q4_sizes(min: bool, fifth: bool) -> (usize, usize) {
     let quants = if min { 32 } else { 16 };
-    (quants + 128, quants)
+    let sub = if fifth { Q5_K_SUB } else { Q4_K_SUB };
+    (quants + sub, quants)
+}
+
+/// Where IQ4_XS's eight sub-blocks start in a block column, after the eight `d` and the
+/// scales (`[sub-block][row]`, one signed byte each, `ls − 32`).
+const IQ4_XS_QUANTS: usize = 2 * 8 + 64;
+/// Bytes of IQ4_XS's block column: 1,104 for GGUF's 1,088.
+const IQ4_XS_BYTES: usize = IQ4_XS_QUANTS + 8 * 128;
+
+/// The offset of Q4_0 (8) and Q5_0 (16) values: `q − offset` is the signed value.
+const fn q_offset(fifth: bool) -> f32 {
+    if fifth { 16.0 } else { 8.0 }
 }
 
 /// Bytes of one block column of a group, or `None` for a type without an interleaved kernel.
 pub fn group_block_bytes(ty: GgmlType) -> Option<usize> {
     match ty {
-        GgmlType::Q4_0 => Some(q4_sizes(false).0),
-        GgmlType::Q4_1 => Some(q4_sizes(true).0),
+        GgmlType::Q4_0 => Some(q4_sizes(false, false).0),
+        GgmlType::Q4_1 => Some(q4_sizes(true, false).0),
+        GgmlType::Q5_0 => Some(q4_sizes(false, true).0),
+        GgmlType::Q5_1 => Some(q4_sizes(true, true).0),
+        GgmlType::Iq4Nl => Some(q4_sizes(false, false).0),
+        GgmlType::Iq4Xs => Some(IQ4_XS_BYTES),
         GgmlType::Q8_0 => Some(2 * 8 + 256),
         GgmlType::Q4K => Some(k_sizes(false).0),
         GgmlType::Q5K => Some(k_sizes(true).0),
@@ -150,15 +170,31 @@ pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8>
             for r in 0..GROUP {
                 let src = &data[(g * GROUP + r) * row_bytes + b * in_block..][..in_block];
                 match ty {
-                    GgmlType::Q4_0 | GgmlType::Q4_1 => {
-                        let min = ty == GgmlType::Q4_1;
-                        let (_, quants) = q4_sizes(min);
+                    GgmlType::Q4_0
+                    | GgmlType::Q4_1
+                    | GgmlType::Q5_0
+                    | GgmlType::Q5_1
+                    | GgmlType::Iq4Nl => {
+                        // IQ4_NL's indices are laid out as Q4_0's nibbles.
+                        let min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
+                        let fifth = matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1);
+                        let (_, quants) = q4_sizes(min, fifth);
                         dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
                         if min {
                             dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
                         }
-                        // GGUF's nibbles follow the scales (`quants / 8` bytes of them).
-                        let qs = &src[quants / 8..];
+                        // GGUF's scales (`quants / 8` bytes), Q5's u32 of fifth bits (bit `e`
+                        // for value `e`), then the nibbles.
+                        let scales = quants / 8;
+                        let (qh, qs) = if fifth {
+                            let qh = &src[scales..scales + 4];
+                            (
+                                u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]),
+                                &src[scales + 4..],
+                            )
+                        } else {
+                            (0, &src[scales..])
+                        };
                         let value = |e: usize| {
                             if e < 16 {
                                 qs[e] & 0x0F
@@ -166,7 +202,14 @@ pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8>
                                 qs[e - 16] >> 4
                             }
                         };
-                        q4_1_nibbles(&mut dst[quants..], r, &value);
+                        let sub = &mut dst[quants..];
+                        q4_1_nibbles(sub, r, &value);
+                        if fifth {
+                            for e in 0..32 {
+                                let (at, bit) = fifth_bit_at(e, r);
+                                sub[at] |= (((qh >> e) & 1) as u8) << bit;
+                            }
+                        }
                     }
                     GgmlType::Q4K | GgmlType::Q5K => {
                         let fifth = ty == GgmlType::Q5K;
@@ -191,6 +234,21 @@ pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8>
                                 let (at, bit) = fifth_bit_at(e, r);
                                 sub[at] |= ((h >> s) & 1) << bit;
                             }
+                        }
+                    }
+                    GgmlType::Iq4Xs => {
+                        dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                        for s in 0..8 {
+                            dst[16 + 8 * s + r] = iq4_xs_scale(src, s) as i8 as u8;
+                            let qs = &src[8 + 16 * s..8 + 16 * s + 16];
+                            let value = |e: usize| {
+                                if e < 16 {
+                                    qs[e] & 0x0F
+                                } else {
+                                    qs[e - 16] >> 4
+                                }
+                            };
+                            q4_1_nibbles(&mut dst[IQ4_XS_QUANTS + 128 * s..], r, &value);
                         }
                     }
                     GgmlType::Q6K => {
@@ -229,12 +287,20 @@ pub fn unpack_row(ty: GgmlType, group: &[u8], r: usize, out: &mut Vec<u8>) {
     let size = group_block_bytes(ty).expect("a type with an interleaved layout");
     for dst in group.chunks_exact(size) {
         match ty {
-            GgmlType::Q4_0 | GgmlType::Q4_1 => {
-                let min = ty == GgmlType::Q4_1;
-                let (_, quants) = q4_sizes(min);
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Iq4Nl => {
+                let min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
+                let fifth = matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1);
+                let (_, quants) = q4_sizes(min, fifth);
                 out.extend_from_slice(&dst[2 * r..2 * r + 2]);
                 if min {
                     out.extend_from_slice(&dst[16 + 2 * r..16 + 2 * r + 2]);
+                }
+                if fifth {
+                    let qh = (0..32).fold(0u32, |qh, e| {
+                        let (at, bit) = fifth_bit_at(e, r);
+                        qh | (u32::from((dst[quants + at] >> bit) & 1) << e)
+                    });
+                    out.extend_from_slice(&qh.to_le_bytes());
                 }
                 // The byte of value `e` also holds value `16 + e`, as GGUF's byte `e` does.
                 out.extend((0..16).map(|e| dst[quants + nibble_at(e, r).0]));
@@ -260,6 +326,19 @@ pub fn unpack_row(ty: GgmlType, group: &[u8], r: usize, out: &mut Vec<u8>) {
                             nibble(sub(2 * g), l, r) | (nibble(sub(2 * g + 1), l, r) << 4)
                         }),
                     );
+                }
+            }
+            GgmlType::Iq4Xs => {
+                out.extend_from_slice(&dst[2 * r..2 * r + 2]);
+                // The stored scales are `ls − 32`; `ls` is six bits, split as GGUF keeps it.
+                let ls: [u8; 8] =
+                    std::array::from_fn(|s| (i32::from(dst[16 + 8 * s + r] as i8) + 32) as u8);
+                let scales_h = (0..8).fold(0u16, |h, s| h | (u16::from(ls[s] >> 4) << (2 * s)));
+                out.extend_from_slice(&scales_h.to_le_bytes());
+                out.extend((0..4).map(|k| (ls[2 * k] & 0xF) | ((ls[2 * k + 1] & 0xF) << 4)));
+                for s in 0..8 {
+                    let sub = &dst[IQ4_XS_QUANTS + 128 * s..][..128];
+                    out.extend((0..16).map(|e| sub[nibble_at(e, r).0]));
                 }
             }
             GgmlType::Q6K => {
@@ -336,12 +415,20 @@ impl TileKernels {
             let simd = match (tier, ty) {
                 (Tier::Avx512Vnni, GgmlType::Q4_0) => Some(tile_kernels!(x86::vnni::q4_0_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q4_1) => Some(tile_kernels!(x86::vnni::q4_1_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q5_0) => Some(tile_kernels!(x86::vnni::q5_0_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q5_1) => Some(tile_kernels!(x86::vnni::q5_1_tile)),
+                (Tier::Avx512Vnni, GgmlType::Iq4Nl) => Some(tile_kernels!(x86::vnni::iq4_nl_tile)),
+                (Tier::Avx512Vnni, GgmlType::Iq4Xs) => Some(tile_kernels!(x86::vnni::iq4_xs_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q4K) => Some(tile_kernels!(x86::vnni::q4_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q5K) => Some(tile_kernels!(x86::vnni::q5_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q6K) => Some(tile_kernels!(x86::vnni::q6_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_offset::tile)),
                 (Tier::Avx2, GgmlType::Q4_0) => Some(tile_kernels!(x86::avx2::q4_0_tile)),
                 (Tier::Avx2, GgmlType::Q4_1) => Some(tile_kernels!(x86::avx2::q4_1_tile)),
+                (Tier::Avx2, GgmlType::Q5_0) => Some(tile_kernels!(x86::avx2::q5_0_tile)),
+                (Tier::Avx2, GgmlType::Q5_1) => Some(tile_kernels!(x86::avx2::q5_1_tile)),
+                (Tier::Avx2, GgmlType::Iq4Nl) => Some(tile_kernels!(x86::avx2::iq4_nl_tile)),
+                (Tier::Avx2, GgmlType::Iq4Xs) => Some(tile_kernels!(x86::avx2::iq4_xs_tile)),
                 (Tier::Avx2, GgmlType::Q4K) => Some(tile_kernels!(x86::avx2::q4_k_tile)),
                 (Tier::Avx2, GgmlType::Q5K) => Some(tile_kernels!(x86::avx2::q5_k_tile)),
                 (Tier::Avx2, GgmlType::Q6K) => Some(tile_kernels!(x86::avx2::q6_k_tile)),
@@ -356,6 +443,10 @@ impl TileKernels {
         match ty {
             GgmlType::Q4_0 => Some(tile_kernels!(scalar_tile_q4_0)),
             GgmlType::Q4_1 => Some(tile_kernels!(scalar_tile_q4_1)),
+            GgmlType::Q5_0 => Some(tile_kernels!(scalar_tile_q5_0)),
+            GgmlType::Q5_1 => Some(tile_kernels!(scalar_tile_q5_1)),
+            GgmlType::Iq4Nl => Some(tile_kernels!(scalar_tile_iq4_nl)),
+            GgmlType::Iq4Xs => Some(tile_kernels!(scalar_tile_iq4_xs)),
             GgmlType::Q4K => Some(tile_kernels!(scalar_tile_q4_k)),
             GgmlType::Q5K => Some(tile_kernels!(scalar_tile_q5_k)),
             GgmlType::Q6K => Some(tile_kernels!(scalar_tile_q6_k)),
@@ -417,7 +508,7 @@ fn scalar_tile_q4_0<const N: usize>(
     hi: [&[ActBlock]; N],
     lo: [&[ActBlock]; N],
 ) -> [[f32; GROUP]; N] {
-    std::array::from_fn(|i| q4_scalar::<false>(w, hi[i], lo[i]))
+    std::array::from_fn(|i| q4_scalar::<false, false>(w, hi[i], lo[i]))
 }
 
 /// The scalar tile: the scalar reference row by row.
@@ -426,7 +517,43 @@ fn scalar_tile_q4_1<const N: usize>(
     hi: [&[ActBlock]; N],
     lo: [&[ActBlock]; N],
 ) -> [[f32; GROUP]; N] {
-    std::array::from_fn(|i| q4_scalar::<true>(w, hi[i], lo[i]))
+    std::array::from_fn(|i| q4_scalar::<true, false>(w, hi[i], lo[i]))
+}
+
+/// The scalar tile: the scalar reference row by row.
+fn scalar_tile_q5_0<const N: usize>(
+    w: &[u8],
+    hi: [&[ActBlock]; N],
+    lo: [&[ActBlock]; N],
+) -> [[f32; GROUP]; N] {
+    std::array::from_fn(|i| q4_scalar::<false, true>(w, hi[i], lo[i]))
+}
+
+/// The scalar tile: the scalar reference row by row.
+fn scalar_tile_q5_1<const N: usize>(
+    w: &[u8],
+    hi: [&[ActBlock]; N],
+    lo: [&[ActBlock]; N],
+) -> [[f32; GROUP]; N] {
+    std::array::from_fn(|i| q4_scalar::<true, true>(w, hi[i], lo[i]))
+}
+
+/// The scalar tile: the scalar reference row by row.
+fn scalar_tile_iq4_nl<const N: usize>(
+    w: &[u8],
+    hi: [&[ActBlock]; N],
+    lo: [&[ActBlock]; N],
+) -> [[f32; GROUP]; N] {
+    std::array::from_fn(|i| iq4_nl_scalar(w, hi[i], lo[i]))
+}
+
+/// The scalar tile: the scalar reference row by row.
+fn scalar_tile_iq4_xs<const N: usize>(
+    w: &[u8],
+    hi: [&[ActBlock]; N],
+    lo: [&[ActBlock]; N],
+) -> [[f32; GROUP]; N] {
+    std::array::from_fn(|i| iq4_xs_scalar(w, hi[i], lo[i]))
 }
 
 /// The scalar tile: the scalar reference row by row.
@@ -486,9 +613,9 @@ fn q6_k_group_value(sub: &[u8], e: usize, r: usize) -> u8 {
 }
 
 /// The integer sums of the 32 values `value(e)` with both activation passes.
-fn value_sums(value: impl Fn(usize) -> u8, h: &ActBlock, l: &ActBlock) -> (i32, i32) {
+fn value_sums<V: Into<i32>>(value: impl Fn(usize) -> V, h: &ActBlock, l: &ActBlock) -> (i32, i32) {
     (0..32).fold((0, 0), |(sum_h, sum_l), e| {
-        let q = i32::from(value(e));
+        let q: i32 = value(e).into();
         (
             sum_h + q * i32::from(h.qs[e]),
             sum_l + q * i32::from(l.qs[e]),
@@ -496,21 +623,73 @@ fn value_sums(value: impl Fn(usize) -> u8, h: &ActBlock, l: &ActBlock) -> (i32, 
     })
 }
 
-/// The scalar reference for Q4_0 (`MIN` false: the minimum is `-8 d`) and Q4_1 groups.
-fn q4_scalar<const MIN: bool>(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
-    let (bytes, quants) = q4_sizes(MIN);
+/// The scalar reference for Q4_0 (`MIN` false: the minimum is `-8 d`), Q4_1, Q5_0 (`FIFTH`,
+/// minimum `-16 d`) and Q5_1 groups.
+fn q4_scalar<const MIN: bool, const FIFTH: bool>(
+    w: &[u8],
+    hi: &[ActBlock],
+    lo: &[ActBlock],
+) -> [f32; GROUP] {
+    let (bytes, quants) = q4_sizes(MIN, FIFTH);
     let mut out = [0f32; GROUP];
     for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
         let block = &w[b * bytes..(b + 1) * bytes];
         for (r, y) in out.iter_mut().enumerate() {
-            let (sum_h, sum_l) = value_sums(|e| nibble(&block[quants..], e, r), h, l);
+            let sub = &block[quants..];
+            let value = |e: usize| {
+                let fifth = if FIFTH {
+                    let (at, bit) = fifth_bit_at(e, r);
+                    ((sub[at] >> bit) & 1) << 4
+                } else {
+                    0
+                };
+                nibble(sub, e, r) | fifth
+            };
+            let (sum_h, sum_l) = value_sums(value, h, l);
             let d = f16_at(block, r);
             let m = if MIN {
                 f16_at(&block[16..], r)
             } else {
-                -8.0 * d
+                -q_offset(FIFTH) * d
             };
             *y += d * (h.d * sum_h as f32 + l.d * sum_l as f32) + m * (h.d_sum + l.d_sum);
+        }
+    }
+    out
+}
+
+/// The table value of entry `e` of row `r` in a Q4_0-ordered block of IQ4 indices.
+fn iq4_value(quants: &[u8], e: usize, r: usize) -> i8 {
+    IQ4_VALUES[usize::from(nibble(quants, e, r))]
+}
+
+/// The scalar reference for IQ4_NL groups (Q4_0's layout, table values, no offset).
+fn iq4_nl_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
+    let (bytes, quants) = q4_sizes(false, false);
+    let mut out = [0f32; GROUP];
+    for (b, (h, l)) in hi.iter().zip(lo).enumerate() {
+        let block = &w[b * bytes..(b + 1) * bytes];
+        for (r, y) in out.iter_mut().enumerate() {
+            let (sum_h, sum_l) = value_sums(|e| iq4_value(&block[quants..], e, r), h, l);
+            *y += f16_at(block, r) * (h.d * sum_h as f32 + l.d * sum_l as f32);
+        }
+    }
+    out
+}
+
+/// The scalar reference for IQ4_XS groups.
+fn iq4_xs_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
+    let mut out = [0f32; GROUP];
+    for (c, (hs, ls)) in hi.chunks_exact(8).zip(lo.chunks_exact(8)).enumerate() {
+        let column = &w[c * IQ4_XS_BYTES..(c + 1) * IQ4_XS_BYTES];
+        for (r, y) in out.iter_mut().enumerate() {
+            let d = f16_at(column, r);
+            for (s, (h, l)) in hs.iter().zip(ls).enumerate() {
+                let sub = &column[IQ4_XS_QUANTS + 128 * s..][..128];
+                let (sum_h, sum_l) = value_sums(|e| iq4_value(sub, e, r), h, l);
+                let scale = d * f32::from(column[16 + 8 * s + r] as i8);
+                *y += scale * (h.d * sum_h as f32 + l.d * sum_l as f32);
+            }
         }
     }
     out
@@ -758,7 +937,8 @@ mod x86 {
             pub(super) mod $tier {
                 use super::*;
                 use crate::interleaved::{
-                    K_QUANTS, Q6_K_BYTES, Q6_K_QUANTS, Q6_K_SUB, half_sum, k_sizes, q4_sizes,
+                    IQ4_XS_BYTES, IQ4_XS_QUANTS, K_QUANTS, Q6_K_BYTES, Q6_K_QUANTS, Q6_K_SUB,
+                    half_sum, k_sizes, q_offset, q4_sizes,
                 };
 
                 /// The integer sums of `N` two-pass activation rows with a Q4_1-ordered block
@@ -807,6 +987,133 @@ mod x86 {
                     sums
                 }
 
+                /// The integer sums of `N` two-pass activation rows with a Q4_0-ordered block
+                /// of IQ4 indices of eight rows at `p`: each chunk's indices become table
+                /// values with one `vpshufb` per half, once for all the rows, and multiply by
+                /// the sign trick (`|w|` unsigned, the activations given `w`'s sign; the
+                /// table's values are within ±127, so `vpmaddubsw`'s pair sums fit).
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn iq4_sums<const N: usize>(
+                    p: *const u8,
+                    h: [&ActBlock; N],
+                    l: [&ActBlock; N],
+                ) -> [(__m256i, __m256i); N] {
+                    let parts = $parts(N);
+                    let mask = _mm256_set1_epi8(0x0F);
+                    let table = unsafe { crate::quant::iq4_table() };
+                    let mut sh = [[_mm256_setzero_si256(); 4]; N];
+                    let mut sl = [[_mm256_setzero_si256(); 4]; N];
+                    for j in 0..4 {
+                        let raw = unsafe { _mm256_loadu_si256(p.add(32 * j).cast()) };
+                        let low = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, mask));
+                        let high = _mm256_shuffle_epi8(
+                            table,
+                            _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask),
+                        );
+                        let (low_abs, high_abs) = (_mm256_abs_epi8(low), _mm256_abs_epi8(high));
+                        let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
+                        for i in 0..N {
+                            unsafe {
+                                let (hl, hh) = (broadcast(h[i], j), broadcast(h[i], 4 + j));
+                                let (ll, lh) = (broadcast(l[i], j), broadcast(l[i], 4 + j));
+                                sh[i][k_low] =
+                                    $dot(sh[i][k_low], low_abs, _mm256_sign_epi8(hl, low));
+                                sh[i][k_high] =
+                                    $dot(sh[i][k_high], high_abs, _mm256_sign_epi8(hh, high));
+                                sl[i][k_low] =
+                                    $dot(sl[i][k_low], low_abs, _mm256_sign_epi8(ll, low));
+                                sl[i][k_high] =
+                                    $dot(sl[i][k_high], high_abs, _mm256_sign_epi8(lh, high));
+                            }
+                        }
+                    }
+                    let mut sums = [(_mm256_setzero_si256(), _mm256_setzero_si256()); N];
+                    for i in 0..N {
+                        sums[i] = unsafe { (total(sh[i]), total(sl[i])) };
+                    }
+                    sums
+                }
+
+                /// Eight IQ4_NL rows × `N` two-pass activation rows
+                /// ([`super::super::TileFn`]).
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) unsafe fn iq4_nl_tile<const N: usize>(
+                    w: &[u8],
+                    hi: [&[ActBlock]; N],
+                    lo: [&[ActBlock]; N],
+                ) -> [[f32; GROUP]; N] {
+                    let (bytes, quants) = q4_sizes(false, false);
+                    let blocks = hi[0].len();
+                    debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    for b in 0..blocks {
+                        let p = unsafe { w.as_ptr().add(bytes * b) };
+                        if N >= PREFETCH_MIN_ROWS {
+                            prefetch_ahead(p, bytes);
+                        }
+                        // SAFETY: every row holds `blocks` blocks (the caller's contract).
+                        let h: [&ActBlock; N] =
+                            std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
+                        let l: [&ActBlock; N] =
+                            std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
+                        let sums = unsafe { iq4_sums::<N>(p.add(quants), h, l) };
+                        let d = unsafe { halves(p) };
+                        for i in 0..N {
+                            let (sum_h, sum_l) = sums[i];
+                            acc[i] = unsafe { add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]) };
+                        }
+                    }
+                    let mut out = [[0f32; GROUP]; N];
+                    for (out, acc) in out.iter_mut().zip(acc) {
+                        *out = unsafe { store(acc) };
+                    }
+                    out
+                }
+
+                /// Eight IQ4_XS rows × `N` two-pass activation rows
+                /// ([`super::super::TileFn`]): IQ4_NL's integer work per sub-block, scaled
+                /// by `d × scale` (exact in f32).
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) unsafe fn iq4_xs_tile<const N: usize>(
+                    w: &[u8],
+                    hi: [&[ActBlock]; N],
+                    lo: [&[ActBlock]; N],
+                ) -> [[f32; GROUP]; N] {
+                    let blocks = hi[0].len();
+                    debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    for c in 0..blocks / 8 {
+                        let p = unsafe { w.as_ptr().add(IQ4_XS_BYTES * c) };
+                        let d = unsafe { halves(p) };
+                        for s in 0..8 {
+                            if N >= PREFETCH_MIN_ROWS {
+                                let eighth = IQ4_XS_BYTES / 8;
+                                prefetch_ahead(p.wrapping_add(eighth * s), eighth);
+                            }
+                            let b = 8 * c + s;
+                            // SAFETY: every row holds `blocks` blocks (the caller's contract).
+                            let h: [&ActBlock; N] =
+                                std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
+                            let l: [&ActBlock; N] =
+                                std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
+                            let sub = unsafe { p.add(IQ4_XS_QUANTS + 128 * s) };
+                            let sums = unsafe { iq4_sums::<N>(sub, h, l) };
+                            let scale = _mm256_mul_ps(d, unsafe { i8_lanes(p.add(16 + 8 * s)) });
+                            for i in 0..N {
+                                let (sum_h, sum_l) = sums[i];
+                                acc[i] =
+                                    unsafe { add_sums(acc[i], scale, sum_h, sum_l, h[i], l[i]) };
+                            }
+                        }
+                    }
+                    let mut out = [[0f32; GROUP]; N];
+                    for (out, acc) in out.iter_mut().zip(acc) {
+                        *out = unsafe { store(acc) };
+                    }
+                    out
+                }
+
                 /// Eight Q4_0 rows × `N` two-pass activation rows ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
                 pub(in crate::interleaved) unsafe fn q4_0_tile<const N: usize>(
@@ -815,7 +1122,7 @@ mod x86 {
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
                     // SAFETY: the caller's contract.
-                    unsafe { q4_tile::<N, false>(w, hi, lo) }
+                    unsafe { q4_tile::<N, false, false>(w, hi, lo) }
                 }
 
                 /// Eight Q4_1 rows × `N` two-pass activation rows ([`super::super::TileFn`]).
@@ -826,19 +1133,41 @@ mod x86 {
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
                     // SAFETY: the caller's contract.
-                    unsafe { q4_tile::<N, true>(w, hi, lo) }
+                    unsafe { q4_tile::<N, true, false>(w, hi, lo) }
                 }
 
-                /// Eight Q4_0 (`MIN` false: the minimum is `-8 d`) or Q4_1 rows × `N`
-                /// two-pass activation rows.
-                #[inline]
+                /// Eight Q5_0 rows × `N` two-pass activation rows ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
-                unsafe fn q4_tile<const N: usize, const MIN: bool>(
+                pub(in crate::interleaved) unsafe fn q5_0_tile<const N: usize>(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
-                    let (bytes, quants) = q4_sizes(MIN);
+                    // SAFETY: the caller's contract.
+                    unsafe { q4_tile::<N, false, true>(w, hi, lo) }
+                }
+
+                /// Eight Q5_1 rows × `N` two-pass activation rows ([`super::super::TileFn`]).
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) unsafe fn q5_1_tile<const N: usize>(
+                    w: &[u8],
+                    hi: [&[ActBlock]; N],
+                    lo: [&[ActBlock]; N],
+                ) -> [[f32; GROUP]; N] {
+                    // SAFETY: the caller's contract.
+                    unsafe { q4_tile::<N, true, true>(w, hi, lo) }
+                }
+
+                /// Eight Q4_0 (`MIN` false: the minimum is `-8 d`), Q4_1, Q5_0 (`FIFTH`,
+                /// minimum `-16 d`) or Q5_1 rows × `N` two-pass activation rows.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn q4_tile<const N: usize, const MIN: bool, const FIFTH: bool>(
+                    w: &[u8],
+                    hi: [&[ActBlock]; N],
+                    lo: [&[ActBlock]; N],
+                ) -> [[f32; GROUP]; N] {
+                    let (bytes, quants) = q4_sizes(MIN, FIFTH);
                     let blocks = hi[0].len();
                     debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
                     let mut acc = [_mm256_setzero_ps(); N];
@@ -853,12 +1182,12 @@ mod x86 {
                             std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
                         let l: [&ActBlock; N] =
                             std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
-                        let sums = unsafe { nibble_sums::<N, false>(p.add(quants), h, l) };
+                        let sums = unsafe { nibble_sums::<N, FIFTH>(p.add(quants), h, l) };
                         let d = unsafe { halves(p) };
                         let m = if MIN {
                             unsafe { halves(p.add(16)) }
                         } else {
-                            _mm256_mul_ps(d, _mm256_set1_ps(-8.0))
+                            _mm256_mul_ps(d, _mm256_set1_ps(-q_offset(FIFTH)))
                         };
                         for i in 0..N {
                             let (sum_h, sum_l) = sums[i];

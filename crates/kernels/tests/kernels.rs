@@ -10,13 +10,19 @@ use kiln_kernels::quant::DotKernel;
 use kiln_kernels::{GgmlType, QuantMatrix, ThreadPool, Tier};
 use proptest::prelude::*;
 
-const TYPES: [GgmlType; 6] = [
+const TYPES: [GgmlType; 12] = [
     GgmlType::Q8_0,
     GgmlType::Q4_0,
     GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
+    GgmlType::Q2K,
+    GgmlType::Q3K,
+    GgmlType::Iq4Nl,
+    GgmlType::Iq4Xs,
 ];
 
 /// xorshift64*: reproducible test data from a proptest seed.
@@ -44,13 +50,17 @@ impl Rng {
 /// One random block of `ty`: random quants, positive f16 scales of a realistic size.
 fn random_block(ty: GgmlType, rng: &mut Rng) -> Vec<u8> {
     let mut b: Vec<u8> = (0..ty.type_size()).map(|_| rng.byte()).collect();
-    match ty {
-        GgmlType::Q8_0 | GgmlType::Q4_0 => b[..2].copy_from_slice(&rng.scale()),
-        GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q5K => {
-            b[..2].copy_from_slice(&rng.scale());
-            b[2..4].copy_from_slice(&rng.scale());
-        }
-        _ => b[208..210].copy_from_slice(&rng.scale()),
+    let scales: &[usize] = match ty {
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
+        GgmlType::Iq4Nl | GgmlType::Iq4Xs => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+        GgmlType::Q6K => &[208],
+        GgmlType::Q2K => &[80, 82],
+        GgmlType::Q3K => &[108],
+        other => panic!("no random blocks of {}", other.name()),
+    };
+    for &at in scales {
+        b[at..at + 2].copy_from_slice(&rng.scale());
     }
     b
 }
@@ -281,7 +291,8 @@ fn row_permutation_and_dequantization_agree() {
     assert_eq!(a, b);
 }
 
-/// Interleaving is invisible from outside: each row reads back as the blocks it was given.
+/// Interleaving is invisible from outside: each row reads back as the blocks it was given
+/// (the types without an interleaved layout keep GGUF's rows).
 #[test]
 fn interleaved_rows_read_back_as_given() {
     let mut rng = Rng(11);
@@ -298,7 +309,9 @@ fn interleaved_rows_read_back_as_given() {
             given.push(row);
         }
         let w = QuantMatrix::new(ty, rows, cols, data).unwrap();
-        assert!(w.is_interleaved() && !plain.is_interleaved());
+        let has_layout = kiln_kernels::interleaved::group_block_bytes(ty).is_some();
+        assert_eq!(w.is_interleaved(), has_layout, "{}", ty.name());
+        assert!(!plain.is_interleaved());
         for (r, row) in given.iter().enumerate() {
             assert_eq!(&*w.row(r), row.as_slice(), "{} row {r}", ty.name());
         }
@@ -359,7 +372,8 @@ fn stacked_matrices_multiply_like_their_parts() {
 fn matrices_of_the_wrong_size_or_type_are_refused() {
     assert!(QuantMatrix::new(GgmlType::Q8_0, 2, 32, vec![0; 67]).is_err());
     assert!(QuantMatrix::new(GgmlType::Q4K, 1, 32, vec![0; 144]).is_err());
-    assert!(QuantMatrix::new(GgmlType::Q5_0, 1, 32, vec![0; 22]).is_err());
+    assert!(QuantMatrix::new(GgmlType::Q5_0, 1, 32, vec![0; 21]).is_err());
+    assert!(QuantMatrix::new(GgmlType::F16, 1, 32, vec![0; 64]).is_err());
 }
 
 /// A decode-sized product (one activation row, a 1536 × 576 matrix like SmolLM2's MLP) runs

@@ -241,6 +241,10 @@ fn random_blocks(ty: GgmlType, rows: usize, cols: usize, rng: &mut ChaCha8Rng) -
         GgmlType::Q4_1 | GgmlType::Q5_1 => &[(0, 0.03 / 32.0), (2, -0.015)],
         GgmlType::Q4K | GgmlType::Q5K => &[(0, 0.03 / 63.0 / 31.0), (2, 0.015 / 63.0)],
         GgmlType::Q6K => &[(block - 2, 0.03 / 128.0 / 32.0)],
+        GgmlType::Q2K => &[(80, 0.03 / 15.0 / 3.0), (82, 0.015 / 15.0)],
+        GgmlType::Q3K => &[(108, 0.03 / 32.0 / 4.0)],
+        GgmlType::Iq4Nl => &[(0, 0.03 / 127.0)],
+        GgmlType::Iq4Xs => &[(0, 0.03 / 32.0 / 127.0)],
         GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => &[],
     };
     for b in data.chunks_exact_mut(block) {

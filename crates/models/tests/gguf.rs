@@ -181,15 +181,15 @@ fn unsupported_architectures_pre_tokenizers_and_types_are_named() {
         "{pre}"
     );
 
-    // The type field follows the name, the rank and two dimensions; 10 is Q2_K.
+    // The type field follows the name, the rank and two dimensions; 16 is IQ2_XXS.
     let name = b"blk.0.attn_v.weight";
     let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len() + 4 + 16;
-    let mut q2k = bytes.clone();
-    q2k[at..at + 4].copy_from_slice(&10u32.to_le_bytes());
-    let err = load_bytes(&q2k).unwrap_err();
+    let mut iq2 = bytes.clone();
+    iq2[at..at + 4].copy_from_slice(&16u32.to_le_bytes());
+    let err = load_bytes(&iq2).unwrap_err();
     assert!(
         err.to_string()
-            .contains("`blk.0.attn_v.weight` is stored as Q2_K"),
+            .contains("`blk.0.attn_v.weight` is stored as IQ2_XXS"),
         "{err}"
     );
 }

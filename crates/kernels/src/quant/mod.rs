@@ -5,6 +5,9 @@ pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86::iq4_table;
+
 use crate::act::{ACT_BLOCK, ActBlock};
 use crate::ggml::GgmlType;
 use crate::tier::Tier;
@@ -24,9 +27,15 @@ pub fn has_kernel(ty: GgmlType) -> bool {
         GgmlType::Q8_0
             | GgmlType::Q4_0
             | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
             | GgmlType::Q4K
             | GgmlType::Q5K
             | GgmlType::Q6K
+            | GgmlType::Q2K
+            | GgmlType::Q3K
+            | GgmlType::Iq4Nl
+            | GgmlType::Iq4Xs
     )
 }
 
@@ -100,9 +109,15 @@ fn scalar_kernel(ty: GgmlType) -> DotFn {
         GgmlType::Q8_0 => scalar::q8_0,
         GgmlType::Q4_0 => scalar::q4_0,
         GgmlType::Q4_1 => scalar::q4_1,
+        GgmlType::Q5_0 => scalar::q5_0,
+        GgmlType::Q5_1 => scalar::q5_1,
         GgmlType::Q4K => scalar::q4_k,
         GgmlType::Q5K => scalar::q5_k,
         GgmlType::Q6K => scalar::q6_k,
+        GgmlType::Q2K => scalar::q2_k,
+        GgmlType::Q3K => scalar::q3_k,
+        GgmlType::Iq4Nl => scalar::iq4_nl,
+        GgmlType::Iq4Xs => scalar::iq4_xs,
         other => unreachable!("{} has no kernel (has_kernel)", other.name()),
     }
 }
@@ -117,11 +132,19 @@ fn kernel(ty: GgmlType, tier: Tier) -> DotFn {
             (Tier::Avx512Vnni, GgmlType::Q4_1) => Some(x86::vnni::q4_1),
             (Tier::Avx512Vnni, GgmlType::Q4K) => Some(x86::vnni::q4_k),
             (Tier::Avx512Vnni, GgmlType::Q6K) => Some(x86::vnni::q6_k),
+            (Tier::Avx512Vnni, GgmlType::Q2K) => Some(x86::vnni::q2_k),
+            (Tier::Avx512Vnni, GgmlType::Q3K) => Some(x86::vnni::q3_k),
+            (Tier::Avx512Vnni, GgmlType::Iq4Nl) => Some(x86::vnni::iq4_nl),
+            (Tier::Avx512Vnni, GgmlType::Iq4Xs) => Some(x86::vnni::iq4_xs),
             (Tier::Avx2, GgmlType::Q8_0) => Some(x86::avx2::q8_0),
             (Tier::Avx2, GgmlType::Q4_0) => Some(x86::avx2::q4_0),
             (Tier::Avx2, GgmlType::Q4_1) => Some(x86::avx2::q4_1),
             (Tier::Avx2, GgmlType::Q4K) => Some(x86::avx2::q4_k),
             (Tier::Avx2, GgmlType::Q6K) => Some(x86::avx2::q6_k),
+            (Tier::Avx2, GgmlType::Q2K) => Some(x86::avx2::q2_k),
+            (Tier::Avx2, GgmlType::Q3K) => Some(x86::avx2::q3_k),
+            (Tier::Avx2, GgmlType::Iq4Nl) => Some(x86::avx2::iq4_nl),
+            (Tier::Avx2, GgmlType::Iq4Xs) => Some(x86::avx2::iq4_xs),
             _ => None,
         };
         if let Some(f) = simd {

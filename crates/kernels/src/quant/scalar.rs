@@ -5,7 +5,9 @@
 //! to [`ActBlock`]s, one per 32 weights, and returns `Σ w_i x_i`.
 
 use crate::act::ActBlock;
-use crate::ggml::{half, scale_min_k4};
+use crate::ggml::{
+    IQ4_VALUES, half, iq4_xs_scale, q2_k_sub, q3_k_scales, q3_k_value, scale_min_k4,
+};
 
 /// `Σ u_i a_i` over 32 unsigned 4-bit values stored low nibbles (values 0-15) then high
 /// nibbles (16-31) in 16 bytes.
@@ -47,6 +49,142 @@ pub fn q4_1(w: &[u8], a: &[ActBlock]) -> f32 {
         .zip(a)
         .map(|(b, ab)| {
             half(b, 0) * ab.d * nibble_dot(&b[4..20], &ab.qs) as f32 + half(b, 2) * ab.d_sum
+        })
+        .sum()
+}
+
+/// `Σ q_i a_i` over 32 five-bit values: nibbles as [`nibble_dot`], fifth bit of value `i` in
+/// bit `i` of `qh`.
+fn five_bit_dot(qh: u32, qs: &[u8], a: &[i8; 32]) -> i32 {
+    (0..32)
+        .map(|i| {
+            let nibble = if i < 16 { qs[i] & 0xF } else { qs[i - 16] >> 4 };
+            let q = nibble | ((((qh >> i) & 1) as u8) << 4);
+            i32::from(q) * i32::from(a[i])
+        })
+        .sum()
+}
+
+/// Q5_0 (22-byte blocks: f16 d, u32 of fifth bits, 16 bytes of nibbles, offset 16).
+pub fn q5_0(w: &[u8], a: &[ActBlock]) -> f32 {
+    w.chunks_exact(22)
+        .zip(a)
+        .map(|(b, ab)| {
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let dot = five_bit_dot(qh, &b[6..22], &ab.qs);
+            half(b, 0) * (ab.d * dot as f32 - 16.0 * ab.d_sum)
+        })
+        .sum()
+}
+
+/// Q5_1 (24-byte blocks: f16 d and minimum m, u32 of fifth bits, 16 bytes of nibbles).
+pub fn q5_1(w: &[u8], a: &[ActBlock]) -> f32 {
+    w.chunks_exact(24)
+        .zip(a)
+        .map(|(b, ab)| {
+            let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+            let dot = five_bit_dot(qh, &b[8..24], &ab.qs);
+            half(b, 0) * ab.d * dot as f32 + half(b, 2) * ab.d_sum
+        })
+        .sum()
+}
+
+/// `Σ a` over half `h` (0: values 0-15, 1: 16-31) of an activation block.
+fn half_sum(a: &ActBlock, h: usize) -> i32 {
+    if h == 0 {
+        a.sum_first_half
+    } else {
+        a.sum - a.sum_first_half
+    }
+}
+
+/// Q2_K (84-byte blocks of 256: 16 bytes of 4-bit scales and minimums, 64 bytes of 2-bit
+/// values, f16 d and dmin; one scale per 16 values). Per activation block, the scaled sums
+/// and the minimums' sums are integers; two float steps close it.
+pub fn q2_k(w: &[u8], a: &[ActBlock]) -> f32 {
+    w.chunks_exact(84)
+        .zip(a.chunks_exact(8))
+        .map(|(b, ab)| {
+            let (d, dmin) = (half(b, 80), half(b, 82));
+            let mut sum = 0f32;
+            for (j, act) in ab.iter().enumerate() {
+                let (mut scaled, mut mins) = (0i32, 0i32);
+                for h in 0..2 {
+                    let (sc, m, at, shift) = q2_k_sub(b, 2 * j + h);
+                    let dot: i32 = (0..16)
+                        .map(|l| {
+                            i32::from((b[at + l] >> shift) & 3) * i32::from(act.qs[16 * h + l])
+                        })
+                        .sum();
+                    scaled += i32::from(sc) * dot;
+                    mins += i32::from(m) * half_sum(act, h);
+                }
+                sum += act.d * (d * scaled as f32 - dmin * mins as f32);
+            }
+            sum
+        })
+        .sum()
+}
+
+/// Q3_K (110-byte blocks of 256: 32 bytes of high bits, 64 of low 2-bit pairs, 12 of packed
+/// 6-bit scales, f16 d; values −4..=3, one scale per 16 values).
+pub fn q3_k(w: &[u8], a: &[ActBlock]) -> f32 {
+    w.chunks_exact(110)
+        .zip(a.chunks_exact(8))
+        .map(|(b, ab)| {
+            let d = half(b, 108);
+            let scales = q3_k_scales(&b[96..108]);
+            let mut sum = 0f32;
+            for (j, act) in ab.iter().enumerate() {
+                let mut scaled = 0i32;
+                for h in 0..2 {
+                    let s = 2 * j + h;
+                    let dot: i32 = (0..16)
+                        .map(|l| {
+                            i32::from(q3_k_value(b, 16 * s + l)) * i32::from(act.qs[16 * h + l])
+                        })
+                        .sum();
+                    scaled += i32::from(scales[s]) * dot;
+                }
+                sum += d * act.d * scaled as f32;
+            }
+            sum
+        })
+        .sum()
+}
+
+/// `Σ table[q_i] a_i` over 32 IQ4 indices stored as [`nibble_dot`]'s nibbles.
+fn iq4_dot(qs: &[u8], a: &[i8; 32]) -> i32 {
+    qs.iter()
+        .enumerate()
+        .map(|(j, &q)| {
+            i32::from(IQ4_VALUES[usize::from(q & 0xF)]) * i32::from(a[j])
+                + i32::from(IQ4_VALUES[usize::from(q >> 4)]) * i32::from(a[j + 16])
+        })
+        .sum()
+}
+
+/// IQ4_NL (18-byte blocks: f16 d, 16 bytes of table indices).
+pub fn iq4_nl(w: &[u8], a: &[ActBlock]) -> f32 {
+    w.chunks_exact(18)
+        .zip(a)
+        .map(|(b, ab)| half(b, 0) * ab.d * iq4_dot(&b[2..18], &ab.qs) as f32)
+        .sum()
+}
+
+/// IQ4_XS (136-byte blocks of 256: f16 d, 6-bit scales in a u16 and 4 bytes, 8 × 16 bytes of
+/// table indices).
+pub fn iq4_xs(w: &[u8], a: &[ActBlock]) -> f32 {
+    w.chunks_exact(136)
+        .zip(a.chunks_exact(8))
+        .map(|(b, ab)| {
+            let d = half(b, 0);
+            let mut scaled = 0f32;
+            for (s, act) in ab.iter().enumerate() {
+                let dot = iq4_dot(&b[8 + 16 * s..8 + 16 * s + 16], &act.qs);
+                scaled += act.d * (iq4_xs_scale(b, s) * dot) as f32;
+            }
+            d * scaled
         })
         .sum()
 }

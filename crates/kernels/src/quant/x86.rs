@@ -15,7 +15,7 @@
 use std::arch::x86_64::*;
 
 use crate::act::ActBlock;
-use crate::ggml::scale_min_k4;
+use crate::ggml::{IQ4_VALUES, iq4_xs_scale, q3_k_scales, scale_min_k4};
 
 /// f16 (little-endian at `p`) to f32 with F16C.
 #[inline]
@@ -63,6 +63,38 @@ unsafe fn dot_avx2(u: __m256i, s: __m256i) -> __m256i {
 #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
 unsafe fn dot_vnni(u: __m256i, s: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+}
+
+/// IQ4's table in both 128-bit lanes, for `vpshufb` lookups of 32 indices.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn iq4_table() -> __m256i {
+    let table = unsafe { _mm_loadu_si128(IQ4_VALUES.as_ptr().cast()) };
+    _mm256_set_m128i(table, table)
+}
+
+/// The 32 signed values of 16 bytes of IQ4 indices at `p` (low nibbles then high ones).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn iq4_values(table: __m256i, p: *const u8) -> __m256i {
+    _mm256_shuffle_epi8(table, unsafe { nibbles(p) })
+}
+
+/// `[s0 × 4, s1 × 4]`: one scale for each 16-value half of a 32-value block's eight lanes.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn half_scales(s0: i32, s1: i32) -> __m256i {
+    _mm256_setr_epi32(s0, s0, s0, s0, s1, s1, s1, s1)
+}
+
+/// Two-bit values `2 × shift .. 2 × shift + 2` of the 32 bytes at `p` (Q2_K's and Q3_K's low
+/// bits of one 32-value activation block).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn two_bits(p: *const u8, shift: i32) -> __m256i {
+    let raw = unsafe { _mm256_loadu_si256(p.cast()) };
+    let moved = _mm256_srl_epi16(raw, _mm_cvtsi32_si128(shift));
+    _mm256_and_si256(moved, _mm256_set1_epi8(3))
 }
 
 macro_rules! tier_kernels {
@@ -144,6 +176,100 @@ macro_rules! tier_kernels {
                     }
                 }
                 (unsafe { hsum(acc) }) - mins
+            }
+
+            /// IQ4_NL × activations: table values, signed, by the sign trick.
+            #[target_feature(enable = $features)]
+            pub(in crate::quant) unsafe fn iq4_nl(w: &[u8], a: &[ActBlock]) -> f32 {
+                let table = unsafe { iq4_table() };
+                let mut acc = _mm256_setzero_ps();
+                for (i, ab) in a.iter().enumerate() {
+                    let b = unsafe { w.as_ptr().add(18 * i) };
+                    let wv = unsafe { iq4_values(table, b.add(2)) };
+                    let av = unsafe { load32(ab.qs.as_ptr()) };
+                    let p = unsafe { $dot(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv)) };
+                    let scale = unsafe { f16_at(b) } * ab.d;
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(p), acc);
+                }
+                unsafe { hsum(acc) }
+            }
+
+            /// IQ4_XS × activations.
+            #[target_feature(enable = $features)]
+            pub(in crate::quant) unsafe fn iq4_xs(w: &[u8], a: &[ActBlock]) -> f32 {
+                let table = unsafe { iq4_table() };
+                let mut acc = _mm256_setzero_ps();
+                for (i, ab) in a.chunks_exact(8).enumerate() {
+                    let block = unsafe { std::slice::from_raw_parts(w.as_ptr().add(136 * i), 136) };
+                    let d = unsafe { f16_at(block.as_ptr()) };
+                    for (s, act) in ab.iter().enumerate() {
+                        let wv = unsafe { iq4_values(table, block.as_ptr().add(8 + 16 * s)) };
+                        let av = unsafe { load32(act.qs.as_ptr()) };
+                        let p = unsafe { $dot(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv)) };
+                        let p = _mm256_mullo_epi32(p, _mm256_set1_epi32(iq4_xs_scale(block, s)));
+                        acc =
+                            _mm256_fmadd_ps(_mm256_set1_ps(d * act.d), _mm256_cvtepi32_ps(p), acc);
+                    }
+                }
+                unsafe { hsum(acc) }
+            }
+
+            /// Q2_K × activations: the minimums come off through the activations' half sums.
+            #[target_feature(enable = $features)]
+            pub(in crate::quant) unsafe fn q2_k(w: &[u8], a: &[ActBlock]) -> f32 {
+                let mut acc = _mm256_setzero_ps();
+                let mut mins = 0f32;
+                for (i, ab) in a.chunks_exact(8).enumerate() {
+                    let b = unsafe { w.as_ptr().add(84 * i) };
+                    let (d, dmin) = unsafe { (f16_at(b.add(80)), f16_at(b.add(82))) };
+                    for (j, act) in ab.iter().enumerate() {
+                        let (sc0, sc1) = unsafe { (*b.add(2 * j), *b.add(2 * j + 1)) };
+                        let q = unsafe { two_bits(b.add(16 + 32 * (j / 4)), 2 * (j % 4) as i32) };
+                        let p = unsafe { $dot(q, load32(act.qs.as_ptr())) };
+                        let scales =
+                            unsafe { half_scales(i32::from(sc0 & 0xF), i32::from(sc1 & 0xF)) };
+                        let p = _mm256_mullo_epi32(p, scales);
+                        acc =
+                            _mm256_fmadd_ps(_mm256_set1_ps(d * act.d), _mm256_cvtepi32_ps(p), acc);
+                        let first = act.sum_first_half;
+                        let m =
+                            i32::from(sc0 >> 4) * first + i32::from(sc1 >> 4) * (act.sum - first);
+                        mins += dmin * act.d * m as f32;
+                    }
+                }
+                (unsafe { hsum(acc) }) - mins
+            }
+
+            /// Q3_K × activations: values stored as `q + 4` (0..=7), `4 × Σ a` taken off per
+            /// half block.
+            #[target_feature(enable = $features)]
+            pub(in crate::quant) unsafe fn q3_k(w: &[u8], a: &[ActBlock]) -> f32 {
+                let one = _mm256_set1_epi8(1);
+                let four = _mm256_set1_epi8(4);
+                let mut acc = _mm256_setzero_ps();
+                for (i, ab) in a.chunks_exact(8).enumerate() {
+                    let b = unsafe { w.as_ptr().add(110 * i) };
+                    let d = unsafe { f16_at(b.add(108)) };
+                    let scales = q3_k_scales(unsafe { std::slice::from_raw_parts(b.add(96), 12) });
+                    let hmask = unsafe { _mm256_loadu_si256(b.cast()) };
+                    for (j, act) in ab.iter().enumerate() {
+                        let low = unsafe { two_bits(b.add(32 + 32 * (j / 4)), 2 * (j % 4) as i32) };
+                        let high = _mm256_and_si256(
+                            _mm256_srl_epi16(hmask, _mm_cvtsi32_si128(j as i32)),
+                            one,
+                        );
+                        let q = _mm256_or_si256(low, _mm256_slli_epi16(high, 2));
+                        let av = unsafe { load32(act.qs.as_ptr()) };
+                        let p = _mm256_sub_epi32(unsafe { $dot(q, av) }, unsafe { $dot(four, av) });
+                        let s = unsafe {
+                            half_scales(i32::from(scales[2 * j]), i32::from(scales[2 * j + 1]))
+                        };
+                        let p = _mm256_mullo_epi32(p, s);
+                        acc =
+                            _mm256_fmadd_ps(_mm256_set1_ps(d * act.d), _mm256_cvtepi32_ps(p), acc);
+                    }
+                }
+                unsafe { hsum(acc) }
             }
 
             /// Q6_K × activations.

@@ -253,9 +253,11 @@ pub fn parse(bytes: &[u8]) -> Result<Header, ParseError> {
         let at = c.at;
         let type_id = c.u32(&format!("the type of `{name}`"))?;
         let Some(ggml_type) = GgmlType::from_id(type_id) else {
+            let supported: Vec<&str> = GgmlType::ALL.iter().map(|t| t.name()).collect();
             return c.fail(at, format!(
-                "tensor `{name}` is stored as {}, which kiln cannot dequantize (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)",
-                ggml_type_name(type_id)
+                "tensor `{name}` is stored as {}, which kiln cannot read (supported: {})",
+                ggml_type_name(type_id),
+                supported.join(", ")
             ));
         };
         let offset_at = c.at;
