@@ -31,8 +31,14 @@ static FALLBACKS: AtomicU64 = AtomicU64::new(0);
 static FIRST_FALLBACK: OnceLock<String> = OnceLock::new();
 
 fn fell_back(err: &kiln_cube::CubeError) {
+    fell_back_because(|| err.to_string());
+}
+
+fn fell_back_because(reason: impl FnOnce() -> String) {
     FALLBACKS.fetch_add(1, Ordering::Relaxed);
-    let _ = FIRST_FALLBACK.set(err.to_string());
+    if FIRST_FALLBACK.get().is_none() {
+        let _ = FIRST_FALLBACK.set(reason());
+    }
 }
 
 /// See [`super::kernel_fallbacks`].
@@ -332,6 +338,8 @@ fn block_type(ty: GgmlType) -> Option<BlockType> {
         GgmlType::Q4K => BlockType::Q4K,
         GgmlType::Q5K => BlockType::Q5K,
         GgmlType::Q6K => BlockType::Q6K,
+        // No device kernels yet: their products run on the host (`linear_quantized`).
+        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Iq4Nl | GgmlType::Iq4Xs => return None,
         GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => return None,
     })
 }
@@ -353,10 +361,18 @@ pub(super) fn linear_quantized<R: CubeRuntime, BT: BoolElement>(
 ) -> Tensor<Cube<R, BT>, 2> {
     let x_raw = raw(x.clone());
     let device = w.device.get_or_init(|| upload_blocks(&w.host, &x_raw));
-    if let Some(weights) = device
-        && let Ok(out) = kiln_cube::quant::matmul(x_raw, weights)
-    {
-        return wrap(out);
+    match device {
+        Some(weights) => match kiln_cube::quant::matmul(x_raw, weights) {
+            Ok(out) => return wrap(out),
+            Err(err) => fell_back(&err),
+        },
+        None => fell_back_because(|| {
+            format!(
+                "{} weights are not on the device (no kernel for the type, or the upload \
+                 failed): their products run on the host",
+                w.host.ty().name()
+            )
+        }),
     }
     super::linear_quantized_on_host(x, &w.host)
 }
