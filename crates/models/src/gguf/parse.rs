@@ -254,11 +254,14 @@ pub fn parse(bytes: &[u8]) -> Result<Header, ParseError> {
         let type_id = c.u32(&format!("the type of `{name}`"))?;
         let Some(ggml_type) = GgmlType::from_id(type_id) else {
             let supported: Vec<&str> = GgmlType::ALL.iter().map(|t| t.name()).collect();
-            return c.fail(at, format!(
-                "tensor `{name}` is stored as {}, which kiln cannot read (supported: {})",
-                ggml_type_name(type_id),
-                supported.join(", ")
-            ));
+            return c.fail(
+                at,
+                format!(
+                    "tensor `{name}` is stored as {}, which kiln cannot read (supported: {})",
+                    ggml_type_name(type_id),
+                    supported.join(", ")
+                ),
+            );
         };
         let offset_at = c.at;
         let offset = c.u64(&format!("the data offset of `{name}`"))?;
