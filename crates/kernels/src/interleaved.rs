@@ -41,7 +41,10 @@
 use half::f16;
 
 use crate::act::ActBlock;
-use crate::ggml::{GgmlType, IQ4_VALUES, iq4_xs_scale, pack_scale_min_k4, scale_min_k4_bits};
+use crate::ggml::{
+    GgmlType, IQ4_VALUES, iq4_xs_scale, pack_scale_min_k4, q3_k_scales, q3_k_value,
+    scale_min_k4_bits,
+};
 use crate::tier::Tier;
 
 /// Rows per group.
@@ -69,6 +72,21 @@ const Q6_K_BYTES: usize = 2 * 8 + 16 * 8 + 8 * Q6_K_SUB;
 const Q6_K_QUANTS: usize = 144;
 /// Bytes of one Q6_K sub-block of a group: 128 of low nibbles, 64 of high bits.
 const Q6_K_SUB: usize = 192;
+/// Bytes of one Q3_K sub-block of a group: 128 of nibbles holding `q + 4` (three bits).
+const Q3_K_SUB: usize = 128;
+/// Bytes of Q3_K's block column: Q6_K's header (`d`, the 16 scales as signed bytes), eight
+/// sub-blocks of nibbles: 1,168 bytes for GGUF's 880.
+const Q3_K_BYTES: usize = Q6_K_QUANTS + 8 * Q3_K_SUB;
+
+/// Q6_K's (`q3` false) or Q3_K's block column and sub-block bytes, and the offset their
+/// stored values carry.
+const fn half_scaled_sizes(q3: bool) -> (usize, usize, i32) {
+    if q3 {
+        (Q3_K_BYTES, Q3_K_SUB, 4)
+    } else {
+        (Q6_K_BYTES, Q6_K_SUB, 32)
+    }
+}
 
 /// Bytes of a Q4_0 (`min` false, `fifth` false), Q4_1 (`min`), Q5_0 (`fifth`) or Q5_1 (both)
 /// block column, and where its nibbles start: the eight `d` (f16), the eight minimums (Q4_1,
@@ -104,6 +122,7 @@ pub fn group_block_bytes(ty: GgmlType) -> Option<usize> {
         GgmlType::Q4K => Some(k_sizes(false).0),
         GgmlType::Q5K => Some(k_sizes(true).0),
         GgmlType::Q6K => Some(Q6_K_BYTES),
+        GgmlType::Q3K => Some(Q3_K_BYTES),
         _ => None,
     }
 }
@@ -251,6 +270,17 @@ pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8>
                             q4_1_nibbles(&mut dst[IQ4_XS_QUANTS + 128 * s..], r, &value);
                         }
                     }
+                    GgmlType::Q3K => {
+                        dst[2 * r..2 * r + 2].copy_from_slice(&src[108..110]);
+                        for (i, scale) in q3_k_scales(&src[96..108]).into_iter().enumerate() {
+                            dst[16 + 8 * i + r] = scale as u8;
+                        }
+                        for s in 0..8 {
+                            let sub = &mut dst[Q6_K_QUANTS + Q3_K_SUB * s..][..Q3_K_SUB];
+                            let value = |e: usize| (q3_k_value(src, 32 * s + e) + 4) as u8;
+                            q4_1_nibbles(sub, r, &value);
+                        }
+                    }
                     GgmlType::Q6K => {
                         dst[2 * r..2 * r + 2].copy_from_slice(&src[208..210]);
                         for i in 0..16 {
@@ -341,6 +371,29 @@ pub fn unpack_row(ty: GgmlType, group: &[u8], r: usize, out: &mut Vec<u8>) {
                     out.extend((0..16).map(|e| sub[nibble_at(e, r).0]));
                 }
             }
+            GgmlType::Q3K => {
+                let mut block = [0u8; 110];
+                for v in 0..256 {
+                    let sub = &dst[Q6_K_QUANTS + Q3_K_SUB * (v / 32)..][..Q3_K_SUB];
+                    let q = nibble(sub, v % 32, r);
+                    // As `q3_k_value` reads them: two low bits in `qs`, the third in `hmask`.
+                    let s = v / 16;
+                    block[32 + 32 * (s / 8) + 16 * (s % 2) + v % 16] |=
+                        (q & 3) << (2 * (s / 2 % 4));
+                    block[v % 32] |= (q >> 2) << (v / 32);
+                }
+                for i in 0..16 {
+                    let scale = (i32::from(dst[16 + 8 * i + r] as i8) + 32) as u8;
+                    if i < 8 {
+                        block[96 + i] |= scale & 0xF;
+                    } else {
+                        block[96 + i - 8] |= (scale & 0xF) << 4;
+                    }
+                    block[104 + i % 4] |= (scale >> 4) << (2 * (i / 4));
+                }
+                block[108..110].copy_from_slice(&dst[2 * r..2 * r + 2]);
+                out.extend_from_slice(&block);
+            }
             GgmlType::Q6K => {
                 let mut block = [0u8; 210];
                 for s in 0..8 {
@@ -422,6 +475,7 @@ impl TileKernels {
                 (Tier::Avx512Vnni, GgmlType::Q4K) => Some(tile_kernels!(x86::vnni::q4_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q5K) => Some(tile_kernels!(x86::vnni::q5_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q6K) => Some(tile_kernels!(x86::vnni::q6_k_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q3K) => Some(tile_kernels!(x86::vnni::q3_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_offset::tile)),
                 (Tier::Avx2, GgmlType::Q4_0) => Some(tile_kernels!(x86::avx2::q4_0_tile)),
                 (Tier::Avx2, GgmlType::Q4_1) => Some(tile_kernels!(x86::avx2::q4_1_tile)),
@@ -432,6 +486,7 @@ impl TileKernels {
                 (Tier::Avx2, GgmlType::Q4K) => Some(tile_kernels!(x86::avx2::q4_k_tile)),
                 (Tier::Avx2, GgmlType::Q5K) => Some(tile_kernels!(x86::avx2::q5_k_tile)),
                 (Tier::Avx2, GgmlType::Q6K) => Some(tile_kernels!(x86::avx2::q6_k_tile)),
+                (Tier::Avx2, GgmlType::Q3K) => Some(tile_kernels!(x86::avx2::q3_k_tile)),
                 (Tier::Avx2, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_sign::tile)),
                 _ => None,
             };
@@ -450,6 +505,7 @@ impl TileKernels {
             GgmlType::Q4K => Some(tile_kernels!(scalar_tile_q4_k)),
             GgmlType::Q5K => Some(tile_kernels!(scalar_tile_q5_k)),
             GgmlType::Q6K => Some(tile_kernels!(scalar_tile_q6_k)),
+            GgmlType::Q3K => Some(tile_kernels!(scalar_tile_q3_k)),
             GgmlType::Q8_0 => Some(tile_kernels!(scalar_tile_q8_0)),
             _ => None,
         }
@@ -580,7 +636,16 @@ fn scalar_tile_q6_k<const N: usize>(
     hi: [&[ActBlock]; N],
     lo: [&[ActBlock]; N],
 ) -> [[f32; GROUP]; N] {
-    std::array::from_fn(|i| q6_k_scalar(w, hi[i], lo[i]))
+    std::array::from_fn(|i| half_scaled_scalar::<false>(w, hi[i], lo[i]))
+}
+
+/// The scalar tile: the scalar reference row by row.
+fn scalar_tile_q3_k<const N: usize>(
+    w: &[u8],
+    hi: [&[ActBlock]; N],
+    lo: [&[ActBlock]; N],
+) -> [[f32; GROUP]; N] {
+    std::array::from_fn(|i| half_scaled_scalar::<true>(w, hi[i], lo[i]))
 }
 
 /// The scalar tile: the scalar reference row by row.
@@ -724,27 +789,34 @@ fn k_quant_scalar<const FIFTH: bool>(w: &[u8], hi: &[ActBlock], lo: &[ActBlock])
     out
 }
 
-/// The scalar reference for Q6_K groups.
-fn q6_k_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
+/// The scalar reference for Q6_K (`Q3` false) and Q3_K groups: one signed scale per 16
+/// values, stored values `q + 32` (Q6_K) or `q + 4` (Q3_K).
+fn half_scaled_scalar<const Q3: bool>(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
+    let (column_bytes, sub_bytes, offset) = half_scaled_sizes(Q3);
     let mut out = [0f32; GROUP];
     for (c, (hs, ls)) in hi.chunks_exact(8).zip(lo.chunks_exact(8)).enumerate() {
-        let column = &w[c * Q6_K_BYTES..(c + 1) * Q6_K_BYTES];
+        let column = &w[c * column_bytes..(c + 1) * column_bytes];
         for (r, y) in out.iter_mut().enumerate() {
             let d = f16_at(column, r);
             for (s, (h, l)) in hs.iter().zip(ls).enumerate() {
-                let sub = &column[Q6_K_QUANTS + Q6_K_SUB * s..][..Q6_K_SUB];
-                // [half][pass]: the stored `q + 32` times the activations.
+                let sub = &column[Q6_K_QUANTS + sub_bytes * s..][..sub_bytes];
+                // [half][pass]: the stored `q + offset` times the activations.
                 let mut sums = [[0i32; 2]; 2];
                 for e in 0..32 {
-                    let q = i32::from(q6_k_group_value(sub, e, r));
+                    let q = if Q3 {
+                        nibble(sub, e, r)
+                    } else {
+                        q6_k_group_value(sub, e, r)
+                    };
+                    let q = i32::from(q);
                     sums[e / 16][0] += q * i32::from(h.qs[e]);
                     sums[e / 16][1] += q * i32::from(l.qs[e]);
                 }
                 for (half, [sum_h, sum_l]) in sums.into_iter().enumerate() {
                     let scale = d * f32::from(column[16 + 8 * (2 * s + half) + r] as i8);
                     let (sum_h, sum_l) = (
-                        sum_h - 32 * half_sum(h, half),
-                        sum_l - 32 * half_sum(l, half),
+                        sum_h - offset * half_sum(h, half),
+                        sum_l - offset * half_sum(l, half),
                     );
                     *y += scale * (h.d * sum_h as f32 + l.d * sum_l as f32);
                 }
@@ -937,7 +1009,7 @@ mod x86 {
             pub(super) mod $tier {
                 use super::*;
                 use crate::interleaved::{
-                    IQ4_XS_BYTES, IQ4_XS_QUANTS, K_QUANTS, Q6_K_BYTES, Q6_K_QUANTS, Q6_K_SUB,
+                    IQ4_XS_BYTES, IQ4_XS_QUANTS, K_QUANTS, Q6_K_QUANTS, half_scaled_sizes,
                     half_sum, k_sizes, q_offset, q4_sizes,
                 };
 
@@ -1281,26 +1353,52 @@ mod x86 {
                     out
                 }
 
-                /// Eight Q6_K rows × `N` two-pass activation rows ([`super::super::TileFn`]):
-                /// the low nibbles and high bits of a chunk are joined once for all the rows,
-                /// and each sub-block's halves are summed apart for their two scales.
+                /// Eight Q6_K rows × `N` two-pass activation rows ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
                 pub(in crate::interleaved) unsafe fn q6_k_tile<const N: usize>(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
+                    // SAFETY: the caller's contract.
+                    unsafe { half_scaled_tile::<N, false>(w, hi, lo) }
+                }
+
+                /// Eight Q3_K rows × `N` two-pass activation rows ([`super::super::TileFn`]).
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) unsafe fn q3_k_tile<const N: usize>(
+                    w: &[u8],
+                    hi: [&[ActBlock]; N],
+                    lo: [&[ActBlock]; N],
+                ) -> [[f32; GROUP]; N] {
+                    // SAFETY: the caller's contract.
+                    unsafe { half_scaled_tile::<N, true>(w, hi, lo) }
+                }
+
+                /// Eight Q6_K (`Q3` false) or Q3_K rows × `N` two-pass activation rows: a
+                /// chunk's values (Q6_K: low nibbles and high bits joined; Q3_K: the nibbles)
+                /// are formed once for all the rows, and each sub-block's halves are summed
+                /// apart for their two scales.
+                #[inline]
+                #[target_feature(enable = $features)]
+                unsafe fn half_scaled_tile<const N: usize, const Q3: bool>(
+                    w: &[u8],
+                    hi: [&[ActBlock]; N],
+                    lo: [&[ActBlock]; N],
+                ) -> [[f32; GROUP]; N] {
+                    let (column_bytes, sub_bytes, offset) = half_scaled_sizes(Q3);
                     let blocks = hi[0].len();
                     debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
                     let mask = _mm256_set1_epi8(0x0F);
                     let top = _mm256_set1_epi8(0x30);
                     let mut acc = [_mm256_setzero_ps(); N];
                     for c in 0..blocks / 8 {
-                        let p = unsafe { w.as_ptr().add(Q6_K_BYTES * c) };
+                        let p = unsafe { w.as_ptr().add(column_bytes * c) };
                         let d = unsafe { halves(p) };
                         for s in 0..8 {
                             if N >= PREFETCH_MIN_ROWS {
-                                prefetch_ahead(p.wrapping_add(Q6_K_BYTES / 8 * s), Q6_K_BYTES / 8);
+                                let eighth = column_bytes / 8;
+                                prefetch_ahead(p.wrapping_add(eighth * s), eighth);
                             }
                             let b = 8 * c + s;
                             // SAFETY: every row holds `blocks` blocks (the caller's contract).
@@ -1308,27 +1406,28 @@ mod x86 {
                                 std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
                             let l: [&ActBlock; N] =
                                 std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
-                            let q = unsafe { p.add(Q6_K_QUANTS + Q6_K_SUB * s) };
+                            let q = unsafe { p.add(Q6_K_QUANTS + sub_bytes * s) };
                             // Per row: [first half, second half] of the hi pass, then the lo's.
                             let mut sums = [[_mm256_setzero_si256(); 4]; N];
                             for j in 0..4 {
                                 let raw = unsafe { _mm256_loadu_si256(q.add(32 * j).cast()) };
-                                let bits =
-                                    unsafe { _mm256_loadu_si256(q.add(128 + 32 * (j / 2)).cast()) };
-                                // Bits 4k and 4k + 2 of `bits` (k = j % 2) moved to bit 4.
-                                let (first, second) = if j % 2 == 0 {
-                                    (_mm256_slli_epi16(bits, 4), _mm256_slli_epi16(bits, 2))
-                                } else {
-                                    (bits, _mm256_srli_epi16(bits, 2))
-                                };
-                                let first = _mm256_or_si256(
-                                    _mm256_and_si256(raw, mask),
-                                    _mm256_and_si256(first, top),
-                                );
-                                let second = _mm256_or_si256(
-                                    _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask),
-                                    _mm256_and_si256(second, top),
-                                );
+                                let mut first = _mm256_and_si256(raw, mask);
+                                let mut second = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                                if !Q3 {
+                                    let bits = unsafe {
+                                        _mm256_loadu_si256(q.add(128 + 32 * (j / 2)).cast())
+                                    };
+                                    // Bits 4k and 4k + 2 of `bits` (k = j % 2) moved to bit 4.
+                                    let (high_first, high_second) = if j % 2 == 0 {
+                                        (_mm256_slli_epi16(bits, 4), _mm256_slli_epi16(bits, 2))
+                                    } else {
+                                        (bits, _mm256_srli_epi16(bits, 2))
+                                    };
+                                    first =
+                                        _mm256_or_si256(first, _mm256_and_si256(high_first, top));
+                                    second =
+                                        _mm256_or_si256(second, _mm256_and_si256(high_second, top));
+                                }
                                 for i in 0..N {
                                     unsafe {
                                         let [f_h, s_h, f_l, s_l] = &mut sums[i];
@@ -1347,9 +1446,11 @@ mod x86 {
                             };
                             for i in 0..N {
                                 let [f_h, s_h, f_l, s_l] = sums[i];
-                                // The stored values are `q + 32`: `32 × Σ a` per half comes off.
+                                // The stored values are `q + offset`: `offset × Σ a` per half
+                                // comes off.
                                 let unoffset = |sum: __m256i, a: &ActBlock, half: usize| {
-                                    _mm256_sub_epi32(sum, _mm256_set1_epi32(32 * half_sum(a, half)))
+                                    let off = offset * half_sum(a, half);
+                                    _mm256_sub_epi32(sum, _mm256_set1_epi32(off))
                                 };
                                 let halves = [(f_h, f_l), (s_h, s_l)];
                                 for (half, (sum_h, sum_l)) in halves.into_iter().enumerate() {
