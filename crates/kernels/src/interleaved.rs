@@ -4,7 +4,8 @@
 //! and Q8_0 (the default model's types), Q4_0 (Q4_1's layout without the minimums), Q5_0 and
 //! Q5_1 (Q4_0's and Q4_1's with Q5_K's fifth bits after the nibbles: the fallbacks
 //! llama-quantize writes for matrices whose width is not a multiple of 256, most of a small
-//! model's Q4_K_M or Q5_K_M file) and for the K-quants Q4_K, Q5_K and Q6_K (the types of the
+//! model's Q4_K_M or Q5_K_M file), IQ4_NL (Q4_0's layout, its nibbles indices into ggml's
+//! table) and IQ4_XS, and for the K-quants Q3_K, Q4_K, Q5_K and Q6_K (the types of the Q3_K_M,
 //! Q4_K_M, Q5_K_M and Q6_K files users download).
 //!
 //! Layout of a group of eight rows: for each block column `b` (32 values of every row), the
@@ -31,6 +32,10 @@
 //!   `16 + 4j + t`'s at `4k + 2`. A chunk's low nibbles are the sub-block's first 16 values and
 //!   its high nibbles the last 16, the halves Q6_K scales apart; the stored values are `q + 32`
 //!   (unsigned), and `32 × Σ a` over each half ([`ActBlock::sum_first_half`]) comes off.
+//! - Q3_K: Q6_K's `d` and scales, then per sub-block 128 bytes of Q4_1-ordered nibbles holding
+//!   `q + 4` (three bits; `4 × Σ a` per half comes off).
+//! - IQ4_XS: the eight `d`, the sub-block scales `ls − 32` as signed bytes (`[sub-block][row]`,
+//!   64 bytes), then eight sub-blocks of 128 bytes of Q4_1-ordered table indices.
 //!
 //! All are the GGUF bytes rearranged, and read back exactly ([`unpack_row`]).
 //!
