@@ -26,6 +26,17 @@ pub struct ActBlock {
 pub const ACT_BLOCK: usize = 32;
 
 impl ActBlock {
+    /// `Σ qs` over half `half` (0: values 0-15, 1: values 16-31), for the weight types whose
+    /// scales or minimums cover 16 values (Q6_K, Q3_K, Q2_K).
+    #[inline]
+    pub fn half_sum(&self, half: usize) -> i32 {
+        if half == 0 {
+            self.sum_first_half
+        } else {
+            self.sum - self.sum_first_half
+        }
+    }
+
     /// Quantizes 32 values (round to nearest, as llama.cpp's `quantize_row_q8_1`, with ties to
     /// even).
     pub fn quantize(x: &[f32; ACT_BLOCK]) -> Self {

@@ -820,8 +820,8 @@ fn half_scaled_scalar<const Q3: bool>(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]
                 for (half, [sum_h, sum_l]) in sums.into_iter().enumerate() {
                     let scale = d * f32::from(column[16 + 8 * (2 * s + half) + r] as i8);
                     let (sum_h, sum_l) = (
-                        sum_h - offset * half_sum(h, half),
-                        sum_l - offset * half_sum(l, half),
+                        sum_h - offset * h.half_sum(half),
+                        sum_l - offset * l.half_sum(half),
                     );
                     *y += scale * (h.d * sum_h as f32 + l.d * sum_l as f32);
                 }
@@ -829,15 +829,6 @@ fn half_scaled_scalar<const Q3: bool>(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]
         }
     }
     out
-}
-
-/// `Σ qs` over half `half` (0: values 0-15, 1: values 16-31) of `a`.
-fn half_sum(a: &ActBlock, half: usize) -> i32 {
-    if half == 0 {
-        a.sum_first_half
-    } else {
-        a.sum - a.sum_first_half
-    }
 }
 
 /// The scalar reference for Q8_0 groups.
@@ -1014,8 +1005,8 @@ mod x86 {
             pub(super) mod $tier {
                 use super::*;
                 use crate::interleaved::{
-                    IQ4_XS_BYTES, IQ4_XS_QUANTS, K_QUANTS, Q6_K_QUANTS, half_scaled_sizes,
-                    half_sum, k_sizes, q_offset, q4_sizes,
+                    IQ4_XS_BYTES, IQ4_XS_QUANTS, K_QUANTS, Q6_K_QUANTS, half_scaled_sizes, k_sizes,
+                    q_offset, q4_sizes,
                 };
 
                 /// The integer sums of `N` two-pass activation rows with a Q4_1-ordered block
@@ -1454,7 +1445,7 @@ mod x86 {
                                 // The stored values are `q + offset`: `offset × Σ a` per half
                                 // comes off.
                                 let unoffset = |sum: __m256i, a: &ActBlock, half: usize| {
-                                    let off = offset * half_sum(a, half);
+                                    let off = offset * a.half_sum(half);
                                     _mm256_sub_epi32(sum, _mm256_set1_epi32(off))
                                 };
                                 let halves = [(f_h, f_l), (s_h, s_l)];

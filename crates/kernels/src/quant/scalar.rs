@@ -89,15 +89,6 @@ pub fn q5_1(w: &[u8], a: &[ActBlock]) -> f32 {
         .sum()
 }
 
-/// `Σ a` over half `h` (0: values 0-15, 1: 16-31) of an activation block.
-fn half_sum(a: &ActBlock, h: usize) -> i32 {
-    if h == 0 {
-        a.sum_first_half
-    } else {
-        a.sum - a.sum_first_half
-    }
-}
-
 /// Q2_K (84-byte blocks of 256: 16 bytes of 4-bit scales and minimums, 64 bytes of 2-bit
 /// values, f16 d and dmin; one scale per 16 values). Per activation block, the scaled sums
 /// and the minimums' sums are integers; two float steps close it.
@@ -117,7 +108,7 @@ pub fn q2_k(w: &[u8], a: &[ActBlock]) -> f32 {
                         })
                         .sum();
                     scaled += i32::from(sc) * dot;
-                    mins += i32::from(m) * half_sum(act, h);
+                    mins += i32::from(m) * act.half_sum(h);
                 }
                 sum += act.d * (d * scaled as f32 - dmin * mins as f32);
             }
