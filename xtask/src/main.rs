@@ -19,9 +19,10 @@
 //!   the sources vendored in `llama-cpp-python`'s sdist on PyPI, prints their folder, and with
 //!   `--quantize FILE` makes FILE's Q8_0 and F32 copies for comparisons (see `llama_cpp.rs`).
 //! - `references`: regenerates the expected values that come from Hugging Face transformers:
-//!   the sampling distributions, the model fixtures and the GGUF fixtures (needs `python3` with
-//!   `torch`, `transformers`, `tiktoken`, `gguf` and `accelerate`, and SmolLM2 in kiln's model
-//!   cache).
+//!   the sampling distributions, the model fixtures, the families' GGUF forms (llama.cpp's
+//!   converter and `llama-quantize`) and the GGUF fixtures (needs `python3` with `torch`,
+//!   `transformers`, `tiktoken`, `sentencepiece`, `gguf` and `accelerate`, and SmolLM2 in kiln's
+//!   model cache).
 
 mod bench;
 mod bench_llama;
@@ -146,6 +147,13 @@ fn python_env(packages: &[&str]) -> Result<std::path::PathBuf> {
 fn references() -> Result<()> {
     let root = workspace_root();
     run(Command::new("python3").arg(root.join("scripts/reference/make_model_fixtures.py")))?;
+    // The families' GGUF forms: llama.cpp's own converter, and its llama-quantize (built here on
+    // first use, as `cargo xtask llama-cpp` builds it).
+    let quantize = crate::llama_cpp::bin_dir()?.join("llama-quantize");
+    run(Command::new("python3")
+        .arg(root.join("scripts/reference/make_family_ggufs.py"))
+        .arg("--quantize")
+        .arg(quantize))?;
     // SmolLM2 comes from kiln's model cache; `kiln generate` without --model fills it.
     run(Command::new("python3").arg(root.join("scripts/reference/make_gguf_fixtures.py")))?;
     let script = root.join("scripts/reference/sampling_reference.py");

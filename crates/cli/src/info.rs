@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use kiln_core::Dtype;
-use kiln_models::config::{Architecture, PositionKind, TransformerConfig};
+use kiln_models::config::{PositionKind, TransformerConfig};
 use kiln_models::{LoadOptions, ModelInfo};
 use serde_json::json;
 
@@ -69,6 +69,33 @@ fn stored_as(info: &ModelInfo) -> String {
     parts.join(", ")
 }
 
+/// What the attention layers have beyond projections: biases, per-head norms, windows.
+fn attention(c: &TransformerConfig) -> String {
+    let mut parts = Vec::new();
+    match (c.qkv_bias, c.out_bias) {
+        (true, true) => parts.push("biases on Q, K, V and output".to_string()),
+        (true, false) => parts.push("biases on Q, K, V".to_string()),
+        (false, true) => parts.push("bias on the output".to_string()),
+        (false, false) => {}
+    }
+    if c.qk_norm {
+        parts.push("RMSNorm on each Q and K head".to_string());
+    }
+    let windowed: Vec<usize> = c.attention_windows.iter().flatten().copied().collect();
+    if let Some(w) = windowed.first() {
+        parts.push(format!(
+            "sliding window {w} on {} of {} layers",
+            windowed.len(),
+            c.n_layers
+        ));
+    }
+    if parts.is_empty() {
+        "plain (no biases, no window)".to_string()
+    } else {
+        parts.join(", ")
+    }
+}
+
 fn rows(info: &ModelInfo) -> Vec<(&'static str, String)> {
     let c = &info.config;
     let heads = if c.n_kv_heads == c.n_heads {
@@ -90,10 +117,8 @@ fn rows(info: &ModelInfo) -> Vec<(&'static str, String)> {
             format!("RoPE, theta {}{scaling}", rope.theta)
         }
     };
-    let architecture = match c.architecture {
-        Architecture::Gpt2 => "gpt2 (GPT-2)",
-        Architecture::Llama => "llama (Llama 3 family)",
-    };
+    let family = c.architecture.family();
+    let architecture = format!("{} ({})", family.name, family.models);
     vec![
         ("model", info.path.display().to_string()),
         (
@@ -104,7 +129,7 @@ fn rows(info: &ModelInfo) -> Vec<(&'static str, String)> {
                 info.file_bytes as f64 / 1e6
             ),
         ),
-        ("architecture", architecture.to_string()),
+        ("architecture", architecture),
         (
             "parameters",
             format!("{} ({})", short_count(c.parameters()), c.parameters()),
@@ -115,6 +140,7 @@ fn rows(info: &ModelInfo) -> Vec<(&'static str, String)> {
         ("vocabulary", c.vocab.to_string()),
         ("context", format!("{} tokens", c.max_positions)),
         ("positions", positions),
+        ("attention", attention(c)),
         (
             "head",
             if c.tied_head {

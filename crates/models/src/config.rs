@@ -1,25 +1,35 @@
-//! [`TransformerConfig`]: the validated run-time description of a model, shared by GPT-2 and
-//! Llama. The files' own formats (HF `config.json`, Meta `params.json`, GGUF metadata) are
-//! parsed in their modules and converted into this.
+//! [`TransformerConfig`]: the validated run-time description of a model, shared by every
+//! family. The files' own formats (HF `config.json`, Meta `params.json`, GGUF metadata) are
+//! parsed by each family's module ([`crate::family`]) and converted into this; what a family's
+//! block does differently is data here (biases, per-head norms, windows), read by the shared
+//! layers.
 
 use kiln_core::{ModelShape, TokenId};
 
-/// Which family a model belongs to.
+/// Which family a model belongs to: the key of the family registry ([`crate::family`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     /// GPT-2: learned positions, LayerNorm, GELU (tanh), fused QKV with biases.
     Gpt2,
     /// Llama 3 / 3.1 / 3.2: RoPE, RMSNorm, SwiGLU, grouped-query attention.
     Llama,
+    /// Mistral: Llama's block with a sliding attention window.
+    Mistral,
+    /// Qwen2 / Qwen2.5: Llama's block with biases on Q, K and V.
+    Qwen2,
+    /// Qwen3: Llama's block with an RMSNorm on each query and key head before RoPE.
+    Qwen3,
 }
 
 impl Architecture {
-    /// The name shown to users.
+    /// The name shown to users (the family's `model_type`).
     pub fn name(self) -> &'static str {
-        match self {
-            Architecture::Gpt2 => "gpt2",
-            Architecture::Llama => "llama",
-        }
+        self.family().name
+    }
+
+    /// The family's entry in the registry.
+    pub fn family(self) -> &'static crate::family::Family {
+        crate::family::of(self)
     }
 }
 
@@ -104,8 +114,13 @@ pub struct TransformerConfig {
     pub positions: PositionKind,
     /// Feed-forward block.
     pub mlp: MlpKind,
-    /// Whether Q, K, V and the output projection have biases.
-    pub attention_bias: bool,
+    /// Whether the Q, K and V projections have biases.
+    pub qkv_bias: bool,
+    /// Whether the attention output projection has a bias.
+    pub out_bias: bool,
+    /// Whether each query and key head is RMS-normalised (weights `[head_dim]`, shared by the
+    /// heads) before RoPE (Qwen3).
+    pub qk_norm: bool,
     /// Whether the feed-forward projections have biases.
     pub mlp_bias: bool,
     /// Whether the output head reuses the token embedding.
@@ -196,12 +211,9 @@ impl TransformerConfig {
             self.n_heads * self.head_dim,
             self.n_kv_heads * self.head_dim,
         );
-        let attn_bias = if self.attention_bias {
-            q + 2 * kv + d
-        } else {
-            0
-        };
-        let attn = d * (q + 2 * kv) + q * d + attn_bias;
+        let attn_bias = usize::from(self.qkv_bias) * (q + 2 * kv) + usize::from(self.out_bias) * d;
+        let qk_norm = usize::from(self.qk_norm) * 2 * self.head_dim;
+        let attn = d * (q + 2 * kv) + q * d + attn_bias + qk_norm;
         let mlp = match self.mlp {
             MlpKind::GeluTanh => 2 * d * self.d_ff + usize::from(self.mlp_bias) * (self.d_ff + d),
             MlpKind::SwiGlu => 3 * d * self.d_ff + usize::from(self.mlp_bias) * (2 * self.d_ff + d),

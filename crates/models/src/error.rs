@@ -69,12 +69,14 @@ pub enum ModelError {
         dtype: String,
     },
     /// A model architecture kiln does not implement.
-    #[error("{path}: unsupported architecture `{architecture}` (kiln runs GPT-2 and Llama-3)")]
+    #[error("{path}: unsupported architecture `{architecture}` (kiln reads {supported})")]
     UnsupportedArchitecture {
         /// The file that named it.
         path: PathBuf,
         /// The name found.
         architecture: String,
+        /// The names kiln reads in that place.
+        supported: String,
     },
     /// A path that is none of the formats kiln reads.
     #[error("{path}: not a model kiln can read ({reason})")]

@@ -1,7 +1,7 @@
 //! # kiln-models
 //!
-//! GPT-2 and Llama-3 (3, 3.1, 3.2) in burn, on one set of layers ([`layers`]) configured by
-//! [`TransformerConfig`]; loaders for Hugging Face folders, Meta's original checkpoints and
+//! Llama 3 (3, 3.1, 3.2), Mistral, Qwen2/2.5, Qwen3 and GPT-2 in burn, on one set of layers
+//! ([`layers`]) configured by [`TransformerConfig`], each family registered in [`family`]; loaders for Hugging Face folders, Meta's original checkpoints and
 //! llama.cpp GGUF files ([`loaders`], [`gguf`]); tokenizers ([`tokenizer`]); chat templates
 //! ([`chat`]). Every model implements
 //! [`kiln_core::CausalLm`], the only face the engine sees.
@@ -50,14 +50,14 @@
 
 pub mod chat;
 pub mod config;
+pub mod decoder;
 pub mod default_model;
 pub mod error;
+pub mod family;
 pub mod gguf;
-pub mod gpt2;
 pub mod host;
 pub mod info;
 pub mod layers;
-pub mod llama;
 pub mod loaders;
 pub mod random;
 pub mod tokenizer;

@@ -14,12 +14,12 @@ use rand_chacha::ChaCha8Rng;
 use crate::config::{
     Architecture, Llama3Scaling, MlpKind, NormKind, PositionKind, RopeConfig, TransformerConfig,
 };
+use crate::decoder::TensorNames;
 use crate::error::{ModelError, Result};
+use crate::family::{self, Blocks};
 use crate::host::HostTensor;
-use crate::llama::LlamaNames;
 use crate::transformer::Transformer;
 use crate::weights::{QuantizedTensor, TensorSource};
-use crate::{gpt2, llama};
 
 /// Published model shapes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +28,10 @@ pub enum KnownShape {
     Llama32_1b,
     /// Llama 3.1 8B (32 layers, width 4096, GQA 32/8, vocabulary 128256).
     Llama31_8b,
+    /// Qwen2.5 0.5B (24 layers, width 896, GQA 14/2, Q/K/V biases, tied head).
+    Qwen25_05b,
+    /// Qwen3 0.6B (28 layers, width 1024, GQA 16/8, head_dim 128, per-head Q/K norms, tied).
+    Qwen3_06b,
     /// GPT-2 small (124M).
     Gpt2,
     /// GPT-2 XL (1.5B).
@@ -36,9 +40,11 @@ pub enum KnownShape {
 
 impl KnownShape {
     /// Every shape, in the order shown to users.
-    pub const ALL: [KnownShape; 4] = [
+    pub const ALL: [KnownShape; 6] = [
         KnownShape::Llama32_1b,
         KnownShape::Llama31_8b,
+        KnownShape::Qwen25_05b,
+        KnownShape::Qwen3_06b,
         KnownShape::Gpt2,
         KnownShape::Gpt2Xl,
     ];
@@ -48,6 +54,8 @@ impl KnownShape {
         match self {
             KnownShape::Llama32_1b => "llama-3.2-1b",
             KnownShape::Llama31_8b => "llama-3.1-8b",
+            KnownShape::Qwen25_05b => "qwen2.5-0.5b",
+            KnownShape::Qwen3_06b => "qwen3-0.6b",
             KnownShape::Gpt2 => "gpt2",
             KnownShape::Gpt2Xl => "gpt2-xl",
         }
@@ -58,6 +66,16 @@ impl KnownShape {
         match self {
             KnownShape::Llama32_1b => llama3(2048, 16, 32, 8, 64, 8192, 32.0, true),
             KnownShape::Llama31_8b => llama3(4096, 32, 32, 8, 128, 14336, 8.0, false),
+            KnownShape::Qwen25_05b => TransformerConfig {
+                architecture: Architecture::Qwen2,
+                qkv_bias: true,
+                ..qwen(896, 24, 14, 2, 64, 4864, 32_768)
+            },
+            KnownShape::Qwen3_06b => TransformerConfig {
+                architecture: Architecture::Qwen3,
+                qk_norm: true,
+                ..qwen(1024, 28, 16, 8, 128, 3072, 40_960)
+            },
             KnownShape::Gpt2 => gpt2_config(768, 12, 12),
             KnownShape::Gpt2Xl => gpt2_config(1600, 48, 25),
         }
@@ -115,12 +133,48 @@ fn llama3(
             frequency_divisors: None,
         }),
         mlp: MlpKind::SwiGlu,
-        attention_bias: false,
+        qkv_bias: false,
+        out_bias: false,
+        qk_norm: false,
         mlp_bias: false,
         tied_head,
         bos: Some(TokenId(128_000)),
         eos: vec![TokenId(128_001), TokenId(128_008), TokenId(128_009)],
         attention_windows: Vec::new(),
+    }
+}
+
+/// A Qwen2/Qwen3 shape with neither biases nor head norms (the caller adds its family's).
+fn qwen(
+    d_model: usize,
+    n_layers: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    d_ff: usize,
+    max_positions: usize,
+) -> TransformerConfig {
+    TransformerConfig {
+        vocab: 151_936,
+        d_model,
+        n_layers,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        d_ff,
+        max_positions,
+        norm_eps: 1e-6,
+        positions: PositionKind::Rope(RopeConfig {
+            theta: 1_000_000.0,
+            llama3_scaling: None,
+            frequency_divisors: None,
+        }),
+        tied_head: true,
+        bos: None,
+        eos: vec![TokenId(151_645), TokenId(151_643)],
+        ..llama3(
+            d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff, 1.0, true,
+        )
     }
 }
 
@@ -139,7 +193,9 @@ fn gpt2_config(d_model: usize, n_layers: usize, n_heads: usize) -> TransformerCo
         norm_eps: 1e-5,
         positions: PositionKind::Learned,
         mlp: MlpKind::GeluTanh,
-        attention_bias: true,
+        qkv_bias: true,
+        out_bias: true,
+        qk_norm: false,
         mlp_bias: true,
         tied_head: true,
         bos: Some(TokenId(50_256)),
@@ -166,8 +222,8 @@ impl RandomSource {
         );
         let mut shapes: Vec<(String, Vec<usize>)> = Vec::new();
         let mut add = |name: String, shape: &[usize]| shapes.push((name, shape.to_vec()));
-        match config.architecture {
-            Architecture::Llama => {
+        match config.architecture.family().blocks {
+            Blocks::Decoder => {
                 add("model.embed_tokens.weight".into(), &[v, d]);
                 add("model.norm.weight".into(), &[d]);
                 if !config.tied_head {
@@ -181,12 +237,24 @@ impl RandomSource {
                     add(format!("{l}.self_attn.k_proj.weight"), &[kv, d]);
                     add(format!("{l}.self_attn.v_proj.weight"), &[kv, d]);
                     add(format!("{l}.self_attn.o_proj.weight"), &[d, q]);
+                    if config.qkv_bias {
+                        add(format!("{l}.self_attn.q_proj.bias"), &[q]);
+                        add(format!("{l}.self_attn.k_proj.bias"), &[kv]);
+                        add(format!("{l}.self_attn.v_proj.bias"), &[kv]);
+                    }
+                    if config.out_bias {
+                        add(format!("{l}.self_attn.o_proj.bias"), &[d]);
+                    }
+                    if config.qk_norm {
+                        add(format!("{l}.self_attn.q_norm.weight"), &[config.head_dim]);
+                        add(format!("{l}.self_attn.k_norm.weight"), &[config.head_dim]);
+                    }
                     add(format!("{l}.mlp.gate_proj.weight"), &[ff, d]);
                     add(format!("{l}.mlp.up_proj.weight"), &[ff, d]);
                     add(format!("{l}.mlp.down_proj.weight"), &[d, ff]);
                 }
             }
-            Architecture::Gpt2 => {
+            Blocks::Gpt2 => {
                 add("wte.weight".into(), &[v, d]);
                 add("wpe.weight".into(), &[config.max_positions, d]);
                 add("ln_f.weight".into(), &[d]);
@@ -356,8 +424,8 @@ pub fn random_model<B: InferenceBackend>(
                     "{} has no kernel that multiplies its blocks",
                     ty.name()
                 ))
-            } else if config.architecture != Architecture::Llama {
-                Some("quantized random weights are made for Llama shapes only".to_string())
+            } else if config.architecture.family().blocks != Blocks::Decoder {
+                Some("quantized random weights are made for rotary decoder shapes only".to_string())
             } else if dtype != Dtype::F32 && !B::QUANTIZED_ANY_DTYPE {
                 Some(format!(
                     "quantized weights compute in f32 on this backend, not {}",
@@ -373,17 +441,14 @@ pub fn random_model<B: InferenceBackend>(
             crate::loaders::WeightStorage::Quantized
         }
     };
-    match config.architecture {
-        Architecture::Llama => llama::load(
-            config,
-            LlamaNames::HuggingFace,
-            &source,
-            dtype,
-            storage,
-            device,
-        ),
-        Architecture::Gpt2 => gpt2::load(config, &source, dtype, device),
-    }
+    family::load_weights(
+        config,
+        TensorNames::HuggingFace,
+        &source,
+        dtype,
+        storage,
+        device,
+    )
 }
 
 #[cfg(test)]
@@ -407,6 +472,8 @@ mod tests {
         // scripts/bench/transformers_bench.py, built on the meta device).
         assert_eq!(KnownShape::Llama32_1b.config().parameters(), 1_235_814_400);
         assert_eq!(KnownShape::Llama31_8b.config().parameters(), 8_030_261_248);
+        assert_eq!(KnownShape::Qwen25_05b.config().parameters(), 494_032_768);
+        assert_eq!(KnownShape::Qwen3_06b.config().parameters(), 596_049_920);
         assert_eq!(KnownShape::Gpt2.config().parameters(), 124_439_808);
         assert_eq!(KnownShape::Gpt2Xl.config().parameters(), 1_557_611_200);
         assert!("llama-7b".parse::<KnownShape>().is_err());

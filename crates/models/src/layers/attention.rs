@@ -1,4 +1,5 @@
-//! Self-attention: projections, RoPE where configured, then kiln-core's cached attention.
+//! Self-attention: projections, per-head norms and RoPE where configured, then kiln-core's
+//! cached attention.
 
 use burn::tensor::Tensor;
 use kiln_core::InferenceBackend;
@@ -6,6 +7,7 @@ use kiln_core::attention::{AttentionPlan, attend};
 use kiln_core::kv_cache::KvCache;
 
 use super::linear::Linear;
+use super::norm::Norm;
 use super::rope::RopeTables;
 
 /// The Q, K and V projections: fused (GPT-2's `c_attn`) or separate (Llama).
@@ -35,6 +37,25 @@ impl<B: InferenceBackend> QkvProjection<B> {
     }
 }
 
+/// RMSNorms over each query and each key head, before RoPE (Qwen3).
+#[derive(Debug, Clone)]
+pub struct HeadNorms<B: InferenceBackend> {
+    /// Over every query head. `gamma`: `[head_dim]`
+    pub q: Norm<B>,
+    /// Over every key head. `gamma`: `[head_dim]`
+    pub k: Norm<B>,
+}
+
+impl<B: InferenceBackend> HeadNorms<B> {
+    /// # Shapes
+    /// - `x`: `[n, heads, head_dim]` → same
+    fn apply(norm: &Norm<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [n, heads, hd] = x.dims();
+        norm.forward(x.reshape([n * heads, hd]))
+            .reshape([n, heads, hd])
+    }
+}
+
 /// One attention layer.
 #[derive(Debug, Clone)]
 pub struct Attention<B: InferenceBackend> {
@@ -42,6 +63,8 @@ pub struct Attention<B: InferenceBackend> {
     pub qkv: QkvProjection<B>,
     /// `[n_heads head_dim, d_model]`
     pub out: Linear<B>,
+    /// Norms over each query and key head before RoPE, where the family has them.
+    pub head_norms: Option<HeadNorms<B>>,
     /// Query heads.
     pub n_heads: usize,
     /// Key/value heads.
@@ -63,6 +86,11 @@ impl<B: InferenceBackend> Attention<B> {
     ) -> Tensor<B, 2> {
         let n = x.dims()[0];
         let hd = self.head_dim;
+        // With head norms, RoPE comes after them: the projection is cut unrotated.
+        let (split_rope, late_rope) = match &self.head_norms {
+            None => (rope, None),
+            Some(_) => (None, rope),
+        };
         let (q, k, v) = match &self.qkv {
             QkvProjection::Fused(proj) => {
                 // Cut into heads and rotated together ([`InferenceBackend::split_heads_rope`]).
@@ -70,7 +98,7 @@ impl<B: InferenceBackend> Attention<B> {
                     proj.forward(x),
                     [self.n_heads, self.n_kv_heads],
                     hd,
-                    rope.map(RopeTables::tables),
+                    split_rope.map(RopeTables::tables),
                 );
                 (q, k, v)
             }
@@ -78,9 +106,20 @@ impl<B: InferenceBackend> Attention<B> {
                 let q = q.forward(x.clone()).reshape([n, self.n_heads, hd]);
                 let k = k.forward(x.clone()).reshape([n, self.n_kv_heads, hd]);
                 let v = v.forward(x).reshape([n, self.n_kv_heads, hd]);
-                match rope {
+                match split_rope {
                     Some(rope) => (rope.apply(q), rope.apply(k), v),
                     None => (q, k, v),
+                }
+            }
+        };
+        let (q, k) = match &self.head_norms {
+            None => (q, k),
+            Some(norms) => {
+                let q = HeadNorms::apply(&norms.q, q);
+                let k = HeadNorms::apply(&norms.k, k);
+                match late_rope {
+                    Some(rope) => (rope.apply(q), rope.apply(k)),
+                    None => (q, k),
                 }
             }
         };

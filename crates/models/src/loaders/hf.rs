@@ -5,28 +5,22 @@
 use std::path::Path;
 
 use kiln_core::InferenceBackend;
-use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use super::{GenerationSettings, LoadOptions, LoadedModel, ModelFormat};
-use crate::config::{Architecture, TransformerConfig};
+use crate::config::TransformerConfig;
+use crate::decoder::{TensorNames, token_ids};
 use crate::error::{ModelError, Result};
-use crate::gpt2::Gpt2HfConfig;
+use crate::family;
 use crate::info::ModelInfo;
-use crate::llama::{LlamaHfConfig, LlamaNames, token_ids};
 use crate::tokenizer::TextTokenizer;
 use crate::weights::{
     LoadProgress, Reporting, SafetensorsSource, TensorSource, file_size, read_text,
 };
-use crate::{gpt2, llama};
 
 fn read_json(path: &Path) -> Result<Value> {
     serde_json::from_str(&read_text(path)?)
         .map_err(|e| ModelError::config(path, format!("invalid JSON: {e}")))
-}
-
-fn parse<T: DeserializeOwned>(value: Value, path: &Path) -> Result<T> {
-    serde_json::from_value(value).map_err(|e| ModelError::config(path, e.to_string()))
 }
 
 /// Reads and validates `config.json`.
@@ -43,17 +37,16 @@ pub(super) fn read_config(dir: &Path) -> Result<TransformerConfig> {
         .and_then(Value::as_str)
         .unwrap_or(model_type)
         .to_string();
-    match model_type {
-        "gpt2" => parse::<Gpt2HfConfig>(value, &path)?.to_config(&path),
-        // Mistral is Llama's architecture with a sliding attention window.
-        "llama" | "mistral" => parse::<LlamaHfConfig>(value, &path)?.to_config(&path),
-        _ => Err(ModelError::UnsupportedArchitecture {
+    match family::from_hf_model_type(model_type) {
+        Some(family) => (family.hf_config)(value, &path),
+        None => Err(ModelError::UnsupportedArchitecture {
             path,
             architecture: if architecture.is_empty() {
                 "(no model_type)".into()
             } else {
                 architecture
             },
+            supported: family::names(),
         }),
     }
 }
@@ -200,20 +193,14 @@ pub(super) fn load<B: InferenceBackend>(
     let mut warnings = config.drop_impossible_special_tokens();
     let files = weights(dir)?;
     let source = Reporting::new(&files, progress);
-    let model = match config.architecture {
-        Architecture::Gpt2 => gpt2::load(config.clone(), &source, options.dtype, device)?,
-        Architecture::Llama => {
-            let config = untie_if_head_present(config, &source);
-            llama::load(
-                config,
-                LlamaNames::HuggingFace,
-                &source,
-                options.dtype,
-                super::WeightStorage::Dequantized,
-                device,
-            )?
-        }
-    };
+    let model = family::load_weights(
+        untie_if_head_present(config, &source),
+        TensorNames::HuggingFace,
+        &source,
+        options.dtype,
+        super::WeightStorage::Dequantized,
+        device,
+    )?;
     source.finish();
     let tokenizer = tokenizer(dir)?;
     let (mut generation, chat_template) =
@@ -237,7 +224,8 @@ fn untie_if_head_present(
     mut config: TransformerConfig,
     source: &dyn TensorSource,
 ) -> TransformerConfig {
-    if config.tied_head && source.contains("lm_head.weight") {
+    let decoder = config.architecture.family().blocks == family::Blocks::Decoder;
+    if decoder && config.tied_head && source.contains(TensorNames::HuggingFace.head()) {
         config.tied_head = false;
     }
     config

@@ -8,9 +8,10 @@ use kiln_core::InferenceBackend;
 
 use super::{GenerationSettings, LoadOptions, LoadedModel, ModelFormat, WeightStorage};
 use crate::config::TransformerConfig;
+use crate::decoder::TensorNames;
 use crate::error::{ModelError, Result};
+use crate::family::{self, llama::MetaParams};
 use crate::info::ModelInfo;
-use crate::llama::{self, LlamaNames, MetaParams};
 use crate::tokenizer::TextTokenizer;
 use crate::weights::{LoadProgress, PthSource, Reporting, TensorSource, file_size, read_text};
 
@@ -97,9 +98,9 @@ pub(super) fn load<B: InferenceBackend>(
     config.bos = generation.bos;
     config.eos = generation.eos.clone();
     let reporting = Reporting::new(&source, progress);
-    let model = llama::load(
+    let model = family::load_weights(
         config,
-        LlamaNames::Meta,
+        TensorNames::Meta,
         &reporting,
         options.dtype,
         WeightStorage::Dequantized,

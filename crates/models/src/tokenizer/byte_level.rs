@@ -5,6 +5,10 @@ use serde_json::{Value, json};
 
 use super::tiktoken::LLAMA3_PATTERN;
 
+/// Qwen2's split regex (its `tokenizer.json`; llama.cpp's `LLAMA_VOCAB_PRE_TYPE_QWEN2`):
+/// Llama-3's with every digit a word of its own.
+pub const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// How text is split into words before byte-level BPE, one per regex family llama.cpp and
 /// Hugging Face use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,6 +20,8 @@ pub enum PreTokenizer {
     /// Llama-3's regex (numbers in groups of up to three), with whole-word vocabulary hits
     /// taking precedence over merges (`ignore_merges`), as in Llama-3's `tokenizer.json`.
     Llama3,
+    /// Qwen2's regex ([`QWEN2_PATTERN`]), merges always applied (Qwen2 and Qwen3 GGUFs).
+    Qwen2,
 }
 
 impl PreTokenizer {
@@ -28,13 +34,20 @@ impl PreTokenizer {
                 "type": "Sequence",
                 "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level(true)]
             }),
-            Self::Llama3 => json!({
+            Self::Llama3 | Self::Qwen2 => json!({
                 "type": "Sequence",
                 "pretokenizers": [
-                    {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated", "invert": false},
+                    {"type": "Split", "pattern": {"Regex": self.split_pattern()}, "behavior": "Isolated", "invert": false},
                     byte_level(false)
                 ]
             }),
+        }
+    }
+
+    fn split_pattern(self) -> &'static str {
+        match self {
+            Self::Qwen2 => QWEN2_PATTERN,
+            _ => LLAMA3_PATTERN,
         }
     }
 

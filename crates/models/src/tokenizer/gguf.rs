@@ -23,9 +23,10 @@ pub fn pre_tokenizer(name: &str) -> std::result::Result<PreTokenizer, String> {
         // llama.cpp gives these one regex list: {"\p{N}", GPT-2's regex}.
         "smollm" | "starcoder" | "refact" | "codeshell" => Ok(PreTokenizer::Gpt2IndividualDigits),
         "llama-bpe" | "llama3" | "llama-v3" => Ok(PreTokenizer::Llama3),
+        "qwen2" | "deepseek-r1-qwen" => Ok(PreTokenizer::Qwen2),
         other => Err(format!(
             "tokenizer.ggml.pre `{other}` is not supported (kiln knows gpt-2, smollm, starcoder, \
-             refact, codeshell, llama-bpe)"
+             refact, codeshell, llama-bpe, qwen2)"
         )),
     }
 }
@@ -186,7 +187,8 @@ mod tests {
             Ok(PreTokenizer::Gpt2IndividualDigits)
         );
         assert_eq!(pre_tokenizer("llama-bpe"), Ok(PreTokenizer::Llama3));
-        let err = pre_tokenizer("qwen2").unwrap_err();
-        assert!(err.contains("`qwen2`"), "{err}");
+        assert_eq!(pre_tokenizer("qwen2"), Ok(PreTokenizer::Qwen2));
+        let err = pre_tokenizer("chatglm-bpe").unwrap_err();
+        assert!(err.contains("`chatglm-bpe`"), "{err}");
     }
 }

@@ -10,6 +10,9 @@ use std::path::Path;
 use kiln_core::{Dtype, InferenceBackend, TokenId};
 use serde::Deserialize;
 
+use serde_json::Value;
+
+use super::{Blocks, Family};
 use crate::config::{Architecture, MlpKind, NormKind, PositionKind, TransformerConfig};
 use crate::error::{ModelError, Result};
 use crate::layers::attention::{Attention, QkvProjection};
@@ -19,6 +22,23 @@ use crate::layers::norm::Norm;
 use crate::loaders::WeightStorage;
 use crate::transformer::{Block, Transformer, WeightLoader};
 use crate::weights::TensorSource;
+
+/// GPT-2, every size.
+pub static FAMILY: Family = Family {
+    architecture: Architecture::Gpt2,
+    name: "gpt2",
+    models: "GPT-2",
+    hf_model_types: &["gpt2"],
+    hf_config,
+    gguf: None,
+    blocks: Blocks::Gpt2,
+};
+
+fn hf_config(value: Value, path: &Path) -> Result<TransformerConfig> {
+    serde_json::from_value::<Gpt2HfConfig>(value)
+        .map_err(|e| ModelError::config(path, e.to_string()))?
+        .to_config(path)
+}
 
 /// The keys of a GPT-2 `config.json` kiln reads. A key the file leaves out takes
 /// `GPT2Config`'s default, as transformers does (so does a missing `bos_token_id`, whose
@@ -132,7 +152,9 @@ impl Gpt2HfConfig {
             norm_eps: self.layer_norm_epsilon,
             positions: PositionKind::Learned,
             mlp: MlpKind::GeluTanh,
-            attention_bias: true,
+            qkv_bias: true,
+            out_bias: true,
+            qk_norm: false,
             mlp_bias: true,
             tied_head: true,
             bos: self.bos_token_id.map(TokenId),
@@ -192,6 +214,7 @@ pub fn load<B: InferenceBackend>(
                 qkv: QkvProjection::Fused(linear(&format!("{h}.attn.c_attn"), d, 3 * d)?),
                 out: linear(&format!("{h}.attn.c_proj"), d, d)?,
                 n_heads: config.n_heads,
+                head_norms: None,
                 n_kv_heads: config.n_kv_heads,
                 head_dim: config.head_dim,
             },

@@ -1,0 +1,633 @@
+//! The rotary decoder most families are (Llama, Mistral, Qwen2, Qwen3): what their files share.
+//! Hugging Face `config.json` keys with each family's defaults ([`HfConfig`]), GGUF metadata
+//! under each family's key prefix ([`gguf_config`]), the three tensor namings
+//! ([`TensorNames`]), and the loader that assembles the blocks from them ([`load`]). What a
+//! family does differently is in its [`TransformerConfig`] (biases, per-head norms, windows),
+//! set by its module in [`crate::family`].
+//!
+//! kiln applies RoPE in HF's rotate-half layout. HF checkpoints are in that layout already;
+//! Meta's `wq`/`wk` rows, and llama.cpp's for the families it converts that way
+//! ([`crate::family::GgufFamily::qk_rows_interleaved`]), are in the interleaved layout and are
+//! permuted on load.
+
+use std::path::Path;
+
+use kiln_core::{Dtype, InferenceBackend, TokenId};
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::config::{
+    Architecture, Llama3Scaling, MlpKind, NormKind, PositionKind, RopeConfig, TransformerConfig,
+};
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+use crate::layers::attention::{Attention, HeadNorms, QkvProjection};
+use crate::layers::mlp::Mlp;
+use crate::layers::norm::Norm;
+use crate::loaders::WeightStorage;
+use crate::transformer::{Block, Transformer, WeightLoader};
+use crate::weights::TensorSource;
+
+/// A family's `PretrainedConfig` defaults: what a `config.json` that leaves a key out means, as
+/// transformers reads it.
+#[derive(Debug, Clone, Copy)]
+pub struct HfDefaults {
+    /// `vocab_size`.
+    pub vocab_size: usize,
+    /// `hidden_size`.
+    pub hidden_size: usize,
+    /// `intermediate_size`.
+    pub intermediate_size: usize,
+    /// `num_hidden_layers`.
+    pub num_hidden_layers: usize,
+    /// `num_attention_heads`.
+    pub num_attention_heads: usize,
+    /// `num_key_value_heads` (`None`: as many as the query heads).
+    pub num_key_value_heads: Option<usize>,
+    /// `head_dim` (`None`: `hidden_size / num_attention_heads`).
+    pub head_dim: Option<usize>,
+    /// `max_position_embeddings`.
+    pub max_position_embeddings: usize,
+    /// `bos_token_id`.
+    pub bos_token_id: Option<u32>,
+    /// `eos_token_id`.
+    pub eos_token_id: Option<u32>,
+    /// `sliding_window`.
+    pub sliding_window: Option<usize>,
+}
+
+/// The `config.json` keys of a rotary decoder, each as the file has it (absent or null alike
+/// are `None`; [`HfConfig::read`] tells them apart where the family's default is not null).
+#[derive(Debug, Deserialize)]
+struct HfKeys {
+    vocab_size: Option<usize>,
+    hidden_size: Option<usize>,
+    intermediate_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    max_position_embeddings: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    /// transformers 4.x: top level.
+    rope_theta: Option<f32>,
+    /// transformers 4.x: `{"rope_type" | "type": "llama3", "factor", ...}`.
+    rope_scaling: Option<Value>,
+    /// transformers 5.x: `{"rope_theta", "rope_type", ...}`.
+    rope_parameters: Option<Value>,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default)]
+    mlp_bias: bool,
+    hidden_act: Option<String>,
+    /// Qwen2/Qwen3: the window applies only when this is true.
+    use_sliding_window: Option<bool>,
+    /// Qwen2/Qwen3: layers from this one on slide (when `layer_types` is absent).
+    max_window_layers: Option<usize>,
+    /// transformers 5: `"full_attention"` or `"sliding_attention"` per layer.
+    layer_types: Option<Vec<String>>,
+}
+
+/// A rotary decoder's `config.json`, its absent keys filled from the family's defaults.
+#[derive(Debug)]
+pub struct HfConfig {
+    keys: HfKeys,
+    defaults: HfDefaults,
+    bos: Option<u32>,
+    eos: Vec<TokenId>,
+    sliding_window: Option<usize>,
+}
+
+impl HfConfig {
+    /// Parses `value` (the whole `config.json`) with `defaults` for the keys it leaves out. A
+    /// key present as `null` stays null (transformers keeps an explicit `"bos_token_id": null`).
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] naming `path` when a key has the wrong type.
+    pub fn read(value: Value, path: &Path, defaults: HfDefaults) -> Result<Self> {
+        let default_or = |key: &str, default: Option<Value>| match value.get(key) {
+            None => default,
+            Some(v) => Some(v.clone()),
+        };
+        let bos = default_or("bos_token_id", defaults.bos_token_id.map(Value::from));
+        let eos = default_or("eos_token_id", defaults.eos_token_id.map(Value::from));
+        let window = default_or("sliding_window", defaults.sliding_window.map(Value::from));
+        let keys: HfKeys =
+            serde_json::from_value(value).map_err(|e| ModelError::config(path, e.to_string()))?;
+        let number = |v: Option<Value>, key: &str| -> Result<Option<u64>> {
+            match v {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+                    ModelError::config(path, format!("`{key}` must be a non-negative integer"))
+                }),
+            }
+        };
+        Ok(Self {
+            bos: number(bos, "bos_token_id")?.map(|id| id as u32),
+            eos: token_ids(eos.as_ref()),
+            sliding_window: number(window, "sliding_window")?.map(|w| w as usize),
+            keys,
+            defaults,
+        })
+    }
+
+    /// The Llama-shaped configuration these keys describe, for `architecture`: SwiGLU, RMSNorm,
+    /// RoPE, biases on all four attention projections when `attention_bias`, every layer
+    /// windowed when there is a `sliding_window` (Mistral's reading). Families adjust it
+    /// ([`Self::qwen_windows`]) and then [`TransformerConfig::validate`] it.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] naming `path` for an activation other than SiLU, an unsupported
+    /// RoPE scaling or no heads.
+    pub fn decoder_config(
+        &self,
+        path: &Path,
+        architecture: Architecture,
+    ) -> Result<TransformerConfig> {
+        let (k, d) = (&self.keys, &self.defaults);
+        let act = k.hidden_act.as_deref().unwrap_or("silu");
+        if act != "silu" {
+            return Err(ModelError::config(
+                path,
+                format!(
+                    "hidden_act `{act}` is not supported ({} uses silu)",
+                    architecture.name()
+                ),
+            ));
+        }
+        let params = k.rope_parameters.as_ref();
+        let theta = k
+            .rope_theta
+            .or_else(|| {
+                params
+                    .and_then(|p| p.get("rope_theta"))
+                    .and_then(Value::as_f64)
+                    .map(|t| t as f32)
+            })
+            .unwrap_or(10000.0);
+        let scaling = match params.or(k.rope_scaling.as_ref()) {
+            Some(v) if !v.is_null() => rope_scaling(v, path)?,
+            _ => None,
+        };
+        let n_heads = k.num_attention_heads.unwrap_or(d.num_attention_heads);
+        if n_heads == 0 {
+            return Err(ModelError::config(
+                path,
+                "num_attention_heads must be positive",
+            ));
+        }
+        let d_model = k.hidden_size.unwrap_or(d.hidden_size);
+        let n_layers = k.num_hidden_layers.unwrap_or(d.num_hidden_layers);
+        Ok(TransformerConfig {
+            architecture,
+            vocab: k.vocab_size.unwrap_or(d.vocab_size),
+            d_model,
+            n_layers,
+            n_heads,
+            n_kv_heads: k
+                .num_key_value_heads
+                .or(d.num_key_value_heads)
+                .unwrap_or(n_heads),
+            head_dim: k.head_dim.or(d.head_dim).unwrap_or(d_model / n_heads),
+            d_ff: k.intermediate_size.unwrap_or(d.intermediate_size),
+            max_positions: k
+                .max_position_embeddings
+                .unwrap_or(d.max_position_embeddings),
+            norm: NormKind::RmsNorm,
+            norm_eps: k.rms_norm_eps.unwrap_or(1e-6),
+            positions: PositionKind::Rope(RopeConfig {
+                theta,
+                llama3_scaling: scaling,
+                frequency_divisors: None,
+            }),
+            mlp: MlpKind::SwiGlu,
+            qkv_bias: k.attention_bias,
+            out_bias: k.attention_bias,
+            qk_norm: false,
+            mlp_bias: k.mlp_bias,
+            tied_head: k.tie_word_embeddings,
+            bos: self.bos.map(TokenId),
+            eos: self.eos.clone(),
+            attention_windows: match self.sliding_window {
+                Some(w) => vec![Some(w); n_layers],
+                None => Vec::new(),
+            },
+        })
+    }
+
+    /// Qwen2's and Qwen3's windows (transformers' `Qwen2Config.__post_init__`): the window
+    /// exists only with `use_sliding_window`; it applies to the layers `layer_types` calls
+    /// `sliding_attention`, or when that is absent to the layers from `max_window_layers` on.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] naming `path` when `layer_types` has the wrong length or an
+    /// unknown entry.
+    pub fn qwen_windows(
+        &self,
+        path: &Path,
+        n_layers: usize,
+        max_window_layers: usize,
+    ) -> Result<Vec<Option<usize>>> {
+        let window = if self.keys.use_sliding_window.unwrap_or(false) {
+            self.sliding_window
+        } else {
+            None
+        };
+        let Some(window) = window else {
+            return Ok(Vec::new());
+        };
+        let Some(types) = &self.keys.layer_types else {
+            let first = self.keys.max_window_layers.unwrap_or(max_window_layers);
+            return Ok((0..n_layers)
+                .map(|i| (i >= first).then_some(window))
+                .collect());
+        };
+        if types.len() != n_layers {
+            return Err(ModelError::config(
+                path,
+                format!(
+                    "layer_types lists {} layers for num_hidden_layers {n_layers}",
+                    types.len()
+                ),
+            ));
+        }
+        types
+            .iter()
+            .map(|t| match t.as_str() {
+                "full_attention" => Ok(None),
+                "sliding_attention" => Ok(Some(window)),
+                other => Err(ModelError::config(
+                    path,
+                    format!(
+                        "layer_types entry `{other}` is not supported (full_attention or \
+                         sliding_attention)"
+                    ),
+                )),
+            })
+            .collect()
+    }
+}
+
+/// An `eos_token_id` that is a number or a list of numbers.
+pub(crate) fn token_ids(value: Option<&Value>) -> Vec<TokenId> {
+    match value {
+        Some(Value::Number(n)) => n.as_u64().map(|n| TokenId(n as u32)).into_iter().collect(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .filter_map(Value::as_u64)
+            .map(|n| TokenId(n as u32))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Parses a `rope_scaling` / `rope_parameters` object.
+fn rope_scaling(value: &Value, path: &Path) -> Result<Option<Llama3Scaling>> {
+    let kind = value
+        .get("rope_type")
+        .or_else(|| value.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let number = |key: &str| -> Result<f64> {
+        value
+            .get(key)
+            .and_then(Value::as_f64)
+            .ok_or_else(|| ModelError::config(path, format!("rope scaling lacks `{key}`")))
+    };
+    match kind {
+        "default" => Ok(None),
+        "llama3" => Ok(Some(Llama3Scaling {
+            factor: number("factor")? as f32,
+            low_freq_factor: number("low_freq_factor")? as f32,
+            high_freq_factor: number("high_freq_factor")? as f32,
+            original_max_positions: number("original_max_position_embeddings")? as usize,
+        })),
+        other => Err(ModelError::config(
+            path,
+            format!("rope type `{other}` is not supported (kiln supports default and llama3)"),
+        )),
+    }
+}
+
+/// The rotary decoder's GGUF metadata under `prefix` (the family's `general.architecture`):
+/// sizes, RoPE, epsilon and special tokens, as llama.cpp's `llm_load_hparams` reads them.
+/// Biases and per-head norms are read off the tensors present; families that always have them
+/// set them after ([`crate::family`]). Not yet validated.
+///
+/// # Errors
+/// A required key missing or of the wrong type, partial rotary embeddings or a RoPE scaling
+/// type kiln lacks, each naming the key.
+pub fn gguf_config(
+    file: &GgufFile,
+    prefix: &str,
+    architecture: Architecture,
+) -> Result<TransformerConfig> {
+    let path = file.path();
+    let key = |k: &str| format!("{prefix}.{k}");
+    let count = |k: &str| -> Result<usize> { Ok(file.unsigned(&key(k))? as usize) };
+    let n_heads = count("attention.head_count")?;
+    if n_heads == 0 {
+        return Err(ModelError::config(
+            path,
+            format!("{} is 0", key("attention.head_count")),
+        ));
+    }
+    let d_model = count("embedding_length")?;
+    let head_dim = match file.unsigned_opt(&key("attention.key_length"))? {
+        Some(k) => k as usize,
+        None => d_model / n_heads,
+    };
+    if let Some(rot) = file.unsigned_opt(&key("rope.dimension_count"))?
+        && rot as usize != head_dim
+    {
+        return Err(ModelError::config(
+            path,
+            format!(
+                "{} is {rot} but heads have {head_dim} dimensions; partial rotary embeddings \
+                 are not supported",
+                key("rope.dimension_count")
+            ),
+        ));
+    }
+    if let Some(kind) = file.get(&key("rope.scaling.type")).and_then(|v| v.as_str())
+        && kind != "none"
+    {
+        return Err(ModelError::config(
+            path,
+            format!(
+                "{} `{kind}` is not supported (kiln supports llama3 scaling via rope_freqs)",
+                key("rope.scaling.type")
+            ),
+        ));
+    }
+    let vocab = match file.unsigned_opt(&key("vocab_size"))? {
+        Some(v) => v as usize,
+        None => file.array("tokenizer.ggml.tokens")?.len(),
+    };
+    let theta = file.float_opt(&key("rope.freq_base"))?.unwrap_or(10_000.0) as f32;
+    let rope = RopeConfig {
+        theta,
+        llama3_scaling: None,
+        frequency_divisors: file
+            .contains("rope_freqs.weight")
+            .then(|| frequency_divisors(file, head_dim))
+            .transpose()?,
+    };
+    let (bos, eos, _) = crate::tokenizer::gguf::special_ids(file)?;
+    Ok(TransformerConfig {
+        architecture,
+        vocab,
+        d_model,
+        n_layers: count("block_count")?,
+        n_heads,
+        n_kv_heads: file
+            .unsigned_opt(&key("attention.head_count_kv"))?
+            .map_or(n_heads, |n| n as usize),
+        head_dim,
+        d_ff: count("feed_forward_length")?,
+        max_positions: count("context_length")?,
+        norm: NormKind::RmsNorm,
+        norm_eps: file
+            .float_opt(&key("attention.layer_norm_rms_epsilon"))?
+            .unwrap_or(1e-5),
+        positions: PositionKind::Rope(rope),
+        mlp: MlpKind::SwiGlu,
+        qkv_bias: file.contains("blk.0.attn_q.bias"),
+        out_bias: file.contains("blk.0.attn_output.bias"),
+        qk_norm: file.contains("blk.0.attn_q_norm.weight"),
+        mlp_bias: false,
+        tied_head: !file.contains("output.weight"),
+        bos: bos.map(TokenId),
+        eos: eos.into_iter().map(TokenId).collect(),
+        // llama.cpp's converter drops attention windows (Mistral's, Qwen2's).
+        attention_windows: Vec::new(),
+    })
+}
+
+/// The per-frequency divisors of `rope_freqs.weight`.
+fn frequency_divisors(file: &GgufFile, head_dim: usize) -> Result<Vec<f32>> {
+    let stored = file.read("rope_freqs.weight")?;
+    if stored.data.len() != head_dim / 2 {
+        return Err(ModelError::ShapeMismatch {
+            file: file.describe(),
+            tensor: "rope_freqs.weight".into(),
+            expected: vec![head_dim / 2],
+            got: stored.shape,
+        });
+    }
+    if let Some(bad) = stored.data.iter().find(|d| !(d.is_finite() && **d > 0.0)) {
+        return Err(ModelError::corrupt(
+            file.path(),
+            format!("rope_freqs.weight holds {bad}; divisors must be positive"),
+        ));
+    }
+    Ok(stored.data)
+}
+
+/// Tensor names of one checkpoint flavour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorNames {
+    /// transformers' `model.layers.N.self_attn.q_proj.weight`...
+    HuggingFace,
+    /// Meta's `layers.N.attention.wq.weight`... (Q/K rows interleaved)
+    Meta,
+    /// llama.cpp's `blk.N.attn_q.weight`...
+    Gguf,
+}
+
+impl TensorNames {
+    fn embed(self) -> &'static str {
+        match self {
+            Self::HuggingFace => "model.embed_tokens.weight",
+            Self::Meta => "tok_embeddings.weight",
+            Self::Gguf => "token_embd.weight",
+        }
+    }
+
+    fn final_norm(self) -> &'static str {
+        match self {
+            Self::HuggingFace => "model.norm.weight",
+            Self::Meta => "norm.weight",
+            Self::Gguf => "output_norm.weight",
+        }
+    }
+
+    /// The untied output head.
+    pub fn head(self) -> &'static str {
+        match self {
+            Self::HuggingFace => "lm_head.weight",
+            Self::Meta | Self::Gguf => "output.weight",
+        }
+    }
+
+    /// `(part)` → tensor name prefix (without `.weight` / `.bias`) in layer `i`.
+    fn layer(self, i: usize, part: Part) -> String {
+        use Part::*;
+        match self {
+            Self::HuggingFace => {
+                let p = match part {
+                    Q => "self_attn.q_proj",
+                    K => "self_attn.k_proj",
+                    V => "self_attn.v_proj",
+                    O => "self_attn.o_proj",
+                    QNorm => "self_attn.q_norm",
+                    KNorm => "self_attn.k_norm",
+                    Gate => "mlp.gate_proj",
+                    Up => "mlp.up_proj",
+                    Down => "mlp.down_proj",
+                    AttnNorm => "input_layernorm",
+                    MlpNorm => "post_attention_layernorm",
+                };
+                format!("model.layers.{i}.{p}")
+            }
+            Self::Meta => {
+                let p = match part {
+                    Q => "attention.wq",
+                    K => "attention.wk",
+                    V => "attention.wv",
+                    O => "attention.wo",
+                    QNorm => "attention.q_norm",
+                    KNorm => "attention.k_norm",
+                    Gate => "feed_forward.w1",
+                    Up => "feed_forward.w3",
+                    Down => "feed_forward.w2",
+                    AttnNorm => "attention_norm",
+                    MlpNorm => "ffn_norm",
+                };
+                format!("layers.{i}.{p}")
+            }
+            Self::Gguf => {
+                let p = match part {
+                    Q => "attn_q",
+                    K => "attn_k",
+                    V => "attn_v",
+                    O => "attn_output",
+                    QNorm => "attn_q_norm",
+                    KNorm => "attn_k_norm",
+                    Gate => "ffn_gate",
+                    Up => "ffn_up",
+                    Down => "ffn_down",
+                    AttnNorm => "attn_norm",
+                    MlpNorm => "ffn_norm",
+                };
+                format!("blk.{i}.{p}")
+            }
+        }
+    }
+}
+
+/// One tensor of a block.
+#[derive(Debug, Clone, Copy)]
+enum Part {
+    Q,
+    K,
+    V,
+    O,
+    QNorm,
+    KNorm,
+    Gate,
+    Up,
+    Down,
+    AttnNorm,
+    MlpNorm,
+}
+
+/// Loads a rotary decoder's weights named as `names`. With `qk_rows_interleaved`, the Q and K
+/// projections' rows are in Meta's interleaved RoPE order and are permuted to rotate-half.
+///
+/// # Errors
+/// A missing tensor or one whose shape disagrees with `config`, naming file and tensor.
+#[allow(clippy::too_many_arguments)] // the loader's inputs, each different
+pub fn load<B: InferenceBackend>(
+    config: TransformerConfig,
+    names: TensorNames,
+    qk_rows_interleaved: bool,
+    source: &dyn TensorSource,
+    dtype: Dtype,
+    storage: WeightStorage,
+    device: &B::Device,
+) -> Result<Transformer<B>> {
+    use Part::*;
+    let w = WeightLoader::<B> {
+        source,
+        dtype,
+        device,
+        storage,
+    };
+    let (d, ff, hd) = (config.d_model, config.d_ff, config.head_dim);
+    let (q_out, kv_out) = (config.n_heads * hd, config.n_kv_heads * hd);
+    let permute = |heads: usize| qk_rows_interleaved.then_some(heads);
+    let linear = |i: usize, part: Part, d_in: usize, d_out: usize, bias: bool, heads| {
+        let base = names.layer(i, part);
+        let bias_name = format!("{base}.bias");
+        w.linear_out_in(
+            &format!("{base}.weight"),
+            bias.then_some(bias_name.as_str()),
+            d_in,
+            d_out,
+            heads,
+        )
+    };
+    let norm = |name: &str, len: usize| -> Result<Norm<B>> {
+        Ok(Norm {
+            kind: NormKind::RmsNorm,
+            gamma: w.vector(name, len)?,
+            beta: None,
+            eps: config.norm_eps,
+        })
+    };
+    let layer_norm =
+        |i: usize, part: Part, len: usize| norm(&format!("{}.weight", names.layer(i, part)), len);
+    let (qkv_b, out_b, mlp_b) = (config.qkv_bias, config.out_bias, config.mlp_bias);
+    let mut blocks = Vec::with_capacity(config.n_layers);
+    for i in 0..config.n_layers {
+        let head_norms = if config.qk_norm {
+            Some(HeadNorms {
+                q: layer_norm(i, QNorm, hd)?,
+                k: layer_norm(i, KNorm, hd)?,
+            })
+        } else {
+            None
+        };
+        blocks.push(Block {
+            attn_norm: layer_norm(i, AttnNorm, d)?,
+            attn: Attention {
+                qkv: QkvProjection::fuse_or_split(
+                    linear(i, Q, d, q_out, qkv_b, permute(config.n_heads))?,
+                    linear(i, K, d, kv_out, qkv_b, permute(config.n_kv_heads))?,
+                    linear(i, V, d, kv_out, qkv_b, None)?,
+                ),
+                out: linear(i, O, q_out, d, out_b, None)?,
+                head_norms,
+                n_heads: config.n_heads,
+                n_kv_heads: config.n_kv_heads,
+                head_dim: hd,
+            },
+            mlp_norm: layer_norm(i, MlpNorm, d)?,
+            mlp: Mlp::swiglu(
+                linear(i, Gate, d, ff, mlp_b, None)?,
+                linear(i, Up, d, ff, mlp_b, None)?,
+                linear(i, Down, ff, d, mlp_b, None)?,
+            ),
+        });
+    }
+    let embed = w.embedding(names.embed(), config.vocab, d)?;
+    let final_norm = norm(names.final_norm(), d)?;
+    let head = if config.tied_head {
+        None
+    } else {
+        Some(w.linear_out_in(names.head(), None, d, config.vocab, None)?)
+    };
+    Ok(Transformer::from_parts(
+        config,
+        dtype,
+        device.clone(),
+        embed,
+        None,
+        blocks,
+        final_norm,
+        head,
+    ))
+}
