@@ -13,6 +13,12 @@ Writes crates/models/tests/fixtures/<name>/ for:
   llama-tiny-tied    Llama-3.2 style: tied head, bf16 weights, transformers-4 config keys
   mistral-tiny       Mistral: Llama's architecture with `sliding_window` 5 (every layer attends
                      over the last 5 positions); no tokenizer (prompts are ids), eager attention
+  qwen2-tiny         Qwen2.5 style: Q/K/V biases (random, not transformers' zero init), tied head,
+                     rope_theta 1e6, `use_sliding_window` with window 5 from layer 1 of 2 (so one
+                     layer slides and one does not), Qwen2's tokenizer.json layout (NFC, its split
+                     regex, ChatML specials), eager attention
+  qwen3-tiny         Qwen3 style: per-head q_norm/k_norm (random weights), head_dim 32 over hidden
+                     64 with 4 heads (not hidden / heads), GQA 4/2, untied head, the same tokenizer
 and in each, reference.json (prompts, greedy continuations, versions) and logits.safetensors
 (transformers' full f32 logits per prompt). Run from the repository root:
 
@@ -31,8 +37,19 @@ import tokenizers
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "crates", "models", "tests", "fixtures")
 SEED = 20261121
@@ -429,12 +446,114 @@ def mistral():
     return reference(reloaded, prompts, out, "Mistral: Llama with sliding_window 5, GQA 4/2, f32, untied head")
 
 
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def qwen_tokenizer():
+    """Qwen2's tokenizer.json layout: NFC, its split regex (single digits), byte-level BPE without
+    a BOS, and the ChatML specials after the base vocabulary."""
+    pre = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+    tok = train_bpe(384, pre, [])
+    tok.normalizer = normalizers.NFC()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def randomize(model, names, scale):
+    """transformers zero-initialises biases and sets norms to one; a fixture with those values
+    would not test that they are read. Replaces each parameter whose name ends with one of
+    `names` by random values (norms around 1)."""
+    for name, param in model.named_parameters():
+        if any(name.endswith(n) for n in names):
+            noise = torch.randn_like(param) * scale
+            param.copy_(noise + (1.0 if "norm" in name else 0.0))
+
+
+def qwen():
+    tok = qwen_tokenizer()
+    eos = tok.token_to_id("<|im_end|>")
+    endoftext = tok.token_to_id("<|endoftext|>")
+    common = dict(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        initializer_range=0.15,
+        bos_token_id=endoftext,
+        eos_token_id=[eos, endoftext],
+        attn_implementation="eager",
+    )
+    chat = tok.encode("<|im_start|>user\nTell me a story<|im_end|>\n<|im_start|>assistant\n").ids
+    ids = [tok.encode(p).ids for p in PROMPTS] + [chat]
+    tricky = ["a  1", "1234567", "  leading", "naïve café 🙂", "e\u0301t\u00e9", "<|im_end|>x", "x\n\n\ny", "I'm we'll", ""]
+    extra = {"tokenizer_cases": [{"text": t, "ids": tok.encode(t).ids} for t in tricky]}
+    results = []
+    for name, cls, config, params, note in (
+        (
+            "qwen2-tiny",
+            Qwen2ForCausalLM,
+            Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+            ("q_proj.bias", "k_proj.bias", "v_proj.bias", "layernorm.weight"),
+            "Qwen2.5 style: random Q/K/V biases, tied head, sliding window 5 on layer 1 only, f32",
+        ),
+        (
+            "qwen3-tiny",
+            Qwen3ForCausalLM,
+            Qwen3Config(**common, head_dim=32, tie_word_embeddings=False),
+            ("q_norm.weight", "k_norm.weight", "layernorm.weight"),
+            "Qwen3 style: random per-head q/k norms, head_dim 32 (hidden 64, 4 heads), GQA 4/2, untied head, f32",
+        ),
+    ):
+        torch.manual_seed(SEED + 11 + len(results))
+        model = cls(config)
+        randomize(model, params, 0.3)
+        out = fresh_dir(name)
+        model.save_pretrained(out, safe_serialization=True)
+        tok.save(os.path.join(out, "tokenizer.json"))
+        write_json(
+            os.path.join(out, "tokenizer_config.json"),
+            {
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "add_bos_token": False,
+                "chat_template": CHATML_TEMPLATE,
+                "tokenizer_class": "Qwen2Tokenizer",
+            },
+        )
+        write_json(
+            os.path.join(out, "generation_config.json"),
+            {"bos_token_id": endoftext, "eos_token_id": [eos, endoftext]},
+        )
+        reloaded = cls.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+        results.append(reference(reloaded, ids, out, note, extra))
+    return min(results)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "llama", "mistral"], help="rewrite one family of fixtures")
+    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "llama", "mistral", "qwen"], help="rewrite one family of fixtures")
     only = parser.parse_args().only
     torch.set_grad_enabled(False)
-    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("llama", llama), ("mistral", mistral)]:
+    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("llama", llama), ("mistral", mistral), ("qwen", qwen)]:
         if only in (None, name):
             print(f"{name}: smallest top-1/top-2 logit margin on the greedy paths {make():.4f}", file=sys.stderr)
     for name in sorted(n for n in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, n))):

@@ -144,6 +144,62 @@ fn generate_text_prompt_matches_transformers_greedy() {
     assert!(out["timings"]["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
 }
 
+/// Qwen2 and Qwen3 end to end, from their HF folders and llama.cpp's GGUF conversions of them:
+/// `kiln info` names the family and what its attention has, and `generate` turns text into
+/// transformers' greedy tokens (a GGUF's reference is transformers on the model it holds:
+/// llama.cpp's converter drops Qwen2's sliding window).
+#[test]
+fn each_family_is_described_and_generates_transformers_greedy() {
+    let qwen2 = "qwen2 (Qwen2 / Qwen2.5)";
+    for (model, reference, family, attention) in [
+        (
+            "qwen2-tiny",
+            "qwen2-tiny/reference.json",
+            qwen2,
+            "biases on Q, K, V, sliding window 5 on 1 of 2 layers",
+        ),
+        (
+            "gguf/qwen2-tiny.f32.gguf",
+            "gguf/qwen2-tiny.reference.json",
+            qwen2,
+            "biases on Q, K, V",
+        ),
+        (
+            "qwen3-tiny",
+            "qwen3-tiny/reference.json",
+            "qwen3 (Qwen3)",
+            "RMSNorm on each Q and K head",
+        ),
+        (
+            "gguf/qwen3-tiny.f32.gguf",
+            "gguf/qwen3-tiny.reference.json",
+            "qwen3 (Qwen3)",
+            "RMSNorm on each Q and K head",
+        ),
+    ] {
+        let info = kiln(&["info", "--model", &fixture(model)]);
+        let table = text(&info.stdout);
+        assert!(
+            table.contains(family) && table.contains(attention),
+            "{model}: {table}{}",
+            text(&info.stderr)
+        );
+        let reference: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture(reference)).unwrap()).unwrap();
+        let case = &reference["cases"][1];
+        let out = generate_json(&[
+            "Once upon a time there was",
+            "--model",
+            &fixture(model),
+            "--ignore-eos",
+            "-n",
+            "20",
+        ]);
+        assert_eq!(out["prompt_tokens"], case["prompt_ids"], "{model}");
+        assert_eq!(out["tokens"], case["greedy"], "{model}");
+    }
+}
+
 /// `--token-ids` on a Meta checkpoint, on wgpu.
 #[cfg(feature = "wgpu")]
 #[test]

@@ -390,28 +390,33 @@ fn prefix_cache_matches_alone<B: InferenceBackend>(
     assert_eq!(cached, vec![0, 68, 40, 72, 68, 44, 0]);
 }
 
-/// The attention window belongs to the model: the Mistral fixture (`sliding_window` 5, shorter
-/// than its prompts) gives transformers' greedy continuations through the engine on every
-/// cache kind, the default paged one included, with prefix caching on.
-fn model_window_holds_on_every_cache_kind<B: InferenceBackend>() {
-    let dir = fixture("mistral-tiny");
-    let loaded = load::<B>(&dir, Dtype::F32);
-    let reference = read_json(&dir.join("reference.json"));
-    let cases = reference["cases"].as_array().unwrap();
-    let prompts: Vec<Vec<TokenId>> = cases.iter().map(|c| token_ids(&c["prompt_ids"])).collect();
-    let expected: Vec<Vec<TokenId>> = cases.iter().map(|c| token_ids(&c["greedy"])).collect();
-    let greedy = vec![SamplingParams::greedy(); prompts.len()];
-    for kind in CacheKind::ALL {
-        let spec = CacheSpec {
-            kind,
-            window: 64,
-            max_step: 64,
-            page_size: 4,
-            ..CacheSpec::paged(prompts.len(), 64)
-        };
-        let config = one_batch(prompts.len());
-        let (ours, _) = engine_outputs(&loaded.model, None, spec, config, &prompts, 20, &greedy);
-        assert_eq!(ours, expected, "{kind}");
+/// Every family's fixture gives transformers' greedy continuations through the engine, its
+/// prompts batched and packed, on every cache kind (the default paged one included, with
+/// prefix caching on). The windows belong to the model: Mistral's (`sliding_window` 5 on every
+/// layer) and Qwen2's (5 on its second layer only) are shorter than the prompts.
+fn families_hold_on_every_cache_kind<B: InferenceBackend>() {
+    for name in ["mistral-tiny", "qwen2-tiny", "qwen3-tiny"] {
+        let dir = fixture(name);
+        let loaded = load::<B>(&dir, Dtype::F32);
+        let reference = read_json(&dir.join("reference.json"));
+        let cases = reference["cases"].as_array().unwrap();
+        let prompts: Vec<Vec<TokenId>> =
+            cases.iter().map(|c| token_ids(&c["prompt_ids"])).collect();
+        let expected: Vec<Vec<TokenId>> = cases.iter().map(|c| token_ids(&c["greedy"])).collect();
+        let greedy = vec![SamplingParams::greedy(); prompts.len()];
+        for kind in CacheKind::ALL {
+            let spec = CacheSpec {
+                kind,
+                window: 64,
+                max_step: 64,
+                page_size: 4,
+                ..CacheSpec::paged(prompts.len(), 64)
+            };
+            let config = one_batch(prompts.len());
+            let (ours, _) =
+                engine_outputs(&loaded.model, None, spec, config, &prompts, 20, &greedy);
+            assert_eq!(ours, expected, "{name} on {kind}");
+        }
     }
 }
 
@@ -1176,8 +1181,8 @@ mod cpu {
     }
 
     #[test]
-    fn model_window_holds_on_every_cache_kind() {
-        super::model_window_holds_on_every_cache_kind::<B>();
+    fn families_hold_on_every_cache_kind() {
+        super::families_hold_on_every_cache_kind::<B>();
     }
 
     #[test]
@@ -1296,8 +1301,8 @@ mod wgpu {
     }
 
     #[test]
-    fn model_window_holds_on_every_cache_kind() {
-        super::model_window_holds_on_every_cache_kind::<B>();
+    fn families_hold_on_every_cache_kind() {
+        super::families_hold_on_every_cache_kind::<B>();
     }
 
     #[test]

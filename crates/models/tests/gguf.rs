@@ -295,6 +295,91 @@ fn tiny_llama_quantized_on_cuda_matches_transformers() {
     }
 }
 
+/// Each family's GGUF as llama.cpp's converter writes it (`make_family_ggufs.py`), from its HF
+/// fixture: the F32 file gives transformers' logits on every position (within 1e-4) and its
+/// greedy tokens, with the family's names, key prefix and Q/K row order; its vocabulary
+/// tokenizes as the HF `tokenizer.json` does (on text already in NFC: llama.cpp applies none,
+/// the HF file does, and the fixture's one decomposed case, `e` + U+0301, tells them apart).
+#[test]
+fn family_ggufs_match_transformers_on_cpu() {
+    for (name, family) in [("qwen2-tiny", "qwen2"), ("qwen3-tiny", "qwen3")] {
+        let loaded = load::<burn::backend::Flex>(&format!("gguf/{name}.f32.gguf"), Dtype::F32);
+        assert_eq!(loaded.model.config().architecture.name(), family);
+        let dir = fixture("gguf");
+        let (_, cases) = reference_at(
+            &dir.join(format!("{name}.reference.json")),
+            &dir.join(format!("{name}.logits.safetensors")),
+        );
+        for (i, case) in cases.iter().enumerate() {
+            let diff = max_abs_diff(&all_logits(&loaded.model, &case.prompt), &case.logits);
+            assert!(diff <= 1e-4, "{name} case {i}: max |diff| {diff}");
+            let greedy = greedy_cached(&loaded.model, &case.prompt, case.greedy.len());
+            assert_eq!(greedy, case.greedy, "{name} case {i}");
+        }
+        let tokenizer = loaded.tokenizer.as_ref().unwrap();
+        let (hf, _) = reference(name);
+        for case in hf["tokenizer_cases"].as_array().unwrap() {
+            let text = case["text"].as_str().unwrap();
+            if !text.contains('\u{301}') {
+                assert_eq!(
+                    tokenizer.encode(text, true).unwrap(),
+                    ids(&case["ids"]),
+                    "{name}: {text:?}"
+                );
+            }
+        }
+    }
+}
+
+/// The families' Q8_0 files (llama-quantize), kept in their blocks on the cpu fast path,
+/// against the F32 files on the exact path: mean KL divergence within docs/kernels.md's bound,
+/// and the top token the same wherever the exact path's choice is clear (its top-2 margin
+/// above 0.05; the tiny random models have near ties, where 8-bit activations may flip it).
+#[test]
+fn family_ggufs_quantized_track_the_f32_files() {
+    type B = burn::backend::Flex;
+    let quantized = kiln_models::LoadOptions {
+        dtype: Dtype::F32,
+        weights: kiln_models::WeightStorage::Quantized,
+        ..Default::default()
+    };
+    for name in ["qwen2-tiny", "qwen3-tiny"] {
+        let exact = load::<B>(&format!("gguf/{name}.f32.gguf"), Dtype::F32);
+        let path = fixture(&format!("gguf/{name}.q8_0.gguf"));
+        let ours = kiln_models::load::<B>(&path, &quantized, &Default::default()).unwrap();
+        assert!(ours.model.holds_quantized_weights());
+        let vocab = exact.model.config().vocab;
+        let (mut kl, mut agree, mut positions, mut widest_flip) = (0.0, 0, 0, 0.0f32);
+        for case in reference(name).1 {
+            let p = all_logits(&exact.model, &case.prompt);
+            let q = all_logits(&ours.model, &case.prompt);
+            let (k, a, n) = divergence(&p, &q, vocab);
+            (kl, agree, positions) = (kl + k, agree + a, positions + n);
+            for (p, q) in p.chunks(vocab).zip(q.chunks(vocab)) {
+                let top = kiln_core::sampling::first_max_index(p);
+                if top != kiln_core::sampling::first_max_index(q) {
+                    let second = (0..vocab)
+                        .filter(|&i| i != top)
+                        .map(|i| p[i])
+                        .fold(f32::MIN, f32::max);
+                    widest_flip = widest_flip.max(p[top] - second);
+                }
+            }
+        }
+        let (kl, top1) = (kl / positions as f64, agree as f64 / positions as f64);
+        eprintln!(
+            "{name} Q8_0 against F32: mean KL {kl:.2e}, top-1 {:.1} % of {positions} positions, \
+             widest exact-path margin among the flips {widest_flip:.4}",
+            top1 * 100.0
+        );
+        assert!(kl <= 2e-3, "{name}: mean KL {kl}");
+        assert!(
+            widest_flip <= 0.05,
+            "{name}: a top token with margin {widest_flip} flipped"
+        );
+    }
+}
+
 /// `inspect` reads what a model is without loading it: the configuration's parameter count
 /// equals the elements stored in the weight files (which transformers wrote with every
 /// parameter once), in every format.

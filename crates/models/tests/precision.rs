@@ -40,23 +40,8 @@ fn agreement<B: InferenceBackend>(dtype: Dtype, fixtures: &[&str]) -> (f64, f64)
         for case in &cases {
             let p = all_logits(&exact.model, &case.prompt);
             let q = all_logits(&ours.model, &case.prompt);
-            let vocab = p.len() / case.prompt.len();
-            for (p, q) in p.chunks(vocab).zip(q.chunks(vocab)) {
-                let log_softmax = |x: &[f32]| -> Vec<f64> {
-                    let max = x.iter().copied().fold(f32::MIN, f32::max) as f64;
-                    let sum: f64 = x.iter().map(|&v| (v as f64 - max).exp()).sum();
-                    x.iter().map(|&v| v as f64 - max - sum.ln()).collect()
-                };
-                let (lp, lq) = (log_softmax(p), log_softmax(q));
-                kl += lp
-                    .iter()
-                    .zip(&lq)
-                    .map(|(a, b)| a.exp() * (a - b))
-                    .sum::<f64>();
-                let top = |x: &[f32]| kiln_core::sampling::first_max_index(x);
-                agree += usize::from(top(p) == top(q));
-                positions += 1;
-            }
+            let (k, a, n) = divergence(&p, &q, p.len() / case.prompt.len());
+            (kl, agree, positions) = (kl + k, agree + a, positions + n);
         }
     }
     (kl / positions as f64, agree as f64 / positions as f64)

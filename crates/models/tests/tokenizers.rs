@@ -34,19 +34,23 @@ fn gpt2_vocab_and_merges_encode_the_prompts_as_transformers() {
     assert!(tok.token_id("<|endoftext|>").is_some());
 }
 
+/// Llama 3's and Qwen2's `tokenizer.json` layouts (Qwen2's: NFC, single digits, no BOS).
 #[test]
-fn llama_tokenizer_json_matches_transformers_on_tricky_strings() {
-    let tok =
-        TextTokenizer::from_tokenizer_json(&fixture("llama-tiny").join("tokenizer.json")).unwrap();
-    let (json, _) = reference("llama-tiny");
-    for case in json["tokenizer_cases"].as_array().unwrap() {
-        let text = case["text"].as_str().unwrap();
-        // transformers' tokenizer.encode adds <|begin_of_text|>, as ours does with specials.
-        assert_eq!(
-            tok.encode(text, true).unwrap(),
-            ids(&case["ids"]),
-            "{text:?}"
-        );
+fn tokenizer_json_matches_transformers_on_tricky_strings() {
+    for name in ["llama-tiny", "qwen2-tiny"] {
+        let tok =
+            TextTokenizer::from_tokenizer_json(&fixture(name).join("tokenizer.json")).unwrap();
+        let (json, _) = reference(name);
+        for case in json["tokenizer_cases"].as_array().unwrap() {
+            let text = case["text"].as_str().unwrap();
+            // transformers' tokenizer.encode adds <|begin_of_text|> for Llama, nothing for
+            // Qwen2, as ours does with specials.
+            assert_eq!(
+                tok.encode(text, true).unwrap(),
+                ids(&case["ids"]),
+                "{name}: {text:?}"
+            );
+        }
     }
 }
 

@@ -9,7 +9,7 @@ use kiln_core::kv_cache::DynamicKvCache;
 use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, SeqId, TokenId};
 use serde_json::Value;
 
-pub const FIXTURES: [&str; 7] = [
+pub const FIXTURES: [&str; 9] = [
     "gpt2-tiny",
     "gpt2-tiny-legacy",
     "gpt2-tiny-lenient",
@@ -17,6 +17,8 @@ pub const FIXTURES: [&str; 7] = [
     "llama-tiny-meta",
     "llama-tiny-tied",
     "mistral-tiny",
+    "qwen2-tiny",
+    "qwen3-tiny",
 ];
 
 /// The fixture `name`: under `$KILN_FIXTURES` when set (a test binary carried to another
@@ -62,12 +64,16 @@ pub fn ids(value: &Value) -> Vec<TokenId> {
         .collect()
 }
 
+/// The fixture folder `name`'s `reference.json` and `logits.safetensors`.
 pub fn reference(name: &str) -> (Value, Vec<Case>) {
     let dir = fixture(name);
-    let json: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    let bytes = std::fs::read(dir.join("logits.safetensors")).unwrap();
+    reference_at(&dir.join("reference.json"), &dir.join("logits.safetensors"))
+}
+
+/// A reference file and its logits (`prompt_0`, `prompt_1`, ... in case order).
+pub fn reference_at(json: &std::path::Path, logits: &std::path::Path) -> (Value, Vec<Case>) {
+    let json: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let bytes = std::fs::read(logits).unwrap();
     let logits = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let cases = json["cases"]
         .as_array()
@@ -110,6 +116,30 @@ fn argmax(row: &[f32]) -> TokenId {
         }
     }
     TokenId(best as u32)
+}
+
+/// Next-token agreement of `q` with `p` (both `[positions, vocab]` logits, `p` the exact
+/// path): the summed KL divergence `KL(p || q)`, the positions whose top tokens agree, and the
+/// positions.
+pub fn divergence(p: &[f32], q: &[f32], vocab: usize) -> (f64, usize, usize) {
+    let (mut kl, mut agree, mut positions) = (0.0f64, 0usize, 0usize);
+    for (p, q) in p.chunks(vocab).zip(q.chunks(vocab)) {
+        let log_softmax = |x: &[f32]| -> Vec<f64> {
+            let max = x.iter().copied().fold(f32::MIN, f32::max) as f64;
+            let sum: f64 = x.iter().map(|&v| (v as f64 - max).exp()).sum();
+            x.iter().map(|&v| v as f64 - max - sum.ln()).collect()
+        };
+        let (lp, lq) = (log_softmax(p), log_softmax(q));
+        kl += lp
+            .iter()
+            .zip(&lq)
+            .map(|(a, b)| a.exp() * (a - b))
+            .sum::<f64>();
+        let top = |x: &[f32]| kiln_core::sampling::first_max_index(x);
+        agree += usize::from(top(p) == top(q));
+        positions += 1;
+    }
+    (kl, agree, positions)
 }
 
 /// Logits of every prompt position, from a fresh cache.

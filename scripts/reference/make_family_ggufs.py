@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""GGUF forms of the family fixtures, written by llama.cpp's own converter.
+
+Converts crates/models/tests/fixtures/<name>/ (an HF folder made by make_model_fixtures.py) with the
+convert_hf_to_gguf.py of the llama.cpp vendored in llama-cpp-python's sdist (the one `cargo xtask llama-cpp`
+builds), and quantizes with that build's llama-quantize:
+
+  gguf/<name>.f32.gguf            every tensor F32: kiln's logits and greedy tokens must equal transformers'
+  gguf/<name>.q8_0.gguf           llama-quantize Q8_0 of the F32 file: kiln states its KL divergence against
+                                  the F32 file
+  gguf/<name>.reference.json,     transformers on the model the GGUF holds: the HF fixture's prompts, greedy
+  gguf/<name>.logits.safetensors  continuations and full logits. llama.cpp's converter drops Qwen2's sliding
+                                  window (as it does Mistral's), so the model is the HF folder with
+                                  `use_sliding_window` false; for a fixture without a window it is the same.
+
+for qwen2-tiny and qwen3-tiny. The fixtures' tokenizers are trained here, so the converter's hash of their
+pre-tokenizer output matches no released model; `get_vocab_base_pre` is told the name their split regex
+is (`qwen2`), which is what the converter writes for every Qwen2/Qwen3 model. Nothing else is changed.
+
+    python3 scripts/reference/make_family_ggufs.py [--llama-cpp DIR] [--quantize PATH]
+
+DIR defaults to target/llama.cpp/sdist/llama_cpp_python-*/vendor/llama.cpp (extracted from the sdist
+if needed), PATH to target/llama.cpp/build/bin/llama-quantize.
+"""
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from make_model_fixtures import reference
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+FIXTURES = os.path.join(ROOT, "crates", "models", "tests", "fixtures")
+FAMILIES = {"qwen2-tiny": "qwen2", "qwen3-tiny": "qwen2"}
+
+
+def vendored_llama_cpp():
+    sdist = os.path.join(ROOT, "target", "llama.cpp", "sdist")
+    found = glob.glob(os.path.join(sdist, "llama_cpp_python-*", "vendor", "llama.cpp"))
+    if found:
+        return found[0]
+    tarballs = glob.glob(os.path.join(sdist, "llama_cpp_python-*.tar.gz"))
+    if not tarballs:
+        sys.exit("no llama-cpp-python sdist under target/llama.cpp/sdist: run `cargo xtask llama-cpp` first")
+    with tarfile.open(tarballs[0]) as tar:
+        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name and (
+            m.name.endswith("convert_hf_to_gguf.py") or "/conversion/" in m.name or "/gguf-py/" in m.name)]
+        tar.extractall(sdist, members=members, filter="data")
+    return glob.glob(os.path.join(sdist, "llama_cpp_python-*", "vendor", "llama.cpp"))[0]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--llama-cpp", default=None)
+    parser.add_argument("--quantize", default=os.path.join(ROOT, "target", "llama.cpp", "build", "bin", "llama-quantize"))
+    args = parser.parse_args()
+    llama_cpp = args.llama_cpp or vendored_llama_cpp()
+    sys.path.insert(0, llama_cpp)
+    sys.path.insert(1, os.path.join(llama_cpp, "gguf-py"))
+    import convert_hf_to_gguf
+    from conversion import base
+
+    out_dir = os.path.join(FIXTURES, "gguf")
+    for name, pre in FAMILIES.items():
+        base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
+        f32 = os.path.join(out_dir, f"{name}.f32.gguf")
+        sys.argv = ["convert_hf_to_gguf.py", os.path.join(FIXTURES, name), "--outfile", f32, "--outtype", "f32"]
+        convert_hf_to_gguf.main()
+        q8 = os.path.join(out_dir, f"{name}.q8_0.gguf")
+        subprocess.run([args.quantize, f32, q8, "Q8_0"], check=True, capture_output=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            windowless = os.path.join(tmp, "model")
+            shutil.copytree(os.path.join(FIXTURES, name), windowless)
+            config_path = os.path.join(windowless, "config.json")
+            config = json.load(open(config_path))
+            config["use_sliding_window"] = False
+            config.pop("layer_types", None)
+            json.dump(config, open(config_path, "w"))
+            model = AutoModelForCausalLM.from_pretrained(windowless, dtype=torch.float32, attn_implementation="eager")
+            cases = json.load(open(os.path.join(FIXTURES, name, "reference.json")))["cases"]
+            out = os.path.join(tmp, "reference")
+            os.makedirs(out)
+            note = f"{name} as its GGUF holds it (no sliding window), by transformers"
+            reference(model, [c["prompt_ids"] for c in cases], out, note)
+            shutil.copy(os.path.join(out, "reference.json"), os.path.join(out_dir, f"{name}.reference.json"))
+            shutil.copy(os.path.join(out, "logits.safetensors"), os.path.join(out_dir, f"{name}.logits.safetensors"))
+        for path in (f32, q8):
+            print(f"{os.path.relpath(path, ROOT)}: {os.path.getsize(path) / 1024:.0f} KiB", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
