@@ -13,7 +13,7 @@ use kiln_core::TokenId;
 use kiln_core::ids::TokenText;
 use serde_json::Value;
 
-pub use byte_level::{AddedToken, PreTokenizer};
+pub use byte_level::{AddedToken, PreTokenizer, QWEN2_PATTERN};
 pub use tiktoken::{LLAMA3_PATTERN, llama3_special_tokens};
 
 use crate::error::{ModelError, Result};
