@@ -18,7 +18,8 @@ Writes crates/models/tests/fixtures/<name>/ for:
                      layer slides and one does not), Qwen2's tokenizer.json layout (NFC, its split
                      regex, ChatML specials), eager attention
   qwen3-tiny         Qwen3 style: per-head q_norm/k_norm (random weights), head_dim 32 over hidden
-                     64 with 4 heads (not hidden / heads), GQA 4/2, untied head, the same tokenizer
+                     64 with 4 heads (not hidden / heads), GQA 4/2, untied head, the same tokenizer;
+                     yarn_reference.json: the same weights with YaRN RoPE scaling (factor 4 over 32)
 and in each, reference.json (prompts, greedy continuations, versions) and logits.safetensors
 (transformers' full f32 logits per prompt). Run from the repository root:
 
@@ -545,7 +546,46 @@ def qwen():
         )
         reloaded = cls.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
         results.append(reference(reloaded, ids, out, note, extra))
+        if name == "qwen3-tiny":
+            yarn_reference(out, cls, ids)
     return min(results)
+
+
+# Qwen3's documented long-context setting, scaled to the fixture: factor 4 over an original
+# context of 32 (of its 128 positions).
+YARN = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@torch.no_grad()
+def yarn_reference(out, cls, prompts):
+    """The same weights with YaRN RoPE scaling: last-position logits and 20 greedy tokens
+    (with the KV cache) per prompt, in yarn_reference.json (the test rewrites config.json)."""
+    config = json.load(open(os.path.join(out, "config.json")))
+    config["rope_parameters"] = YARN
+    with open(os.path.join(out, "config.json")) as f:
+        original = f.read()
+    try:
+        write_json(os.path.join(out, "config.json"), config)
+        model = cls.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    finally:
+        with open(os.path.join(out, "config.json"), "w") as f:
+            f.write(original)
+    cases = []
+    for ids in prompts:
+        out_ = model(torch.tensor([ids]), use_cache=True)
+        last = out_.logits[0, -1].float()
+        past, generated, next_logits = out_.past_key_values, [], out_.logits[0, -1]
+        for _ in range(20):
+            token = int(torch.argmax(next_logits))
+            generated.append(token)
+            step = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            past, next_logits = step.past_key_values, step.logits[0, -1]
+        cases.append({"prompt_ids": ids, "last_logits": [round(float(x), 7) for x in last], "greedy": generated})
+    write_json(
+        os.path.join(out, "yarn_reference.json"),
+        {"generator": "scripts/reference/make_model_fixtures.py", "transformers": transformers.__version__,
+         "rope_parameters": YARN, "cases": cases},
+    )
 
 
 def main():

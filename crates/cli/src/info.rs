@@ -109,8 +109,8 @@ fn rows(info: &ModelInfo) -> Vec<(&'static str, String)> {
     let positions = match &c.positions {
         PositionKind::Learned => "learned".to_string(),
         PositionKind::Rope(rope) => {
-            let scaling = match (&rope.llama3_scaling, &rope.frequency_divisors) {
-                (Some(s), _) => format!(", llama3 scaling x{}", s.factor),
+            let scaling = match (&rope.scaling, &rope.frequency_divisors) {
+                (Some(s), _) => format!(", {} scaling x{}", s.name(), s.factor()),
                 (None, Some(_)) => ", scaled (rope_freqs)".to_string(),
                 (None, None) => String::new(),
             };

@@ -56,11 +56,62 @@ pub enum PositionKind {
 pub struct RopeConfig {
     /// The base of the frequencies (`rope_theta`).
     pub theta: f32,
-    /// Llama 3.1's frequency scaling, if any.
-    pub llama3_scaling: Option<Llama3Scaling>,
+    /// How the frequencies are scaled for longer contexts, if at all.
+    pub scaling: Option<RopeScaling>,
     /// One divisor per frequency, as GGUF stores scaled RoPE (`rope_freqs.weight`, llama3
-    /// scaling precomputed by llama.cpp's converter); applied after `llama3_scaling`.
+    /// scaling precomputed by llama.cpp's converter); applied after `scaling`.
     pub frequency_divisors: Option<Vec<f32>>,
+}
+
+/// A RoPE scaling type (`rope_type` in `rope_parameters` / `rope_scaling`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// Llama 3.1 / 3.2's `llama3`.
+    Llama3(Llama3Scaling),
+    /// `linear`: positions divided by `factor`, i.e. every frequency.
+    Linear {
+        /// The divisor.
+        factor: f32,
+    },
+    /// `yarn` (Qwen2.5 and Qwen3 past 32k tokens).
+    Yarn(YarnScaling),
+}
+
+impl RopeScaling {
+    /// Its `rope_type`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            RopeScaling::Llama3(_) => "llama3",
+            RopeScaling::Linear { .. } => "linear",
+            RopeScaling::Yarn(_) => "yarn",
+        }
+    }
+
+    /// The context extension factor.
+    pub fn factor(&self) -> f32 {
+        match self {
+            RopeScaling::Llama3(s) => s.factor,
+            RopeScaling::Linear { factor } => *factor,
+            RopeScaling::Yarn(s) => s.factor,
+        }
+    }
+}
+
+/// YaRN's parameters (transformers' `_compute_yarn_parameters`, llama.cpp's `rope_yarn`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct YarnScaling {
+    /// How much longer the context is than the original.
+    pub factor: f32,
+    /// The context length the model was pre-trained with.
+    pub original_max_positions: usize,
+    /// Rotations per original context above which a frequency is kept (`beta_fast`, 32).
+    pub beta_fast: f32,
+    /// Rotations below which it is fully interpolated (`beta_slow`, 1).
+    pub beta_slow: f32,
+    /// Multiplies cos and sin (`attention_factor`; by default `0.1 ln(factor) + 1`).
+    pub attention_factor: f32,
+    /// Whether the ramp's ends are rounded to whole dimensions (`truncate`, true).
+    pub truncate: bool,
 }
 
 /// The `llama3` `rope_type` of Llama 3.1 and 3.2.

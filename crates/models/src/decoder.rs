@@ -17,7 +17,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::config::{
-    Architecture, Llama3Scaling, MlpKind, NormKind, PositionKind, RopeConfig, TransformerConfig,
+    Architecture, Llama3Scaling, MlpKind, NormKind, PositionKind, RopeConfig, RopeScaling,
+    TransformerConfig, YarnScaling,
 };
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
@@ -167,8 +168,11 @@ impl HfConfig {
                     .map(|t| t as f32)
             })
             .unwrap_or(10000.0);
+        let max_positions = k
+            .max_position_embeddings
+            .unwrap_or(d.max_position_embeddings);
         let scaling = match params.or(k.rope_scaling.as_ref()) {
-            Some(v) if !v.is_null() => rope_scaling(v, path)?,
+            Some(v) if !v.is_null() => rope_scaling(v, path, max_positions)?,
             _ => None,
         };
         let n_heads = k.num_attention_heads.unwrap_or(d.num_attention_heads);
@@ -192,14 +196,12 @@ impl HfConfig {
                 .unwrap_or(n_heads),
             head_dim: k.head_dim.or(d.head_dim).unwrap_or(d_model / n_heads),
             d_ff: k.intermediate_size.unwrap_or(d.intermediate_size),
-            max_positions: k
-                .max_position_embeddings
-                .unwrap_or(d.max_position_embeddings),
+            max_positions,
             norm: NormKind::RmsNorm,
             norm_eps: k.rms_norm_eps.unwrap_or(1e-6),
             positions: PositionKind::Rope(RopeConfig {
                 theta,
-                llama3_scaling: scaling,
+                scaling,
                 frequency_divisors: None,
             }),
             mlp: MlpKind::SwiGlu,
@@ -283,8 +285,9 @@ pub(crate) fn token_ids(value: Option<&Value>) -> Vec<TokenId> {
     }
 }
 
-/// Parses a `rope_scaling` / `rope_parameters` object.
-fn rope_scaling(value: &Value, path: &Path) -> Result<Option<Llama3Scaling>> {
+/// Parses a `rope_scaling` / `rope_parameters` object; `max_positions` is the configuration's
+/// context (YaRN's factor when the object has none).
+fn rope_scaling(value: &Value, path: &Path, max_positions: usize) -> Result<Option<RopeScaling>> {
     let kind = value
         .get("rope_type")
         .or_else(|| value.get("type"))
@@ -296,19 +299,68 @@ fn rope_scaling(value: &Value, path: &Path) -> Result<Option<Llama3Scaling>> {
             .and_then(Value::as_f64)
             .ok_or_else(|| ModelError::config(path, format!("rope scaling lacks `{key}`")))
     };
-    match kind {
-        "default" => Ok(None),
-        "llama3" => Ok(Some(Llama3Scaling {
+    let optional = |key: &str| value.get(key).and_then(Value::as_f64);
+    let scaling = match kind {
+        "default" => return Ok(None),
+        "llama3" => RopeScaling::Llama3(Llama3Scaling {
             factor: number("factor")? as f32,
             low_freq_factor: number("low_freq_factor")? as f32,
             high_freq_factor: number("high_freq_factor")? as f32,
             original_max_positions: number("original_max_position_embeddings")? as usize,
-        })),
-        other => Err(ModelError::config(
+        }),
+        "linear" => RopeScaling::Linear {
+            factor: number("factor")? as f32,
+        },
+        "yarn" => {
+            let original = number("original_max_position_embeddings")?;
+            let factor = optional("factor").unwrap_or(max_positions as f64 / original);
+            // transformers' get_mscale: 0.1 m ln(factor) + 1, or 1 for factor ≤ 1.
+            let mscale = |m: f64| {
+                if factor <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * factor.ln() + 1.0
+                }
+            };
+            let attention_factor = match (
+                optional("attention_factor"),
+                optional("mscale"),
+                optional("mscale_all_dim"),
+            ) {
+                (Some(a), _, _) => a,
+                (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale(m) / mscale(all),
+                _ => mscale(1.0),
+            };
+            RopeScaling::Yarn(YarnScaling {
+                factor: factor as f32,
+                original_max_positions: original as usize,
+                beta_fast: optional("beta_fast").filter(|b| *b != 0.0).unwrap_or(32.0) as f32,
+                beta_slow: optional("beta_slow").filter(|b| *b != 0.0).unwrap_or(1.0) as f32,
+                attention_factor: attention_factor as f32,
+                truncate: value
+                    .get("truncate")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(true),
+            })
+        }
+        other => {
+            return Err(ModelError::config(
+                path,
+                format!(
+                    "rope type `{other}` is not supported (kiln supports default, llama3, linear \
+                     and yarn)"
+                ),
+            ));
+        }
+    };
+    let factor = scaling.factor();
+    if !(factor.is_finite() && factor > 0.0) {
+        return Err(ModelError::config(
             path,
-            format!("rope type `{other}` is not supported (kiln supports default and llama3)"),
-        )),
+            format!("rope scaling `factor` must be positive, got {factor}"),
+        ));
     }
+    Ok(Some(scaling))
 }
 
 /// The rotary decoder's GGUF metadata under `prefix` (the family's `general.architecture`):
@@ -351,17 +403,7 @@ pub fn gguf_config(
             ),
         ));
     }
-    if let Some(kind) = file.get(&key("rope.scaling.type")).and_then(|v| v.as_str())
-        && kind != "none"
-    {
-        return Err(ModelError::config(
-            path,
-            format!(
-                "{} `{kind}` is not supported (kiln supports llama3 scaling via rope_freqs)",
-                key("rope.scaling.type")
-            ),
-        ));
-    }
+    let scaling = gguf_rope_scaling(file, prefix)?;
     let vocab = match file.unsigned_opt(&key("vocab_size"))? {
         Some(v) => v as usize,
         None => file.array("tokenizer.ggml.tokens")?.len(),
@@ -369,7 +411,7 @@ pub fn gguf_config(
     let theta = file.float_opt(&key("rope.freq_base"))?.unwrap_or(10_000.0) as f32;
     let rope = RopeConfig {
         theta,
-        llama3_scaling: None,
+        scaling,
         frequency_divisors: file
             .contains("rope_freqs.weight")
             .then(|| frequency_divisors(file, head_dim))
@@ -404,6 +446,23 @@ pub fn gguf_config(
         // llama.cpp's converter drops attention windows (Mistral's, Qwen2's).
         attention_windows: Vec::new(),
     })
+}
+
+/// `{prefix}.rope.scaling.type`: only `none` (or absent). Llama 3.1's scaling is
+/// `rope_freqs.weight` instead; a GGUF's `linear` or `yarn` keys are refused by name until a
+/// converted file tests them (HF folders read both).
+fn gguf_rope_scaling(file: &GgufFile, prefix: &str) -> Result<Option<RopeScaling>> {
+    let key = format!("{prefix}.rope.scaling.type");
+    match file.get(&key).and_then(|v| v.as_str()) {
+        None | Some("none") => Ok(None),
+        Some(kind) => Err(ModelError::config(
+            file.path(),
+            format!(
+                "{key} `{kind}` is not supported in GGUF files (kiln reads llama3 scaling as \
+                 rope_freqs.weight; linear and yarn from Hugging Face folders)"
+            ),
+        )),
+    }
 }
 
 /// The per-frequency divisors of `rope_freqs.weight`.

@@ -12,7 +12,8 @@ use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::config::{
-    Architecture, Llama3Scaling, MlpKind, NormKind, PositionKind, RopeConfig, TransformerConfig,
+    Architecture, Llama3Scaling, MlpKind, NormKind, PositionKind, RopeConfig, RopeScaling,
+    TransformerConfig,
 };
 use crate::decoder::TensorNames;
 use crate::error::{ModelError, Result};
@@ -124,12 +125,12 @@ fn llama3(
         norm_eps: 1e-5,
         positions: PositionKind::Rope(RopeConfig {
             theta: 500_000.0,
-            llama3_scaling: Some(Llama3Scaling {
+            scaling: Some(RopeScaling::Llama3(Llama3Scaling {
                 factor,
                 low_freq_factor: 1.0,
                 high_freq_factor: 4.0,
                 original_max_positions: 8192,
-            }),
+            })),
             frequency_divisors: None,
         }),
         mlp: MlpKind::SwiGlu,
@@ -166,7 +167,7 @@ fn qwen(
         norm_eps: 1e-6,
         positions: PositionKind::Rope(RopeConfig {
             theta: 1_000_000.0,
-            llama3_scaling: None,
+            scaling: None,
             frequency_divisors: None,
         }),
         tied_head: true,

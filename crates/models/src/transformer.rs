@@ -19,7 +19,7 @@ use crate::layers::embedding::Embedding;
 use crate::layers::linear::{Linear, LinearWeight};
 use crate::layers::mlp::Mlp;
 use crate::layers::norm::Norm;
-use crate::layers::rope::{RopeTables, inverse_frequencies};
+use crate::layers::rope::{RopeTables, attention_factor, inverse_frequencies};
 use crate::loaders::WeightStorage;
 use crate::weights::TensorSource;
 
@@ -50,8 +50,8 @@ pub struct Transformer<B: InferenceBackend> {
     final_norm: Norm<B>,
     /// `d_model → vocab` (the embedding's own weights when tied)
     head: Linear<B>,
-    /// RoPE inverse frequencies (rotary models only).
-    inv_freq: Option<Vec<f32>>,
+    /// RoPE inverse frequencies and the factor on cos and sin (rotary models only).
+    rope: Option<(Vec<f32>, f32)>,
     /// Configuration, dtype and a digest of some weights (see [`CausalLm::fingerprint`]).
     fingerprint: String,
 }
@@ -71,8 +71,11 @@ impl<B: InferenceBackend> Transformer<B> {
     ) -> Self {
         let head = head.unwrap_or_else(|| embed.as_head());
         let fingerprint = fingerprint(&config, dtype, &embed, &head);
-        let inv_freq = match &config.positions {
-            PositionKind::Rope(rope) => Some(inverse_frequencies(rope, config.head_dim)),
+        let rope = match &config.positions {
+            PositionKind::Rope(rope) => Some((
+                inverse_frequencies(rope, config.head_dim),
+                attention_factor(rope),
+            )),
             PositionKind::Learned => None,
         };
         Self {
@@ -84,7 +87,7 @@ impl<B: InferenceBackend> Transformer<B> {
             blocks,
             final_norm,
             head,
-            inv_freq,
+            rope,
             fingerprint,
         }
     }
@@ -239,14 +242,15 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
 
         let tokens: Vec<usize> = batch.tokens().iter().map(|t| t.0 as usize).collect();
         let mut x = self.embed.lookup(tokens, device);
-        let rope = match (&self.position_embed, &self.inv_freq) {
+        let rope = match (&self.position_embed, &self.rope) {
             (Some(table), _) => {
                 let positions: Vec<usize> = batch.positions().iter().map(|p| p.index()).collect();
                 x = x + table.clone().select(0, int_tensor::<B>(positions, device));
                 None
             }
-            (None, Some(inv_freq)) => Some(RopeTables::new(
+            (None, Some((inv_freq, factor))) => Some(RopeTables::new(
                 inv_freq,
+                *factor,
                 batch.positions(),
                 self.dtype.burn_float(),
                 device,

@@ -63,6 +63,53 @@ fn special_tokens_outside_the_vocabulary_are_dropped_with_a_warning() {
     assert_eq!(plain.generation.eos.len(), 1);
 }
 
+/// YaRN RoPE scaling (Qwen3's documented long-context setting, scaled to the fixture: factor
+/// 4 over an original context of 32): `qwen3-tiny`'s weights with that `rope_parameters` give
+/// transformers' last-position logits (within 1e-4) and greedy tokens.
+#[test]
+fn yarn_scaling_matches_transformers() {
+    let source = fixture("qwen3-tiny");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(source.join("yarn_reference.json")).unwrap())
+            .unwrap();
+    let temp = tempfile::tempdir().unwrap();
+    let dir = temp.path();
+    for file in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(source.join(file), dir.join(file)).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).unwrap())
+            .unwrap();
+    config["rope_parameters"] = reference["rope_parameters"].clone();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let loaded =
+        kiln_models::load::<burn::backend::Flex>(dir, &Default::default(), &Default::default())
+            .unwrap();
+    for (i, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
+        let prompt = ids(&case["prompt_ids"]);
+        let logits = all_logits(&loaded.model, &prompt);
+        let last = &logits[logits.len() - loaded.model.config().vocab..];
+        let expected: Vec<f32> = case["last_logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let diff = max_abs_diff(last, &expected);
+        assert!(diff <= 1e-4, "case {i}: max |diff| {diff}");
+        let greedy = ids(&case["greedy"]);
+        assert_eq!(
+            greedy_cached(&loaded.model, &prompt, greedy.len()),
+            greedy,
+            "case {i}"
+        );
+    }
+}
+
 mod cpu {
     type B = burn::backend::Flex;
 

@@ -123,13 +123,20 @@ fn untied_config_without_head_names_the_tensor() {
 fn unsupported_rope_type_is_named() {
     let dir = copy_fixture("llama-tiny-tied");
     edit_json(&dir.path().join("config.json"), |c| {
-        c["rope_scaling"]["rope_type"] = "yarn".into()
+        c["rope_scaling"]["rope_type"] = "longrope".into()
     });
     let err = load_err(dir.path());
     assert!(
-        err.to_string().contains("yarn") && err.to_string().contains("config.json"),
+        err.to_string().contains("`longrope`") && err.to_string().contains("config.json"),
         "{err}"
     );
+    // YaRN without the original context it scales is named by key.
+    let dir = copy_fixture("llama-tiny-tied");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0})
+    });
+    let err = load_err(dir.path()).to_string();
+    assert!(err.contains("original_max_position_embeddings"), "{err}");
 }
 
 #[test]

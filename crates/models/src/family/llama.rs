@@ -11,7 +11,8 @@ use serde_json::Value;
 
 use super::{Blocks, Family, GgufFamily};
 use crate::config::{
-    Architecture, Llama3Scaling, MlpKind, NormKind, PositionKind, RopeConfig, TransformerConfig,
+    Architecture, Llama3Scaling, MlpKind, NormKind, PositionKind, RopeConfig, RopeScaling,
+    TransformerConfig,
 };
 use crate::decoder::{self, HfConfig, HfDefaults};
 use crate::error::{ModelError, Result};
@@ -169,7 +170,7 @@ impl MetaParams {
             norm_eps: self.norm_eps,
             positions: PositionKind::Rope(RopeConfig {
                 theta: self.rope_theta,
-                llama3_scaling: scaling,
+                scaling: scaling.map(RopeScaling::Llama3),
                 frequency_divisors: None,
             }),
             mlp: MlpKind::SwiGlu,
@@ -222,7 +223,7 @@ mod tests {
         let PositionKind::Rope(rope) = &c.positions else {
             panic!("Llama uses RoPE")
         };
-        assert_eq!((rope.theta, rope.llama3_scaling), (10000.0, None));
+        assert_eq!((rope.theta, rope.scaling), (10000.0, None));
         let c = config(r#"{"bos_token_id": null, "eos_token_id": null}"#).expect("loads");
         assert_eq!((c.bos, c.eos.len()), (None, 0));
     }

@@ -64,4 +64,38 @@ mod tests {
         let c = parse(r#"{"attention_bias": true}"#).unwrap();
         assert!(c.qkv_bias && c.out_bias);
     }
+
+    /// Qwen3's documented long-context setting (`rope_scaling` yarn, factor 4 over 32,768
+    /// positions, transformers-4 keys) and transformers-5's `rope_parameters` read alike; the
+    /// attention factor is transformers' `get_mscale(4)`; a rope type kiln lacks is named.
+    #[test]
+    fn yarn_scaling_is_read_from_either_key_generation() {
+        use crate::config::{PositionKind, RopeScaling};
+        let parse = |json: &str| hf_config(serde_json::from_str(json).unwrap(), Path::new("c"));
+        let old = parse(
+            r#"{"rope_theta": 1000000.0, "max_position_embeddings": 131072,
+                "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": 32768}}"#,
+        )
+        .unwrap();
+        let new = parse(
+            r#"{"max_position_embeddings": 131072,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0,
+                                    "factor": 4.0, "original_max_position_embeddings": 32768}}"#,
+        )
+        .unwrap();
+        assert_eq!(old, new);
+        let PositionKind::Rope(rope) = &new.positions else {
+            panic!("rotary")
+        };
+        let Some(RopeScaling::Yarn(yarn)) = rope.scaling else {
+            panic!("yarn")
+        };
+        assert_eq!((yarn.factor, yarn.original_max_positions), (4.0, 32768));
+        assert!((yarn.attention_factor - 1.138_629_4).abs() < 1e-6);
+        let err = parse(r#"{"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`longrope`"), "{err}");
+    }
 }

@@ -7,23 +7,61 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use kiln_core::{InferenceBackend, Position};
 
-use crate::config::{Llama3Scaling, RopeConfig};
+use crate::config::{Llama3Scaling, RopeConfig, RopeScaling, YarnScaling};
 
-/// The inverse frequencies of a head of width `head_dim`, with Llama 3.1's scaling if
-/// configured (transformers' `_compute_llama3_parameters`), in f32 as transformers computes
-/// them.
+/// The inverse frequencies of a head of width `head_dim`, scaled as configured (transformers'
+/// `_compute_llama3_parameters`, `_compute_linear_scaling_rope_parameters`,
+/// `_compute_yarn_parameters`), in f32 as transformers computes them.
 pub fn inverse_frequencies(config: &RopeConfig, head_dim: usize) -> Vec<f32> {
     let base: Vec<f32> = (0..head_dim / 2)
         .map(|i| 1.0 / config.theta.powf((2 * i) as f32 / head_dim as f32))
         .collect();
-    let scaled: Vec<f32> = match config.llama3_scaling {
+    let scaled: Vec<f32> = match &config.scaling {
         None => base,
-        Some(s) => base.into_iter().map(|f| llama3_scale(f, &s)).collect(),
+        Some(RopeScaling::Llama3(s)) => base.into_iter().map(|f| llama3_scale(f, s)).collect(),
+        Some(RopeScaling::Linear { factor }) => base.into_iter().map(|f| f / factor).collect(),
+        Some(RopeScaling::Yarn(s)) => yarn_scale(&base, config.theta, head_dim, s),
     };
     match &config.frequency_divisors {
         None => scaled,
         Some(divisors) => scaled.iter().zip(divisors).map(|(f, d)| f / d).collect(),
     }
+}
+
+/// What cos and sin are multiplied by: YaRN's attention factor, 1 otherwise.
+pub fn attention_factor(config: &RopeConfig) -> f32 {
+    match &config.scaling {
+        Some(RopeScaling::Yarn(s)) => s.attention_factor,
+        _ => 1.0,
+    }
+}
+
+/// YaRN: each frequency blended between itself (fast rotations, kept) and itself / factor
+/// (slow ones, interpolated) along a linear ramp over the dimensions whose rotations within
+/// the original context fall between `beta_slow` and `beta_fast`.
+fn yarn_scale(base: &[f32], theta: f32, head_dim: usize, s: &YarnScaling) -> Vec<f32> {
+    let (dim, theta, original) = (head_dim as f64, f64::from(theta), s.original_max_positions);
+    // The dimension at which a frequency makes `rotations` turns over the original context.
+    let correction = |rotations: f32| {
+        dim * (original as f64 / (f64::from(rotations) * 2.0 * std::f64::consts::PI)).ln()
+            / (2.0 * theta.ln())
+    };
+    let (mut low, mut high) = (correction(s.beta_fast), correction(s.beta_slow));
+    if s.truncate {
+        (low, high) = (low.floor(), high.ceil());
+    }
+    let (low, mut high) = (low.max(0.0) as f32, high.min(dim - 1.0) as f32);
+    if low == high {
+        high += 0.001;
+    }
+    base.iter()
+        .enumerate()
+        .map(|(i, &f)| {
+            let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+            let keep = 1.0 - ramp;
+            f / s.factor * (1.0 - keep) + f * keep
+        })
+        .collect()
 }
 
 fn llama3_scale(inv_freq: f32, s: &Llama3Scaling) -> f32 {
@@ -52,9 +90,11 @@ pub struct RopeTables<B: Backend> {
 }
 
 impl<B: Backend> RopeTables<B> {
-    /// Angles `position * inv_freq` in f32 (as transformers), cos and sin in the model dtype.
+    /// Angles `position * inv_freq` in f32 (as transformers), cos and sin times
+    /// `attention_factor` ([`attention_factor`]) in the model dtype.
     pub fn new(
         inv_freq: &[f32],
+        attention_factor: f32,
         positions: &[Position],
         dtype: FloatDType,
         device: &B::Device,
@@ -64,8 +104,8 @@ impl<B: Backend> RopeTables<B> {
         for p in positions {
             for f in inv_freq {
                 let angle = p.0 as f32 * f;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
+                cos.push(angle.cos() * attention_factor);
+                sin.push(angle.sin() * attention_factor);
             }
         }
         let make = |v: Vec<f32>| {
@@ -109,19 +149,19 @@ mod tests {
     fn llama3_scaling_keeps_high_scales_low_and_smooths_the_middle() {
         let config = RopeConfig {
             theta: 10000.0,
-            llama3_scaling: Some(Llama3Scaling {
+            scaling: Some(RopeScaling::Llama3(Llama3Scaling {
                 factor: 8.0,
                 low_freq_factor: 1.0,
                 high_freq_factor: 4.0,
                 original_max_positions: 32,
-            }),
+            })),
             frequency_divisors: None,
         };
         let f = inverse_frequencies(&config, 16);
         let plain = inverse_frequencies(
             &RopeConfig {
                 theta: 10000.0,
-                llama3_scaling: None,
+                scaling: None,
                 frequency_divisors: None,
             },
             16,
@@ -134,5 +174,57 @@ mod tests {
         for (s, p) in f.iter().zip(&plain) {
             assert!(*s <= *p && *s >= p / 8.0 - 1e-12);
         }
+    }
+
+    /// transformers' `ROPE_INIT_FUNCTIONS["yarn"]` and `["linear"]` for a Qwen3Config with
+    /// head_dim 32, `rope_theta` 1e6, factor 4, original context 32 (printed by torch 2.15 /
+    /// transformers 5.24 for this test).
+    #[test]
+    fn yarn_and_linear_match_transformers() {
+        let expected: [f64; 16] = [
+            1.0,
+            0.263_560_32,
+            0.044_456_985,
+            0.018_747_354,
+            0.007_905_694_7,
+            0.003_333_803_7,
+            0.001_405_853_3,
+            0.000_592_843_45,
+            0.000_250_000_01,
+            0.000_105_424_12,
+            4.445_698_5e-5,
+            1.874_735_6e-5,
+            7.905_693_6e-6,
+            3.333_803_5e-6,
+            1.405_853_4e-6,
+            5.928_434_3e-7,
+        ];
+        let yarn = RopeConfig {
+            theta: 1_000_000.0,
+            scaling: Some(RopeScaling::Yarn(YarnScaling {
+                factor: 4.0,
+                original_max_positions: 32,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                attention_factor: 1.138_629_4,
+                truncate: true,
+            })),
+            frequency_divisors: None,
+        };
+        let ours = inverse_frequencies(&yarn, 32);
+        for (i, (a, b)) in ours.iter().zip(&expected).enumerate() {
+            assert!(
+                (f64::from(*a) - b).abs() <= 1e-6 * b,
+                "frequency {i}: {a} vs {b}"
+            );
+        }
+        assert_eq!(attention_factor(&yarn), 1.138_629_4);
+        let linear = RopeConfig {
+            scaling: Some(RopeScaling::Linear { factor: 4.0 }),
+            ..yarn
+        };
+        let ours = inverse_frequencies(&linear, 32);
+        assert_eq!(&ours[..3], &[0.25, 0.105_424_13, 0.044_456_985]);
+        assert_eq!(attention_factor(&linear), 1.0);
     }
 }
