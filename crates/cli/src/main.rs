@@ -20,7 +20,8 @@ use clap::{Parser, Subcommand};
 
 /// kiln: LLM inference in Rust on burn, on CUDA, wgpu or the CPU.
 ///
-/// Runs GPT-2 and Llama 3 models from GGUF files, Hugging Face folders or Meta checkpoints.
+/// Runs Llama 3, Mistral, Qwen2/2.5, Qwen3 and GPT-2 models from GGUF files, Hugging Face
+/// folders or Meta checkpoints.
 /// Without --model, the embedded default SmolLM2-135M-Instruct is fetched once into
 /// $KILN_HOME/models (~/.cache/kiln/models).
 #[derive(Debug, Parser)]

@@ -1,4 +1,4 @@
-//! [`Transformer`]: the decoder both GPT-2 and Llama are, configured by
+//! [`Transformer`]: the decoder every family is, configured by
 //! [`TransformerConfig`]. Implements [`CausalLm`].
 
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! The layers GPT-2 and Llama share, each configured by [`crate::config::TransformerConfig`]
+//! The layers every family shares, each configured by [`crate::config::TransformerConfig`]
 //! rather than copied per model.
 
 pub mod attention;
