@@ -139,6 +139,24 @@ def write_json(path, value):
 
 
 @torch.no_grad()
+def greedy_with_cache(model, ids, steps=20):
+    """The prompt's last-position logits, then `steps` greedy tokens with the KV cache and the
+    top-1/top-2 logit margin at each step."""
+    out = model(torch.tensor([ids]), use_cache=True)
+    last = out.logits[0, -1].float()
+    past, generated, margins = out.past_key_values, [], []
+    next_logits = out.logits[0, -1]
+    for _ in range(steps):
+        top2 = torch.topk(next_logits.float(), 2).values
+        margins.append(float(top2[0] - top2[1]))
+        token = int(torch.argmax(next_logits))
+        generated.append(token)
+        out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        past, next_logits = out.past_key_values, out.logits[0, -1]
+    return last, generated, margins
+
+
+@torch.no_grad()
 def reference(model, tokenizer_ids, out_dir, note, extra=None):
     """Full logits for each prompt and a 20-token greedy continuation with the KV cache."""
     model.eval()
@@ -147,16 +165,7 @@ def reference(model, tokenizer_ids, out_dir, note, extra=None):
         input_ids = torch.tensor([ids])
         full = model(input_ids).logits[0].float()
         logits[f"prompt_{i}"] = full.contiguous()
-        out = model(input_ids, use_cache=True)
-        past, generated, margins = out.past_key_values, [], []
-        next_logits = out.logits[0, -1]
-        for _ in range(20):
-            top2 = torch.topk(next_logits.float(), 2).values
-            margins.append(float(top2[0] - top2[1]))
-            token = int(torch.argmax(next_logits))
-            generated.append(token)
-            out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            past, next_logits = out.past_key_values, out.logits[0, -1]
+        _, generated, margins = greedy_with_cache(model, ids)
         cases.append({"prompt_ids": ids, "greedy": generated, "min_greedy_margin": min(margins)})
     save_file(logits, os.path.join(out_dir, "logits.safetensors"))
     write_json(
@@ -572,14 +581,7 @@ def yarn_reference(out, cls, prompts):
             f.write(original)
     cases = []
     for ids in prompts:
-        out_ = model(torch.tensor([ids]), use_cache=True)
-        last = out_.logits[0, -1].float()
-        past, generated, next_logits = out_.past_key_values, [], out_.logits[0, -1]
-        for _ in range(20):
-            token = int(torch.argmax(next_logits))
-            generated.append(token)
-            step = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            past, next_logits = step.past_key_values, step.logits[0, -1]
+        last, generated, _ = greedy_with_cache(model, ids)
         cases.append({"prompt_ids": ids, "last_logits": [round(float(x), 7) for x in last], "greedy": generated})
     write_json(
         os.path.join(out, "yarn_reference.json"),
