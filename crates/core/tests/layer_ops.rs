@@ -12,7 +12,9 @@
 use burn::backend::Flex;
 use burn::tensor::{Bool, Tensor, TensorData};
 use kiln_core::InferenceBackend;
-use kiln_core::attention::{KEY_PADDING, pad_keys, sdpa_grouped, sdpa_packed, sdpa_reference};
+use kiln_core::attention::{
+    KEY_PADDING, Scoring, pad_keys, sdpa_grouped, sdpa_packed, sdpa_reference,
+};
 use kiln_core::layer_ops;
 
 fn values(len: usize, seed: u64) -> Vec<f32> {
@@ -139,8 +141,14 @@ fn padded_grouped_attention_matches_the_reference() {
             .unsqueeze_dims::<5>(&[1, 2])
             .expand([batch, n_kv, n_rep, q_len, keys])
             .reshape([batch, n_kv, q_rows, keys]);
-        let reference = host(sdpa_reference(q.clone(), k.clone(), v.clone(), expanded));
-        let padded = host(sdpa_grouped(q, k, v, mask));
+        let reference = host(sdpa_reference(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            expanded,
+            Scoring::default(),
+        ));
+        let padded = host(sdpa_grouped(q, k, v, mask, Scoring::default()));
         for (a, b) in padded.iter().zip(&reference) {
             assert!(
                 (a - b).abs() <= 2e-5 * b.abs().max(1.0),
@@ -175,8 +183,9 @@ fn packed_attention_regroups_like_the_default_bit_for_bit() {
             k.clone(),
             v.clone(),
             mask.clone(),
+            Scoring::default(),
         ));
-        let default = host(sdpa_packed(q, k, v, mask));
+        let default = host(sdpa_packed(q, k, v, mask, Scoring::default()));
         assert_eq!(fast.len(), len * n_heads * head_dim);
         assert_eq!(
             fast.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),

@@ -137,6 +137,7 @@ fn attention_kernel<F: Float, S: Float, I: Int, N: Size>(
     splits: usize,
     window: u32,
     scale: f32,
+    softcap: f32,
     #[comptime] head_dim: usize,
     #[comptime] group: usize,
     #[define(F, S, I)] _dtypes: [StorageType; 3],
@@ -259,9 +260,14 @@ fn attention_kernel<F: Float, S: Float, I: Int, N: Size>(
                         }
                     }
                 }
+                // A soft cap of 0 means none (`Scoring::softcap`).
                 #[unroll]
                 for g in 0..group {
-                    score[g] = dots[g];
+                    if softcap > 0.0f32 {
+                        score[g] = softcap * f32::tanh(dots[g] / softcap);
+                    } else {
+                        score[g] = dots[g];
+                    }
                 }
             }
         }
@@ -384,7 +390,8 @@ fn combine_kernel<F: Float>(
     }
 }
 
-/// Attention of every query token of a step, in batch order.
+/// Attention of every query token of a step, in batch order, each score `q·k × scale`,
+/// then `c tanh(s / c)` where there is a soft cap `c` (Gemma 2).
 ///
 /// # Shapes
 /// - `q`: `[n_tokens, n_heads, head_dim]` (rows may be strided), RoPE applied
@@ -404,7 +411,8 @@ pub fn attention<R: CubeRuntime>(
     k_store: CubeTensor<R>,
     v_store: CubeTensor<R>,
     index: &StepIndex<R>,
-    scale: f64,
+    scale: f32,
+    softcap: Option<f32>,
 ) -> Result<CubeTensor<R>> {
     let dims = q.meta.shape().to_vec();
     let [n_tokens, n_heads, head_dim] = dims[..] else {
@@ -499,7 +507,8 @@ pub fn attention<R: CubeRuntime>(
             cubes_per_split * splits,
             splits,
             window,
-            scale as f32,
+            scale,
+            softcap.unwrap_or(0.0),
             head_dim,
             group,
             dtypes,

@@ -6,16 +6,18 @@
 
 use crate::common::*;
 use kiln_cube::attention::{StepIndex, TOKEN_FIELDS, attention};
+use kiln_kernels::attention::Scoring;
 
-/// Softmax attention of one query over the keys it sees (each `(k, v)` a head_dim row).
-fn reference(q: &[f32], keys: &[(&[f32], &[f32])], scale: f32) -> Vec<f32> {
+/// Softmax attention of one query over the keys it sees (each `(k, v)` a head_dim row), the
+/// scores as `scoring` says.
+fn reference(q: &[f32], keys: &[(&[f32], &[f32])], scoring: Scoring) -> Vec<f32> {
     let dim = q.len();
     if keys.is_empty() {
         return vec![0.0; dim];
     }
     let scores: Vec<f32> = keys
         .iter()
-        .map(|(k, _)| q.iter().zip(*k).map(|(a, b)| a * b).sum::<f32>() * scale)
+        .map(|(k, _)| scoring.score(q.iter().zip(*k).map(|(a, b)| a * b).sum::<f32>(), dim))
         .collect();
     let max = scores.iter().copied().fold(f32::MIN, f32::max);
     let weights: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
@@ -112,13 +114,13 @@ fn check(
     kinds: &[Result<usize, std::ops::Range<usize>>],
     positions: &[i32],
     window: Option<usize>,
+    scoring: Scoring,
     seed: u64,
 ) {
     let n = kinds.len();
     let q = random(n * n_heads * dim, seed);
     let k_new = random(n * n_kv_heads * dim, seed + 1);
     let v_new = random(n * n_kv_heads * dim, seed + 2);
-    let scale = 1.0 / (dim as f32).sqrt();
     let slots = storage.shape[2];
     let keys = histories
         .iter()
@@ -173,7 +175,8 @@ fn check(
             f32s(&storage.k, &storage.shape),
             f32s(&storage.v, &storage.shape),
             &index,
-            scale as f64,
+            scoring.scale_for(dim),
+            scoring.softcap,
         )
         .unwrap(),
     );
@@ -204,7 +207,7 @@ fn check(
                     }
                 }
             }
-            let expected = reference(&q[(t * n_heads + head) * dim..][..dim], &seen, scale);
+            let expected = reference(&q[(t * n_heads + head) * dim..][..dim], &seen, scoring);
             let got = &ours[(t * n_heads + head) * dim..][..dim];
             let diff = max_abs_diff(got, &expected);
             assert!(diff < 2e-6, "token {t} head {head}: max |diff| {diff}");
@@ -241,10 +244,21 @@ fn fresh_prompts_and_paged_history_in_one_launch() {
         Ok(1),
     ];
     let positions = [0, 1, 2, 5, 0, 1, 2, 3];
-    // Without a window, then with one.
-    for (window, seed) in [(None, 30), (Some(2), 31)] {
+    // Without a window, then with one; then Gemma 2's scores (a scale of its own and a soft
+    // cap small enough to bend these scores).
+    let gemma = Scoring {
+        scale: Some(0.7),
+        softcap: Some(0.5),
+    };
+    for (window, scoring, seed) in [
+        (None, Scoring::default(), 30),
+        (Some(2), Scoring::default(), 31),
+        (None, gemma, 32),
+        (Some(2), gemma, 33),
+    ] {
         check(
-            n_heads, n_kv_heads, dim, &storage, &histories, &kinds, &positions, window, seed,
+            n_heads, n_kv_heads, dim, &storage, &histories, &kinds, &positions, window, scoring,
+            seed,
         );
     }
 }
@@ -267,7 +281,16 @@ fn many_queries_share_a_cube_per_kv_head() {
     // Without a window, then with one.
     for (window, seed) in [(None, 62), (Some(5), 63)] {
         check(
-            n_heads, n_kv_heads, dim, &storage, &histories, &kinds, &positions, window, seed,
+            n_heads,
+            n_kv_heads,
+            dim,
+            &storage,
+            &histories,
+            &kinds,
+            &positions,
+            window,
+            Scoring::default(),
+            seed,
         );
     }
 }
@@ -294,7 +317,16 @@ fn long_rows_split_over_cubes_and_wide_heads() {
         // Without a window, then with one.
         for (window, seed) in [(None, 50), (Some(100), 51)] {
             check(
-                n_heads, n_kv_heads, dim, &storage, &histories, &kinds, &positions, window, seed,
+                n_heads,
+                n_kv_heads,
+                dim,
+                &storage,
+                &histories,
+                &kinds,
+                &positions,
+                window,
+                Scoring::default(),
+                seed,
             );
         }
     }

@@ -49,6 +49,54 @@ pub struct AttentionShape {
     pub head_dim: usize,
 }
 
+/// How a query-key dot product becomes a score before the softmax: `s = q·k × scale`, then,
+/// where there is a soft cap `c`, `c tanh(s / c)` (Gemma 2's `attn_logit_softcapping`). The
+/// default is `1/√head_dim` and no cap.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Scoring {
+    /// The factor on `q·k`; `None`: `1/√head_dim`.
+    pub scale: Option<f32>,
+    /// The soft cap, where scores are capped (positive).
+    pub softcap: Option<f32>,
+}
+
+impl Scoring {
+    /// The factor on `q·k` for heads of `head_dim`.
+    pub fn scale_for(&self, head_dim: usize) -> f32 {
+        self.scale.unwrap_or(1.0 / (head_dim as f32).sqrt())
+    }
+
+    /// The score of a dot product `dot` with heads of `head_dim`, as every tier computes it.
+    pub fn score(&self, dot: f32, head_dim: usize) -> f32 {
+        Scorer::new(*self, head_dim).score(dot)
+    }
+}
+
+/// [`Scoring`] resolved for one call: what the row kernels apply to each dot product.
+#[derive(Debug, Clone, Copy)]
+struct Scorer {
+    scale: f32,
+    softcap: Option<f32>,
+}
+
+impl Scorer {
+    fn new(scoring: Scoring, head_dim: usize) -> Self {
+        Self {
+            scale: scoring.scale_for(head_dim),
+            softcap: scoring.softcap,
+        }
+    }
+
+    #[inline]
+    fn score(self, dot: f32) -> f32 {
+        let s = dot * self.scale;
+        match self.softcap {
+            Some(cap) => cap * (s / cap).tanh(),
+            None => s,
+        }
+    }
+}
+
 impl AttentionShape {
     fn q_rows(&self) -> usize {
         self.n_rep * self.q_len
@@ -149,7 +197,8 @@ impl<T> HeadKv<'_, T> {
 /// decoding, one per query row, measured slower: each reads its KV head's keys again.)
 const ROWS_PER_TASK: usize = 16;
 
-/// `out = softmax(q kᵀ / √head_dim, masked) v` for every (row, query head).
+/// `out = softmax(scores(q kᵀ), masked) v` for every (row, query head), the scores as
+/// `scoring` says ([`Scoring`]: `q·k / √head_dim` by default).
 ///
 /// # Shapes
 /// - `q`: `[batch, n_kv_heads, n_rep * q_len, head_dim]`: query head `kv * n_rep + rep`, at
@@ -162,8 +211,10 @@ const ROWS_PER_TASK: usize = 16;
 ///
 /// # Errors
 /// [`KernelError::Shape`] when a slice's length disagrees with `shape`.
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     shape: AttentionShape,
+    scoring: Scoring,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -187,7 +238,7 @@ pub fn attention(
         table: &table,
         block_keys: shape.keys,
     };
-    attention_blocks(shape, q, kv, mask, out, pool)
+    attention_blocks(shape, scoring, q, kv, mask, out, pool)
 }
 
 /// [`attention`] over keys and values read through a block table ([`KvBlocks`]), which may
@@ -201,13 +252,14 @@ pub fn attention(
 /// block `kv` does not hold or covers fewer than `shape.keys` keys.
 pub fn attention_blocks<T: KvElement>(
     shape: AttentionShape,
+    scoring: Scoring,
     q: &[f32],
     kv: KvBlocks<'_, T>,
     mask: &[bool],
     out: &mut [f32],
     pool: &ThreadPool,
 ) -> Result<(), KernelError> {
-    attention_blocks_with(shape, q, kv, mask, out, pool, Tier::active())
+    attention_blocks_with(shape, scoring, q, kv, mask, out, pool, Tier::active())
 }
 
 /// [`attention_blocks`] on a given tier: [`Tier::Scalar`] is the reference; the x86 tiers
@@ -221,8 +273,10 @@ pub fn attention_blocks<T: KvElement>(
 ///
 /// # Panics
 /// If this CPU cannot run `tier`.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_blocks_with<T: KvElement>(
     shape: AttentionShape,
+    scoring: Scoring,
     q: &[f32],
     kv: KvBlocks<'_, T>,
     mask: &[bool],
@@ -230,7 +284,7 @@ pub fn attention_blocks_with<T: KvElement>(
     pool: &ThreadPool,
     tier: Tier,
 ) -> Result<(), KernelError> {
-    attention_partitioned(shape, q, kv, mask, out, pool, tier, PARTITION_KEYS)
+    attention_partitioned(shape, scoring, q, kv, mask, out, pool, tier, PARTITION_KEYS)
 }
 
 /// Keys a row takes per partition (see the module doc): a decode step of one sequence at a
@@ -256,6 +310,7 @@ const SPLIT_BELOW_TASKS_PER_THREAD: usize = 4;
 #[allow(clippy::too_many_arguments)]
 pub fn attention_partitioned<T: KvElement>(
     shape: AttentionShape,
+    scoring: Scoring,
     q: &[f32],
     kv: KvBlocks<'_, T>,
     mask: &[bool],
@@ -296,7 +351,7 @@ pub fn attention_partitioned<T: KvElement>(
         per_head: kv.table.len() / (batch * n_kv_heads),
         positions,
         chunks: q_len.div_ceil(positions),
-        scale: 1.0 / (head_dim as f32).sqrt(),
+        scorer: Scorer::new(scoring, head_dim),
         tier,
         partition_keys,
     };
@@ -358,7 +413,7 @@ struct Job<'a, T> {
     per_head: usize,
     positions: usize,
     chunks: usize,
-    scale: f32,
+    scorer: Scorer,
     tier: Tier,
     partition_keys: usize,
 }
@@ -403,8 +458,13 @@ impl<T: KvElement> Job<'_, T> {
             let visible = visible_span(&self.mask[mask_at..mask_at + keys]);
             (mask_at, (block * q_rows + row) * head_dim, visible)
         });
+        // The tiles scale scores sixteen at a time and have no tanh: capped scores take the
+        // row kernels.
         #[cfg(target_arch = "x86_64")]
-        if self.tier == Tier::Avx512Vnni && head_dim.is_multiple_of(16) {
+        if self.tier == Tier::Avx512Vnni
+            && head_dim.is_multiple_of(16)
+            && self.scorer.softcap.is_none()
+        {
             let mut rows: Vec<tile::Row> = rows
                 .map(|(mask_at, at, visible)| tile::Row {
                     at,
@@ -424,7 +484,14 @@ impl<T: KvElement> Job<'_, T> {
                 // SAFETY: the tier was checked by the caller; the records are this task's.
                 unsafe {
                     tile::attend_rows(
-                        &rows, partition, self.q, &head, self.mask, keys, self.scale, sink,
+                        &rows,
+                        partition,
+                        self.q,
+                        &head,
+                        self.mask,
+                        keys,
+                        self.scorer.scale,
+                        sink,
                     )
                 };
             }
@@ -449,7 +516,7 @@ impl<T: KvElement> Job<'_, T> {
                             &head,
                             row_mask,
                             span,
-                            self.scale,
+                            self.scorer,
                             &mut scores,
                             &mut probs,
                             record,
@@ -460,7 +527,7 @@ impl<T: KvElement> Job<'_, T> {
                         &head,
                         row_mask,
                         span,
-                        self.scale,
+                        self.scorer,
                         &mut scores,
                         record,
                     ),
@@ -529,7 +596,7 @@ fn attend_row<T: KvElement>(
     kv: &HeadKv<'_, T>,
     mask: &[bool],
     span: Range<usize>,
-    scale: f32,
+    scorer: Scorer,
     scores: &mut Vec<(usize, f32)>,
     record: &mut [f32],
 ) {
@@ -541,7 +608,7 @@ fn attend_row<T: KvElement>(
         .zip(&mask[span])
         .filter(|(_, masked)| !**masked)
     {
-        let s = dot(q, &kv.kv.k[at..at + head_dim]) * scale;
+        let s = scorer.score(dot(q, &kv.kv.k[at..at + head_dim]));
         max = max.max(s);
         scores.push((at, s));
     }
@@ -639,7 +706,7 @@ mod x86 {
 
     use std::ops::Range;
 
-    use super::{EXP_MIN, EXP_POLY, HeadKv, KvElement, LN2_HI, LN2_LO};
+    use super::{EXP_MIN, EXP_POLY, HeadKv, KvElement, LN2_HI, LN2_LO, Scorer};
 
     /// [`super::attend_row`] with AVX2 and FMA: the scores as dot products in two 8-lane
     /// accumulators, the exponentials eight at a time ([`exp8`]), and the weighted sum of the
@@ -655,7 +722,7 @@ mod x86 {
         kv: &HeadKv<'_, T>,
         mask: &[bool],
         span: Range<usize>,
-        scale: f32,
+        scorer: Scorer,
         scores: &mut Vec<(usize, f32)>,
         probs: &mut Vec<f32>,
         record: &mut [f32],
@@ -668,7 +735,7 @@ mod x86 {
             .zip(&mask[span])
             .filter(|(_, masked)| !**masked)
         {
-            let s = unsafe { dot(q, &kv.kv.k[at..at + head_dim]) } * scale;
+            let s = scorer.score(unsafe { dot(q, &kv.kv.k[at..at + head_dim]) });
             max = max.max(s);
             scores.push((at, s));
         }

@@ -3,8 +3,8 @@
 
 use half::{bf16, f16};
 use kiln_kernels::attention::{
-    AttentionShape, KvBlocks, KvElement, attention, attention_blocks, attention_blocks_with,
-    attention_partitioned,
+    AttentionShape, KvBlocks, KvElement, Scoring, attention, attention_blocks,
+    attention_blocks_with, attention_partitioned,
 };
 use kiln_kernels::{ThreadPool, Tier};
 use proptest::prelude::*;
@@ -14,6 +14,7 @@ use proptest::prelude::*;
 fn attention_on(
     tier: Tier,
     shape: AttentionShape,
+    scoring: Scoring,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -28,7 +29,7 @@ fn attention_on(
         table: &table,
         block_keys: shape.keys,
     };
-    attention_blocks_with(shape, q, kv, mask, out, pool, tier)
+    attention_blocks_with(shape, scoring, q, kv, mask, out, pool, tier)
         .expect("the test builds matching shapes");
 }
 
@@ -44,8 +45,16 @@ fn values(len: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// softmax(q kᵀ/√d masked) v in f64, one query head at a time.
-fn reference(shape: AttentionShape, q: &[f32], k: &[f32], v: &[f32], mask: &[bool]) -> Vec<f64> {
+/// softmax(scores(q kᵀ) masked) v in f64, one query head at a time, the scores as `scoring`
+/// says (`q·k/√d` by default, then `c tanh(s/c)` with a soft cap `c`).
+fn reference_scored(
+    shape: AttentionShape,
+    scoring: Scoring,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    mask: &[bool],
+) -> Vec<f64> {
     let AttentionShape {
         batch,
         n_kv_heads,
@@ -74,7 +83,14 @@ fn reference(shape: AttentionShape, q: &[f32], k: &[f32], v: &[f32], mask: &[boo
                             .zip(kv_row)
                             .map(|(&a, &b)| a as f64 * b as f64)
                             .sum();
-                        dot / (head_dim as f64).sqrt()
+                        let scale = scoring
+                            .scale
+                            .map_or(1.0 / (head_dim as f64).sqrt(), f64::from);
+                        let s = dot * scale;
+                        match scoring.softcap.map(f64::from) {
+                            Some(cap) => cap * (s / cap).tanh(),
+                            None => s,
+                        }
                     })
                     .collect();
                 let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -90,6 +106,27 @@ fn reference(shape: AttentionShape, q: &[f32], k: &[f32], v: &[f32], mask: &[boo
         }
     }
     out
+}
+
+/// [`reference_scored`] with the default scores.
+fn reference(shape: AttentionShape, q: &[f32], k: &[f32], v: &[f32], mask: &[bool]) -> Vec<f64> {
+    reference_scored(shape, Scoring::default(), q, k, v, mask)
+}
+
+/// The default scores, a custom scale (Gemma's `query_pre_attn_scalar`), and soft caps from
+/// ones that bend every score to ones that barely touch them.
+fn scorings() -> impl Strategy<Value = Scoring> {
+    prop_oneof![
+        Just(Scoring::default()),
+        (0.05f32..2.0, proptest::option::of(0.3f32..50.0)).prop_map(|(scale, softcap)| Scoring {
+            scale: Some(scale),
+            softcap,
+        }),
+        (0.3f32..50.0).prop_map(|cap| Scoring {
+            scale: None,
+            softcap: Some(cap),
+        }),
+    ]
 }
 
 /// Random queries, keys, values and masks for `shape` (masks hide about 40 % of the keys,
@@ -158,8 +195,18 @@ fn partitioned_on<T: KvElement>(
         block_keys: shape.keys,
     };
     let mut out = vec![f32::NAN; q.len()];
-    attention_partitioned(shape, q, kv, mask, &mut out, pool, tier, partition_keys)
-        .expect("the test builds matching shapes");
+    attention_partitioned(
+        shape,
+        Scoring::default(),
+        q,
+        kv,
+        mask,
+        &mut out,
+        pool,
+        tier,
+        partition_keys,
+    )
+    .expect("the test builds matching shapes");
     out
 }
 
@@ -167,14 +214,22 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
     #[test]
-    fn matches_the_f64_reference((shape, seed) in shapes(), threads in 1usize..4) {
+    fn matches_the_f64_reference(
+        (shape, seed) in shapes(),
+        scoring in scorings(),
+        threads in 1usize..4,
+    ) {
         let (q, k, v, mask) = operands(shape, seed);
-        let expected = reference(shape, &q, &k, &v, &mask);
+        let expected = reference_scored(shape, scoring, &q, &k, &v, &mask);
+        // f32 rounds a score in proportion to its size: a scale above the default's
+        // (1/√head_dim) sharpens the softmax and the tolerance grows with it.
+        let sharper = scoring.scale_for(shape.head_dim) * (shape.head_dim as f32).sqrt();
+        let tolerance = 1e-5 * f64::from(sharper.max(1.0));
         for tier in Tier::supported() {
             let mut out = vec![f32::NAN; q.len()];
-            attention_on(tier, shape, &q, &k, &v, &mask, &mut out, &ThreadPool::new(threads));
+            attention_on(tier, shape, scoring, &q, &k, &v, &mask, &mut out, &ThreadPool::new(threads));
             for (got, want) in out.iter().zip(&expected) {
-                prop_assert!((*got as f64 - want).abs() < 1e-5, "{tier}: {got} vs {want}");
+                prop_assert!((*got as f64 - want).abs() < tolerance, "{tier}: {got} vs {want}");
             }
         }
     }
@@ -287,7 +342,7 @@ proptest! {
         let (q, k, v, mask) = operands(shape, seed);
         let pool = ThreadPool::new(2);
         let mut dense = vec![0f32; q.len()];
-        attention(shape, &q, &k, &v, &mask, &mut dense, &pool).unwrap();
+        attention(shape, Scoring::default(), &q, &k, &v, &mask, &mut dense, &pool).unwrap();
 
         // Each head's keys in blocks of `block_keys` (the last one padded with junk), the
         // blocks of all heads plus `spare` junk ones stored in a shuffled order.
@@ -313,7 +368,7 @@ proptest! {
         let (k_store, v_store) = (scatter(&k), scatter(&v));
         let kv = KvBlocks { k: &k_store, v: &v_store, table: &order[..heads * per_head], block_keys };
         let mut paged = vec![0f32; q.len()];
-        attention_blocks(shape, &q, kv, &mask, &mut paged, &pool).unwrap();
+        attention_blocks(shape, Scoring::default(), &q, kv, &mask, &mut paged, &pool).unwrap();
         prop_assert_eq!(
             dense.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
             paged.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
@@ -341,6 +396,7 @@ fn a_block_table_naming_a_missing_block_is_an_error() {
     let mut out = [0f32; 2];
     let err = attention_blocks(
         shape,
+        Scoring::default(),
         &[0.0; 2],
         kv,
         &[false; 4],
@@ -363,6 +419,7 @@ fn wrong_lengths_are_an_error() {
     let mut out = vec![0f32; 8];
     let err = attention(
         shape,
+        Scoring::default(),
         &[0.0; 8],
         &[0.0; 12],
         &[0.0; 11],

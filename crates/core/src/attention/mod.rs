@@ -26,6 +26,7 @@ mod step;
 
 use burn::tensor::backend::Backend;
 
+pub use kiln_kernels::attention::Scoring;
 pub use step::{HostStepIndex, StepIndex, StepLayout, TOKEN_FIELDS};
 
 use crate::backend::InferenceBackend;
@@ -73,6 +74,8 @@ pub struct AttentionPlan<B: Backend> {
     /// The whole step as index arrays, for backends that attend in one launch
     /// ([`InferenceBackend::STEP_ATTENTION`]); the groups above are not built then.
     step_index: Option<StepIndex<B>>,
+    /// How `q·k` becomes a score, the same in every layer.
+    scoring: Scoring,
 }
 
 impl<B: InferenceBackend> AttentionPlan<B> {
@@ -103,6 +106,7 @@ impl<B: InferenceBackend> AttentionPlan<B> {
                 history: None,
                 unpermute: None,
                 step_index: Some(step_index),
+                scoring: Scoring::default(),
             };
         }
         let positions = batch.positions();
@@ -198,7 +202,14 @@ impl<B: InferenceBackend> AttentionPlan<B> {
             history,
             unpermute,
             step_index: None,
+            scoring: Scoring::default(),
         }
+    }
+
+    /// The plan with scores taken as `scoring` says instead of `q·k / √head_dim` (a model's
+    /// own scale, Gemma 2's soft cap).
+    pub fn with_scoring(self, scoring: Scoring) -> Self {
+        Self { scoring, ..self }
     }
 
     /// The cache's plan this attention plan was built from.
@@ -256,7 +267,7 @@ pub fn attend<B: InferenceBackend>(
     if let Some(index) = &plan.step_index {
         cache.write_places(layer, index, k_stored, v_stored);
         let (k_store, v_store) = cache.storage(layer);
-        return B::step_attention(q, k, v, k_store, v_store, index);
+        return B::step_attention(q, k, v, k_store, v_store, index, plan.scoring);
     }
     cache.write(layer, &plan.step, k_stored, v_stored);
 
@@ -271,6 +282,7 @@ pub fn attend<B: InferenceBackend>(
             pick(k),
             pick(v),
             fresh.mask.clone(),
+            plan.scoring,
         ));
     }
     if let Some(hist) = &plan.history {
@@ -278,7 +290,12 @@ pub fn attend<B: InferenceBackend>(
         let q = q
             .select(0, hist.gather.clone())
             .reshape([rows, max_new, n_heads, head_dim]);
-        let out = B::cached_attention(q, cache.read(layer, &hist.read), hist.mask.clone());
+        let out = B::cached_attention(
+            q,
+            cache.read(layer, &hist.read),
+            hist.mask.clone(),
+            plan.scoring,
+        );
         outputs.push(
             out.reshape([rows * max_new, n_heads * head_dim])
                 .select(0, hist.keep.clone()),
@@ -309,6 +326,7 @@ pub fn step_attention_reference<B: InferenceBackend>(
     k_store: Tensor<B, 4>,
     v_store: Tensor<B, 4>,
     index: &StepIndex<B>,
+    scoring: Scoring,
 ) -> Tensor<B, 2> {
     let host = &index.host;
     let [n, n_heads, head_dim] = q.dims();
@@ -386,7 +404,7 @@ pub fn step_attention_reference<B: InferenceBackend>(
             .narrow(0, first, end - first)
             .swap_dims(0, 1)
             .unsqueeze_dim::<4>(0);
-        let out = sdpa_reference(q_rows, by_head(keys), by_head(values), mask);
+        let out = sdpa_reference(q_rows, by_head(keys), by_head(values), mask, scoring);
         outputs.push(
             out.reshape([n_heads, queries, head_dim])
                 .swap_dims(0, 1)
@@ -397,7 +415,8 @@ pub fn step_attention_reference<B: InferenceBackend>(
     Tensor::cat(outputs, 0)
 }
 
-/// Scaled dot-product attention through burn's fused op, with an explicit mask.
+/// Scaled dot-product attention through burn's fused op, with an explicit mask, the scores as
+/// `scoring` says (burn's own scale and soft cap options).
 ///
 /// # Shapes
 /// - `q`: `[b, h, sq, d]`; `k`, `v`: `[b, h, sk, d]`; `mask`: `[b, h, sq, sk]` (`true` = masked)
@@ -407,8 +426,14 @@ pub fn sdpa<B: Backend>(
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     mask: Tensor<B, 4, Bool>,
+    scoring: Scoring,
 ) -> Tensor<B, 4> {
-    burn::tensor::module::attention(q, k, v, Some(mask), None, AttentionModuleOptions::default())
+    let options = AttentionModuleOptions {
+        scale: scoring.scale.map(f64::from),
+        softcap: scoring.softcap.map(f64::from),
+        is_causal: false,
+    };
+    burn::tensor::module::attention(q, k, v, Some(mask), None, options)
 }
 
 /// The default [`InferenceBackend::packed_attention`]: the packed row regrouped head-major,
@@ -421,6 +446,7 @@ pub fn sdpa_packed<B: InferenceBackend>(
     k: Tensor<B, 3>,
     v: Tensor<B, 3>,
     mask: Tensor<B, 3, Bool>,
+    scoring: Scoring,
 ) -> Tensor<B, 2> {
     let [len, n_heads, head_dim] = q.dims();
     let n_kv = k.dims()[1];
@@ -432,7 +458,7 @@ pub fn sdpa_packed<B: InferenceBackend>(
         .reshape([1, n_kv, n_rep * len, head_dim]);
     let k = k.swap_dims(0, 1).unsqueeze_dim::<4>(0);
     let v = v.swap_dims(0, 1).unsqueeze_dim::<4>(0);
-    B::grouped_attention(q, k, v, mask)
+    B::grouped_attention(q, k, v, mask, scoring)
         .reshape([n_kv, n_rep, len, head_dim])
         .permute([2, 0, 1, 3])
         .reshape([len, n_heads * head_dim])
@@ -448,6 +474,7 @@ pub fn sdpa_cached<B: InferenceBackend>(
     q: Tensor<B, 4>,
     kv: CachedKv<'_, B>,
     mask: Tensor<B, 3, Bool>,
+    scoring: Scoring,
 ) -> Tensor<B, 4> {
     let [rows, q_len, n_heads, head_dim] = q.dims();
     let n_kv = kv.k.dims()[1];
@@ -456,7 +483,7 @@ pub fn sdpa_cached<B: InferenceBackend>(
         .swap_dims(1, 2)
         .reshape([rows, n_kv, n_heads / n_kv * q_len, head_dim]);
     let (k, v) = kv.gather();
-    B::grouped_attention(q, k.cast(dtype), v.cast(dtype), mask)
+    B::grouped_attention(q, k.cast(dtype), v.cast(dtype), mask, scoring)
         .reshape([rows, n_heads, q_len, head_dim])
         .swap_dims(1, 2)
 }
@@ -472,6 +499,7 @@ pub fn sdpa_grouped<B: Backend>(
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     mask: Tensor<B, 3, Bool>,
+    scoring: Scoring,
 ) -> Tensor<B, 4> {
     let (k, v, mask) = pad_keys(k, v, mask);
     let [batch, n_kv, q_rows, _] = q.dims();
@@ -480,7 +508,7 @@ pub fn sdpa_grouped<B: Backend>(
         .unsqueeze_dims::<5>(&[1, 2])
         .expand([batch, n_kv, q_rows / q_len.max(1), q_len, keys])
         .reshape([batch, n_kv, q_rows, keys]);
-    sdpa(q, k, v, mask)
+    sdpa(q, k, v, mask, scoring)
 }
 
 /// The key count [`sdpa_grouped`] rounds up to: the largest plane (warp, wavefront) a GPU has.
@@ -520,8 +548,8 @@ pub fn pad_keys<B: Backend>(
     )
 }
 
-/// The plain reference: `softmax(q kᵀ / √d + mask) v`, computed in f32 with matmuls. Tests and
-/// `kiln selftest` hold [`sdpa`] to it.
+/// The plain reference: `softmax(scores(q kᵀ) + mask) v` (scores `q·k / √d` unless `scoring`
+/// says otherwise), computed in f32 with matmuls. Tests and `kiln selftest` hold [`sdpa`] to it.
 ///
 /// # Shapes
 /// Same as [`sdpa`].
@@ -530,6 +558,7 @@ pub fn sdpa_reference<B: Backend>(
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     mask: Tensor<B, 4, Bool>,
+    scoring: Scoring,
 ) -> Tensor<B, 4> {
     let dtype = FloatDType::from(q.dtype());
     let [.., head_dim] = q.dims();
@@ -537,8 +566,12 @@ pub fn sdpa_reference<B: Backend>(
     let scores = q
         .cast(f32_)
         .matmul(k.cast(f32_).swap_dims(2, 3))
-        .mul_scalar(1.0 / (head_dim as f64).sqrt())
-        .mask_fill(mask, f32::NEG_INFINITY);
+        .mul_scalar(scoring.scale_for(head_dim));
+    let scores = match scoring.softcap {
+        Some(cap) => scores.div_scalar(cap).tanh().mul_scalar(cap),
+        None => scores,
+    }
+    .mask_fill(mask, f32::NEG_INFINITY);
     burn::tensor::activation::softmax(scores, 3)
         .matmul(v.cast(f32_))
         .cast(dtype)

@@ -253,13 +253,12 @@ pub(super) fn step_attention<R: CubeRuntime, BT: BoolElement>(
     k_store: Tensor<Cube<R, BT>, 4>,
     v_store: Tensor<Cube<R, BT>, 4>,
     index: &StepIndex<Cube<R, BT>>,
+    scoring: crate::attention::Scoring,
 ) -> Tensor<Cube<R, BT>, 2>
 where
     Cube<R, BT>: super::InferenceBackend,
 {
-    let head_dim = q.dims()[2];
     let device_index = device_index(index);
-    let scale = 1.0 / (head_dim as f64).sqrt();
     match kiln_cube::attention::attention(
         raw(q.clone()),
         raw(k.clone()),
@@ -267,12 +266,13 @@ where
         raw(k_store.clone()),
         raw(v_store.clone()),
         &device_index,
-        scale,
+        scoring.scale_for(q.dims()[2]),
+        scoring.softcap,
     ) {
         Ok(out) => wrap(out),
         Err(err) => {
             fell_back(&err);
-            crate::attention::step_attention_reference(q, k, v, k_store, v_store, index)
+            crate::attention::step_attention_reference(q, k, v, k_store, v_store, index, scoring)
         }
     }
 }

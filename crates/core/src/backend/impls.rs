@@ -46,8 +46,9 @@ impl InferenceBackend for burn::backend::Flex {
         k: burn::tensor::Tensor<Self, 3>,
         v: burn::tensor::Tensor<Self, 3>,
         mask: burn::tensor::Tensor<Self, 3, burn::tensor::Bool>,
+        scoring: crate::attention::Scoring,
     ) -> burn::tensor::Tensor<Self, 2> {
-        flex_attention::packed(q, k, v, mask)
+        flex_attention::packed(q, k, v, mask, scoring)
     }
 
     fn grouped_attention(
@@ -55,16 +56,18 @@ impl InferenceBackend for burn::backend::Flex {
         k: burn::tensor::Tensor<Self, 4>,
         v: burn::tensor::Tensor<Self, 4>,
         mask: burn::tensor::Tensor<Self, 3, burn::tensor::Bool>,
+        scoring: crate::attention::Scoring,
     ) -> burn::tensor::Tensor<Self, 4> {
-        flex_attention::grouped(q, k, v, mask)
+        flex_attention::grouped(q, k, v, mask, scoring)
     }
 
     fn cached_attention(
         q: burn::tensor::Tensor<Self, 4>,
         kv: crate::kv_cache::CachedKv<'_, Self>,
         mask: burn::tensor::Tensor<Self, 3, burn::tensor::Bool>,
+        scoring: crate::attention::Scoring,
     ) -> burn::tensor::Tensor<Self, 4> {
-        flex_attention::cached(q, kv, mask)
+        flex_attention::cached(q, kv, mask, scoring)
     }
 
     fn rms_norm(
@@ -153,7 +156,7 @@ mod flex_attention {
     use burn::tensor::{bf16, f16};
     use kiln_kernels::ThreadPool;
     use kiln_kernels::attention::{
-        AttentionShape, KvBlocks, KvElement, attention, attention_blocks,
+        AttentionShape, KvBlocks, KvElement, Scoring, attention, attention_blocks,
     };
 
     use crate::kv_cache::CachedKv;
@@ -165,9 +168,10 @@ mod flex_attention {
         k: Tensor<Flex, 4>,
         v: Tensor<Flex, 4>,
         mask: Tensor<Flex, 3, Bool>,
+        scoring: Scoring,
     ) -> Tensor<Flex, 4> {
         if !all_f32(&[q.dtype(), k.dtype(), v.dtype()]) {
-            return crate::attention::sdpa_grouped(q, k, v, mask);
+            return crate::attention::sdpa_grouped(q, k, v, mask, scoring);
         }
         let shape = attention_shape(&q, &mask, k.dims()[2]);
         let (k, v) = (host(k), host(v));
@@ -178,7 +182,7 @@ mod flex_attention {
             table: &(0..shape.batch * shape.n_kv_heads).collect::<Vec<_>>(),
             block_keys: shape.keys,
         };
-        run(shape, q, kv, mask)
+        run(shape, scoring, q, kv, mask)
     }
 
     /// The packed prefill: the token-major rows regrouped head-major by row copies, the
@@ -188,9 +192,10 @@ mod flex_attention {
         k: Tensor<Flex, 3>,
         v: Tensor<Flex, 3>,
         mask: Tensor<Flex, 3, Bool>,
+        scoring: Scoring,
     ) -> Tensor<Flex, 2> {
         if !all_f32(&[q.dtype(), k.dtype(), v.dtype()]) {
-            return crate::attention::sdpa_packed(q, k, v, mask);
+            return crate::attention::sdpa_packed(q, k, v, mask, scoring);
         }
         let [len, n_heads, head_dim] = q.dims();
         let n_kv_heads = k.dims()[1];
@@ -210,7 +215,16 @@ mod flex_attention {
         let v = transpose_rows(f32_slice(&v), 1, len, n_kv_heads, head_dim);
         let mut out = vec![0f32; q.len()];
         with_mask(mask, |mask| {
-            attention(shape, &q, &k, &v, mask, &mut out, ThreadPool::global())
+            attention(
+                shape,
+                scoring,
+                &q,
+                &k,
+                &v,
+                mask,
+                &mut out,
+                ThreadPool::global(),
+            )
         })
         .expect("the shapes were taken from the tensors");
         let out = transpose_rows(&out, 1, n_heads, len, head_dim);
@@ -241,11 +255,12 @@ mod flex_attention {
         q: Tensor<Flex, 4>,
         kv: CachedKv<'_, Flex>,
         mask: Tensor<Flex, 3, Bool>,
+        scoring: Scoring,
     ) -> Tensor<Flex, 4> {
         let kv_dtype = kv.k.dtype();
         let readable = matches!(kv_dtype, DType::F32 | DType::F16 | DType::BF16);
         if q.dtype() != DType::F32 || kv.v.dtype() != kv_dtype || !readable {
-            return crate::attention::sdpa_cached(q, kv, mask);
+            return crate::attention::sdpa_cached(q, kv, mask, scoring);
         }
         let dims @ [rows, q_len, n_heads, head_dim] = q.dims();
         let [_, n_kv_heads, slots, _] = kv.k.dims();
@@ -267,15 +282,15 @@ mod flex_attention {
             match kv_dtype {
                 DType::F16 => {
                     let blocks = blocks_of::<f16>(&k, &v, &table, slots);
-                    attention_blocks(shape, &q, blocks, mask, &mut out, pool)
+                    attention_blocks(shape, scoring, &q, blocks, mask, &mut out, pool)
                 }
                 DType::BF16 => {
                     let blocks = blocks_of::<bf16>(&k, &v, &table, slots);
-                    attention_blocks(shape, &q, blocks, mask, &mut out, pool)
+                    attention_blocks(shape, scoring, &q, blocks, mask, &mut out, pool)
                 }
                 _ => {
                     let blocks = blocks_of::<f32>(&k, &v, &table, slots);
-                    attention_blocks(shape, &q, blocks, mask, &mut out, pool)
+                    attention_blocks(shape, scoring, &q, blocks, mask, &mut out, pool)
                 }
             }
         })
@@ -319,6 +334,7 @@ mod flex_attention {
 
     fn run(
         shape: AttentionShape,
+        scoring: Scoring,
         q: Tensor<Flex, 4>,
         kv: KvBlocks<'_>,
         mask: Tensor<Flex, 3, Bool>,
@@ -329,6 +345,7 @@ mod flex_attention {
         with_mask(mask, |mask| {
             attention_blocks(
                 shape,
+                scoring,
                 f32_slice(&q),
                 kv,
                 mask,
@@ -695,8 +712,9 @@ macro_rules! cube_kernels {
             k_store: burn::tensor::Tensor<Self, 4>,
             v_store: burn::tensor::Tensor<Self, 4>,
             index: &crate::attention::StepIndex<Self>,
+            scoring: crate::attention::Scoring,
         ) -> burn::tensor::Tensor<Self, 2> {
-            super::cube::step_attention(q, k, v, k_store, v_store, index)
+            super::cube::step_attention(q, k, v, k_store, v_store, index, scoring)
         }
     };
 }

@@ -34,7 +34,7 @@ use burn::tensor::{Bool, Tensor};
 
 use kiln_kernels::QuantMatrix;
 
-use crate::attention::StepIndex;
+use crate::attention::{Scoring, StepIndex};
 use crate::dtype::Dtype;
 use crate::error::{CoreError, Result};
 use crate::kv_cache::CachedKv;
@@ -278,7 +278,8 @@ pub trait InferenceBackend: Backend {
     }
 
     /// Attention of one packed row of fresh prompts over their own keys (the packed prefill):
-    /// the tokens as the projections give them, token-major. The default regroups them
+    /// the tokens as the projections give them, token-major, scored as `scoring` says (as in
+    /// every attention hook below). The default regroups them
     /// head-major for [`grouped_attention`](Self::grouped_attention) and back; the cpu backend
     /// regroups with row copies (burn-flex copies such permuted views one value at a time,
     /// about a tenth of a 512-token prefill).
@@ -292,8 +293,9 @@ pub trait InferenceBackend: Backend {
         k: Tensor<Self, 3>,
         v: Tensor<Self, 3>,
         mask: Tensor<Self, 3, Bool>,
+        scoring: Scoring,
     ) -> Tensor<Self, 2> {
-        crate::attention::sdpa_packed(q, k, v, mask)
+        crate::attention::sdpa_packed(q, k, v, mask, scoring)
     }
 
     /// Grouped-query attention with an explicit mask (`true` = masked): each KV head serves
@@ -313,8 +315,9 @@ pub trait InferenceBackend: Backend {
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
         mask: Tensor<Self, 3, Bool>,
+        scoring: Scoring,
     ) -> Tensor<Self, 4> {
-        crate::attention::sdpa_grouped(q, k, v, mask)
+        crate::attention::sdpa_grouped(q, k, v, mask, scoring)
     }
 
     /// [`grouped_attention`](Self::grouped_attention) of history rows over their cached K/V,
@@ -333,8 +336,9 @@ pub trait InferenceBackend: Backend {
         q: Tensor<Self, 4>,
         kv: CachedKv<'_, Self>,
         mask: Tensor<Self, 3, Bool>,
+        scoring: Scoring,
     ) -> Tensor<Self, 4> {
-        crate::attention::sdpa_cached(q, kv, mask)
+        crate::attention::sdpa_cached(q, kv, mask, scoring)
     }
 
     /// Whether a forward hands this backend each layer's KV writes and attention for the whole
@@ -386,8 +390,9 @@ pub trait InferenceBackend: Backend {
         k_store: Tensor<Self, 4>,
         v_store: Tensor<Self, 4>,
         index: &StepIndex<Self>,
+        scoring: Scoring,
     ) -> Tensor<Self, 2> {
-        crate::attention::step_attention_reference(q, k, v, k_store, v_store, index)
+        crate::attention::step_attention_reference(q, k, v, k_store, v_store, index, scoring)
     }
 
     /// RMSNorm of each row in f32, cast back to `x`'s dtype before the scale (transformers'

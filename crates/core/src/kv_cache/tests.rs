@@ -13,7 +13,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::*;
-use crate::attention::{AttentionPlan, HostStepIndex, StepIndex, attend, step_attention_reference};
+use crate::attention::{
+    AttentionPlan, HostStepIndex, Scoring, StepIndex, attend, step_attention_reference,
+};
 use crate::batch::Batch;
 use crate::dtype::Dtype;
 use crate::ids::{Position, SeqId, TokenId};
@@ -85,17 +87,22 @@ fn tensor3<B: Backend>(values: Vec<f32>, shape: [usize; 3], device: &B::Device) 
 }
 
 /// Plain attention of one query over keys, in f64.
-fn attend_host(q: &[f32], keys: &[(&[f32], &[f32])]) -> Vec<f32> {
+fn attend_host(q: &[f32], keys: &[(&[f32], &[f32])], scoring: Scoring) -> Vec<f32> {
     let d = q.len();
-    let scale = 1.0 / (d as f64).sqrt();
+    let scale = scoring.scale.map_or(1.0 / (d as f64).sqrt(), f64::from);
     let scores: Vec<f64> = keys
         .iter()
         .map(|(k, _)| {
-            q.iter()
+            let s = q
+                .iter()
                 .zip(*k)
                 .map(|(a, b)| f64::from(*a) * f64::from(*b))
                 .sum::<f64>()
-                * scale
+                * scale;
+            match scoring.softcap.map(f64::from) {
+                Some(cap) => cap * (s / cap).tanh(),
+                None => s,
+            }
         })
         .collect();
     let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -171,7 +178,17 @@ fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::
         }
         let t = batch.n_tokens();
         let plan = cache.plan(&batch).unwrap();
-        let plan = AttentionPlan::new(&batch, plan, N_HEADS, hkv, device);
+        // Every other step scores as Gemma 2 does: a scale of its own and a soft cap small
+        // enough to bend these scores.
+        let scoring = if step_index % 2 == 1 {
+            Scoring {
+                scale: Some(0.6),
+                softcap: Some(0.8),
+            }
+        } else {
+            Scoring::default()
+        };
+        let plan = AttentionPlan::new(&batch, plan, N_HEADS, hkv, device).with_scoring(scoring);
         match ReadIndex::<B>::new(&plan.step().read, hkv, device) {
             Some(ReadIndex::Rows {
                 rows: RowPick::Range(_),
@@ -212,6 +229,7 @@ fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::
                 k_store,
                 v_store,
                 &index,
+                scoring,
             )
             .into_data()
             .iter::<f32>()
@@ -255,7 +273,8 @@ fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::
                             })
                             .map(|(_, k, v)| (&k[kv * d..(kv + 1) * d], &v[kv * d..(kv + 1) * d]))
                             .collect();
-                        let expected = attend_host(&q[(i * N_HEADS + h) * d..][..d], &keys);
+                        let expected =
+                            attend_host(&q[(i * N_HEADS + h) * d..][..d], &keys, scoring);
                         let got = &out[i * N_HEADS * d + h * d..][..d];
                         for (g, e) in got.iter().zip(&expected) {
                             assert!(
