@@ -20,6 +20,16 @@ Writes crates/models/tests/fixtures/<name>/ for:
   qwen3-tiny         Qwen3 style: per-head q_norm/k_norm (random weights), head_dim 32 over hidden
                      64 with 4 heads (not hidden / heads), GQA 4/2, untied head, the same tokenizer;
                      yarn_reference.json: the same weights with YaRN RoPE scaling (factor 4 over 32)
+  gemma2-tiny        Gemma 2: random (1 + w) norms around attention and MLP, GeGLU, head_dim 32 with
+                     query_pre_attn_scalar 24, soft caps small enough to bend (attention 2, logits
+                     3), window 5 on layers 0 and 2 of 3, tied head; a byte-level BPE tokenizer with
+                     Gemma's special ids and chat template (not Gemma's SentencePiece vocabulary)
+  gpt-bigcode-tiny   GPT-BigCode (SantaCoder/StarCoder): multi-query attention (4 query heads, one
+                     key/value head) in a fused c_attn, nn.Linear layers, random biases and LayerNorm
+                     weights, unscaled scores (scale_attn_weights false), tokenizer.json
+  gemma3-tiny        Gemma 3 (text): as gemma2-tiny without soft caps, plus random (1 + w) q/k norms,
+                     a local RoPE base (10,000) on the windowed layers and a global one (1e6, linear
+                     scaling 2) on the full layer, GQA 4/2, untied head
 and in each, reference.json (prompts, greedy continuations, versions) and logits.safetensors
 (transformers' full f32 logits per prompt). Run from the repository root:
 
@@ -40,8 +50,14 @@ import transformers
 from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
+    GPTBigCodeConfig,
+    GPTBigCodeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -226,6 +242,43 @@ def gpt2():
     for f in ("reference.json", "logits.safetensors"):
         shutil.copy(os.path.join(out, f), legacy)
     return margin
+
+
+def bigcode():
+    """GPT-BigCode: GPT-2's block with one key/value head, nn.Linear layers (transformers zero-
+    initialises their biases and sets LayerNorm to 1/0, so both are randomized), and unscaled
+    attention scores (`scale_attn_weights` false) to test that the scale is read."""
+    torch.manual_seed(SEED + 31)
+    tok = train_bpe(
+        384,
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ["<|endoftext|>"],
+    )
+    eot = tok.token_to_id("<|endoftext|>")
+    config = GPTBigCodeConfig(
+        vocab_size=tok.get_vocab_size(),
+        n_positions=64,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        multi_query=True,
+        scale_attn_weights=False,
+        initializer_range=0.1,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        attn_implementation="eager",
+    )
+    model = GPTBigCodeForCausalLM(config)
+    for name, param in model.named_parameters():
+        if name.endswith("bias") or ".ln_" in name:
+            around = 1.0 if name.endswith(".weight") else 0.0
+            param.copy_(torch.randn_like(param) * 0.2 + around)
+    out = fresh_dir("gpt-bigcode-tiny")
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save(os.path.join(out, "tokenizer.json"))
+    ids = [tok.encode(p).ids for p in PROMPTS]
+    reloaded = GPTBigCodeForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    return reference(reloaded, ids, out, "GPT-BigCode: multi-query (4 query heads, 1 KV head), unscaled scores, random biases, f32")
 
 
 def gpt2_lenient():
@@ -560,6 +613,140 @@ def qwen():
     return min(results)
 
 
+# Gemma 2's chat template (google/gemma-2-2b-it): no system role, `model` for the assistant.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+
+
+def gemma_tokenizer():
+    """A byte-level BPE standing in for Gemma's SentencePiece vocabulary (kiln's HF tokenizer
+    reads byte-level BPE), with Gemma's special ids: <pad> 0, <eos> 1, <bos> 2, <unk> 3, the turn
+    markers after the base vocabulary, and a BOS on every encoding."""
+    pre = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+    tok = train_bpe(384, pre, ["<pad>", "<eos>", "<bos>", "<unk>"])
+    tok.add_special_tokens(["<start_of_turn>", "<end_of_turn>"])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 2)])
+    return tok
+
+
+def randomize_gemma_norms(model, scale):
+    """Gemma's norms hold `w` for a scale of `1 + w`, initialised to 0: random values around 0
+    so that the fixture tests the 1 is added."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.copy_(torch.randn_like(param) * scale)
+
+
+def gemma():
+    tok = gemma_tokenizer()
+    end_of_turn = tok.token_to_id("<end_of_turn>")
+    common = dict(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        sliding_window=5,
+        initializer_range=0.15,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=[1, end_of_turn],
+        attn_implementation="eager",
+    )
+    chat = tok.encode("<start_of_turn>user\nTell me a story<end_of_turn>\n<start_of_turn>model\n").ids
+    ids = [tok.encode(p).ids for p in PROMPTS] + [chat]
+    results = []
+    for name, cls, config, note in (
+        (
+            "gemma2-tiny",
+            Gemma2ForCausalLM,
+            Gemma2Config(**common, attn_logit_softcapping=2.0, final_logit_softcapping=3.0, tie_word_embeddings=True),
+            "Gemma 2: random (1 + w) norms, GeGLU, query_pre_attn_scalar 24 over head_dim 32, soft caps 2 and 3, "
+            "window 5 on layers 0 and 2, tied head, f32",
+        ),
+        (
+            "gemma3-tiny",
+            Gemma3ForCausalLM,
+            Gemma3TextConfig(
+                **common,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                rope_parameters={
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                },
+                tie_word_embeddings=False,
+            ),
+            "Gemma 3 (text): random (1 + w) norms and q/k norms, GeGLU, query_pre_attn_scalar 24, local RoPE base "
+            "10,000 on the windowed layers 0 and 2, global 1e6 with linear scaling 2 on layer 1, untied head, f32",
+        ),
+    ):
+        torch.manual_seed(SEED + 21 + len(results))
+        model = cls(config)
+        randomize_gemma_norms(model, 0.3)
+        out = fresh_dir(name)
+        model.save_pretrained(out, safe_serialization=True)
+        tok.save(os.path.join(out, "tokenizer.json"))
+        write_json(
+            os.path.join(out, "tokenizer_config.json"),
+            {
+                "bos_token": "<bos>",
+                "eos_token": "<eos>",
+                "pad_token": "<pad>",
+                "add_bos_token": True,
+                "chat_template": GEMMA_TEMPLATE,
+                # Not GemmaTokenizer: that class would impose SentencePiece's pre-tokenization
+                # on this byte-level stand-in.
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            },
+        )
+        write_json(
+            os.path.join(out, "generation_config.json"),
+            {"bos_token_id": 2, "eos_token_id": [1, end_of_turn], "pad_token_id": 0},
+        )
+        reloaded = cls.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+        results.append(reference(reloaded, ids, out, note, {"chat_cases": gemma_chat_cases(out)}))
+    return min(results)
+
+
+def gemma_chat_cases(out):
+    """Gemma's template as transformers renders it: one and two turns (`model` for the
+    assistant, contents trimmed), and the system message it refuses (`error`)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    cases = []
+    for messages in (
+        [{"role": "user", "content": "Tell me a story"}],
+        [
+            {"role": "user", "content": "  Hi there \n"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "What is 2+2?"},
+        ],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    ):
+        try:
+            rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            cases.append({"messages": messages, "rendered": rendered,
+                          "ids": tokenizer(rendered, add_special_tokens=False)["input_ids"]})
+        except Exception as e:  # transformers' raise_exception
+            cases.append({"messages": messages, "error": str(e)})
+    return cases
+
+
 # Qwen3's documented long-context setting, scaled to the fixture: factor 4 over an original
 # context of 32 (of its 128 positions).
 YARN = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32}
@@ -592,10 +779,10 @@ def yarn_reference(out, cls, prompts):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "llama", "mistral", "qwen"], help="rewrite one family of fixtures")
+    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "gpt-bigcode", "llama", "mistral", "qwen", "gemma"], help="rewrite one family of fixtures")
     only = parser.parse_args().only
     torch.set_grad_enabled(False)
-    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("llama", llama), ("mistral", mistral), ("qwen", qwen)]:
+    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("gpt-bigcode", bigcode), ("llama", llama), ("mistral", mistral), ("qwen", qwen), ("gemma", gemma)]:
         if only in (None, name):
             print(f"{name}: smallest top-1/top-2 logit margin on the greedy paths {make():.4f}", file=sys.stderr)
     for name in sorted(n for n in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, n))):

@@ -26,7 +26,8 @@ pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
     /// Random weights in the shape of a published model instead of a file: llama-3.2-1b,
-    /// llama-3.1-8b, qwen2.5-0.5b, qwen3-0.6b, gpt2 or gpt2-xl.
+    /// llama-3.1-8b, qwen2.5-0.5b, qwen3-0.6b, gemma-2-2b, gemma-3-1b, gpt2, gpt2-xl or
+    /// santacoder.
     #[arg(long, value_name = "NAME", conflicts_with = "model")]
     shape: Option<KnownShape>,
     /// With --shape: the linear layers and embedding in random blocks of a GGUF type (Q8_0,

@@ -89,6 +89,15 @@ fn attention(c: &TransformerConfig) -> String {
             c.n_layers
         ));
     }
+    if let Some(scale) = c.attention_scoring.scale {
+        parts.push(format!("scores scaled by {scale}"));
+    }
+    if let Some(cap) = c.attention_scoring.softcap {
+        parts.push(format!("scores soft-capped at {cap}"));
+    }
+    if c.sandwich_norms {
+        parts.push("norms on the attention and MLP outputs".to_string());
+    }
     if parts.is_empty() {
         "plain (no biases, no window)".to_string()
     } else {
@@ -114,7 +123,11 @@ fn rows(info: &ModelInfo) -> Vec<(&'static str, String)> {
                 (None, Some(_)) => ", scaled (rope_freqs)".to_string(),
                 (None, None) => String::new(),
             };
-            format!("RoPE, theta {}{scaling}", rope.theta)
+            let local = match &c.local_rope {
+                Some(local) => format!(" (theta {} on windowed layers)", local.theta),
+                None => String::new(),
+            };
+            format!("RoPE, theta {}{scaling}{local}", rope.theta)
         }
     };
     let family = c.architecture.family();
@@ -143,12 +156,12 @@ fn rows(info: &ModelInfo) -> Vec<(&'static str, String)> {
         ("attention", attention(c)),
         (
             "head",
-            if c.tied_head {
-                "tied to the embedding"
-            } else {
-                "separate"
-            }
-            .to_string(),
+            match (c.tied_head, c.final_softcap) {
+                (true, None) => "tied to the embedding".to_string(),
+                (false, None) => "separate".to_string(),
+                (true, Some(cap)) => format!("tied to the embedding, logits soft-capped at {cap}"),
+                (false, Some(cap)) => format!("separate, logits soft-capped at {cap}"),
+            },
         ),
         ("stored as", stored_as(info)),
         ("on cpu", cpu_path(info)),

@@ -144,7 +144,8 @@ fn generate_text_prompt_matches_transformers_greedy() {
     assert!(out["timings"]["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
 }
 
-/// Qwen2 and Qwen3 end to end, from their HF folders and llama.cpp's GGUF conversions of them:
+/// Qwen2, Qwen3, Gemma 2, Gemma 3 and GPT-BigCode end to end, from their HF folders (and the Qwens from
+/// llama.cpp's GGUF conversions of them):
 /// `kiln info` names the family and what its attention has, and `generate` turns text into
 /// transformers' greedy tokens (a GGUF's reference is transformers on the model it holds:
 /// llama.cpp's converter drops Qwen2's sliding window).
@@ -175,6 +176,25 @@ fn each_family_is_described_and_generates_transformers_greedy() {
             "gguf/qwen3-tiny.reference.json",
             "qwen3 (Qwen3)",
             "RMSNorm on each Q and K head",
+        ),
+        (
+            "gemma2-tiny",
+            "gemma2-tiny/reference.json",
+            "gemma2 (Gemma 2)",
+            "sliding window 5 on 2 of 3 layers, scores scaled by 0.20412415, scores soft-capped \
+             at 2, norms on the attention and MLP outputs",
+        ),
+        (
+            "gemma3-tiny",
+            "gemma3-tiny/reference.json",
+            "gemma3_text (Gemma 3 (text))",
+            "RMSNorm on each Q and K head, sliding window 5 on 2 of 3 layers",
+        ),
+        (
+            "gpt-bigcode-tiny",
+            "gpt-bigcode-tiny/reference.json",
+            "gpt_bigcode (GPT-BigCode: SantaCoder, StarCoder)",
+            "biases on Q, K, V and output, scores scaled by 1",
         ),
     ] {
         let info = kiln(&["info", "--model", &fixture(model)]);

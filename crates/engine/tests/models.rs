@@ -393,9 +393,18 @@ fn prefix_cache_matches_alone<B: InferenceBackend>(
 /// Every family's fixture gives transformers' greedy continuations through the engine, its
 /// prompts batched and packed, on every cache kind (the default paged one included, with
 /// prefix caching on). The windows belong to the model: Mistral's (`sliding_window` 5 on every
-/// layer) and Qwen2's (5 on its second layer only) are shorter than the prompts.
+/// layer), Qwen2's (5 on its second layer only) and Gemma's (5 on layers 0 and 2) are shorter
+/// than the prompts; Gemma 2's soft-capped scores, Gemma 3's two RoPEs and GPT-BigCode's one
+/// key/value head ride along.
 fn families_hold_on_every_cache_kind<B: InferenceBackend>() {
-    for name in ["mistral-tiny", "qwen2-tiny", "qwen3-tiny"] {
+    for name in [
+        "mistral-tiny",
+        "qwen2-tiny",
+        "qwen3-tiny",
+        "gemma2-tiny",
+        "gemma3-tiny",
+        "gpt-bigcode-tiny",
+    ] {
         let dir = fixture(name);
         let loaded = load::<B>(&dir, Dtype::F32);
         let reference = read_json(&dir.join("reference.json"));

@@ -4,6 +4,7 @@
 //! block does differently is data here (biases, per-head norms, windows), read by the shared
 //! layers.
 
+use kiln_core::attention::Scoring;
 use kiln_core::{ModelShape, TokenId};
 
 /// Which family a model belongs to: the key of the family registry ([`crate::family`]).
@@ -11,6 +12,8 @@ use kiln_core::{ModelShape, TokenId};
 pub enum Architecture {
     /// GPT-2: learned positions, LayerNorm, GELU (tanh), fused QKV with biases.
     Gpt2,
+    /// GPT-BigCode (SantaCoder, StarCoder): GPT-2's block with one key/value head.
+    GptBigCode,
     /// Llama 3 / 3.1 / 3.2: RoPE, RMSNorm, SwiGLU, grouped-query attention.
     Llama,
     /// Mistral: Llama's block with a sliding attention window.
@@ -19,6 +22,12 @@ pub enum Architecture {
     Qwen2,
     /// Qwen3: Llama's block with an RMSNorm on each query and key head before RoPE.
     Qwen3,
+    /// Gemma 2: GeGLU, norms around attention and MLP, soft-capped scores and logits,
+    /// windows on alternate layers.
+    Gemma2,
+    /// Gemma 3 (text): Gemma 2's block with per-head norms, no soft caps, five windowed
+    /// layers with a local RoPE base to each global one.
+    Gemma3,
 }
 
 impl Architecture {
@@ -134,6 +143,8 @@ pub enum MlpKind {
     GeluTanh,
     /// `down(silu(gate(x)) * up(x))` (Llama).
     SwiGlu,
+    /// `down(gelu_tanh(gate(x)) * up(x))` (Gemma's `gelu_pytorch_tanh`).
+    GeGlu,
 }
 
 /// Everything the shared transformer needs to know about a model.
@@ -174,6 +185,24 @@ pub struct TransformerConfig {
     pub qk_norm: bool,
     /// Whether the feed-forward projections have biases.
     pub mlp_bias: bool,
+    /// Whether each block also normalises its attention output and its MLP output before
+    /// adding them to the stream (Gemma's `post_attention_layernorm` and
+    /// `post_feedforward_layernorm`; its pre-MLP norm is then `pre_feedforward_layernorm`).
+    pub sandwich_norms: bool,
+    /// Whether the files store each RMSNorm weight as `w` for a scale of `1 + w` (Gemma's
+    /// Hugging Face checkpoints; llama.cpp's converter adds the 1). The loader adds it.
+    pub norm_unit_offset: bool,
+    /// Multiplies the token embeddings (Gemma: `√d_model`).
+    pub embed_scale: Option<f32>,
+    /// How attention scores are taken: a scale other than `1/√head_dim` (Gemma's
+    /// `query_pre_attn_scalar`), a soft cap (Gemma 2's `attn_logit_softcapping`).
+    pub attention_scoring: Scoring,
+    /// A soft cap on the output logits, `c tanh(logits / c)` (Gemma 2's
+    /// `final_logit_softcapping`).
+    pub final_softcap: Option<f32>,
+    /// The RoPE of the layers with an attention window, where it differs from
+    /// [`Self::positions`]' (Gemma 3's local base).
+    pub local_rope: Option<RopeConfig>,
     /// Whether the output head reuses the token embedding.
     pub tied_head: bool,
     /// Beginning-of-sequence token, if the model has one.
@@ -191,6 +220,18 @@ impl TransformerConfig {
     /// Layer `layer`'s attention window, if it has one.
     pub fn attention_window(&self, layer: usize) -> Option<usize> {
         self.attention_windows.get(layer).copied().flatten()
+    }
+
+    /// Layer `layer`'s RoPE: [`Self::local_rope`] on a windowed layer where there is one,
+    /// else [`Self::positions`]' (`None` for learned positions).
+    pub fn rope_of(&self, layer: usize) -> Option<&RopeConfig> {
+        match (&self.local_rope, self.attention_window(layer)) {
+            (Some(local), Some(_)) => Some(local),
+            _ => match &self.positions {
+                PositionKind::Rope(rope) => Some(rope),
+                PositionKind::Learned => None,
+            },
+        }
     }
 
     /// What the engine and caches need.
@@ -245,6 +286,19 @@ impl TransformerConfig {
                 self.head_dim
             ));
         }
+        let positive_or_none = [
+            ("the attention scale", self.attention_scoring.scale),
+            ("the attention soft cap", self.attention_scoring.softcap),
+            ("the final logit soft cap", self.final_softcap),
+            ("the embedding scale", self.embed_scale),
+        ];
+        for (name, value) in positive_or_none {
+            if let Some(v) = value
+                && !(v.is_finite() && v > 0.0)
+            {
+                return Err(format!("{name} must be positive and finite, got {v}"));
+            }
+        }
         Ok(())
     }
 
@@ -267,19 +321,22 @@ impl TransformerConfig {
         let attn = d * (q + 2 * kv) + q * d + attn_bias + qk_norm;
         let mlp = match self.mlp {
             MlpKind::GeluTanh => 2 * d * self.d_ff + usize::from(self.mlp_bias) * (self.d_ff + d),
-            MlpKind::SwiGlu => 3 * d * self.d_ff + usize::from(self.mlp_bias) * (2 * self.d_ff + d),
+            MlpKind::SwiGlu | MlpKind::GeGlu => {
+                3 * d * self.d_ff + usize::from(self.mlp_bias) * (2 * self.d_ff + d)
+            }
         };
         let norm = match self.norm {
             NormKind::LayerNorm => 2 * d,
             NormKind::RmsNorm => d,
         };
+        let block_norms = if self.sandwich_norms { 4 } else { 2 };
         let embed = self.vocab * d;
         let head = if self.tied_head { 0 } else { embed };
         let positions = match self.positions {
             PositionKind::Learned => self.max_positions * d,
             PositionKind::Rope(_) => 0,
         };
-        embed + positions + self.n_layers * (attn + mlp + 2 * norm) + norm + head
+        embed + positions + self.n_layers * (attn + mlp + block_norms * norm) + norm + head
     }
 }
 

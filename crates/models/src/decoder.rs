@@ -12,6 +12,7 @@
 
 use std::path::Path;
 
+use kiln_core::attention::Scoring;
 use kiln_core::{Dtype, InferenceBackend, TokenId};
 use serde::Deserialize;
 use serde_json::Value;
@@ -23,7 +24,7 @@ use crate::config::{
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::layers::attention::{Attention, HeadNorms, QkvProjection};
-use crate::layers::mlp::Mlp;
+use crate::layers::mlp::{GateActivation, Mlp};
 use crate::layers::norm::Norm;
 use crate::loaders::WeightStorage;
 use crate::transformer::{Block, Transformer, WeightLoader};
@@ -55,6 +56,10 @@ pub struct HfDefaults {
     pub eos_token_id: Option<u32>,
     /// `sliding_window`.
     pub sliding_window: Option<usize>,
+    /// `tie_word_embeddings`.
+    pub tie_word_embeddings: bool,
+    /// The MLP's activation (`hidden_act`, Gemma's `hidden_activation`).
+    pub hidden_act: &'static str,
 }
 
 /// The `config.json` keys of a rotary decoder, each as the file has it (absent or null alike
@@ -76,13 +81,14 @@ struct HfKeys {
     rope_scaling: Option<Value>,
     /// transformers 5.x: `{"rope_theta", "rope_type", ...}`.
     rope_parameters: Option<Value>,
-    #[serde(default)]
-    tie_word_embeddings: bool,
+    tie_word_embeddings: Option<bool>,
     #[serde(default)]
     attention_bias: bool,
     #[serde(default)]
     mlp_bias: bool,
     hidden_act: Option<String>,
+    /// Gemma's name for `hidden_act` (which Gemma's modeling code ignores).
+    hidden_activation: Option<String>,
     /// Qwen2/Qwen3: the window applies only when this is true.
     use_sliding_window: Option<bool>,
     /// Qwen2/Qwen3: layers from this one on slide (when `layer_types` is absent).
@@ -134,30 +140,39 @@ impl HfConfig {
         })
     }
 
-    /// The Llama-shaped configuration these keys describe, for `architecture`: SwiGLU, RMSNorm,
-    /// RoPE, biases on all four attention projections when `attention_bias`, every layer
-    /// windowed when there is a `sliding_window` (Mistral's reading). Families adjust it
-    /// ([`Self::qwen_windows`]) and then [`TransformerConfig::validate`] it.
+    /// The Llama-shaped configuration these keys describe, for `architecture`: a gated MLP
+    /// (SwiGLU or GeGLU as the activation says), RMSNorm, RoPE, biases on all four attention
+    /// projections when `attention_bias`, every layer windowed when there is a
+    /// `sliding_window` (Mistral's reading). Families adjust it ([`Self::layer_windows`]) and
+    /// then [`TransformerConfig::validate`] it.
     ///
     /// # Errors
-    /// [`ModelError::Config`] naming `path` for an activation other than SiLU, an unsupported
-    /// RoPE scaling or no heads.
+    /// [`ModelError::Config`] naming `path` for an activation other than SiLU or tanh GELU,
+    /// an unsupported RoPE scaling or no heads.
     pub fn decoder_config(
         &self,
         path: &Path,
         architecture: Architecture,
     ) -> Result<TransformerConfig> {
         let (k, d) = (&self.keys, &self.defaults);
-        let act = k.hidden_act.as_deref().unwrap_or("silu");
-        if act != "silu" {
-            return Err(ModelError::config(
-                path,
-                format!(
-                    "hidden_act `{act}` is not supported ({} uses silu)",
-                    architecture.name()
-                ),
-            ));
-        }
+        let (key, act) = match (&k.hidden_activation, &k.hidden_act) {
+            (Some(act), _) => ("hidden_activation", act.as_str()),
+            (None, Some(act)) => ("hidden_act", act.as_str()),
+            (None, None) => ("hidden_act", d.hidden_act),
+        };
+        let mlp = match act {
+            "silu" | "swish" => MlpKind::SwiGlu,
+            "gelu_pytorch_tanh" | "gelu_new" => MlpKind::GeGlu,
+            other => {
+                return Err(ModelError::config(
+                    path,
+                    format!(
+                        "{key} `{other}` is not supported (kiln's gated MLPs take silu or \
+                         gelu_pytorch_tanh)"
+                    ),
+                ));
+            }
+        };
         let params = k.rope_parameters.as_ref();
         let theta = k
             .rope_theta
@@ -204,12 +219,18 @@ impl HfConfig {
                 scaling,
                 frequency_divisors: None,
             }),
-            mlp: MlpKind::SwiGlu,
+            mlp,
             qkv_bias: k.attention_bias,
             out_bias: k.attention_bias,
             qk_norm: false,
             mlp_bias: k.mlp_bias,
-            tied_head: k.tie_word_embeddings,
+            sandwich_norms: false,
+            norm_unit_offset: false,
+            embed_scale: None,
+            attention_scoring: Scoring::default(),
+            final_softcap: None,
+            local_rope: None,
+            tied_head: k.tie_word_embeddings.unwrap_or(d.tie_word_embeddings),
             bos: self.bos.map(TokenId),
             eos: self.eos.clone(),
             attention_windows: match self.sliding_window {
@@ -232,18 +253,32 @@ impl HfConfig {
         n_layers: usize,
         max_window_layers: usize,
     ) -> Result<Vec<Option<usize>>> {
-        let window = if self.keys.use_sliding_window.unwrap_or(false) {
-            self.sliding_window
-        } else {
-            None
-        };
-        let Some(window) = window else {
+        if !self.keys.use_sliding_window.unwrap_or(false) {
+            return Ok(Vec::new());
+        }
+        let first = self.keys.max_window_layers.unwrap_or(max_window_layers);
+        self.layer_windows(path, n_layers, |i| i >= first)
+    }
+
+    /// Per layer, the `sliding_window` on the layers `layer_types` calls `sliding_attention`
+    /// or, when the file has no `layer_types`, on those `sliding_by_default` picks (the
+    /// family's pattern); no windows at all without a `sliding_window`.
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] naming `path` when `layer_types` has the wrong length or an
+    /// unknown entry.
+    pub fn layer_windows(
+        &self,
+        path: &Path,
+        n_layers: usize,
+        sliding_by_default: impl Fn(usize) -> bool,
+    ) -> Result<Vec<Option<usize>>> {
+        let Some(window) = self.sliding_window else {
             return Ok(Vec::new());
         };
         let Some(types) = &self.keys.layer_types else {
-            let first = self.keys.max_window_layers.unwrap_or(max_window_layers);
             return Ok((0..n_layers)
-                .map(|i| (i >= first).then_some(window))
+                .map(|i| sliding_by_default(i).then_some(window))
                 .collect());
         };
         if types.len() != n_layers {
@@ -285,9 +320,40 @@ pub(crate) fn token_ids(value: Option<&Value>) -> Vec<TokenId> {
     }
 }
 
+/// One RoPE from a transformers-5 `rope_parameters` object (`rope_theta`, `rope_type` and its
+/// keys), `default_theta` where it has no `rope_theta`; `max_positions` as for
+/// [`rope_scaling`].
+///
+/// # Errors
+/// As [`rope_scaling`], and a `rope_theta` that is not a positive number.
+pub(crate) fn rope_config(
+    params: &Value,
+    default_theta: f32,
+    path: &Path,
+    max_positions: usize,
+) -> Result<RopeConfig> {
+    let theta = match params.get("rope_theta") {
+        None | Some(Value::Null) => default_theta,
+        Some(v) => v
+            .as_f64()
+            .filter(|t| t.is_finite() && *t > 0.0)
+            .ok_or_else(|| ModelError::config(path, "`rope_theta` must be a positive number"))?
+            as f32,
+    };
+    Ok(RopeConfig {
+        theta,
+        scaling: rope_scaling(params, path, max_positions)?,
+        frequency_divisors: None,
+    })
+}
+
 /// Parses a `rope_scaling` / `rope_parameters` object; `max_positions` is the configuration's
 /// context (YaRN's factor when the object has none).
-fn rope_scaling(value: &Value, path: &Path, max_positions: usize) -> Result<Option<RopeScaling>> {
+pub(crate) fn rope_scaling(
+    value: &Value,
+    path: &Path,
+    max_positions: usize,
+) -> Result<Option<RopeScaling>> {
     let kind = value
         .get("rope_type")
         .or_else(|| value.get("type"))
@@ -440,6 +506,12 @@ pub fn gguf_config(
         out_bias: file.contains("blk.0.attn_output.bias"),
         qk_norm: file.contains("blk.0.attn_q_norm.weight"),
         mlp_bias: false,
+        sandwich_norms: false,
+        norm_unit_offset: false,
+        embed_scale: None,
+        attention_scoring: Scoring::default(),
+        final_softcap: None,
+        local_rope: None,
         tied_head: !file.contains("output.weight"),
         bos: bos.map(TokenId),
         eos: eos.into_iter().map(TokenId).collect(),
@@ -537,7 +609,9 @@ impl TensorNames {
                     Up => "mlp.up_proj",
                     Down => "mlp.down_proj",
                     AttnNorm => "input_layernorm",
-                    MlpNorm => "post_attention_layernorm",
+                    MlpNorm | PostAttnNorm => "post_attention_layernorm",
+                    PreMlpNorm => "pre_feedforward_layernorm",
+                    PostMlpNorm => "post_feedforward_layernorm",
                 };
                 format!("model.layers.{i}.{p}")
             }
@@ -553,7 +627,9 @@ impl TensorNames {
                     Up => "feed_forward.w3",
                     Down => "feed_forward.w2",
                     AttnNorm => "attention_norm",
-                    MlpNorm => "ffn_norm",
+                    MlpNorm | PreMlpNorm => "ffn_norm",
+                    PostAttnNorm => "post_attention_norm",
+                    PostMlpNorm => "post_ffn_norm",
                 };
                 format!("layers.{i}.{p}")
             }
@@ -569,7 +645,9 @@ impl TensorNames {
                     Up => "ffn_up",
                     Down => "ffn_down",
                     AttnNorm => "attn_norm",
-                    MlpNorm => "ffn_norm",
+                    MlpNorm | PreMlpNorm => "ffn_norm",
+                    PostAttnNorm => "post_attention_norm",
+                    PostMlpNorm => "post_ffw_norm",
                 };
                 format!("blk.{i}.{p}")
             }
@@ -590,7 +668,13 @@ enum Part {
     Up,
     Down,
     AttnNorm,
+    /// The norm before the MLP of a block without sandwich norms (HF names it after
+    /// attention).
     MlpNorm,
+    /// With sandwich norms: on the attention output, before the MLP, on the MLP output.
+    PostAttnNorm,
+    PreMlpNorm,
+    PostMlpNorm,
 }
 
 /// Loads a rotary decoder's weights named as `names`. With `qk_rows_interleaved`, the Q and K
@@ -630,9 +714,14 @@ pub fn load<B: InferenceBackend>(
         )
     };
     let norm = |name: &str, len: usize| -> Result<Norm<B>> {
+        let mut gamma = w.host(name, &[len])?;
+        if config.norm_unit_offset {
+            // In f32, as transformers' `GemmaRMSNorm` takes `1 + w.float()`.
+            gamma.data.iter_mut().for_each(|g| *g += 1.0);
+        }
         Ok(Norm {
             kind: NormKind::RmsNorm,
-            gamma: w.vector(name, len)?,
+            gamma: gamma.upload(dtype, device),
             beta: None,
             eps: config.norm_eps,
         })
@@ -650,6 +739,16 @@ pub fn load<B: InferenceBackend>(
         } else {
             None
         };
+        let sandwich = |part: Part| {
+            config
+                .sandwich_norms
+                .then(|| layer_norm(i, part, d))
+                .transpose()
+        };
+        let activation = match config.mlp {
+            MlpKind::GeGlu => GateActivation::GeluTanh,
+            _ => GateActivation::Silu,
+        };
         blocks.push(Block {
             attn_norm: layer_norm(i, AttnNorm, d)?,
             attn: Attention {
@@ -664,12 +763,19 @@ pub fn load<B: InferenceBackend>(
                 n_kv_heads: config.n_kv_heads,
                 head_dim: hd,
             },
-            mlp_norm: layer_norm(i, MlpNorm, d)?,
-            mlp: Mlp::swiglu(
+            post_attn_norm: sandwich(PostAttnNorm)?,
+            mlp_norm: if config.sandwich_norms {
+                layer_norm(i, PreMlpNorm, d)?
+            } else {
+                layer_norm(i, MlpNorm, d)?
+            },
+            mlp: Mlp::gated(
+                activation,
                 linear(i, Gate, d, ff, mlp_b, None)?,
                 linear(i, Up, d, ff, mlp_b, None)?,
                 linear(i, Down, ff, d, mlp_b, None)?,
             ),
+            post_mlp_norm: sandwich(PostMlpNorm)?,
         });
     }
     let embed = w.embedding(names.embed(), config.vocab, d)?;

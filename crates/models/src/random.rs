@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::str::FromStr;
 
+use kiln_core::attention::Scoring;
 use kiln_core::{Dtype, InferenceBackend, TokenId};
 use kiln_kernels::{GgmlType, QuantMatrix};
 use rand::{Rng, RngCore, SeedableRng};
@@ -33,21 +34,31 @@ pub enum KnownShape {
     Qwen25_05b,
     /// Qwen3 0.6B (28 layers, width 1024, GQA 16/8, head_dim 128, per-head Q/K norms, tied).
     Qwen3_06b,
+    /// Gemma 2 2B (26 layers, width 2304, GQA 8/4, head_dim 256, windows on alternate layers,
+    /// vocabulary 256000).
+    Gemma2_2b,
+    /// Gemma 3 1B (26 layers, width 1152, GQA 4/1, head_dim 256, vocabulary 262144).
+    Gemma3_1b,
     /// GPT-2 small (124M).
     Gpt2,
     /// GPT-2 XL (1.5B).
     Gpt2Xl,
+    /// SantaCoder (GPT-BigCode 1.1B: 24 layers, width 2048, multi-query).
+    SantaCoder,
 }
 
 impl KnownShape {
     /// Every shape, in the order shown to users.
-    pub const ALL: [KnownShape; 6] = [
+    pub const ALL: [KnownShape; 9] = [
         KnownShape::Llama32_1b,
         KnownShape::Llama31_8b,
         KnownShape::Qwen25_05b,
         KnownShape::Qwen3_06b,
+        KnownShape::Gemma2_2b,
+        KnownShape::Gemma3_1b,
         KnownShape::Gpt2,
         KnownShape::Gpt2Xl,
+        KnownShape::SantaCoder,
     ];
 
     /// The name on the command line.
@@ -57,8 +68,11 @@ impl KnownShape {
             KnownShape::Llama31_8b => "llama-3.1-8b",
             KnownShape::Qwen25_05b => "qwen2.5-0.5b",
             KnownShape::Qwen3_06b => "qwen3-0.6b",
+            KnownShape::Gemma2_2b => "gemma-2-2b",
+            KnownShape::Gemma3_1b => "gemma-3-1b",
             KnownShape::Gpt2 => "gpt2",
             KnownShape::Gpt2Xl => "gpt2-xl",
+            KnownShape::SantaCoder => "santacoder",
         }
     }
 
@@ -77,8 +91,37 @@ impl KnownShape {
                 qk_norm: true,
                 ..qwen(1024, 28, 16, 8, 128, 3072, 40_960)
             },
+            KnownShape::Gemma2_2b => published(
+                &family::gemma::GEMMA2,
+                serde_json::json!({
+                    "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+                    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                    "head_dim": 256, "max_position_embeddings": 8192,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                    "eos_token_id": [1, 107]
+                }),
+            ),
+            KnownShape::Gemma3_1b => published(
+                &family::gemma::GEMMA3,
+                serde_json::json!({
+                    "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+                    "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+                    "head_dim": 256, "max_position_embeddings": 32768,
+                    "query_pre_attn_scalar": 256, "sliding_window": 512,
+                    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                    "eos_token_id": [1, 106]
+                }),
+            ),
             KnownShape::Gpt2 => gpt2_config(768, 12, 12),
             KnownShape::Gpt2Xl => gpt2_config(1600, 48, 25),
+            KnownShape::SantaCoder => published(
+                &family::gpt2::BIGCODE,
+                serde_json::json!({
+                    "vocab_size": 49280, "n_positions": 2048, "n_embd": 2048, "n_layer": 24,
+                    "n_head": 16, "n_inner": 8192, "multi_query": true,
+                    "bos_token_id": 49152, "eos_token_id": 49152
+                }),
+            ),
         }
     }
 }
@@ -98,6 +141,12 @@ impl FromStr for KnownShape {
                 )
             })
     }
+}
+
+/// The configuration `family` reads from the keys of a published `config.json`.
+fn published(family: &family::Family, keys: serde_json::Value) -> TransformerConfig {
+    (family.hf_config)(keys, std::path::Path::new(family.name))
+        .expect("a published configuration is valid")
 }
 
 #[allow(clippy::too_many_arguments)] // one row of a table of published shapes
@@ -138,6 +187,12 @@ fn llama3(
         out_bias: false,
         qk_norm: false,
         mlp_bias: false,
+        sandwich_norms: false,
+        norm_unit_offset: false,
+        embed_scale: None,
+        attention_scoring: Scoring::default(),
+        final_softcap: None,
+        local_rope: None,
         tied_head,
         bos: Some(TokenId(128_000)),
         eos: vec![TokenId(128_001), TokenId(128_008), TokenId(128_009)],
@@ -198,6 +253,12 @@ fn gpt2_config(d_model: usize, n_layers: usize, n_heads: usize) -> TransformerCo
         out_bias: true,
         qk_norm: false,
         mlp_bias: true,
+        sandwich_norms: false,
+        norm_unit_offset: false,
+        embed_scale: None,
+        attention_scoring: Scoring::default(),
+        final_softcap: None,
+        local_rope: None,
         tied_head: true,
         bos: Some(TokenId(50_256)),
         eos: vec![TokenId(50_256)],
@@ -234,6 +295,10 @@ impl RandomSource {
                     let l = format!("model.layers.{i}");
                     add(format!("{l}.input_layernorm.weight"), &[d]);
                     add(format!("{l}.post_attention_layernorm.weight"), &[d]);
+                    if config.sandwich_norms {
+                        add(format!("{l}.pre_feedforward_layernorm.weight"), &[d]);
+                        add(format!("{l}.post_feedforward_layernorm.weight"), &[d]);
+                    }
                     add(format!("{l}.self_attn.q_proj.weight"), &[q, d]);
                     add(format!("{l}.self_attn.k_proj.weight"), &[kv, d]);
                     add(format!("{l}.self_attn.v_proj.weight"), &[kv, d]);
@@ -255,7 +320,18 @@ impl RandomSource {
                     add(format!("{l}.mlp.down_proj.weight"), &[d, ff]);
                 }
             }
-            Blocks::Gpt2 => {
+            Blocks::Gpt2 | Blocks::GptBigCode => {
+                // GPT-2's `Conv1D` stores `[d_in, d_out]`, GPT-BigCode's `nn.Linear`
+                // `[d_out, d_in]`; the fused `c_attn` gives every query head, then the key and
+                // value heads.
+                let bigcode = config.architecture.family().blocks == Blocks::GptBigCode;
+                let layer = |d_in: usize, d_out: usize| {
+                    if bigcode {
+                        [d_out, d_in]
+                    } else {
+                        [d_in, d_out]
+                    }
+                };
                 add("wte.weight".into(), &[v, d]);
                 add("wpe.weight".into(), &[config.max_positions, d]);
                 add("ln_f.weight".into(), &[d]);
@@ -266,13 +342,13 @@ impl RandomSource {
                         add(format!("{h}.{norm}.weight"), &[d]);
                         add(format!("{h}.{norm}.bias"), &[d]);
                     }
-                    add(format!("{h}.attn.c_attn.weight"), &[d, 3 * d]);
-                    add(format!("{h}.attn.c_attn.bias"), &[3 * d]);
-                    add(format!("{h}.attn.c_proj.weight"), &[d, d]);
+                    add(format!("{h}.attn.c_attn.weight"), &layer(d, q + 2 * kv));
+                    add(format!("{h}.attn.c_attn.bias"), &[q + 2 * kv]);
+                    add(format!("{h}.attn.c_proj.weight"), &layer(d, d));
                     add(format!("{h}.attn.c_proj.bias"), &[d]);
-                    add(format!("{h}.mlp.c_fc.weight"), &[d, ff]);
+                    add(format!("{h}.mlp.c_fc.weight"), &layer(d, ff));
                     add(format!("{h}.mlp.c_fc.bias"), &[ff]);
-                    add(format!("{h}.mlp.c_proj.weight"), &[ff, d]);
+                    add(format!("{h}.mlp.c_proj.weight"), &layer(ff, d));
                     add(format!("{h}.mlp.c_proj.bias"), &[d]);
                 }
             }
@@ -477,6 +553,9 @@ mod tests {
         assert_eq!(KnownShape::Qwen3_06b.config().parameters(), 596_049_920);
         assert_eq!(KnownShape::Gpt2.config().parameters(), 124_439_808);
         assert_eq!(KnownShape::Gpt2Xl.config().parameters(), 1_557_611_200);
+        assert_eq!(KnownShape::Gemma2_2b.config().parameters(), 2_614_341_888);
+        assert_eq!(KnownShape::Gemma3_1b.config().parameters(), 999_885_952);
+        assert_eq!(KnownShape::SantaCoder.config().parameters(), 1_124_886_528);
         assert!("llama-7b".parse::<KnownShape>().is_err());
     }
 }

@@ -11,7 +11,7 @@ use kiln_core::tensor::int_tensor;
 use kiln_core::{Batch, CausalLm, CoreError, Dtype, InferenceBackend, LogitsFor, ModelShape};
 use kiln_kernels::QuantMatrix;
 
-use crate::config::{PositionKind, TransformerConfig};
+use crate::config::{PositionKind, RopeConfig, TransformerConfig};
 use crate::error::{ModelError, Result};
 use crate::host::{HostTensor, half_split_order};
 use crate::layers::attention::{Attention, QkvProjection};
@@ -23,18 +23,26 @@ use crate::layers::rope::{RopeTables, attention_factor, inverse_frequencies};
 use crate::loaders::WeightStorage;
 use crate::weights::TensorSource;
 
-/// One transformer block: pre-norm attention and pre-norm MLP, each with a residual.
+/// One transformer block: pre-norm attention and pre-norm MLP, each with a residual, and
+/// where the family has them (Gemma) norms on each one's output before the residual.
 #[derive(Debug, Clone)]
 pub struct Block<B: InferenceBackend> {
     /// Before attention.
     pub attn_norm: Norm<B>,
     /// Self-attention.
     pub attn: Attention<B>,
+    /// On the attention output ([`TransformerConfig::sandwich_norms`]).
+    pub post_attn_norm: Option<Norm<B>>,
     /// Before the MLP.
     pub mlp_norm: Norm<B>,
     /// Feed-forward.
     pub mlp: Mlp<B>,
+    /// On the MLP output ([`TransformerConfig::sandwich_norms`]).
+    pub post_mlp_norm: Option<Norm<B>>,
 }
+
+/// A RoPE's inverse frequencies and the factor on its cos and sin.
+type RopeFrequencies = (Vec<f32>, f32);
 
 /// A decoder-only transformer with its weights on a device.
 #[derive(Debug, Clone)]
@@ -51,7 +59,9 @@ pub struct Transformer<B: InferenceBackend> {
     /// `d_model → vocab` (the embedding's own weights when tied)
     head: Linear<B>,
     /// RoPE inverse frequencies and the factor on cos and sin (rotary models only).
-    rope: Option<(Vec<f32>, f32)>,
+    rope: Option<RopeFrequencies>,
+    /// The same for the windowed layers, where they differ ([`TransformerConfig::local_rope`]).
+    local_rope: Option<RopeFrequencies>,
     /// Configuration, dtype and a digest of some weights (see [`CausalLm::fingerprint`]).
     fingerprint: String,
 }
@@ -71,13 +81,17 @@ impl<B: InferenceBackend> Transformer<B> {
     ) -> Self {
         let head = head.unwrap_or_else(|| embed.as_head());
         let fingerprint = fingerprint(&config, dtype, &embed, &head);
-        let rope = match &config.positions {
-            PositionKind::Rope(rope) => Some((
+        let frequencies = |rope: &RopeConfig| {
+            (
                 inverse_frequencies(rope, config.head_dim),
                 attention_factor(rope),
-            )),
+            )
+        };
+        let rope = match &config.positions {
+            PositionKind::Rope(rope) => Some(frequencies(rope)),
             PositionKind::Learned => None,
         };
+        let local_rope = config.local_rope.as_ref().map(frequencies);
         Self {
             config,
             dtype,
@@ -88,6 +102,7 @@ impl<B: InferenceBackend> Transformer<B> {
             final_norm,
             head,
             rope,
+            local_rope,
             fingerprint,
         }
     }
@@ -106,12 +121,7 @@ impl<B: InferenceBackend> Transformer<B> {
                     QkvProjection::Fused(l) => vec![l],
                     QkvProjection::Split { q, k, v } => vec![q, k, v],
                 };
-                let mlp: Vec<&Linear<B>> = match &b.mlp {
-                    Mlp::GeluTanh { up, down } => vec![up, down],
-                    Mlp::SwiGlu { gate, up, down } => vec![gate, up, down],
-                    Mlp::SwiGluFused { gate_up, down } => vec![gate_up, down],
-                };
-                qkv.into_iter().chain([&b.attn.out]).chain(mlp)
+                qkv.into_iter().chain([&b.attn.out]).chain(b.mlp.linears())
             })
             .chain([&self.head])
             .map(|l| &l.weight)
@@ -227,7 +237,8 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
                     window,
                     ..step.clone()
                 };
-                let plan = AttentionPlan::new(batch, step, cfg.n_heads, cfg.n_kv_heads, device);
+                let plan = AttentionPlan::new(batch, step, cfg.n_heads, cfg.n_kv_heads, device)
+                    .with_scoring(cfg.attention_scoring);
                 plans.push((window, plan));
             }
         }
@@ -242,20 +253,32 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
 
         let tokens: Vec<usize> = batch.tokens().iter().map(|t| t.0 as usize).collect();
         let mut x = self.embed.lookup(tokens, device);
-        let rope = match (&self.position_embed, &self.rope) {
-            (Some(table), _) => {
+        if let Some(scale) = cfg.embed_scale {
+            x = x.mul_scalar(scale);
+        }
+        let tables = |rope: &Option<RopeFrequencies>| {
+            rope.as_ref().map(|(inv_freq, factor)| {
+                RopeTables::new(
+                    inv_freq,
+                    *factor,
+                    batch.positions(),
+                    self.dtype.burn_float(),
+                    device,
+                )
+            })
+        };
+        let (rope, local_rope) = match &self.position_embed {
+            Some(table) => {
                 let positions: Vec<usize> = batch.positions().iter().map(|p| p.index()).collect();
                 x = x + table.clone().select(0, int_tensor::<B>(positions, device));
-                None
+                (None, None)
             }
-            (None, Some((inv_freq, factor))) => Some(RopeTables::new(
-                inv_freq,
-                *factor,
-                batch.positions(),
-                self.dtype.burn_float(),
-                device,
-            )),
-            (None, None) => None,
+            None => (tables(&self.rope), tables(&self.local_rope)),
+        };
+        // As `TransformerConfig::rope_of`: the local tables on windowed layers.
+        let rope_of = |layer: usize| match (&local_rope, cfg.attention_window(layer)) {
+            (Some(local), Some(_)) => Some(local),
+            _ => rope.as_ref(),
         };
         // Each block's output is added to the stream by the next norm
         // (`Norm::forward_after`: one launch for the sum and the norm on the GPU backends).
@@ -264,10 +287,18 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
             let (stream, h) = block.attn_norm.forward_after(x, delta.take());
             let attended = block
                 .attn
-                .forward(h, layer, cache, plan_of(layer), rope.as_ref());
+                .forward(h, layer, cache, plan_of(layer), rope_of(layer));
+            let attended = match &block.post_attn_norm {
+                Some(norm) => norm.forward(attended),
+                None => attended,
+            };
             let (stream, h) = block.mlp_norm.forward_after(stream, Some(attended));
             x = stream;
-            delta = Some(block.mlp.forward(h));
+            let out = block.mlp.forward(h);
+            delta = Some(match &block.post_mlp_norm {
+                Some(norm) => norm.forward(out),
+                None => out,
+            });
         }
         let (x, delta) = match logits.rows(batch)? {
             None => (x, delta),
@@ -277,7 +308,11 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
             }
         };
         let (_, x) = self.final_norm.forward_after(x, delta);
-        Ok(self.head.forward(x).cast(FloatDType::F32))
+        let logits = self.head.forward(x).cast(FloatDType::F32);
+        Ok(match cfg.final_softcap {
+            Some(cap) => logits.div_scalar(cap).tanh().mul_scalar(cap),
+            None => logits,
+        })
     }
 }
 

@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 
 use crate::common::*;
 use kiln_core::{CausalLm, Dtype, InferenceBackend, TokenId};
-use kiln_models::chat::{ChatMessage, ChatTemplate, Role};
+use kiln_models::chat::ChatTemplate;
 use kiln_models::default_model::{SMOLLM2_135M_INSTRUCT, kiln_home};
 use kiln_models::gguf::GgufFile;
 use kiln_models::{LoadOptions, TextTokenizer};
@@ -93,19 +93,7 @@ fn chat_template_renders_as_transformers() {
     )
     .unwrap();
     for case in reference["chat_cases"].as_array().unwrap() {
-        let messages: Vec<ChatMessage> = case["messages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|m| {
-                let role = match m["role"].as_str().unwrap() {
-                    "system" => Role::System,
-                    "user" => Role::User,
-                    _ => Role::Assistant,
-                };
-                ChatMessage::new(role, m["content"].as_str().unwrap())
-            })
-            .collect();
+        let messages = chat_messages(&case["messages"]);
         let text = template.render(&messages, true).unwrap();
         assert_eq!(text, case["rendered"].as_str().unwrap());
         assert_eq!(tokenizer.encode(&text, false).unwrap(), ids(&case["ids"]));

@@ -7,6 +7,7 @@
 use crate::common::*;
 use kiln_core::TokenId;
 use kiln_models::TextTokenizer;
+use kiln_models::chat::ChatTemplate;
 use serde_json::Value;
 
 #[test]
@@ -92,4 +93,35 @@ fn llama3_chat_format_matches_the_reference_prompt() {
         .unwrap();
     let (_, cases) = reference("llama-tiny-meta");
     assert_eq!(tok.encode(&text, false).unwrap(), cases[5].prompt);
+}
+
+/// Gemma's chat template (no system role, `model` for the assistant, contents trimmed) renders
+/// as transformers renders it, and refuses a system message with transformers' error.
+#[test]
+fn gemma_chat_template_renders_as_transformers() {
+    let loaded = load::<burn::backend::Flex>("gemma2-tiny", kiln_core::Dtype::F32);
+    let template =
+        ChatTemplate::new(loaded.chat_template.as_ref().unwrap(), "<bos>", "<eos>").unwrap();
+    let tokenizer = loaded.tokenizer.as_ref().unwrap();
+    let (json, _) = reference("gemma2-tiny");
+    for case in json["chat_cases"].as_array().unwrap() {
+        let messages = chat_messages(&case["messages"]);
+        match case["error"].as_str() {
+            Some(error) => {
+                let err = template.render(&messages, true).unwrap_err().to_string();
+                assert!(err.contains(error), "{err}");
+            }
+            None => {
+                let text = template.render(&messages, true).unwrap();
+                assert_eq!(text, case["rendered"].as_str().unwrap());
+                let ids: Vec<TokenId> = case["ids"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|i| TokenId(i.as_u64().unwrap() as u32))
+                    .collect();
+                assert_eq!(tokenizer.encode(&text, false).unwrap(), ids);
+            }
+        }
+    }
 }

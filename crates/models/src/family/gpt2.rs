@@ -1,12 +1,20 @@
-//! GPT-2 (every size, from one configuration): Hugging Face `config.json` and weight names.
+//! GPT-2 (every size, from one configuration) and GPT-BigCode (SantaCoder, StarCoder): Hugging
+//! Face `config.json` and weight names.
 //!
-//! HF stores `c_attn`, `c_proj` and `c_fc` as `Conv1D`, i.e. `[d_in, d_out]`: loaded as they
-//! are, never transposed. Checkpoints may name tensors with or without the `transformer.`
-//! prefix, and old ones carry `attn.bias` / `attn.masked_bias` causal-mask buffers, which are
-//! ignored. The output head is the token embedding.
+//! GPT-2's HF checkpoints store `c_attn`, `c_proj` and `c_fc` as `Conv1D`, i.e. `[d_in,
+//! d_out]`: loaded as they are, never transposed. Checkpoints may name tensors with or without
+//! the `transformer.` prefix, and old ones carry `attn.bias` / `attn.masked_bias` causal-mask
+//! buffers, which are ignored. The output head is the token embedding.
+//!
+//! GPT-BigCode is GPT-2's block with multi-query attention: one key/value head, its fused
+//! `c_attn` giving all query heads, then the one key head, then the one value head; its layers
+//! are `nn.Linear` (`[d_out, d_in]`). Its multi-head form (`multi_query` false) interleaves
+//! each head's Q, K and V in `c_attn` and is refused by name (every released GPT-BigCode model
+//! is multi-query).
 
 use std::path::Path;
 
+use kiln_core::attention::Scoring;
 use kiln_core::{Dtype, InferenceBackend, TokenId};
 use serde::Deserialize;
 
@@ -34,10 +42,27 @@ pub static FAMILY: Family = Family {
     blocks: Blocks::Gpt2,
 };
 
+/// GPT-BigCode.
+pub static BIGCODE: Family = Family {
+    architecture: Architecture::GptBigCode,
+    name: "gpt_bigcode",
+    models: "GPT-BigCode: SantaCoder, StarCoder",
+    hf_model_types: &["gpt_bigcode"],
+    hf_config: bigcode_hf_config,
+    gguf: None,
+    blocks: Blocks::GptBigCode,
+};
+
 fn hf_config(value: Value, path: &Path) -> Result<TransformerConfig> {
     serde_json::from_value::<Gpt2HfConfig>(value)
         .map_err(|e| ModelError::config(path, e.to_string()))?
-        .to_config(path)
+        .to_config(path, Architecture::Gpt2)
+}
+
+fn bigcode_hf_config(value: Value, path: &Path) -> Result<TransformerConfig> {
+    serde_json::from_value::<Gpt2HfConfig>(value)
+        .map_err(|e| ModelError::config(path, e.to_string()))?
+        .to_config(path, Architecture::GptBigCode)
 }
 
 /// The keys of a GPT-2 `config.json` kiln reads. A key the file leaves out takes
@@ -70,6 +95,8 @@ pub struct Gpt2HfConfig {
     bos_token_id: Option<u32>,
     #[serde(default = "defaults::special_token")]
     eos_token_id: Option<u32>,
+    /// GPT-BigCode: one key/value head (its default); absent from GPT-2's.
+    multi_query: Option<bool>,
 }
 
 /// `GPT2Config`'s defaults (transformers 5).
@@ -104,11 +131,14 @@ mod defaults {
 }
 
 impl Gpt2HfConfig {
-    /// The validated configuration.
+    /// The validated configuration of `architecture` (GPT-2 or GPT-BigCode, whose
+    /// `GPTBigCodeConfig` has GPT-2's keys and defaults but for `multi_query` and a
+    /// `gelu_pytorch_tanh` activation, the same function).
     ///
     /// # Errors
-    /// [`ModelError::Config`] naming `path` for an unsupported activation or inconsistent sizes.
-    pub fn to_config(&self, path: &Path) -> Result<TransformerConfig> {
+    /// [`ModelError::Config`] naming `path` for an unsupported activation or attention, or
+    /// inconsistent sizes.
+    pub fn to_config(&self, path: &Path, architecture: Architecture) -> Result<TransformerConfig> {
         if !matches!(
             self.activation_function.as_str(),
             "gelu_new" | "gelu_pytorch_tanh"
@@ -122,13 +152,30 @@ impl Gpt2HfConfig {
             ));
         }
         // Attention that transformers would compute differently is refused, never ignored.
-        if !self.scale_attn_weights || self.scale_attn_by_inverse_layer_idx {
+        if self.scale_attn_by_inverse_layer_idx {
             return Err(ModelError::config(
                 path,
-                "scale_attn_weights false or scale_attn_by_inverse_layer_idx true is not \
-                 supported (kiln scales attention scores by 1/sqrt(head_dim) only)",
+                "scale_attn_by_inverse_layer_idx true is not supported (kiln scales a model's \
+                 attention scores alike in every layer)",
             ));
         }
+        let n_kv_heads = match (architecture, self.multi_query) {
+            (Architecture::GptBigCode, None | Some(true)) => 1,
+            (Architecture::GptBigCode, Some(false)) => {
+                return Err(ModelError::config(
+                    path,
+                    "multi_query false is not supported (GPT-BigCode's multi-head layout \
+                     interleaves each head's Q, K and V; released models are multi-query)",
+                ));
+            }
+            (_, Some(true)) => {
+                return Err(ModelError::config(
+                    path,
+                    "multi_query is GPT-BigCode's; a gpt2 model has none",
+                ));
+            }
+            (_, _) => self.n_head,
+        };
         if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
             return Err(ModelError::config(
                 path,
@@ -139,12 +186,12 @@ impl Gpt2HfConfig {
             ));
         }
         let config = TransformerConfig {
-            architecture: Architecture::Gpt2,
+            architecture,
             vocab: self.vocab_size,
             d_model: self.n_embd,
             n_layers: self.n_layer,
             n_heads: self.n_head,
-            n_kv_heads: self.n_head,
+            n_kv_heads,
             head_dim: self.n_embd / self.n_head,
             d_ff: self.n_inner.unwrap_or(4 * self.n_embd),
             max_positions: self.n_positions,
@@ -156,6 +203,16 @@ impl Gpt2HfConfig {
             out_bias: true,
             qk_norm: false,
             mlp_bias: true,
+            sandwich_norms: false,
+            norm_unit_offset: false,
+            embed_scale: None,
+            // transformers: `scaling = head_dim**-0.5 if scale_attn_weights else 1.0`.
+            attention_scoring: Scoring {
+                scale: (!self.scale_attn_weights).then_some(1.0),
+                softcap: None,
+            },
+            final_softcap: None,
+            local_rope: None,
             tied_head: true,
             bos: self.bos_token_id.map(TokenId),
             eos: self.eos_token_id.map(TokenId).into_iter().collect(),
@@ -166,12 +223,23 @@ impl Gpt2HfConfig {
     }
 }
 
-/// Loads GPT-2 weights in HF names.
+/// How a GPT-2-block checkpoint stores its linear layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinearLayout {
+    /// GPT-2's `Conv1D`: `[d_in, d_out]`.
+    Conv1d,
+    /// GPT-BigCode's `nn.Linear`: `[d_out, d_in]`.
+    Linear,
+}
+
+/// Loads GPT-2-block weights in HF names, the linear layers stored as `layout` says; the
+/// fused `c_attn` gives `n_heads` query heads then `n_kv_heads` key and value heads.
 ///
 /// # Errors
 /// A missing tensor or one whose shape disagrees with `config`, naming file and tensor.
 pub fn load<B: InferenceBackend>(
     config: TransformerConfig,
+    layout: LinearLayout,
     source: &dyn TensorSource,
     dtype: Dtype,
     device: &B::Device,
@@ -198,31 +266,36 @@ pub fn load<B: InferenceBackend>(
         })
     };
     let linear = |base: &str, d_in: usize, d_out: usize| {
-        w.linear_in_out(
-            &name(&format!("{base}.weight")),
-            Some(&name(&format!("{base}.bias"))),
-            d_in,
-            d_out,
-        )
+        let (weight, bias) = (
+            name(&format!("{base}.weight")),
+            name(&format!("{base}.bias")),
+        );
+        match layout {
+            LinearLayout::Conv1d => w.linear_in_out(&weight, Some(&bias), d_in, d_out),
+            LinearLayout::Linear => w.linear_out_in(&weight, Some(&bias), d_in, d_out, None),
+        }
     };
+    let qkv_out = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim;
     let mut blocks = Vec::with_capacity(config.n_layers);
     for i in 0..config.n_layers {
         let h = format!("h.{i}");
         blocks.push(Block {
             attn_norm: norm(&format!("{h}.ln_1"))?,
             attn: Attention {
-                qkv: QkvProjection::Fused(linear(&format!("{h}.attn.c_attn"), d, 3 * d)?),
+                qkv: QkvProjection::Fused(linear(&format!("{h}.attn.c_attn"), d, qkv_out)?),
                 out: linear(&format!("{h}.attn.c_proj"), d, d)?,
                 n_heads: config.n_heads,
                 head_norms: None,
                 n_kv_heads: config.n_kv_heads,
                 head_dim: config.head_dim,
             },
+            post_attn_norm: None,
             mlp_norm: norm(&format!("{h}.ln_2"))?,
             mlp: Mlp::GeluTanh {
                 up: linear(&format!("{h}.mlp.c_fc"), d, ff)?,
                 down: linear(&format!("{h}.mlp.c_proj"), ff, d)?,
             },
+            post_mlp_norm: None,
         });
     }
     let embed = Embedding::Dense(w.matrix(&name("wte.weight"), config.vocab, d)?);
@@ -246,7 +319,7 @@ mod tests {
 
     fn config(json: &str) -> Result<TransformerConfig> {
         let parsed: Gpt2HfConfig = serde_json::from_str(json).expect("valid JSON");
-        parsed.to_config(Path::new("config.json"))
+        parsed.to_config(Path::new("config.json"), Architecture::Gpt2)
     }
 
     /// A key left out takes `GPT2Config`'s default, as in transformers (read off
@@ -267,16 +340,31 @@ mod tests {
         assert_eq!((c.bos, c.eos.len()), (None, 0));
     }
 
-    /// Attention that transformers scales differently is refused by name, not run wrongly.
+    /// Attention that transformers scales differently is read (unscaled scores) or refused by
+    /// name (a scale per layer), not run wrongly.
     #[test]
-    fn attention_scaling_kiln_lacks_is_refused() {
-        for key in [
-            r#""scale_attn_weights": false"#,
-            r#""scale_attn_by_inverse_layer_idx": true"#,
-        ] {
-            let err = config(&format!("{{{key}}}")).expect_err(key).to_string();
-            assert!(err.contains("scale_attn"), "{err}");
-        }
+    fn attention_scaling_is_read_or_refused() {
+        let c = config(r#"{"scale_attn_weights": false}"#).unwrap();
+        assert_eq!(c.attention_scoring.scale, Some(1.0));
+        let err = config(r#"{"scale_attn_by_inverse_layer_idx": true}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("scale_attn_by_inverse_layer_idx"), "{err}");
         assert!(config(r#"{"reorder_and_upcast_attn": true}"#).is_ok());
+    }
+
+    /// `transformers.GPTBigCodeConfig()`: GPT-2's sizes with one key/value head; its
+    /// multi-head form and a gpt2 config claiming multi-query are refused by name.
+    #[test]
+    fn gpt_bigcode_is_multi_query() {
+        let parse =
+            |json: &str| bigcode_hf_config(serde_json::from_str(json).unwrap(), Path::new("c"));
+        let c = parse("{}").unwrap();
+        assert_eq!((c.n_heads, c.n_kv_heads, c.head_dim), (12, 1, 64));
+        assert_eq!(c.architecture, Architecture::GptBigCode);
+        let err = parse(r#"{"multi_query": false}"#).unwrap_err().to_string();
+        assert!(err.contains("multi_query"), "{err}");
+        let err = config(r#"{"multi_query": true}"#).unwrap_err().to_string();
+        assert!(err.contains("multi_query"), "{err}");
     }
 }

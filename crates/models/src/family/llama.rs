@@ -6,10 +6,11 @@
 
 use std::path::Path;
 
+use kiln_core::attention::Scoring;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{Blocks, Family, GgufFamily};
+use super::{Blocks, Family, GgufFamily, validated};
 use crate::config::{
     Architecture, Llama3Scaling, MlpKind, NormKind, PositionKind, RopeConfig, RopeScaling,
     TransformerConfig,
@@ -57,6 +58,8 @@ const LLAMA_DEFAULTS: HfDefaults = HfDefaults {
     bos_token_id: Some(1),
     eos_token_id: Some(2),
     sliding_window: None,
+    tie_word_embeddings: false,
+    hidden_act: "silu",
 };
 
 /// `MistralConfig`'s defaults (transformers 5): a 4,096-token window unless the file says
@@ -84,12 +87,6 @@ fn llama_gguf_config(file: &GgufFile) -> Result<TransformerConfig> {
         decoder::gguf_config(file, "llama", Architecture::Llama)?,
         file.path(),
     )
-}
-
-/// `config` once [`TransformerConfig::validate`] passes.
-pub(crate) fn validated(config: TransformerConfig, path: &Path) -> Result<TransformerConfig> {
-    config.validate().map_err(|e| ModelError::config(path, e))?;
-    Ok(config)
 }
 
 /// Meta's `params.json`.
@@ -178,6 +175,12 @@ impl MetaParams {
             out_bias: false,
             qk_norm: false,
             mlp_bias: false,
+            sandwich_norms: false,
+            norm_unit_offset: false,
+            embed_scale: None,
+            attention_scoring: Scoring::default(),
+            final_softcap: None,
+            local_rope: None,
             tied_head: false,
             bos: None,
             eos: Vec::new(),

@@ -6,6 +6,7 @@
 //!
 //! docs/models.md, "Adding a model family", is the recipe.
 
+pub mod gemma;
 pub mod gpt2;
 pub mod llama;
 pub mod qwen2;
@@ -60,18 +61,32 @@ pub struct GgufFamily {
 pub enum Blocks {
     /// GPT-2's `Conv1D` layers, fused `c_attn`, learned positions ([`gpt2::load`]).
     Gpt2,
+    /// GPT-2's block in `nn.Linear` layers with multi-query attention ([`gpt2::load`]).
+    GptBigCode,
     /// The rotary decoder ([`crate::decoder::load`]), shaped by the configuration.
     Decoder,
 }
 
 /// Every family, in the order shown to users.
-pub static FAMILIES: [&Family; 5] = [
+pub static FAMILIES: [&Family; 8] = [
     &llama::LLAMA,
     &llama::MISTRAL,
     &qwen2::FAMILY,
     &qwen3::FAMILY,
+    &gemma::GEMMA2,
+    &gemma::GEMMA3,
     &gpt2::FAMILY,
+    &gpt2::BIGCODE,
 ];
+
+/// `config` once [`TransformerConfig::validate`] passes.
+///
+/// # Errors
+/// [`ModelError::Config`] naming `path` and the inconsistency.
+pub(crate) fn validated(config: TransformerConfig, path: &Path) -> Result<TransformerConfig> {
+    config.validate().map_err(|e| ModelError::config(path, e))?;
+    Ok(config)
+}
 
 /// `architecture`'s entry.
 pub fn of(architecture: Architecture) -> &'static Family {
@@ -134,10 +149,15 @@ pub fn load_weights<B: InferenceBackend>(
         TensorNames::Gguf => family.gguf.as_ref().is_some_and(|g| g.qk_rows_interleaved),
     };
     match (family.blocks, names) {
-        (Blocks::Gpt2, TensorNames::HuggingFace) => gpt2::load(config, source, dtype, device),
-        (Blocks::Gpt2, _) => Err(ModelError::config(
+        (Blocks::Gpt2, TensorNames::HuggingFace) => {
+            gpt2::load(config, gpt2::LinearLayout::Conv1d, source, dtype, device)
+        }
+        (Blocks::GptBigCode, TensorNames::HuggingFace) => {
+            gpt2::load(config, gpt2::LinearLayout::Linear, source, dtype, device)
+        }
+        (Blocks::Gpt2 | Blocks::GptBigCode, _) => Err(ModelError::config(
             family.name,
-            "GPT-2 weights are read from Hugging Face folders only",
+            "GPT-2 and GPT-BigCode weights are read from Hugging Face folders only",
         )),
         (Blocks::Decoder, _) => decoder::load(
             config,
@@ -170,7 +190,10 @@ mod tests {
                 ));
             }
         }
-        assert_eq!(names(), "llama, mistral, qwen2, qwen3, gpt2");
-        assert!(from_hf_model_type("gemma2").is_none());
+        assert_eq!(
+            names(),
+            "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gpt2, gpt_bigcode"
+        );
+        assert!(from_hf_model_type("phi3").is_none());
     }
 }

@@ -6,8 +6,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::llama::validated;
-use super::{Blocks, Family, GgufFamily};
+use super::{Blocks, Family, GgufFamily, validated};
 use crate::config::{Architecture, TransformerConfig};
 use crate::decoder::{self, HfConfig, HfDefaults};
 use crate::error::Result;
@@ -41,6 +40,8 @@ pub(super) const DEFAULTS: HfDefaults = HfDefaults {
     bos_token_id: None,
     eos_token_id: None,
     sliding_window: Some(4096),
+    tie_word_embeddings: false,
+    hidden_act: "silu",
 };
 
 /// `Qwen2Config.max_window_layers`' default.

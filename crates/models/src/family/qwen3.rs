@@ -7,8 +7,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::llama::validated;
-use super::{Blocks, Family, GgufFamily};
+use super::{Blocks, Family, GgufFamily, validated};
 use crate::config::{Architecture, TransformerConfig};
 use crate::decoder::{self, HfConfig, HfDefaults};
 use crate::error::Result;

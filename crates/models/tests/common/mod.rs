@@ -9,7 +9,7 @@ use kiln_core::kv_cache::DynamicKvCache;
 use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, SeqId, TokenId};
 use serde_json::Value;
 
-pub const FIXTURES: [&str; 9] = [
+pub const FIXTURES: [&str; 12] = [
     "gpt2-tiny",
     "gpt2-tiny-legacy",
     "gpt2-tiny-lenient",
@@ -19,7 +19,28 @@ pub const FIXTURES: [&str; 9] = [
     "mistral-tiny",
     "qwen2-tiny",
     "qwen3-tiny",
+    "gemma2-tiny",
+    "gemma3-tiny",
+    "gpt-bigcode-tiny",
 ];
+
+/// A reference file's chat messages (`[{"role", "content"}]`) as kiln's.
+pub fn chat_messages(messages: &Value) -> Vec<kiln_models::chat::ChatMessage> {
+    use kiln_models::chat::{ChatMessage, Role};
+    messages
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let role = match m["role"].as_str().unwrap() {
+                "system" => Role::System,
+                "user" => Role::User,
+                _ => Role::Assistant,
+            };
+            ChatMessage::new(role, m["content"].as_str().unwrap())
+        })
+        .collect()
+}
 
 /// The fixture `name`: under `$KILN_FIXTURES` when set (a test binary carried to another
 /// machine, `cargo xtask gpu-check`), else in this crate's `tests/fixtures`.
