@@ -2,8 +2,9 @@
 //!
 //! - `test`: the README's test command. Makes sure the system has what the tests need (a Vulkan
 //!   driver for wgpu, Mesa's lavapipe without a GPU; tmux for the terminal chat test), installing
-//!   it with apt-get when run as root on Debian/Ubuntu; runs the whole workspace's tests in
-//!   release mode (numeric tests crawl without optimisation) with every backend but CUDA
+//!   it with apt-get when run as root on Debian/Ubuntu; runs the whole workspace's tests with the
+//!   `ci` profile (dependencies and kernels optimised: numeric tests crawl without) with every
+//!   backend but CUDA
 //!   (`test --backend cuda` builds and runs the CUDA tests on a GPU), then every example, then the
 //!   `kiln serve` suite (the OpenAI Python SDK and a small load test, with pytest in a virtual
 //!   environment under `target/python`). Extra arguments go to `cargo test`, and skip the
@@ -85,16 +86,24 @@ const TEST_FEATURES: [&str; 2] = [
      kiln-cli/cpu,kiln-cli/ndarray,kiln-cli/wgpu,kiln-benches/wgpu",
 ];
 
+/// The cargo profile of the test build (Cargo.toml: release for dependencies and kernels, kiln's
+/// own crates at opt-level 1), and where it puts its binaries.
+const TEST_PROFILE: &str = "ci";
+
+fn test_build() -> std::path::PathBuf {
+    workspace_root().join("target").join(TEST_PROFILE)
+}
+
 fn test(extra: &[String]) -> Result<()> {
     system::ensure_test_packages()?;
     run(Command::new(cargo())
-        .args(["test", "--workspace", "--release", "--locked"])
+        .args(["test", "--workspace", "--profile", TEST_PROFILE, "--locked"])
         .args(TEST_FEATURES)
         .args(extra))?;
     if !extra.is_empty() {
         return Ok(());
     }
-    let examples = workspace_root().join("target/release/examples");
+    let examples = test_build().join("examples");
     for (name, args) in EXAMPLES {
         eprintln!("\n== example {name}");
         run(Command::new(examples.join(name)).args(args))?;
@@ -114,7 +123,6 @@ const PYTHON_TEST_PACKAGES: [&str; 4] = [
 /// `kiln serve` driven by the official OpenAI SDK and the small load test, with pytest in a
 /// virtual environment under `target/python` (made once).
 fn server_tests() -> Result<()> {
-    let root = workspace_root();
     let python = python_env(&PYTHON_TEST_PACKAGES)?;
     run(Command::new(&python)
         .args([
@@ -125,7 +133,7 @@ fn server_tests() -> Result<()> {
             "no:cacheprovider",
             "crates/server/tests/python",
         ])
-        .env("KILN_BIN", root.join("target/release/kiln")))
+        .env("KILN_BIN", test_build().join("kiln")))
 }
 
 /// The Python of kiln's virtual environment (`target/python`, made on first use) with
