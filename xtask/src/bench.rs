@@ -86,9 +86,9 @@ fn absolute(path: &str) -> Result<PathBuf> {
     std::path::absolute(path).with_context(|| format!("locating {path}"))
 }
 
-/// The kiln binary to measure: `given`, or the release build of `cargo xtask test` (the same
-/// build, so dev-dependencies unify features and the binary the tests built is reused rather
-/// than rebuilt with another feature set).
+/// The kiln binary to measure: `given`, or a release build of the workspace with its tests (so
+/// that dev-dependencies unify features as in the test build; `cargo xtask test`'s own binary,
+/// `target/ci/kiln`, has kiln's crates at opt-level 1 and is not measured).
 pub(crate) fn kiln_binary(given: Option<&Path>) -> Result<PathBuf> {
     if let Some(kiln) = given {
         return Ok(kiln.to_path_buf());
