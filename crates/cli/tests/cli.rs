@@ -40,7 +40,7 @@ fn assert_selftest_passes(backend: &str) {
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
     // Every check of kiln's own paths (crates/cli/src/selftest.rs) runs and passes.
-    assert!(stdout.contains("10 passed, 0 failed"), "{stdout}");
+    assert!(stdout.contains("11 passed, 0 failed"), "{stdout}");
 }
 
 #[test]

@@ -9,7 +9,7 @@ use burn::tensor::{Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::attention::{AttentionPlan, attend};
+use crate::attention::{AttentionPlan, Scoring, attend};
 use crate::backend::InferenceBackend;
 use crate::batch::Batch;
 use crate::dtype::Dtype;
@@ -85,6 +85,12 @@ pub fn run<B: InferenceBackend>(device: &B::Device) -> Vec<Check> {
             1e-5,
             |r| cached_attention::<B>(r, device, Scenario::PrefillDecode),
             |r| cached_attention::<Reference>(r, &reference, Scenario::PrefillDecode),
+        ),
+        compare(
+            "paged cache, soft-capped scores (Gemma 2)",
+            1e-5,
+            |r| cached_attention::<B>(r, device, Scenario::SoftCapped),
+            |r| cached_attention::<Reference>(r, &reference, Scenario::SoftCapped),
         ),
         compare(
             "static cache: append in place, read back",
@@ -234,6 +240,9 @@ enum Scenario {
     Chunks,
     /// Two prompts packed, then a decode step each.
     PrefillDecode,
+    /// [`Scenario::PrefillDecode`] with scores scaled and soft-capped as Gemma 2 takes them
+    /// (its own scale, `c tanh(s / c)`), the cap small enough to bend them.
+    SoftCapped,
 }
 
 /// Steps of a [`Scenario`] through a paged cache with grouped-query attention (4 query heads,
@@ -268,7 +277,7 @@ fn cached_attention<B: InferenceBackend>(
             batch(&[(0, &[6, 7, 8], 5)]),
             batch(&[(0, &[9, 10, 11, 12], 8)]),
         ],
-        Scenario::PrefillDecode => vec![
+        Scenario::PrefillDecode | Scenario::SoftCapped => vec![
             batch(&[(0, &[1, 2, 3, 4, 5], 0), (1, &[6, 7, 8], 0)]),
             batch(&[(0, &[9], 5), (1, &[10], 3)]),
         ],
@@ -277,7 +286,15 @@ fn cached_attention<B: InferenceBackend>(
     for batch in steps {
         let n = batch.n_tokens();
         let step = cache.plan(&batch).expect("the cache has room");
-        let plan = AttentionPlan::new(&batch, step, n_heads, layout.n_kv_heads, device);
+        let scoring = match scenario {
+            Scenario::SoftCapped => Scoring {
+                scale: Some(0.6),
+                softcap: Some(0.8),
+            },
+            _ => Scoring::default(),
+        };
+        let plan = AttentionPlan::new(&batch, step, n_heads, layout.n_kv_heads, device)
+            .with_scoring(scoring);
         let q = r.tensor::<B, 3>([n, n_heads, layout.head_dim], device);
         let k = r.tensor::<B, 3>([n, layout.n_kv_heads, layout.head_dim], device);
         let v = r.tensor::<B, 3>([n, layout.n_kv_heads, layout.head_dim], device);
