@@ -28,7 +28,7 @@ use kiln_core::attention::Scoring;
 use serde_json::Value;
 
 use super::{Blocks, Family, validated};
-use crate::config::{Architecture, MlpKind, PositionKind, RopeConfig, TransformerConfig};
+use crate::config::{Architecture, PositionKind, RopeConfig, TransformerConfig};
 use crate::decoder::{self, HfConfig, HfDefaults};
 use crate::error::{ModelError, Result};
 
@@ -192,7 +192,6 @@ impl GemmaKeys {
             softcap: self.attention_softcap,
         };
         config.final_softcap = self.final_softcap;
-        debug_assert!(matches!(config.mlp, MlpKind::GeGlu | MlpKind::SwiGlu));
     }
 }
 
@@ -209,10 +208,18 @@ fn gemma3_ropes(
         .get("rope_parameters")
         .filter(|p| p.get("full_attention").is_some() || p.get("sliding_attention").is_some());
     let (full, sliding) = match by_type {
-        Some(p) => (
-            p.get("full_attention").cloned().unwrap_or(Value::Null),
-            p.get("sliding_attention").cloned().unwrap_or(Value::Null),
-        ),
+        Some(p) => {
+            let layer_type = |key: &str| {
+                p.get(key)
+                    .filter(|v| !v.is_null())
+                    .cloned()
+                    .unwrap_or_else(|| serde_json::json!({}))
+            };
+            (
+                layer_type("full_attention"),
+                layer_type("sliding_attention"),
+            )
+        }
         None => {
             let mut full = match value.get("rope_scaling") {
                 Some(v @ Value::Object(_)) => v.clone(),
@@ -228,23 +235,16 @@ fn gemma3_ropes(
             (full, sliding)
         }
     };
-    let or_empty = |v: Value| {
-        if v.is_null() {
-            serde_json::json!({})
-        } else {
-            v
-        }
-    };
     Ok((
-        decoder::rope_config(&or_empty(full), GEMMA3_GLOBAL_THETA, path, max_positions)?,
-        decoder::rope_config(&or_empty(sliding), GEMMA3_LOCAL_THETA, path, max_positions)?,
+        decoder::rope_config(&full, GEMMA3_GLOBAL_THETA, path, max_positions)?,
+        decoder::rope_config(&sliding, GEMMA3_LOCAL_THETA, path, max_positions)?,
     ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::RopeScaling;
+    use crate::config::{MlpKind, RopeScaling};
 
     fn parse(
         family: fn(Value, &Path) -> Result<TransformerConfig>,
