@@ -13,11 +13,20 @@ builds), and quantizes with that build's llama-quantize:
                                   window (as it does Mistral's), so the model is the HF folder with
                                   `use_sliding_window` false; for a fixture without a window it is the same.
 
-for qwen2-tiny and qwen3-tiny. The fixtures' tokenizers are trained here, so the converter's hash of their
+for qwen2-tiny and qwen3-tiny, and for llama2-tiny (a SentencePiece vocabulary: `tokenizer.ggml.model`
+`llama`) the F32 file and its reference, whose `tokenizer_cases` are llama.cpp's tokenization of the HF
+fixture's texts (below). The fixtures' tokenizers are trained here, so the converter's hash of their
 pre-tokenizer output matches no released model; `get_vocab_base_pre` is told the name their split regex
 is (`qwen2`), which is what the converter writes for every Qwen2/Qwen3 model. Nothing else is changed.
 
-    python3 scripts/reference/make_family_ggufs.py [--llama-cpp DIR] [--quantize PATH]
+    python3 scripts/reference/make_family_ggufs.py [--llama-cpp DIR] [--quantize PATH] [--only NAME]
+
+llama.cpp tokenizes a SentencePiece vocabulary as SentencePiece's BPE does, with two differences from
+`SentencePieceProcessor.encode`: control, user-defined and unknown pieces written in the text are matched
+as tokens, and a space goes before every run of text that starts the prompt or follows such a token
+(llama-vocab.cpp, `is_prev_special`). The cases are computed that way, with the fixture's tokenizer.model
+and its dummy prefix switched off; when `llama-tokenize` is built beside llama-quantize, each case is also
+run through it and must agree.
 
 DIR defaults to target/llama.cpp/sdist/llama_cpp_python-*/vendor/llama.cpp (extracted from the sdist
 if needed), PATH to target/llama.cpp/build/bin/llama-quantize.
@@ -39,7 +48,45 @@ from make_model_fixtures import reference
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FIXTURES = os.path.join(ROOT, "crates", "models", "tests", "fixtures")
-FAMILIES = {"qwen2-tiny": "qwen2", "qwen3-tiny": "qwen2"}
+# name: (the pre-tokenizer name the converter is told, or None for SentencePiece; quantize to Q8_0)
+FAMILIES = {"qwen2-tiny": ("qwen2", True), "qwen3-tiny": ("qwen2", True), "llama2-tiny": (None, False)}
+
+
+def llama_cpp_tokenization(model_dir, texts, tokenize_binary, gguf_path):
+    """Each text's ids as llama.cpp's SPM tokenizer gives them (with BOS), from tokenizer.model."""
+    import sentencepiece
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(open(os.path.join(model_dir, "tokenizer.model"), "rb").read())
+    proto.normalizer_spec.add_dummy_prefix = False
+    processor = sentencepiece.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    kinds = (proto.SentencePiece.CONTROL, proto.SentencePiece.USER_DEFINED, proto.SentencePiece.UNKNOWN)
+    matched = {p.piece: i for i, p in enumerate(proto.pieces) if p.type in kinds}
+    cases = []
+    for text in texts:
+        fragments = [text]
+        for piece in sorted(matched, key=len, reverse=True):
+            split = []
+            for fragment in fragments:
+                if isinstance(fragment, int):
+                    split.append(fragment)
+                    continue
+                for n, part in enumerate(fragment.split(piece)):
+                    if n:
+                        split.append(matched[piece])
+                    if part:
+                        split.append(part)
+            fragments = split
+        ids = [proto.trainer_spec.bos_id]
+        for fragment in fragments:
+            ids += [fragment] if isinstance(fragment, int) else processor.encode(" " + fragment)
+        if tokenize_binary:
+            out = subprocess.run([tokenize_binary, "-m", gguf_path, "-p", text, "--ids", "--log-disable"],
+                                 check=True, capture_output=True, text=True).stdout
+            assert json.loads(out.strip().splitlines()[-1]) == ids, (text, out, ids)
+        cases.append({"text": text, "ids": ids})
+    return cases
 
 
 def vendored_llama_cpp():
@@ -61,6 +108,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llama-cpp", default=None)
     parser.add_argument("--quantize", default=os.path.join(ROOT, "target", "llama.cpp", "build", "bin", "llama-quantize"))
+    parser.add_argument("--only", choices=sorted(FAMILIES))
     args = parser.parse_args()
     llama_cpp = args.llama_cpp or vendored_llama_cpp()
     sys.path.insert(0, llama_cpp)
@@ -69,13 +117,27 @@ def main():
     from conversion import base
 
     out_dir = os.path.join(FIXTURES, "gguf")
-    for name, pre in FAMILIES.items():
-        base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
+    for name, (pre, quantize) in FAMILIES.items():
+        if args.only not in (None, name):
+            continue
+        if pre is not None:
+            base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
         f32 = os.path.join(out_dir, f"{name}.f32.gguf")
         sys.argv = ["convert_hf_to_gguf.py", os.path.join(FIXTURES, name), "--outfile", f32, "--outtype", "f32"]
         convert_hf_to_gguf.main()
-        q8 = os.path.join(out_dir, f"{name}.q8_0.gguf")
-        subprocess.run([args.quantize, f32, q8, "Q8_0"], check=True, capture_output=True)
+        written = [f32]
+        if quantize:
+            q8 = os.path.join(out_dir, f"{name}.q8_0.gguf")
+            subprocess.run([args.quantize, f32, q8, "Q8_0"], check=True, capture_output=True)
+            written.append(q8)
+        extra = None
+        if pre is None:
+            texts = [c["text"] for c in json.load(open(os.path.join(FIXTURES, name, "reference.json")))["tokenizer_cases"]]
+            tokenize = os.path.join(os.path.dirname(args.quantize), "llama-tokenize")
+            tokenize = tokenize if os.path.exists(tokenize) else None
+            extra = {"tokenizer_cases": llama_cpp_tokenization(os.path.join(FIXTURES, name), texts, tokenize, f32),
+                     "tokenizer_note": "llama.cpp's SPM tokenization" + (", checked with llama-tokenize" if tokenize else
+                                       " (sentencepiece without its dummy prefix, a space before each run of text)")}
         with tempfile.TemporaryDirectory() as tmp:
             windowless = os.path.join(tmp, "model")
             shutil.copytree(os.path.join(FIXTURES, name), windowless)
@@ -89,10 +151,10 @@ def main():
             out = os.path.join(tmp, "reference")
             os.makedirs(out)
             note = f"{name} as its GGUF holds it (no sliding window), by transformers"
-            reference(model, [c["prompt_ids"] for c in cases], out, note)
+            reference(model, [c["prompt_ids"] for c in cases], out, note, extra)
             shutil.copy(os.path.join(out, "reference.json"), os.path.join(out_dir, f"{name}.reference.json"))
             shutil.copy(os.path.join(out, "logits.safetensors"), os.path.join(out_dir, f"{name}.logits.safetensors"))
-        for path in (f32, q8):
+        for path in written:
             print(f"{os.path.relpath(path, ROOT)}: {os.path.getsize(path) / 1024:.0f} KiB", file=sys.stderr)
 
 

@@ -27,6 +27,12 @@ Writes crates/models/tests/fixtures/<name>/ for:
   gpt-bigcode-tiny   GPT-BigCode (SantaCoder/StarCoder): multi-query attention (4 query heads, one
                      key/value head) in a fused c_attn, nn.Linear layers, random biases and LayerNorm
                      weights, unscaled scores (scale_attn_weights false), tokenizer.json
+  llama2-tiny        Llama 2 / Mistral 7B style: a SentencePiece tokenizer.model (BPE, byte fallback,
+                     dummy prefix, digits split, `[INST]`/`[/INST]` control and `<|tool|>` user-defined
+                     pieces; trained here on the corpus and around-the-world-ch1-2.txt), the
+                     tokenizer.json transformers converts it to, Mistral's [INST] chat template,
+                     GQA 4/2, rope_theta 10,000, untied head; its GGUF comes from
+                     make_family_ggufs.py
   gemma3-tiny        Gemma 3 (text): as gemma2-tiny without soft caps, plus random (1 + w) q/k norms,
                      a local RoPE base (10,000) on the windowed layers and a global one (1e6, linear
                      scaling 2) on the full layer, GQA 4/2, untied head
@@ -777,12 +783,74 @@ def yarn_reference(out, cls, prompts):
     )
 
 
+MISTRAL_CHAT_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}{%- if message['role'] == 'user' %}"
+    "{{- '[INST] ' + message['content'] + ' [/INST]' }}{%- else %}{{- message['content'] + eos_token }}"
+    "{%- endif %}{%- endfor %}"
+)
+SPM_TRICKY = [
+    "a  1", "  leading", "naïve café 🙂", "x\n\n\ny", "日本語", "1234567", "end  ", "\ttab", "", " ",
+    "<s>x</s> y", "[INST] Hi [/INST] ok", "use <|tool|> now", "<unk>", "I'm we'll",
+]
+
+
+def train_sentencepiece():
+    """A SentencePiece BPE model with Llama 2's settings (identity normalization, dummy prefix,
+    no whitespace folding, digits split, byte fallback): the serialized `tokenizer.model`."""
+    import io
+    import sentencepiece
+
+    text = open(os.path.join(ROOT, "text", "around-the-world-ch1-2.txt")).read()
+    lines = [line for line in text.splitlines() if line.strip()] + CORPUS
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=640, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", add_dummy_prefix=True,
+        remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, user_defined_symbols=["<|tool|>"],
+        control_symbols=["[INST]", "[/INST]"], num_threads=1, minloglevel=2,
+    )
+    return model.getvalue()
+
+
+def llama2():
+    """Llama 2 / Mistral: a SentencePiece vocabulary. transformers converts tokenizer.model to
+    the tokenizer.json kiln reads from the folder; the GGUF (make_family_ggufs.py) carries the
+    pieces, scores and types themselves."""
+    out = fresh_dir("llama2-tiny")
+    with open(os.path.join(out, "tokenizer.model"), "wb") as f:
+        f.write(train_sentencepiece())
+    write_json(
+        os.path.join(out, "tokenizer_config.json"),
+        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "add_bos_token": True, "add_eos_token": False, "chat_template": MISTRAL_CHAT_TEMPLATE},
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    tok.save_pretrained(out)
+    torch.manual_seed(SEED + 11)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.15,
+        bos_token_id=1, eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    reloaded = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    chat = [{"role": "user", "content": "Tell me a story"}]
+    ids.append(tok.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"])
+    extra = {"tokenizer_cases": [{"text": t, "ids": tok(t)["input_ids"]} for t in PROMPTS + SPM_TRICKY]}
+    note = "Llama 2 / Mistral style: SentencePiece tokenizer.model, GQA 4/2, untied head, f32"
+    return reference(reloaded, ids, out, note, extra)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "gpt-bigcode", "llama", "mistral", "qwen", "gemma"], help="rewrite one family of fixtures")
+    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "gpt-bigcode", "llama", "mistral", "qwen", "gemma", "llama2"], help="rewrite one family of fixtures")
     only = parser.parse_args().only
     torch.set_grad_enabled(False)
-    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("gpt-bigcode", bigcode), ("llama", llama), ("mistral", mistral), ("qwen", qwen), ("gemma", gemma)]:
+    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("gpt-bigcode", bigcode), ("llama", llama), ("mistral", mistral), ("qwen", qwen), ("gemma", gemma), ("llama2", llama2)]:
         if only in (None, name):
             print(f"{name}: smallest top-1/top-2 logit margin on the greedy paths {make():.4f}", file=sys.stderr)
     for name in sorted(n for n in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, n))):

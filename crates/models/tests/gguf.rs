@@ -297,16 +297,23 @@ fn tiny_llama_quantized_on_cuda_matches_transformers() {
 
 /// Each family's GGUF as llama.cpp's converter writes it (`make_family_ggufs.py`), from its HF
 /// fixture: the F32 file gives transformers' logits on every position (within 1e-4) and its
-/// greedy tokens, with the family's names, key prefix and Q/K row order; its vocabulary
-/// tokenizes as the HF `tokenizer.json` does (on text already in NFC: llama.cpp applies none,
-/// the HF file does, and the fixture's one decomposed case, `e` + U+0301, tells them apart).
+/// greedy tokens, with the family's names, key prefix and Q/K row order. Its vocabulary
+/// tokenizes as llama.cpp does: for the byte-level BPE files that is the HF `tokenizer.json`'s
+/// tokenization (on text already in NFC: llama.cpp applies none, the HF file does, and the
+/// fixture's one decomposed case, `e` + U+0301, tells them apart); for the SentencePiece file
+/// (llama2-tiny) the GGUF reference's own cases, which differ from transformers' where
+/// llama.cpp puts a space before text that follows a special token or starts with spaces.
 #[test]
 fn family_ggufs_match_transformers_on_cpu() {
-    for (name, family) in [("qwen2-tiny", "qwen2"), ("qwen3-tiny", "qwen3")] {
+    for (name, family) in [
+        ("qwen2-tiny", "qwen2"),
+        ("qwen3-tiny", "qwen3"),
+        ("llama2-tiny", "llama"),
+    ] {
         let loaded = load::<burn::backend::Flex>(&format!("gguf/{name}.f32.gguf"), Dtype::F32);
         assert_eq!(loaded.model.config().architecture.name(), family);
         let dir = fixture("gguf");
-        let (_, cases) = reference_at(
+        let (gguf_reference, cases) = reference_at(
             &dir.join(format!("{name}.reference.json")),
             &dir.join(format!("{name}.logits.safetensors")),
         );
@@ -318,7 +325,11 @@ fn family_ggufs_match_transformers_on_cpu() {
         }
         let tokenizer = loaded.tokenizer.as_ref().unwrap();
         let (hf, _) = reference(name);
-        for case in hf["tokenizer_cases"].as_array().unwrap() {
+        let tokenizer_cases = match gguf_reference.get("tokenizer_cases") {
+            Some(cases) => cases.clone(),
+            None => hf["tokenizer_cases"].clone(),
+        };
+        for case in tokenizer_cases.as_array().unwrap() {
             let text = case["text"].as_str().unwrap();
             if !text.contains('\u{301}') {
                 assert_eq!(
@@ -329,6 +340,66 @@ fn family_ggufs_match_transformers_on_cpu() {
             }
         }
     }
+}
+
+/// The SentencePiece GGUF's framing and pieces as llama.cpp reads them: BOS added by default
+/// (the file does not say), `</s>` ends a reply, decoding drops the space the encoder put
+/// first, byte pieces mean their bytes, control pieces are special.
+#[test]
+fn sentencepiece_gguf_frames_and_decodes_as_llama_cpp() {
+    let loaded = load::<burn::backend::Flex>("gguf/llama2-tiny.f32.gguf", Dtype::F32);
+    assert!(loaded.generation.add_bos);
+    assert_eq!(loaded.generation.bos, Some(TokenId(1)));
+    assert_eq!(loaded.generation.eos, vec![TokenId(2)]);
+    assert!(loaded.chat_template.as_deref().unwrap().contains("[INST]"));
+    let tokenizer = loaded.tokenizer.as_ref().unwrap();
+    for text in [
+        "Hello  world\n",
+        "  two leading",
+        "naïve café 🙂",
+        "日本語 <|tool|> x",
+    ] {
+        let ids = tokenizer.encode(text, false).unwrap();
+        assert_eq!(tokenizer.decode(&ids, false).unwrap(), text, "{ids:?}");
+    }
+    let texts = tokenizer.token_texts(tokenizer.vocab_size());
+    assert_eq!(texts[1], kiln_core::ids::TokenText::Special("<s>".into()));
+    let newline = tokenizer.token_id("<0x0A>").unwrap();
+    assert_eq!(
+        texts[newline.0 as usize],
+        kiln_core::ids::TokenText::Bytes(b"\n".to_vec())
+    );
+}
+
+/// A SentencePiece vocabulary whose metadata lies is refused, naming the key and entry.
+#[test]
+fn sentencepiece_metadata_errors_are_named() {
+    let bytes = std::fs::read(fixture("gguf/llama2-tiny.f32.gguf")).unwrap();
+    // An array's header after its key: ARRAY (9), the element type, the count (u64).
+    let array_at =
+        |key: &[u8]| bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+
+    let at = array_at(b"tokenizer.ggml.scores");
+    assert_eq!(&bytes[at..at + 8], &[9, 0, 0, 0, 6, 0, 0, 0], "f32 scores");
+    let mut nan_score = bytes.clone();
+    nan_score[at + 16..at + 20].copy_from_slice(&f32::NAN.to_le_bytes());
+    let err = load_bytes(&nan_score).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("`tokenizer.ggml.scores`[0] is not a number"),
+        "{err}"
+    );
+
+    let at = array_at(b"tokenizer.ggml.token_type");
+    assert_eq!(&bytes[at..at + 8], &[9, 0, 0, 0, 5, 0, 0, 0], "i32 types");
+    let mut bad_type = bytes.clone();
+    bad_type[at + 16..at + 20].copy_from_slice(&9i32.to_le_bytes());
+    let err = load_bytes(&bad_type).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("`tokenizer.ggml.token_type`[0] is 9, not a token type"),
+        "{err}"
+    );
 }
 
 /// The families' Q8_0 files (llama-quantize), kept in their blocks on the cpu fast path,

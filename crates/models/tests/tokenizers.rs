@@ -35,10 +35,11 @@ fn gpt2_vocab_and_merges_encode_the_prompts_as_transformers() {
     assert!(tok.token_id("<|endoftext|>").is_some());
 }
 
-/// Llama 3's and Qwen2's `tokenizer.json` layouts (Qwen2's: NFC, single digits, no BOS).
+/// Llama 3's, Qwen2's and a SentencePiece (Llama 2 / Mistral) `tokenizer.json` layout
+/// (Qwen2's: NFC, single digits, no BOS; SentencePiece's: Metaspace, byte fallback).
 #[test]
 fn tokenizer_json_matches_transformers_on_tricky_strings() {
-    for name in ["llama-tiny", "qwen2-tiny"] {
+    for name in ["llama-tiny", "qwen2-tiny", "llama2-tiny"] {
         let tok =
             TextTokenizer::from_tokenizer_json(&fixture(name).join("tokenizer.json")).unwrap();
         let (json, _) = reference(name);
@@ -123,5 +124,33 @@ fn gemma_chat_template_renders_as_transformers() {
                 assert_eq!(tokenizer.encode(&text, false).unwrap(), ids);
             }
         }
+    }
+}
+
+/// A SentencePiece model's folder as transformers 5 saves it (the template in
+/// `chat_template.jinja`, not in `tokenizer_config.json`): kiln finds the template, and the
+/// chat prompt it renders and encodes is the one transformers' `apply_chat_template` gave
+/// (case 5 of the reference); decoding gives the text back without the prefix space.
+#[test]
+fn sentencepiece_folder_chat_template_and_decoding_match_transformers() {
+    let loaded = load::<burn::backend::Flex>("llama2-tiny", kiln_core::Dtype::F32);
+    let template =
+        ChatTemplate::new(loaded.chat_template.as_ref().unwrap(), "<s>", "</s>").unwrap();
+    let text = template
+        .render(
+            &[kiln_models::chat::ChatMessage::new(
+                kiln_models::chat::Role::User,
+                "Tell me a story",
+            )],
+            true,
+        )
+        .unwrap();
+    let tokenizer = loaded.tokenizer.as_ref().unwrap();
+    let (_, cases) = reference("llama2-tiny");
+    assert_eq!(tokenizer.encode(&text, false).unwrap(), cases[5].prompt);
+    assert!(loaded.generation.add_bos);
+    for text in ["Hello  world\n", "naïve café 🙂", "日本語"] {
+        let ids = tokenizer.encode(text, false).unwrap();
+        assert_eq!(tokenizer.decode(&ids, true).unwrap(), text);
     }
 }

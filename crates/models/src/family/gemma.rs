@@ -17,8 +17,9 @@
 //! (`rope_parameters.sliding_attention`, base 10,000; the full layers' base is 1,000,000,
 //! with any scaling).
 //!
-//! Gemma's GGUF files are not read yet: their vocabulary is SentencePiece
-//! (`tokenizer.ggml.model = llama`), which kiln's GGUF tokenizer lacks. Gemma 3's multimodal
+//! Gemma's GGUF files are not read yet: their SentencePiece vocabulary reads, but the
+//! `gemma2`/`gemma3` metadata keys and llama.cpp's stored `1 + w` norms are not wired up.
+//! Gemma 3's multimodal
 //! checkpoints (`model_type` `gemma3`) are refused by name: kiln runs the text model
 //! (`gemma3_text`, e.g. Gemma 3 1B).
 

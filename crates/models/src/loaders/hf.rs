@@ -115,10 +115,9 @@ pub(super) fn inspect(dir: &Path) -> Result<ModelInfo> {
         .iter()
         .map(|f| file_size(f))
         .sum::<Result<u64>>()?;
-    // Lenient, as a description should be: a missing or unreadable tokenizer_config.json
-    // just means no template (loading reports it as an error).
-    let chat_template = read_json(&dir.join("tokenizer_config.json"))
-        .is_ok_and(|v| v.get("chat_template").is_some());
+    // Lenient, as a description should be: an unreadable template just means none (loading
+    // reports it as an error).
+    let chat_template = chat_template(dir).is_ok_and(|t| t.is_some());
     Ok(ModelInfo {
         path: dir.to_path_buf(),
         format: ModelFormat::HuggingFace,
@@ -154,14 +153,9 @@ fn generation_settings(
             settings.bos = Some(*bos);
         }
     }
-    let mut chat_template = None;
     let tokenizer_config = dir.join("tokenizer_config.json");
     if tokenizer_config.exists() {
         let value = read_json(&tokenizer_config)?;
-        chat_template = value
-            .get("chat_template")
-            .and_then(Value::as_str)
-            .map(str::to_string);
         let bos_text = value.get("bos_token").and_then(|b| {
             b.as_str()
                 .or_else(|| b.get("content").and_then(Value::as_str))
@@ -180,7 +174,37 @@ fn generation_settings(
     if let (Some(tok), Some(bos)) = (tokenizer, settings.bos) {
         settings.add_bos = tok.encode("a", true)?.first() == Some(&bos);
     }
-    Ok((settings, chat_template))
+    Ok((settings, chat_template(dir)?))
+}
+
+/// The chat template, where transformers looks for it: `chat_template.jinja` (what
+/// transformers 4.47 and later save), else `tokenizer_config.json`'s `chat_template`: a
+/// string, or a list of named templates of which kiln takes `default`.
+///
+/// # Errors
+/// An unreadable file, or a `chat_template` that is neither form.
+fn chat_template(dir: &Path) -> Result<Option<String>> {
+    let jinja = dir.join("chat_template.jinja");
+    if jinja.exists() {
+        return read_text(&jinja).map(Some);
+    }
+    let tokenizer_config = dir.join("tokenizer_config.json");
+    if !tokenizer_config.exists() {
+        return Ok(None);
+    }
+    match read_json(&tokenizer_config)?.get("chat_template") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(template)) => Ok(Some(template.clone())),
+        Some(Value::Array(named)) => Ok(named
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template").and_then(Value::as_str))
+            .map(str::to_string)),
+        Some(_) => Err(ModelError::config(
+            &tokenizer_config,
+            "`chat_template` is neither a string nor a list of named templates",
+        )),
+    }
 }
 
 pub(super) fn load<B: InferenceBackend>(

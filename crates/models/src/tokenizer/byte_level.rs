@@ -115,31 +115,14 @@ pub fn tokenizer_json(
     added: &[AddedToken],
     bos: Option<(&str, u32)>,
 ) -> Value {
-    let added_tokens: Vec<Value> = added
-        .iter()
-        .map(|t| {
-            json!({"id": t.id, "content": t.content, "single_word": false, "lstrip": false,
-                   "rstrip": false, "normalized": false, "special": t.special})
-        })
-        .collect();
-    let post_processor = match bos {
-        Some((token, id)) => json!({
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": token, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": token, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {token: {"id": token, "ids": [id], "tokens": [token]}}
-        }),
-        None => Value::Null,
-    };
     json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
-        "added_tokens": added_tokens,
+        "added_tokens": super::added_tokens_json(added),
         "normalizer": null,
         "pre_tokenizer": pre_tokenizer,
-        "post_processor": post_processor,
+        "post_processor": super::framing_json(bos, None),
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {
             "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,

@@ -1,11 +1,13 @@
 //! The tokenizer a GGUF file describes in `tokenizer.ggml.*`, as a `tokenizer.json` document.
-//! Only byte-level BPE (`tokenizer.ggml.model = gpt2`) is read; the pre-tokenizer follows
-//! `tokenizer.ggml.pre` as llama.cpp's `llama-vocab.cpp` maps it, and a name kiln does not know
-//! is an error rather than a guess (a wrong split silently changes every prompt's tokens).
+//! Two vocabulary kinds (`tokenizer.ggml.model`) are read: byte-level BPE (`gpt2`), whose
+//! pre-tokenizer follows `tokenizer.ggml.pre` as llama.cpp's `llama-vocab.cpp` maps it (a name
+//! kiln does not know is an error rather than a guess: a wrong split silently changes every
+//! prompt's tokens), and SentencePiece (`llama`), from the pieces' scores and types.
 
 use serde_json::{Map, Value, json};
 
 use super::byte_level::{self, AddedToken, PreTokenizer, byte_to_char, encode_bytes};
+use super::sentencepiece::{self, Piece, PieceKind};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 
@@ -55,17 +57,138 @@ fn token_id(file: &GgufFile, key: &str, vocab: usize) -> Result<Option<u32>> {
 
 /// Builds the `tokenizer.json` document.
 pub fn tokenizer_json(file: &GgufFile) -> Result<Value> {
-    let path = file.path();
-    let model = file.string("tokenizer.ggml.model")?;
-    if model != "gpt2" {
-        return Err(ModelError::Tokenizer {
-            source_name: path.display().to_string(),
+    match file.string("tokenizer.ggml.model")? {
+        "gpt2" => byte_level_json(file),
+        "llama" => sentencepiece_json(file),
+        model => Err(ModelError::Tokenizer {
+            source_name: file.path().display().to_string(),
             reason: format!(
-                "tokenizer.ggml.model `{model}` is not supported (kiln reads byte-level BPE, `gpt2`; \
-                 `llama` is SentencePiece, used by Llama 1 and 2)"
+                "tokenizer.ggml.model `{model}` is not supported (kiln reads byte-level BPE, \
+                 `gpt2`, and SentencePiece, `llama`)"
             ),
-        });
+        }),
     }
+}
+
+/// Whether `encode(.., true)` adds BOS and EOS: the file's `add_bos_token` / `add_eos_token`,
+/// else llama.cpp's defaults (SentencePiece adds BOS; byte-level BPE adds nothing).
+fn framing(file: &GgufFile) -> Result<(bool, bool)> {
+    let sentencepiece = file.string("tokenizer.ggml.model")? == "llama";
+    let add_bos = file
+        .bool_opt("tokenizer.ggml.add_bos_token")?
+        .unwrap_or(sentencepiece);
+    let add_eos = file
+        .bool_opt("tokenizer.ggml.add_eos_token")?
+        .unwrap_or(false);
+    Ok((add_bos, add_eos))
+}
+
+/// The token `key` names, required because the file asks `encode` to add it.
+fn framing_token(file: &GgufFile, key: &str, added: bool, vocab: usize) -> Result<Option<u32>> {
+    if !added {
+        return Ok(None);
+    }
+    token_id(file, key, vocab)?.map(Some).ok_or_else(|| {
+        ModelError::config(
+            file.path(),
+            format!("prompts are to carry the token `{key}` names, but there is no `{key}`"),
+        )
+    })
+}
+
+/// Per-token types (`tokenizer.ggml.token_type`), all normal when absent.
+fn token_types(file: &GgufFile, tokens: usize) -> Result<Vec<i64>> {
+    let Some(_) = file.get("tokenizer.ggml.token_type") else {
+        return Ok(vec![1; tokens]);
+    };
+    let types: Vec<i64> = file
+        .array("tokenizer.ggml.token_type")?
+        .iter()
+        .map(|v| v.as_i64().unwrap_or(-1))
+        .collect();
+    if types.len() != tokens {
+        return Err(ModelError::config(
+            file.path(),
+            format!(
+                "tokenizer.ggml.token_type has {} entries for {tokens} tokens",
+                types.len()
+            ),
+        ));
+    }
+    Ok(types)
+}
+
+/// A SentencePiece vocabulary: `tokenizer.ggml.tokens`, `.scores` and `.token_type`, with
+/// `add_space_prefix` (default true, as llama.cpp reads it).
+fn sentencepiece_json(file: &GgufFile) -> Result<Value> {
+    let path = file.path();
+    let tokens = strings(file, "tokenizer.ggml.tokens")?;
+    let scores: Vec<f32> = file
+        .array("tokenizer.ggml.scores")?
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_f64()
+                .filter(|s| !s.is_nan())
+                .map(|s| s as f32)
+                .ok_or_else(|| {
+                    ModelError::config(
+                        path,
+                        format!("`tokenizer.ggml.scores`[{i}] is not a number"),
+                    )
+                })
+        })
+        .collect::<Result<_>>()?;
+    if scores.len() != tokens.len() {
+        return Err(ModelError::config(
+            path,
+            format!(
+                "tokenizer.ggml.scores has {} entries for {} tokens",
+                scores.len(),
+                tokens.len()
+            ),
+        ));
+    }
+    let types = token_types(file, tokens.len())?;
+    let pieces: Vec<Piece<'_>> = tokens
+        .iter()
+        .zip(&scores)
+        .zip(&types)
+        .enumerate()
+        .map(|(id, ((&text, &score), &kind))| {
+            let kind = PieceKind::from_gguf(kind).ok_or_else(|| {
+                ModelError::config(
+                    path,
+                    format!("`tokenizer.ggml.token_type`[{id}] is {kind}, not a token type (0-6)"),
+                )
+            })?;
+            Ok(Piece { text, score, kind })
+        })
+        .collect::<Result<_>>()?;
+    let vocab = tokens.len();
+    let unknown = match token_id(file, "tokenizer.ggml.unknown_token_id", vocab)? {
+        Some(id) => Some(id),
+        None => pieces
+            .iter()
+            .position(|p| p.kind == PieceKind::Unknown)
+            .map(|id| id as u32),
+    };
+    let (add_bos, add_eos) = framing(file)?;
+    Ok(sentencepiece::tokenizer_json(&sentencepiece::Vocabulary {
+        add_space_prefix: file
+            .bool_opt("tokenizer.ggml.add_space_prefix")?
+            .unwrap_or(true),
+        unknown,
+        bos: framing_token(file, "tokenizer.ggml.bos_token_id", add_bos, vocab)?,
+        eos: framing_token(file, "tokenizer.ggml.eos_token_id", add_eos, vocab)?,
+        pieces,
+    }))
+}
+
+/// A byte-level BPE vocabulary: `tokenizer.ggml.tokens`, `.merges`, `.token_type` and the
+/// pre-tokenizer `tokenizer.ggml.pre` names.
+fn byte_level_json(file: &GgufFile) -> Result<Value> {
+    let path = file.path();
     let pre_name = file
         .get("tokenizer.ggml.pre")
         .and_then(|v| v.as_str())
@@ -82,24 +205,7 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<Value> {
     })?;
 
     let tokens = strings(file, "tokenizer.ggml.tokens")?;
-    let types: Vec<i64> = match file.get("tokenizer.ggml.token_type") {
-        Some(_) => file
-            .array("tokenizer.ggml.token_type")?
-            .iter()
-            .map(|v| v.as_i64().unwrap_or(1))
-            .collect(),
-        None => vec![1; tokens.len()],
-    };
-    if types.len() != tokens.len() {
-        return Err(ModelError::config(
-            path,
-            format!(
-                "tokenizer.ggml.token_type has {} entries for {} tokens",
-                types.len(),
-                tokens.len()
-            ),
-        ));
-    }
+    let types = token_types(file, tokens.len())?;
     let merges: Vec<String> = strings(file, "tokenizer.ggml.merges")?
         .into_iter()
         .map(str::to_string)
@@ -129,20 +235,9 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<Value> {
         }
     }
     let vocab_size = tokens.len();
-    let bos = token_id(file, "tokenizer.ggml.bos_token_id", vocab_size)?;
-    let add_bos = file
-        .bool_opt("tokenizer.ggml.add_bos_token")?
-        .unwrap_or(false);
-    let bos = match (add_bos, bos) {
-        (true, Some(id)) => Some((tokens[id as usize], id)),
-        (true, None) => {
-            return Err(ModelError::config(
-                path,
-                "tokenizer.ggml.add_bos_token is true but there is no tokenizer.ggml.bos_token_id",
-            ));
-        }
-        (false, _) => None,
-    };
+    let (add_bos, _) = framing(file)?;
+    let bos = framing_token(file, "tokenizer.ggml.bos_token_id", add_bos, vocab_size)?
+        .map(|id| (tokens[id as usize], id));
     Ok(byte_level::tokenizer_json(
         Value::Object(vocab),
         merges,
@@ -170,9 +265,7 @@ pub fn special_ids(file: &GgufFile) -> Result<(Option<u32>, Vec<u32>, bool)> {
             eos.push(id);
         }
     }
-    let add_bos = file
-        .bool_opt("tokenizer.ggml.add_bos_token")?
-        .unwrap_or(false);
+    let (add_bos, _) = framing(file)?;
     Ok((bos, eos, add_bos))
 }
 

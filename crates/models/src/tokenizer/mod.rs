@@ -5,6 +5,7 @@
 
 mod byte_level;
 pub(crate) mod gguf;
+pub mod sentencepiece;
 mod tiktoken;
 
 use std::path::Path;
@@ -80,10 +81,12 @@ impl TextTokenizer {
         Self::from_json_str(&document.to_string(), &path.display().to_string())
     }
 
-    /// The byte-level BPE a GGUF file describes in its `tokenizer.ggml.*` metadata, with the
-    /// pre-tokenizer `tokenizer.ggml.pre` names (see [`PreTokenizer`]), control tokens as
-    /// special tokens, user-defined ones as plain added tokens, and BOS added by
-    /// `encode(.., true)` only when `tokenizer.ggml.add_bos_token` says so.
+    /// The tokenizer a GGUF file describes in its `tokenizer.ggml.*` metadata: byte-level BPE
+    /// (`tokenizer.ggml.model` `gpt2`) with the pre-tokenizer `tokenizer.ggml.pre` names (see
+    /// [`PreTokenizer`]), or a SentencePiece vocabulary (`llama`: Llama 1 and 2, Mistral,
+    /// Gemma; see [`sentencepiece`]). Control tokens become special tokens, user-defined ones
+    /// plain added tokens; `encode(.., true)` adds BOS and EOS as
+    /// `tokenizer.ggml.add_bos_token` / `add_eos_token` say, with llama.cpp's defaults.
     ///
     /// # Errors
     /// A vocabulary kind or pre-tokenizer kiln does not implement, or malformed metadata.
@@ -187,6 +190,46 @@ impl TextTokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+}
+
+/// The `added_tokens` list of `tokenizer.json`: tokens matched whole in text, before the
+/// normalizer (so a `▁` is never put inside them).
+fn added_tokens_json(added: &[AddedToken]) -> Value {
+    added
+        .iter()
+        .map(|t| {
+            serde_json::json!({"id": t.id, "content": t.content, "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": t.special})
+        })
+        .collect()
+}
+
+/// The `post_processor` of `tokenizer.json` that puts `bos` before and `eos` after a prompt
+/// when `encode(.., true)` asks for special tokens (`null` when neither is set). A pair of
+/// texts gets `bos A eos B eos`.
+fn framing_json(bos: Option<(&str, u32)>, eos: Option<(&str, u32)>) -> Value {
+    use serde_json::json;
+    if bos.is_none() && eos.is_none() {
+        return Value::Null;
+    }
+    let special = |token: &str| json!({"SpecialToken": {"id": token, "type_id": 0}});
+    let sequence = |id: &str, type_id: u32| json!({"Sequence": {"id": id, "type_id": type_id}});
+    let mut single = Vec::new();
+    single.extend(bos.map(|(t, _)| special(t)));
+    single.push(sequence("A", 0));
+    single.extend(eos.map(|(t, _)| special(t)));
+    let mut pair = single.clone();
+    pair.push(sequence("B", 1));
+    pair.extend(eos.map(|(t, _)| special(t)));
+    let mut special_tokens = serde_json::Map::new();
+    for (token, id) in bos.into_iter().chain(eos) {
+        special_tokens.insert(
+            token.to_string(),
+            json!({"id": token, "ids": [id], "tokens": [token]}),
+        );
+    }
+    json!({"type": "TemplateProcessing", "single": single, "pair": pair,
+           "special_tokens": special_tokens})
 }
 
 /// A SentencePiece piece's bytes: `<0xAB>` is the byte 0xAB, `▁` a space.

@@ -9,7 +9,7 @@ use kiln_core::kv_cache::DynamicKvCache;
 use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, SeqId, TokenId};
 use serde_json::Value;
 
-pub const FIXTURES: [&str; 12] = [
+pub const FIXTURES: [&str; 13] = [
     "gpt2-tiny",
     "gpt2-tiny-legacy",
     "gpt2-tiny-lenient",
@@ -22,6 +22,7 @@ pub const FIXTURES: [&str; 12] = [
     "gemma2-tiny",
     "gemma3-tiny",
     "gpt-bigcode-tiny",
+    "llama2-tiny",
 ];
 
 /// A reference file's chat messages (`[{"role", "content"}]`) as kiln's.
