@@ -53,16 +53,25 @@ FAMILIES = {"qwen2-tiny": ("qwen2", True), "qwen3-tiny": ("qwen2", True), "llama
 
 
 def llama_cpp_tokenization(model_dir, texts, tokenize_binary, gguf_path):
-    """Each text's ids as llama.cpp's SPM tokenizer gives them (with BOS), from tokenizer.model."""
+    """Each text's ids as llama.cpp's SPM tokenizer gives them (with BOS), from tokenizer.model with
+    the piece types the GGUF gives them (the converter types pieces from tokenizer_config.json)."""
+    import gguf
     import sentencepiece
     from sentencepiece import sentencepiece_model_pb2
 
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(open(os.path.join(model_dir, "tokenizer.model"), "rb").read())
     proto.normalizer_spec.add_dummy_prefix = False
+    field = gguf.GGUFReader(gguf_path).fields["tokenizer.ggml.token_type"]
+    gguf_types = [int(field.parts[i][0]) for i in field.data]
+    # gguf.TokenType and SentencePiece's proto number the kinds alike (1 normal ... 6 byte);
+    # SentencePiece needs its one unknown piece, which both kinds match whole in text anyway.
+    for piece, kind in zip(proto.pieces, gguf_types):
+        if piece.type != proto.SentencePiece.UNKNOWN:
+            piece.type = kind
     processor = sentencepiece.SentencePieceProcessor(model_proto=proto.SerializeToString())
-    kinds = (proto.SentencePiece.CONTROL, proto.SentencePiece.USER_DEFINED, proto.SentencePiece.UNKNOWN)
-    matched = {p.piece: i for i, p in enumerate(proto.pieces) if p.type in kinds}
+    kinds = (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED, gguf.TokenType.UNKNOWN)
+    matched = {p.piece: i for i, (p, kind) in enumerate(zip(proto.pieces, gguf_types)) if kind in kinds}
     cases = []
     for text in texts:
         fragments = [text]

@@ -28,7 +28,7 @@ Writes crates/models/tests/fixtures/<name>/ for:
                      key/value head) in a fused c_attn, nn.Linear layers, random biases and LayerNorm
                      weights, unscaled scores (scale_attn_weights false), tokenizer.json
   llama2-tiny        Llama 2 / Mistral 7B style: a SentencePiece tokenizer.model (BPE, byte fallback,
-                     dummy prefix, digits split, `[INST]`/`[/INST]` control and `<|tool|>` user-defined
+                     dummy prefix, digits split, `[INST]`/`[/INST]` control and `<tool>` user-defined
                      pieces; trained here on the corpus and around-the-world-ch1-2.txt), the
                      tokenizer.json transformers converts it to, Mistral's [INST] chat template,
                      GQA 4/2, rope_theta 10,000, untied head; its GGUF comes from
@@ -790,7 +790,7 @@ MISTRAL_CHAT_TEMPLATE = (
 )
 SPM_TRICKY = [
     "a  1", "  leading", "naïve café 🙂", "x\n\n\ny", "日本語", "1234567", "end  ", "\ttab", "", " ",
-    "<s>x</s> y", "[INST] Hi [/INST] ok", "use <|tool|> now", "<unk>", "I'm we'll",
+    "<s>x</s> y", "[INST] Hi [/INST] ok", "use <tool> now", "<unk>", "I'm we'll",
 ]
 
 
@@ -807,7 +807,7 @@ def train_sentencepiece():
         sentence_iterator=iter(lines), model_writer=model, vocab_size=640, model_type="bpe",
         byte_fallback=True, normalization_rule_name="identity", add_dummy_prefix=True,
         remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, user_defined_symbols=["<|tool|>"],
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, user_defined_symbols=["<tool>"],
         control_symbols=["[INST]", "[/INST]"], num_threads=1, minloglevel=2,
     )
     return model.getvalue()
@@ -827,6 +827,16 @@ def llama2():
     )
     tok = transformers.AutoTokenizer.from_pretrained(out)
     tok.save_pretrained(out)
+    # transformers 4.x also wrote each added token's flags; llama.cpp's converter reads them to
+    # type the GGUF's pieces (special: control; otherwise user-defined).
+    config_path = os.path.join(out, "tokenizer_config.json")
+    tokenizer_config = json.load(open(config_path))
+    tokenizer_config["added_tokens_decoder"] = {
+        str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
+                 "single_word": t.single_word, "special": t.special}
+        for i, t in sorted(tok.added_tokens_decoder.items())
+    }
+    write_json(config_path, tokenizer_config)
     torch.manual_seed(SEED + 11)
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -357,7 +357,7 @@ fn sentencepiece_gguf_frames_and_decodes_as_llama_cpp() {
         "Hello  world\n",
         "  two leading",
         "naïve café 🙂",
-        "日本語 <|tool|> x",
+        "日本語 <tool> x",
     ] {
         let ids = tokenizer.encode(text, false).unwrap();
         assert_eq!(tokenizer.decode(&ids, false).unwrap(), text, "{ids:?}");
