@@ -81,10 +81,14 @@ fn bf16_on_cuda_agrees_with_f32() {
     }
 }
 
+/// The largest logit difference over every position of every fixture: a guard against a
+/// broken bf16 path (a wrong cast is off by whole logits), not an accuracy statement (that is
+/// [`BF16_MEAN_KL`]). Its worst case grows with the positions sampled: 0.18 on llama2-tiny,
+/// at most 0.15 on the others (logits within ±5.3 on all of them).
 #[test]
 fn bf16_on_cpu_is_within_tolerance() {
     let worst = worst_diff::<burn::backend::Flex>(Dtype::Bf16, &FIXTURES);
-    assert!(worst <= 0.15, "bf16: {worst}");
+    assert!(worst <= 0.25, "bf16: {worst}");
 }
 
 #[test]
