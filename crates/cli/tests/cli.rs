@@ -144,14 +144,16 @@ fn generate_text_prompt_matches_transformers_greedy() {
     assert!(out["timings"]["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
 }
 
-/// Qwen2, Qwen3, Gemma 2, Gemma 3 and GPT-BigCode end to end, from their HF folders (and the Qwens from
-/// llama.cpp's GGUF conversions of them):
+/// Qwen2, Qwen3, Gemma 2, Gemma 3, GPT-BigCode and a SentencePiece Llama 2 end to end, from
+/// their HF folders (and the Qwens and Llama 2 from llama.cpp's GGUF conversions of them):
 /// `kiln info` names the family and what its attention has, and `generate` turns text into
 /// transformers' greedy tokens (a GGUF's reference is transformers on the model it holds:
 /// llama.cpp's converter drops Qwen2's sliding window).
 #[test]
 fn each_family_is_described_and_generates_transformers_greedy() {
     let qwen2 = "qwen2 (Qwen2 / Qwen2.5)";
+    // `attention`: text the table must hold beside the family (its attention row, or for the
+    // SentencePiece GGUF its vocabulary kind).
     for (model, reference, family, attention) in [
         (
             "qwen2-tiny",
@@ -189,6 +191,18 @@ fn each_family_is_described_and_generates_transformers_greedy() {
             "gemma3-tiny/reference.json",
             "gemma3_text (Gemma 3 (text))",
             "RMSNorm on each Q and K head, sliding window 5 on 2 of 3 layers",
+        ),
+        (
+            "llama2-tiny",
+            "llama2-tiny/reference.json",
+            "llama (Llama 2 and 3, TinyLlama, Mistral GGUFs)",
+            "plain (no biases, no window)",
+        ),
+        (
+            "gguf/llama2-tiny.f32.gguf",
+            "gguf/llama2-tiny.reference.json",
+            "llama (Llama 2 and 3, TinyLlama, Mistral GGUFs)",
+            "tokenizer.ggml.model `llama`",
         ),
         (
             "gpt-bigcode-tiny",

@@ -19,11 +19,11 @@ use crate::decoder::{self, HfConfig, HfDefaults};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 
-/// Llama 3 / 3.1 / 3.2.
+/// Llama 2, 3, 3.1, 3.2 (and what llama.cpp converts as `llama`: TinyLlama, Mistral).
 pub static LLAMA: Family = Family {
     architecture: Architecture::Llama,
     name: "llama",
-    models: "Llama 3 family",
+    models: "Llama 2 and 3, TinyLlama, Mistral GGUFs",
     hf_model_types: &["llama"],
     hf_config: llama_hf_config,
     gguf: Some(GgufFamily {
