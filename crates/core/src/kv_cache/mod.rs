@@ -398,5 +398,3 @@ pub trait KvCache<B: InferenceBackend>: CacheBook {
     fn export(&self, seq: SeqId) -> Result<HostKv, CacheError>;
 }
 
-#[cfg(test)]
-mod tests;

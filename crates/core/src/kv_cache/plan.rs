@@ -123,16 +123,3 @@ pub(crate) fn runs_by_chunk(
         Some((chunk, slot, run))
     })
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn runs_split_at_chunk_boundaries() {
-        let runs: Vec<_> = runs_by_chunk(14, 0..5, 16).collect();
-        assert_eq!(runs, vec![(0, 14, 0..2), (1, 0, 2..5)]);
-        let runs: Vec<_> = runs_by_chunk(0, 3..4, 16).collect();
-        assert_eq!(runs, vec![(0, 0, 3..4)]);
-    }
-}

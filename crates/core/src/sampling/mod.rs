@@ -358,5 +358,3 @@ fn random_seed() -> u64 {
         .finish()
 }
 
-#[cfg(test)]
-mod tests;

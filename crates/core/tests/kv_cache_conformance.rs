@@ -3,22 +3,24 @@
 //! history (windowed for the sliding cache), through packed prefill, batched decode, chunks
 //! on sequences with history, and sequences freed and re-added.
 
+#![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
+
 use std::collections::HashMap;
 
 use burn::tensor::backend::Backend;
 
-use crate::backend::InferenceBackend;
+use kiln_core::backend::InferenceBackend;
 use burn::tensor::{Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::*;
-use crate::attention::{
+use kiln_core::kv_cache::*;
+use kiln_core::attention::{
     AttentionPlan, HostStepIndex, Scoring, StepIndex, attend, step_attention_reference,
 };
-use crate::batch::Batch;
-use crate::dtype::Dtype;
-use crate::ids::{Position, SeqId, TokenId};
+use kiln_core::batch::Batch;
+use kiln_core::dtype::Dtype;
+use kiln_core::ids::{Position, SeqId, TokenId};
 
 const LAYOUT: KvLayout = KvLayout {
     n_layers: 2,
