@@ -9,18 +9,18 @@ use std::collections::HashMap;
 
 use burn::tensor::backend::Backend;
 
-use kiln_core::backend::InferenceBackend;
 use burn::tensor::{Tensor, TensorData};
+use kiln_core::backend::InferenceBackend;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use kiln_core::kv_cache::*;
 use kiln_core::attention::{
     AttentionPlan, HostStepIndex, Scoring, StepIndex, attend, step_attention_reference,
 };
 use kiln_core::batch::Batch;
 use kiln_core::dtype::Dtype;
 use kiln_core::ids::{Position, SeqId, TokenId};
+use kiln_core::kv_cache::*;
 
 const LAYOUT: KvLayout = KvLayout {
     n_layers: 2,

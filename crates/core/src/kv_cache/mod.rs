@@ -397,4 +397,3 @@ pub trait KvCache<B: InferenceBackend>: CacheBook {
     /// [`CacheError::NotAllHeld`] if a sliding ring has overwritten some of them.
     fn export(&self, seq: SeqId) -> Result<HostKv, CacheError>;
 }
-

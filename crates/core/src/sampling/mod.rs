@@ -357,4 +357,3 @@ fn random_seed() -> u64 {
         .build_hasher()
         .finish()
 }
-
