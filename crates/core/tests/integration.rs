@@ -1,6 +1,7 @@
-//! kiln-core's integration tests in one binary, a module per file: every test binary
-//! compiles and links its own copy of the backends' generic code, so one binary per crate
-//! keeps the test build short.
+//! Every test of kiln-core, in one binary, a module per file: every test binary compiles and
+//! links its own copy of the backends' generic code, so one binary per crate keeps the test
+//! build short. The crate has no unit-test binary (`[lib] test = false`: it would compile the
+//! whole crate a second time); the tests use the public API.
 
 mod batch;
 mod block_pool;
