@@ -372,7 +372,8 @@ fn sentencepiece_gguf_frames_and_decodes_as_llama_cpp() {
     );
 }
 
-/// A SentencePiece vocabulary whose metadata lies is refused, naming the key and entry.
+/// A SentencePiece vocabulary whose metadata lies is refused, naming the key and entry: a NaN
+/// score, an unknown token type, a BOS asked for and not named.
 #[test]
 fn sentencepiece_metadata_errors_are_named() {
     let bytes = std::fs::read(fixture("gguf/llama2-tiny.f32.gguf")).unwrap();
@@ -399,6 +400,20 @@ fn sentencepiece_metadata_errors_are_named() {
     assert!(
         err.to_string()
             .contains("`tokenizer.ggml.token_type`[0] is 9, not a token type"),
+        "{err}"
+    );
+
+    // BOS asked for (`add_bos_token`) but not named.
+    let no_bos = replace(
+        &bytes,
+        b"tokenizer.ggml.bos_token_id",
+        b"tokenizer.ggml.bos_token_xx",
+    );
+    let err = load_bytes(&no_bos).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("prompts are to start or end with BOS")
+            && err.to_string().contains("no `tokenizer.ggml.bos_token_id`"),
         "{err}"
     );
 }

@@ -83,15 +83,21 @@ fn framing(file: &GgufFile) -> Result<(bool, bool)> {
     Ok((add_bos, add_eos))
 }
 
-/// The token `key` names, required because the file asks `encode` to add it.
-fn framing_token(file: &GgufFile, key: &str, added: bool, vocab: usize) -> Result<Option<u32>> {
+/// BOS or EOS (`which`), when the file asks `encode` to add it: the token
+/// `tokenizer.ggml.{which}_token_id` names, which must then exist.
+fn framing_token(file: &GgufFile, which: &str, added: bool, vocab: usize) -> Result<Option<u32>> {
     if !added {
         return Ok(None);
     }
-    token_id(file, key, vocab)?.map(Some).ok_or_else(|| {
+    let key = format!("tokenizer.ggml.{which}_token_id");
+    token_id(file, &key, vocab)?.map(Some).ok_or_else(|| {
         ModelError::config(
             file.path(),
-            format!("prompts are to carry the token `{key}` names, but there is no `{key}`"),
+            format!(
+                "prompts are to start or end with {} (`tokenizer.ggml.add_{which}_token` or \
+                 llama.cpp's default), but there is no `{key}`",
+                which.to_uppercase()
+            ),
         )
     })
 }
@@ -179,8 +185,8 @@ fn sentencepiece_json(file: &GgufFile) -> Result<Value> {
             .bool_opt("tokenizer.ggml.add_space_prefix")?
             .unwrap_or(true),
         unknown,
-        bos: framing_token(file, "tokenizer.ggml.bos_token_id", add_bos, vocab)?,
-        eos: framing_token(file, "tokenizer.ggml.eos_token_id", add_eos, vocab)?,
+        bos: framing_token(file, "bos", add_bos, vocab)?,
+        eos: framing_token(file, "eos", add_eos, vocab)?,
         pieces,
     }))
 }
@@ -236,8 +242,7 @@ fn byte_level_json(file: &GgufFile) -> Result<Value> {
     }
     let vocab_size = tokens.len();
     let (add_bos, _) = framing(file)?;
-    let bos = framing_token(file, "tokenizer.ggml.bos_token_id", add_bos, vocab_size)?
-        .map(|id| (tokens[id as usize], id));
+    let bos = framing_token(file, "bos", add_bos, vocab_size)?.map(|id| (tokens[id as usize], id));
     Ok(byte_level::tokenizer_json(
         Value::Object(vocab),
         merges,
