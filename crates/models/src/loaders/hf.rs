@@ -117,7 +117,9 @@ pub(super) fn inspect(dir: &Path) -> Result<ModelInfo> {
         .sum::<Result<u64>>()?;
     // Lenient, as a description should be: an unreadable template just means none (loading
     // reports it as an error).
-    let chat_template = chat_template(dir).is_ok_and(|t| t.is_some());
+    let chat_template = tokenizer_config(dir)
+        .and_then(|config| chat_template(dir, config.as_ref()))
+        .is_ok_and(|t| t.is_some());
     Ok(ModelInfo {
         path: dir.to_path_buf(),
         format: ModelFormat::HuggingFace,
@@ -153,9 +155,8 @@ fn generation_settings(
             settings.bos = Some(*bos);
         }
     }
-    let tokenizer_config = dir.join("tokenizer_config.json");
-    if tokenizer_config.exists() {
-        let value = read_json(&tokenizer_config)?;
+    let tokenizer_config = tokenizer_config(dir)?;
+    if let Some(value) = &tokenizer_config {
         let bos_text = value.get("bos_token").and_then(|b| {
             b.as_str()
                 .or_else(|| b.get("content").and_then(Value::as_str))
@@ -174,7 +175,14 @@ fn generation_settings(
     if let (Some(tok), Some(bos)) = (tokenizer, settings.bos) {
         settings.add_bos = tok.encode("a", true)?.first() == Some(&bos);
     }
-    Ok((settings, chat_template(dir)?))
+    let chat_template = chat_template(dir, tokenizer_config.as_ref())?;
+    Ok((settings, chat_template))
+}
+
+/// `tokenizer_config.json`, when the folder has one.
+fn tokenizer_config(dir: &Path) -> Result<Option<Value>> {
+    let path = dir.join("tokenizer_config.json");
+    path.exists().then(|| read_json(&path)).transpose()
 }
 
 /// The chat template, where transformers looks for it: `chat_template.jinja` (what
@@ -183,16 +191,12 @@ fn generation_settings(
 ///
 /// # Errors
 /// An unreadable file, or a `chat_template` that is neither form.
-fn chat_template(dir: &Path) -> Result<Option<String>> {
+fn chat_template(dir: &Path, tokenizer_config: Option<&Value>) -> Result<Option<String>> {
     let jinja = dir.join("chat_template.jinja");
     if jinja.exists() {
         return read_text(&jinja).map(Some);
     }
-    let tokenizer_config = dir.join("tokenizer_config.json");
-    if !tokenizer_config.exists() {
-        return Ok(None);
-    }
-    match read_json(&tokenizer_config)?.get("chat_template") {
+    match tokenizer_config.and_then(|config| config.get("chat_template")) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(template)) => Ok(Some(template.clone())),
         Some(Value::Array(named)) => Ok(named
@@ -201,7 +205,7 @@ fn chat_template(dir: &Path) -> Result<Option<String>> {
             .and_then(|t| t.get("template").and_then(Value::as_str))
             .map(str::to_string)),
         Some(_) => Err(ModelError::config(
-            &tokenizer_config,
+            dir.join("tokenizer_config.json"),
             "`chat_template` is neither a string nor a list of named templates",
         )),
     }

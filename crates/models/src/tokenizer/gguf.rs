@@ -104,24 +104,27 @@ fn framing_token(file: &GgufFile, which: &str, added: bool, vocab: usize) -> Res
 
 /// Per-token types (`tokenizer.ggml.token_type`), all normal when absent.
 fn token_types(file: &GgufFile, tokens: usize) -> Result<Vec<i64>> {
-    let Some(_) = file.get("tokenizer.ggml.token_type") else {
+    if file.get("tokenizer.ggml.token_type").is_none() {
         return Ok(vec![1; tokens]);
-    };
+    }
     let types: Vec<i64> = file
         .array("tokenizer.ggml.token_type")?
         .iter()
         .map(|v| v.as_i64().unwrap_or(-1))
         .collect();
-    if types.len() != tokens {
-        return Err(ModelError::config(
-            file.path(),
-            format!(
-                "tokenizer.ggml.token_type has {} entries for {tokens} tokens",
-                types.len()
-            ),
-        ));
-    }
+    one_per_token(file, "tokenizer.ggml.token_type", types.len(), tokens)?;
     Ok(types)
+}
+
+/// An error unless the per-token array `key` has one entry per token.
+fn one_per_token(file: &GgufFile, key: &str, entries: usize, tokens: usize) -> Result<()> {
+    if entries == tokens {
+        return Ok(());
+    }
+    Err(ModelError::config(
+        file.path(),
+        format!("{key} has {entries} entries for {tokens} tokens"),
+    ))
 }
 
 /// A SentencePiece vocabulary: `tokenizer.ggml.tokens`, `.scores` and `.token_type`, with
@@ -145,16 +148,7 @@ fn sentencepiece_json(file: &GgufFile) -> Result<Value> {
                 })
         })
         .collect::<Result<_>>()?;
-    if scores.len() != tokens.len() {
-        return Err(ModelError::config(
-            path,
-            format!(
-                "tokenizer.ggml.scores has {} entries for {} tokens",
-                scores.len(),
-                tokens.len()
-            ),
-        ));
-    }
+    one_per_token(file, "tokenizer.ggml.scores", scores.len(), tokens.len())?;
     let types = token_types(file, tokens.len())?;
     let pieces: Vec<Piece<'_>> = tokens
         .iter()
