@@ -855,12 +855,108 @@ def llama2():
     return reference(reloaded, ids, out, note, extra)
 
 
+PHI3_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+PHI3_SPECIALS = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]
+
+
+@torch.no_grad()
+def longrope_cases(model, prompts):
+    """Per (context, prompt): the last-position logits and greedy tokens with the KV cache, as
+    many as the context leaves room for (at most 20)."""
+    cases = []
+    for context, ids in prompts:
+        steps = min(20, (context or model.config.max_position_embeddings) - len(ids))
+        last, greedy, margins = greedy_with_cache(model, ids, steps)
+        cases.append({"context": context, "prompt_ids": ids, "last_logits": [float(x) for x in last],
+                      "greedy": greedy, "min_greedy_margin": min(margins)})
+    return cases
+
+
+def phi3():
+    """Phi-3: fused qkv_proj and gate_up_proj, LongRoPE, a sliding window, Llama 2's SentencePiece
+    vocabulary with Phi-3's chat tokens after it and the model's vocabulary padded past them (as
+    Phi-3's 32064). The main fixture's LongRoPE has its original context equal to the model's (its
+    short factors, attention factor 1); longrope_reference.json holds the same weights with an
+    original context of 32, on both sides of it."""
+    from transformers import AddedToken, Phi3Config, Phi3ForCausalLM
+
+    out = fresh_dir("phi3-tiny")
+    with open(os.path.join(out, "tokenizer.model"), "wb") as f:
+        f.write(train_sentencepiece())
+    write_json(
+        os.path.join(out, "tokenizer_config.json"),
+        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "add_bos_token": False, "add_eos_token": False, "chat_template": PHI3_CHAT_TEMPLATE},
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    # As Phi-3's tokenizer.json: the chat tokens take the whitespace after them along.
+    tok.add_tokens([AddedToken(t, special=True, normalized=False, rstrip=t != "<|endoftext|>") for t in PHI3_SPECIALS],
+                   special_tokens=True)
+    tok.eos_token = "<|endoftext|>"
+    tok.save_pretrained(out)
+    config_path = os.path.join(out, "tokenizer_config.json")
+    tokenizer_config = json.load(open(config_path))
+    tokenizer_config["added_tokens_decoder"] = {
+        str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
+                 "single_word": t.single_word, "special": t.special}
+        for i, t in sorted(tok.added_tokens_decoder.items())
+    }
+    write_json(config_path, tokenizer_config)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    endoftext, end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|end|>"])
+    torch.manual_seed(SEED + 13)
+    short = [round(1.0 + 0.35 * i + 0.1 * float(torch.rand(())), 4) for i in range(8)]
+    long = [round(f * (1.0 + 0.9 * i), 4) for i, f in enumerate(short)]
+    rope = {"rope_type": "longrope", "short_factor": short, "long_factor": long}
+    shape = dict(
+        vocab_size=-(-len(tok) // 16) * 16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+        sliding_window=7, tie_word_embeddings=False, initializer_range=0.15, bos_token_id=1,
+        eos_token_id=endoftext, pad_token_id=endoftext,
+    )
+    config = Phi3Config(**shape, original_max_position_embeddings=128, rope_scaling=dict(rope))
+    model = Phi3ForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    generation = json.load(open(os.path.join(out, "generation_config.json")))
+    generation["eos_token_id"] = [endoftext, end]
+    write_json(os.path.join(out, "generation_config.json"), generation)
+    reloaded = Phi3ForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]
+    ids.append(tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+    # The same weights with an original context of 32: short factors for a context of 32, long
+    # ones past it (a prompt of more than 32 tokens, the model's whole context).
+    long_config = Phi3Config(**shape, original_max_position_embeddings=32, rope_scaling=dict(rope))
+    scaled = Phi3ForCausalLM(long_config)
+    scaled.load_state_dict(reloaded.state_dict())
+    scaled.eval()
+    joined = [t for p in ids for t in p][:45]
+    assert len(joined) == 45
+    cases = longrope_cases(scaled, [(32, ids[0][:10]), (None, joined)])
+    write_json(os.path.join(out, "longrope_reference.json"), {
+        "generator": "scripts/reference/make_model_fixtures.py", "transformers": transformers.__version__,
+        "note": "phi3-tiny's weights with original_max_position_embeddings 32: a context of 32 (short factors) "
+                "and the full 128 with a 45-token prompt (long factors); last-position logits and greedy tokens",
+        "original_max_position_embeddings": 32, "cases": cases,
+    })
+    note = "Phi-3: fused QKV and gate/up, LongRoPE (short factors), window 7, GQA 4/2, SentencePiece + chat tokens, f32"
+    texts = PROMPTS + SPM_TRICKY + ["<|user|>\nHi<|end|>\n<|assistant|>\n", "a<|end|>b <|system|> \t c", "<|end|>", "x<|endoftext|> y"]
+    extra = {"tokenizer_cases": [{"text": t, "ids": tok(t)["input_ids"]} for t in texts]}
+    return min(reference(reloaded, ids, out, note, extra), min(c["min_greedy_margin"] for c in cases))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "gpt-bigcode", "llama", "mistral", "qwen", "gemma", "llama2"], help="rewrite one family of fixtures")
+    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "gpt-bigcode", "llama", "mistral", "qwen", "gemma", "llama2", "phi3"], help="rewrite one family of fixtures")
     only = parser.parse_args().only
     torch.set_grad_enabled(False)
-    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("gpt-bigcode", bigcode), ("llama", llama), ("mistral", mistral), ("qwen", qwen), ("gemma", gemma), ("llama2", llama2)]:
+    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("gpt-bigcode", bigcode), ("llama", llama), ("mistral", mistral), ("qwen", qwen), ("gemma", gemma), ("llama2", llama2), ("phi3", phi3)]:
         if only in (None, name):
             print(f"{name}: smallest top-1/top-2 logit margin on the greedy paths {make():.4f}", file=sys.stderr)
     for name in sorted(n for n in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, n))):

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use kiln_core::Dtype;
-use kiln_models::config::{PositionKind, TransformerConfig};
+use kiln_models::config::{PositionKind, RopeScaling, TransformerConfig};
 use kiln_models::{LoadOptions, ModelInfo};
 use serde_json::json;
 
@@ -19,6 +19,9 @@ pub struct Args {
     /// Meta folders: the llama3 RoPE scaling factor when params.json lacks it.
     #[arg(long)]
     rope_scaling_factor: Option<f32>,
+    /// The context to describe the model at, in tokens (as `kiln generate --context`).
+    #[arg(long, value_name = "TOKENS")]
+    context: Option<usize>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -28,6 +31,7 @@ pub fn run(args: &Args) -> Result<()> {
     let path = model_path(args.model.as_deref())?;
     let options = LoadOptions {
         rope_scaling_factor: args.rope_scaling_factor,
+        context: args.context,
         ..LoadOptions::default()
     };
     let info = kiln_models::inspect(&path, &options)
@@ -119,6 +123,16 @@ fn rows(info: &ModelInfo) -> Vec<(&'static str, String)> {
         PositionKind::Learned => "learned".to_string(),
         PositionKind::Rope(rope) => {
             let scaling = match (&rope.scaling, &rope.frequency_divisors) {
+                (Some(RopeScaling::LongRope(s)), _) => format!(
+                    ", longrope scaling x{}, {} factors (original context {})",
+                    s.factor,
+                    if c.max_positions > s.original_max_positions {
+                        "long"
+                    } else {
+                        "short"
+                    },
+                    s.original_max_positions
+                ),
                 (Some(s), _) => format!(", {} scaling x{}", s.name(), s.factor()),
                 (None, Some(_)) => ", scaled (rope_freqs)".to_string(),
                 (None, None) => String::new(),

@@ -47,6 +47,12 @@ pub struct ModelArgs {
     /// 3.1, 32 for 3.2 1B/3B).
     #[arg(long, value_name = "FACTOR")]
     pub rope_scaling_factor: Option<f32>,
+    /// The longest sequence to serve, in tokens (llama.cpp's -c, vLLM's --max-model-len): at
+    /// most the model's own context, which is the default. Caches are sized for it, and a
+    /// LongRoPE model (Phi-3 128k) takes its short factors when it fits in the original
+    /// context.
+    #[arg(long, value_name = "TOKENS")]
+    pub context: Option<usize>,
 }
 
 impl ModelArgs {
@@ -102,6 +108,7 @@ impl ModelArgs {
             dtype: self.dtype(),
             rope_scaling_factor: self.rope_scaling_factor,
             weights: self.weight_storage(),
+            context: self.context,
         }
     }
 
@@ -318,6 +325,7 @@ impl SpeculationArgs {
             dtype: self.draft_dtype,
             kv_dtype: None,
             rope_scaling_factor: None,
+            context: None,
         };
         let draft: LoadedModel<B> = args.load(device).context("loading the draft model")?;
         if let Some(why) = tokenizer_mismatch(target, &draft) {

@@ -144,7 +144,7 @@ fn generate_text_prompt_matches_transformers_greedy() {
     assert!(out["timings"]["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
 }
 
-/// Qwen2, Qwen3, Gemma 2, Gemma 3, GPT-BigCode and a SentencePiece Llama 2 end to end, from
+/// Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, GPT-BigCode and a SentencePiece Llama 2 end to end, from
 /// their HF folders (and the Qwens and Llama 2 from llama.cpp's GGUF conversions of them):
 /// `kiln info` names the family and what its attention has, and `generate` turns text into
 /// transformers' greedy tokens (a GGUF's reference is transformers on the model it holds:
@@ -152,8 +152,8 @@ fn generate_text_prompt_matches_transformers_greedy() {
 #[test]
 fn each_family_is_described_and_generates_transformers_greedy() {
     let qwen2 = "qwen2 (Qwen2 / Qwen2.5)";
-    // `attention`: text the table must hold beside the family (its attention row, or for the
-    // SentencePiece GGUF its vocabulary kind).
+    // `attention`: text the table must hold beside the family (its attention row, its RoPE
+    // row for Phi-3, or for the SentencePiece GGUF its vocabulary kind).
     for (model, reference, family, attention) in [
         (
             "qwen2-tiny",
@@ -203,6 +203,12 @@ fn each_family_is_described_and_generates_transformers_greedy() {
             "gguf/llama2-tiny.reference.json",
             "llama (Llama 2 and 3, TinyLlama, Mistral GGUFs)",
             "tokenizer.ggml.model `llama`",
+        ),
+        (
+            "phi3-tiny",
+            "phi3-tiny/reference.json",
+            "phi3 (Phi-3 / Phi-3.5 mini)",
+            "longrope scaling x1, short factors (original context 128)",
         ),
         (
             "gpt-bigcode-tiny",

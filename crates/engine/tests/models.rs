@@ -394,8 +394,9 @@ fn prefix_cache_matches_alone<B: InferenceBackend>(
 /// prompts batched and packed, on every cache kind (the default paged one included, with
 /// prefix caching on). The windows belong to the model: Mistral's (`sliding_window` 5 on every
 /// layer), Qwen2's (5 on its second layer only) and Gemma's (5 on layers 0 and 2) are shorter
-/// than the prompts; Gemma 2's soft-capped scores, Gemma 3's two RoPEs and GPT-BigCode's one
-/// key/value head ride along.
+/// than the prompts, as is Phi-3's (7 on every layer); Gemma 2's soft-capped scores, Gemma 3's
+/// two RoPEs, Phi-3's fused projections and LongRoPE and GPT-BigCode's one key/value head ride
+/// along.
 fn families_hold_on_every_cache_kind<B: InferenceBackend>() {
     for name in [
         "mistral-tiny",
@@ -403,6 +404,7 @@ fn families_hold_on_every_cache_kind<B: InferenceBackend>() {
         "qwen3-tiny",
         "gemma2-tiny",
         "gemma3-tiny",
+        "phi3-tiny",
         "gpt-bigcode-tiny",
     ] {
         let dir = fixture(name);

@@ -28,6 +28,8 @@ pub enum Architecture {
     /// Gemma 3 (text): Gemma 2's block with per-head norms, no soft caps, five windowed
     /// layers with a local RoPE base to each global one.
     Gemma3,
+    /// Phi-3 / Phi-3.5 mini: Llama's block with fused QKV and gate/up projections, LongRoPE.
+    Phi3,
 }
 
 impl Architecture {
@@ -73,7 +75,7 @@ pub struct RopeConfig {
 }
 
 /// A RoPE scaling type (`rope_type` in `rope_parameters` / `rope_scaling`).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     /// Llama 3.1 / 3.2's `llama3`.
     Llama3(Llama3Scaling),
@@ -84,6 +86,16 @@ pub enum RopeScaling {
     },
     /// `yarn` (Qwen2.5 and Qwen3 past 32k tokens).
     Yarn(YarnScaling),
+    /// `longrope` (Phi-3 and Phi-3.5's 128k models; "su" in early configs).
+    LongRope(LongRopeScaling),
+    /// `dynamic` (NTK-aware): the base grows once a sequence passes the model's
+    /// `max_position_embeddings`. kiln's context never passes it (it is
+    /// [`TransformerConfig::max_positions`] or less), and within it transformers' dynamic
+    /// RoPE is the default one, so this changes nothing.
+    Dynamic {
+        /// The growth factor beyond the context.
+        factor: f32,
+    },
 }
 
 impl RopeScaling {
@@ -93,6 +105,8 @@ impl RopeScaling {
             RopeScaling::Llama3(_) => "llama3",
             RopeScaling::Linear { .. } => "linear",
             RopeScaling::Yarn(_) => "yarn",
+            RopeScaling::LongRope(_) => "longrope",
+            RopeScaling::Dynamic { .. } => "dynamic",
         }
     }
 
@@ -102,6 +116,54 @@ impl RopeScaling {
             RopeScaling::Llama3(s) => s.factor,
             RopeScaling::Linear { factor } => *factor,
             RopeScaling::Yarn(s) => s.factor,
+            RopeScaling::LongRope(s) => s.factor,
+            RopeScaling::Dynamic { factor } => *factor,
+        }
+    }
+}
+
+/// LongRoPE (transformers' `_compute_longrope_parameters`, llama.cpp's `rope_factors_long` /
+/// `rope_factors_short`): each frequency divided by a factor of its own, from one list for
+/// contexts within the original one and another for longer contexts.
+///
+/// Which list applies is decided by the run's context, as llama.cpp (`n_ctx`) and vLLM
+/// (`max_model_len`) decide it: the long factors when the context exceeds
+/// `original_max_positions`, for every position, so that keys in the cache never change
+/// rotation mid-sequence. transformers decides by the length reached so far (and recomputes
+/// the cache when it crosses over); the two agree on every sequence within the original
+/// context when the context is too, and on every sequence past it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LongRopeScaling {
+    /// `max_position_embeddings / original_max_position_embeddings`, or the file's `factor`.
+    pub factor: f32,
+    /// The context length the model was pre-trained with.
+    pub original_max_positions: usize,
+    /// One divisor per frequency for contexts up to `original_max_positions`.
+    pub short_factors: Vec<f32>,
+    /// One divisor per frequency for longer contexts.
+    pub long_factors: Vec<f32>,
+    /// Multiplies cos and sin: `attention_factor`, by default
+    /// `√(1 + ln(factor) / ln(original_max_positions))` (1 for a factor ≤ 1), whichever list
+    /// applies.
+    pub attention_factor: f32,
+}
+
+impl LongRopeScaling {
+    /// The divisors for a run whose context is `context` positions.
+    pub fn factors_for(&self, context: usize) -> &[f32] {
+        if context > self.original_max_positions {
+            &self.long_factors
+        } else {
+            &self.short_factors
+        }
+    }
+
+    /// The default attention factor for `factor` over an original context of `original`.
+    pub fn default_attention_factor(factor: f64, original: usize) -> f64 {
+        if factor <= 1.0 {
+            1.0
+        } else {
+            (1.0 + factor.ln() / (original as f64).ln()).sqrt()
         }
     }
 }
@@ -234,6 +296,31 @@ impl TransformerConfig {
         }
     }
 
+    /// The RoPE of the layers without a window ([`Self::positions`]'), if any.
+    fn rope_of_full_layers(&self) -> Option<&RopeConfig> {
+        match &self.positions {
+            PositionKind::Rope(rope) => Some(rope),
+            PositionKind::Learned => None,
+        }
+    }
+
+    /// Caps the context at `context` positions (llama.cpp's `-c`, vLLM's `--max-model-len`):
+    /// fewer positions to size caches for, and LongRoPE's short factors when it fits in the
+    /// original context ([`LongRopeScaling::factors_for`]).
+    ///
+    /// # Errors
+    /// A context of 0 or above the model's.
+    pub fn limit_context(&mut self, context: usize) -> Result<(), String> {
+        if context == 0 || context > self.max_positions {
+            return Err(format!(
+                "a context of {context} positions: the model allows 1 to {}",
+                self.max_positions
+            ));
+        }
+        self.max_positions = context;
+        Ok(())
+    }
+
     /// What the engine and caches need.
     pub fn shape(&self) -> ModelShape {
         ModelShape {
@@ -285,6 +372,27 @@ impl TransformerConfig {
                 "RoPE needs an even head_dim, got {}",
                 self.head_dim
             ));
+        }
+        for rope in [self.rope_of_full_layers(), self.local_rope.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            if let Some(RopeScaling::LongRope(s)) = &rope.scaling {
+                for (name, factors) in [("short", &s.short_factors), ("long", &s.long_factors)] {
+                    if factors.len() != self.head_dim / 2 {
+                        return Err(format!(
+                            "longrope has {} {name} factors for heads of {} dimensions (one per \
+                             pair: {})",
+                            factors.len(),
+                            self.head_dim,
+                            self.head_dim / 2
+                        ));
+                    }
+                    if let Some(bad) = factors.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+                        return Err(format!("longrope {name} factor {bad} is not positive"));
+                    }
+                }
+            }
         }
         let positive_or_none = [
             ("the attention scale", self.attention_scoring.scale),

@@ -18,8 +18,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::config::{
-    Architecture, Llama3Scaling, MlpKind, NormKind, PositionKind, RopeConfig, RopeScaling,
-    TransformerConfig, YarnScaling,
+    Architecture, Llama3Scaling, LongRopeScaling, MlpKind, NormKind, PositionKind, RopeConfig,
+    RopeScaling, TransformerConfig, YarnScaling,
 };
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
@@ -60,6 +60,8 @@ pub struct HfDefaults {
     pub tie_word_embeddings: bool,
     /// The MLP's activation (`hidden_act`, Gemma's `hidden_activation`).
     pub hidden_act: &'static str,
+    /// `rms_norm_eps`.
+    pub rms_norm_eps: f64,
 }
 
 /// The `config.json` keys of a rotary decoder, each as the file has it (absent or null alike
@@ -81,6 +83,10 @@ struct HfKeys {
     rope_scaling: Option<Value>,
     /// transformers 5.x: `{"rope_theta", "rope_type", ...}`.
     rope_parameters: Option<Value>,
+    /// Phi-3 (transformers 4.x): the pre-training context, beside `rope_scaling`.
+    original_max_position_embeddings: Option<usize>,
+    /// Phi-4-mini: RoPE on a fraction of each head (kiln rotates whole heads).
+    partial_rotary_factor: Option<f64>,
     tie_word_embeddings: Option<bool>,
     #[serde(default)]
     attention_bias: bool,
@@ -187,9 +193,32 @@ impl HfConfig {
             .max_position_embeddings
             .unwrap_or(d.max_position_embeddings);
         let scaling = match params.or(k.rope_scaling.as_ref()) {
+            Some(Value::Object(v)) => {
+                // As transformers' `standardize_rope_params`: a top-level original context
+                // belongs to the scaling.
+                let mut v = v.clone();
+                if let Some(original) = k.original_max_position_embeddings {
+                    v.entry("original_max_position_embeddings")
+                        .or_insert(original.into());
+                }
+                rope_scaling(&Value::Object(v), path, max_positions)?
+            }
             Some(v) if !v.is_null() => rope_scaling(v, path, max_positions)?,
             _ => None,
         };
+        let partial = k.partial_rotary_factor.or_else(|| {
+            params
+                .and_then(|p| p.get("partial_rotary_factor"))
+                .and_then(Value::as_f64)
+        });
+        if let Some(fraction) = partial.filter(|f| *f != 1.0) {
+            return Err(ModelError::config(
+                path,
+                format!(
+                    "partial_rotary_factor {fraction} is not supported (kiln rotates whole heads)"
+                ),
+            ));
+        }
         let n_heads = k.num_attention_heads.unwrap_or(d.num_attention_heads);
         if n_heads == 0 {
             return Err(ModelError::config(
@@ -213,7 +242,7 @@ impl HfConfig {
             d_ff: k.intermediate_size.unwrap_or(d.intermediate_size),
             max_positions,
             norm: NormKind::RmsNorm,
-            norm_eps: k.rms_norm_eps.unwrap_or(1e-6),
+            norm_eps: k.rms_norm_eps.unwrap_or(d.rms_norm_eps),
             positions: PositionKind::Rope(RopeConfig {
                 theta,
                 scaling,
@@ -409,12 +438,51 @@ pub(crate) fn rope_scaling(
                     .unwrap_or(true),
             })
         }
+        "longrope" => {
+            let original = number("original_max_position_embeddings")? as usize;
+            if original == 0 {
+                return Err(ModelError::config(
+                    path,
+                    "rope scaling `original_max_position_embeddings` must be positive",
+                ));
+            }
+            let factor = optional("factor").unwrap_or(max_positions as f64 / original as f64);
+            let factors = |key: &str| -> Result<Vec<f32>> {
+                value
+                    .get(key)
+                    .and_then(Value::as_array)
+                    .and_then(|items| {
+                        items
+                            .iter()
+                            .map(|f| f.as_f64().map(|f| f as f32))
+                            .collect::<Option<Vec<f32>>>()
+                    })
+                    .ok_or_else(|| {
+                        ModelError::config(
+                            path,
+                            format!("longrope scaling needs `{key}`, a list of numbers"),
+                        )
+                    })
+            };
+            RopeScaling::LongRope(LongRopeScaling {
+                factor: factor as f32,
+                original_max_positions: original,
+                short_factors: factors("short_factor")?,
+                long_factors: factors("long_factor")?,
+                attention_factor: optional("attention_factor")
+                    .unwrap_or_else(|| LongRopeScaling::default_attention_factor(factor, original))
+                    as f32,
+            })
+        }
+        "dynamic" => RopeScaling::Dynamic {
+            factor: number("factor")? as f32,
+        },
         other => {
             return Err(ModelError::config(
                 path,
                 format!(
-                    "rope type `{other}` is not supported (kiln supports default, llama3, linear \
-                     and yarn)"
+                    "rope type `{other}` is not supported (kiln supports default, llama3, linear, \
+                     yarn, longrope and dynamic)"
                 ),
             ));
         }
@@ -469,7 +537,11 @@ pub fn gguf_config(
             ),
         ));
     }
-    let scaling = gguf_rope_scaling(file, prefix)?;
+    let max_positions = count("context_length")?;
+    let scaling = match gguf_long_rope(file, prefix, max_positions)? {
+        Some(long_rope) => Some(long_rope),
+        None => gguf_rope_scaling(file, prefix)?,
+    };
     let vocab = match file.unsigned_opt(&key("vocab_size"))? {
         Some(v) => v as usize,
         None => file.array("tokenizer.ggml.tokens")?.len(),
@@ -495,7 +567,7 @@ pub fn gguf_config(
             .map_or(n_heads, |n| n as usize),
         head_dim,
         d_ff: count("feed_forward_length")?,
-        max_positions: count("context_length")?,
+        max_positions,
         norm: NormKind::RmsNorm,
         norm_eps: file
             .float_opt(&key("attention.layer_norm_rms_epsilon"))?
@@ -535,6 +607,51 @@ fn gguf_rope_scaling(file: &GgufFile, prefix: &str) -> Result<Option<RopeScaling
             ),
         )),
     }
+}
+
+/// LongRoPE as llama.cpp's converter writes it (Phi-3): the factors as the tensors
+/// `rope_factors_short.weight` and `rope_factors_long.weight`, the original context as
+/// `{prefix}.rope.scaling.original_context_length` and the factor on cos and sin as
+/// `{prefix}.rope.scaling.attn_factor`; `None` without the tensors. Their lengths are checked
+/// with the rest of the configuration ([`TransformerConfig::validate`]).
+///
+/// # Errors
+/// The original context missing or 0, a factor tensor without the other.
+fn gguf_long_rope(
+    file: &GgufFile,
+    prefix: &str,
+    max_positions: usize,
+) -> Result<Option<RopeScaling>> {
+    let (short, long) = ("rope_factors_short.weight", "rope_factors_long.weight");
+    match (file.contains(short), file.contains(long)) {
+        (false, false) => return Ok(None),
+        (true, true) => {}
+        _ => {
+            return Err(ModelError::corrupt(
+                file.path(),
+                format!("{short} and {long} come in pairs; the file has one of them"),
+            ));
+        }
+    }
+    let original_key = format!("{prefix}.rope.scaling.original_context_length");
+    let original = file.unsigned(&original_key)? as usize;
+    if original == 0 {
+        return Err(ModelError::config(
+            file.path(),
+            format!("{original_key} is 0"),
+        ));
+    }
+    let factor = max_positions as f64 / original as f64;
+    let attention_factor = file
+        .float_opt(&format!("{prefix}.rope.scaling.attn_factor"))?
+        .unwrap_or_else(|| LongRopeScaling::default_attention_factor(factor, original));
+    Ok(Some(RopeScaling::LongRope(LongRopeScaling {
+        factor: factor as f32,
+        original_max_positions: original,
+        short_factors: file.read(short)?.data,
+        long_factors: file.read(long)?.data,
+        attention_factor: attention_factor as f32,
+    })))
 }
 
 /// The per-frequency divisors of `rope_freqs.weight`.
@@ -599,12 +716,14 @@ impl TensorNames {
         match self {
             Self::HuggingFace => {
                 let p = match part {
+                    Qkv => "self_attn.qkv_proj",
                     Q => "self_attn.q_proj",
                     K => "self_attn.k_proj",
                     V => "self_attn.v_proj",
                     O => "self_attn.o_proj",
                     QNorm => "self_attn.q_norm",
                     KNorm => "self_attn.k_norm",
+                    GateUp => "mlp.gate_up_proj",
                     Gate => "mlp.gate_proj",
                     Up => "mlp.up_proj",
                     Down => "mlp.down_proj",
@@ -617,12 +736,14 @@ impl TensorNames {
             }
             Self::Meta => {
                 let p = match part {
+                    Qkv => "attention.wqkv",
                     Q => "attention.wq",
                     K => "attention.wk",
                     V => "attention.wv",
                     O => "attention.wo",
                     QNorm => "attention.q_norm",
                     KNorm => "attention.k_norm",
+                    GateUp => "feed_forward.w13",
                     Gate => "feed_forward.w1",
                     Up => "feed_forward.w3",
                     Down => "feed_forward.w2",
@@ -635,6 +756,7 @@ impl TensorNames {
             }
             Self::Gguf => {
                 let p = match part {
+                    Qkv => "attn_qkv",
                     Q => "attn_q",
                     K => "attn_k",
                     V => "attn_v",
@@ -642,7 +764,9 @@ impl TensorNames {
                     QNorm => "attn_q_norm",
                     KNorm => "attn_k_norm",
                     Gate => "ffn_gate",
-                    Up => "ffn_up",
+                    // llama.cpp names the fused gate and up projection (Phi-3's) `ffn_up`
+                    // too, with no `ffn_gate` beside it.
+                    Up | GateUp => "ffn_up",
                     Down => "ffn_down",
                     AttnNorm => "attn_norm",
                     MlpNorm | PreMlpNorm => "ffn_norm",
@@ -658,12 +782,16 @@ impl TensorNames {
 /// One tensor of a block.
 #[derive(Debug, Clone, Copy)]
 enum Part {
+    /// Q, K and V in one matrix, in that order (Phi-3's `qkv_proj`).
+    Qkv,
     Q,
     K,
     V,
     O,
     QNorm,
     KNorm,
+    /// The gate's rows, then up's (Phi-3's `gate_up_proj`).
+    GateUp,
     Gate,
     Up,
     Down,
@@ -749,14 +877,40 @@ pub fn load<B: InferenceBackend>(
             MlpKind::GeGlu => GateActivation::GeluTanh,
             _ => GateActivation::Silu,
         };
+        let stored = |part: Part| source.contains(&format!("{}.weight", names.layer(i, part)));
+        let qkv = if stored(Qkv) {
+            if qk_rows_interleaved {
+                return Err(ModelError::config(
+                    source.describe(),
+                    "a fused QKV projection with interleaved RoPE rows is not supported",
+                ));
+            }
+            QkvProjection::Fused(linear(i, Qkv, d, q_out + 2 * kv_out, qkv_b, None)?)
+        } else {
+            QkvProjection::fuse_or_split(
+                linear(i, Q, d, q_out, qkv_b, permute(config.n_heads))?,
+                linear(i, K, d, kv_out, qkv_b, permute(config.n_kv_heads))?,
+                linear(i, V, d, kv_out, qkv_b, None)?,
+            )
+        };
+        let mlp = if stored(GateUp) && !stored(Gate) {
+            Mlp::GatedFused {
+                activation,
+                gate_up: linear(i, GateUp, d, 2 * ff, mlp_b, None)?,
+                down: linear(i, Down, ff, d, mlp_b, None)?,
+            }
+        } else {
+            Mlp::gated(
+                activation,
+                linear(i, Gate, d, ff, mlp_b, None)?,
+                linear(i, Up, d, ff, mlp_b, None)?,
+                linear(i, Down, ff, d, mlp_b, None)?,
+            )
+        };
         blocks.push(Block {
             attn_norm: layer_norm(i, AttnNorm, d)?,
             attn: Attention {
-                qkv: QkvProjection::fuse_or_split(
-                    linear(i, Q, d, q_out, qkv_b, permute(config.n_heads))?,
-                    linear(i, K, d, kv_out, qkv_b, permute(config.n_kv_heads))?,
-                    linear(i, V, d, kv_out, qkv_b, None)?,
-                ),
+                qkv,
                 out: linear(i, O, q_out, d, out_b, None)?,
                 head_norms,
                 n_heads: config.n_heads,
@@ -769,12 +923,7 @@ pub fn load<B: InferenceBackend>(
             } else {
                 layer_norm(i, MlpNorm, d)?
             },
-            mlp: Mlp::gated(
-                activation,
-                linear(i, Gate, d, ff, mlp_b, None)?,
-                linear(i, Up, d, ff, mlp_b, None)?,
-                linear(i, Down, ff, d, mlp_b, None)?,
-            ),
+            mlp,
             post_mlp_norm: sandwich(PostMlpNorm)?,
         });
     }

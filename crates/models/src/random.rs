@@ -39,6 +39,9 @@ pub enum KnownShape {
     Gemma2_2b,
     /// Gemma 3 1B (26 layers, width 1152, GQA 4/1, head_dim 256, vocabulary 262144).
     Gemma3_1b,
+    /// Phi-3 mini 4k (3.8B: 32 layers, width 3072, 32 heads of 96, window 2047, vocabulary
+    /// 32064).
+    Phi3Mini,
     /// GPT-2 small (124M).
     Gpt2,
     /// GPT-2 XL (1.5B).
@@ -49,13 +52,14 @@ pub enum KnownShape {
 
 impl KnownShape {
     /// Every shape, in the order shown to users.
-    pub const ALL: [KnownShape; 9] = [
+    pub const ALL: [KnownShape; 10] = [
         KnownShape::Llama32_1b,
         KnownShape::Llama31_8b,
         KnownShape::Qwen25_05b,
         KnownShape::Qwen3_06b,
         KnownShape::Gemma2_2b,
         KnownShape::Gemma3_1b,
+        KnownShape::Phi3Mini,
         KnownShape::Gpt2,
         KnownShape::Gpt2Xl,
         KnownShape::SantaCoder,
@@ -70,6 +74,7 @@ impl KnownShape {
             KnownShape::Qwen3_06b => "qwen3-0.6b",
             KnownShape::Gemma2_2b => "gemma-2-2b",
             KnownShape::Gemma3_1b => "gemma-3-1b",
+            KnownShape::Phi3Mini => "phi-3-mini",
             KnownShape::Gpt2 => "gpt2",
             KnownShape::Gpt2Xl => "gpt2-xl",
             KnownShape::SantaCoder => "santacoder",
@@ -110,6 +115,16 @@ impl KnownShape {
                     "query_pre_attn_scalar": 256, "sliding_window": 512,
                     "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
                     "eos_token_id": [1, 106]
+                }),
+            ),
+            KnownShape::Phi3Mini => published(
+                &family::phi3::FAMILY,
+                serde_json::json!({
+                    "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+                    "num_hidden_layers": 32, "num_attention_heads": 32,
+                    "num_key_value_heads": 32, "max_position_embeddings": 4096,
+                    "original_max_position_embeddings": 4096, "sliding_window": 2047,
+                    "bos_token_id": 1, "eos_token_id": 32000
                 }),
             ),
             KnownShape::Gpt2 => gpt2_config(768, 12, 12),
@@ -556,6 +571,7 @@ mod tests {
         assert_eq!(KnownShape::Gemma2_2b.config().parameters(), 2_614_341_888);
         assert_eq!(KnownShape::Gemma3_1b.config().parameters(), 999_885_952);
         assert_eq!(KnownShape::SantaCoder.config().parameters(), 1_124_886_528);
+        assert_eq!(KnownShape::Phi3Mini.config().parameters(), 3_821_079_552);
         assert!("llama-7b".parse::<KnownShape>().is_err());
     }
 }

@@ -11,7 +11,7 @@ use kiln_core::tensor::int_tensor;
 use kiln_core::{Batch, CausalLm, CoreError, Dtype, InferenceBackend, LogitsFor, ModelShape};
 use kiln_kernels::QuantMatrix;
 
-use crate::config::{PositionKind, RopeConfig, TransformerConfig};
+use crate::config::{PositionKind, RopeConfig, RopeScaling, TransformerConfig};
 use crate::error::{ModelError, Result};
 use crate::host::{HostTensor, half_split_order};
 use crate::layers::attention::{Attention, QkvProjection};
@@ -81,17 +81,7 @@ impl<B: InferenceBackend> Transformer<B> {
     ) -> Self {
         let head = head.unwrap_or_else(|| embed.as_head());
         let fingerprint = fingerprint(&config, dtype, &embed, &head);
-        let frequencies = |rope: &RopeConfig| {
-            (
-                inverse_frequencies(rope, config.head_dim),
-                attention_factor(rope),
-            )
-        };
-        let rope = match &config.positions {
-            PositionKind::Rope(rope) => Some(frequencies(rope)),
-            PositionKind::Learned => None,
-        };
-        let local_rope = config.local_rope.as_ref().map(frequencies);
+        let (rope, local_rope) = rope_frequencies(&config);
         Self {
             config,
             dtype,
@@ -110,6 +100,18 @@ impl<B: InferenceBackend> Transformer<B> {
     /// The configuration.
     pub fn config(&self) -> &TransformerConfig {
         &self.config
+    }
+
+    /// Caps the context at `context` positions ([`TransformerConfig::limit_context`]), the
+    /// RoPE frequencies chosen for it.
+    ///
+    /// # Errors
+    /// A context of 0 or above the model's, described.
+    pub fn limit_context(&mut self, context: usize) -> std::result::Result<(), String> {
+        self.config.limit_context(context)?;
+        (self.rope, self.local_rope) = rope_frequencies(&self.config);
+        self.fingerprint = fingerprint(&self.config, self.dtype, &self.embed, &self.head);
+        Ok(())
     }
 
     /// Every linear layer's weight: the blocks' projections, then the output head.
@@ -316,9 +318,27 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
     }
 }
 
-/// The architecture, dtype, weight storage and an FNV-1a digest of the first row of the
-/// embedding and the first input column of the head: two checkpoints of one architecture
-/// differ there.
+/// The RoPE frequencies of `config`'s full layers and of its windowed layers where they
+/// differ, for its context.
+fn rope_frequencies(
+    config: &TransformerConfig,
+) -> (Option<RopeFrequencies>, Option<RopeFrequencies>) {
+    let frequencies = |rope: &RopeConfig| {
+        (
+            inverse_frequencies(rope, config.head_dim, config.max_positions),
+            attention_factor(rope),
+        )
+    };
+    let rope = match &config.positions {
+        PositionKind::Rope(rope) => Some(frequencies(rope)),
+        PositionKind::Learned => None,
+    };
+    (rope, config.local_rope.as_ref().map(frequencies))
+}
+
+/// The architecture, dtype, weight storage, LongRoPE's long factors where a context past
+/// the original one chose them, and an FNV-1a digest of the first row of the embedding and
+/// the first input column of the head: two checkpoints of one architecture differ there.
 fn fingerprint<B: InferenceBackend>(
     config: &TransformerConfig,
     dtype: Dtype,
@@ -357,8 +377,15 @@ fn fingerprint<B: InferenceBackend>(
     } else {
         ""
     };
+    let long_rope = match &config.positions {
+        PositionKind::Rope(RopeConfig {
+            scaling: Some(RopeScaling::LongRope(s)),
+            ..
+        }) if config.max_positions > s.original_max_positions => " long-context RoPE",
+        _ => "",
+    };
     format!(
-        "{:?} {}x{} vocab {} {}{storage} weights {hash:016x}",
+        "{:?} {}x{} vocab {} {}{storage}{long_rope} weights {hash:016x}",
         config.architecture,
         config.n_layers,
         config.d_model,

@@ -301,14 +301,18 @@ fn tiny_llama_quantized_on_cuda_matches_transformers() {
 /// tokenizes as llama.cpp does: for the byte-level BPE files that is the HF `tokenizer.json`'s
 /// tokenization (on text already in NFC: llama.cpp applies none, the HF file does, and the
 /// fixture's one decomposed case, `e` + U+0301, tells them apart); for the SentencePiece file
-/// (llama2-tiny) the GGUF reference's own cases, which differ from transformers' where
-/// llama.cpp puts a space before text that follows a special token or starts with spaces.
+/// files (llama2-tiny, phi3-tiny) the GGUF reference's own cases, which differ from
+/// transformers' where llama.cpp puts a space before text that follows a special token or
+/// starts with spaces, and for Phi-3 drops the whitespace after its chat tokens. phi3-tiny's
+/// file has fused QKV and gate/up projections, LongRoPE factors as tensors, a sliding window
+/// and a vocabulary padded past the tokenizer's (`[PAD…]` pieces).
 #[test]
 fn family_ggufs_match_transformers_on_cpu() {
     for (name, family) in [
         ("qwen2-tiny", "qwen2"),
         ("qwen3-tiny", "qwen3"),
         ("llama2-tiny", "llama"),
+        ("phi3-tiny", "phi3"),
     ] {
         let loaded = load::<burn::backend::Flex>(&format!("gguf/{name}.f32.gguf"), Dtype::F32);
         assert_eq!(loaded.model.config().architecture.name(), family);
@@ -419,9 +423,12 @@ fn sentencepiece_metadata_errors_are_named() {
 }
 
 /// The families' Q8_0 files (llama-quantize), kept in their blocks on the cpu fast path,
-/// against the F32 files on the exact path: mean KL divergence within docs/kernels.md's bound,
-/// and the top token the same wherever the exact path's choice is clear (its top-2 margin
-/// above 0.05; the tiny random models have near ties, where 8-bit activations may flip it).
+/// against the F32 files on the exact path: mean KL divergence within docs/kernels.md's bound.
+/// Against the same Q8_0 file on the exact path (its blocks dequantized to f32), the top token
+/// is the same wherever the exact path's choice is clear (its top-2 margin above 0.05; the
+/// tiny random models have near ties, where 8-bit activations may flip it). Flips against the
+/// F32 file are the weights' own (phi3-tiny's widest, at margin 0.082, is transformers' too
+/// on the dequantized Q8_0 weights) and are printed, not bounded.
 #[test]
 fn family_ggufs_quantized_track_the_f32_files() {
     type B = burn::backend::Flex;
@@ -430,39 +437,51 @@ fn family_ggufs_quantized_track_the_f32_files() {
         weights: kiln_models::WeightStorage::Quantized,
         ..Default::default()
     };
-    for name in ["qwen2-tiny", "qwen3-tiny"] {
+    // The exact path's top-2 margin where `q`'s top token differs from `p`'s (0 if never).
+    let widest_flip = |p: &[f32], q: &[f32], vocab: usize| {
+        let mut widest = 0.0f32;
+        for (p, q) in p.chunks(vocab).zip(q.chunks(vocab)) {
+            let top = kiln_core::sampling::first_max_index(p);
+            if top != kiln_core::sampling::first_max_index(q) {
+                let second = (0..vocab)
+                    .filter(|&i| i != top)
+                    .map(|i| p[i])
+                    .fold(f32::MIN, f32::max);
+                widest = widest.max(p[top] - second);
+            }
+        }
+        widest
+    };
+    for name in ["qwen2-tiny", "qwen3-tiny", "phi3-tiny"] {
         let exact = load::<B>(&format!("gguf/{name}.f32.gguf"), Dtype::F32);
         let path = fixture(&format!("gguf/{name}.q8_0.gguf"));
         let ours = kiln_models::load::<B>(&path, &quantized, &Default::default()).unwrap();
         assert!(ours.model.holds_quantized_weights());
+        let blocks_exact = load::<B>(&format!("gguf/{name}.q8_0.gguf"), Dtype::F32);
+        assert!(!blocks_exact.model.holds_quantized_weights());
         let vocab = exact.model.config().vocab;
-        let (mut kl, mut agree, mut positions, mut widest_flip) = (0.0, 0, 0, 0.0f32);
+        let (mut kl, mut agree, mut positions) = (0.0, 0, 0);
+        let (mut weights_flip, mut kernel_flip) = (0.0f32, 0.0f32);
         for case in reference(name).1 {
             let p = all_logits(&exact.model, &case.prompt);
             let q = all_logits(&ours.model, &case.prompt);
             let (k, a, n) = divergence(&p, &q, vocab);
             (kl, agree, positions) = (kl + k, agree + a, positions + n);
-            for (p, q) in p.chunks(vocab).zip(q.chunks(vocab)) {
-                let top = kiln_core::sampling::first_max_index(p);
-                if top != kiln_core::sampling::first_max_index(q) {
-                    let second = (0..vocab)
-                        .filter(|&i| i != top)
-                        .map(|i| p[i])
-                        .fold(f32::MIN, f32::max);
-                    widest_flip = widest_flip.max(p[top] - second);
-                }
-            }
+            weights_flip = weights_flip.max(widest_flip(&p, &q, vocab));
+            let same_weights = all_logits(&blocks_exact.model, &case.prompt);
+            kernel_flip = kernel_flip.max(widest_flip(&same_weights, &q, vocab));
         }
         let (kl, top1) = (kl / positions as f64, agree as f64 / positions as f64);
         eprintln!(
             "{name} Q8_0 against F32: mean KL {kl:.2e}, top-1 {:.1} % of {positions} positions, \
-             widest exact-path margin among the flips {widest_flip:.4}",
+             widest exact-path margin among the flips {weights_flip:.4} (against the Q8_0 \
+             weights dequantized: {kernel_flip:.4})",
             top1 * 100.0
         );
         assert!(kl <= 2e-3, "{name}: mean KL {kl}");
         assert!(
-            widest_flip <= 0.05,
-            "{name}: a top token with margin {widest_flip} flipped"
+            kernel_flip <= 0.05,
+            "{name}: a top token with margin {kernel_flip} flipped against the same weights"
         );
     }
 }

@@ -110,6 +110,87 @@ fn yarn_scaling_matches_transformers() {
     }
 }
 
+/// LongRoPE on both sides of the original context: `phi3-tiny`'s weights with an original
+/// context of 32 (of 128). With `--context 32` kiln takes the short factors, as transformers
+/// does while a sequence fits in 32 positions; with the model's whole context it takes the
+/// long ones, as transformers does for a prompt of 45 tokens. Each gives transformers'
+/// last-position logits (within 1e-4) and greedy tokens; the long factors on the short
+/// prompt do not. A context above the model's is refused.
+#[test]
+fn longrope_matches_transformers_on_both_sides_of_the_original_context() {
+    let source = fixture("phi3-tiny");
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(source.join("longrope_reference.json")).unwrap(),
+    )
+    .unwrap();
+    let temp = tempfile::tempdir().unwrap();
+    let dir = temp.path();
+    for file in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(source.join(file), dir.join(file)).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).unwrap())
+            .unwrap();
+    config["rope_parameters"]["original_max_position_embeddings"] =
+        reference["original_max_position_embeddings"].clone();
+    config["original_max_position_embeddings"] =
+        reference["original_max_position_embeddings"].clone();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let load = |context: Option<usize>| {
+        let options = kiln_models::LoadOptions {
+            context,
+            ..Default::default()
+        };
+        kiln_models::load::<burn::backend::Flex>(dir, &options, &Default::default()).unwrap()
+    };
+    for (i, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
+        let context = case["context"].as_u64().map(|c| c as usize);
+        let prompt = ids(&case["prompt_ids"]);
+        let expected: Vec<f32> = case["last_logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        let last = |model: &kiln_models::Transformer<burn::backend::Flex>| {
+            let logits = all_logits(model, &prompt);
+            logits[logits.len() - model.config().vocab..].to_vec()
+        };
+        let loaded = load(context);
+        let diff = max_abs_diff(&last(&loaded.model), &expected);
+        assert!(diff <= 1e-4, "case {i}: max |diff| {diff}");
+        let greedy = ids(&case["greedy"]);
+        assert_eq!(
+            greedy_cached(&loaded.model, &prompt, greedy.len()),
+            greedy,
+            "case {i}"
+        );
+        if context.is_some() {
+            // The long factors give other logits: the test tells the two apart.
+            let apart = max_abs_diff(&last(&load(None).model), &expected);
+            assert!(
+                apart > 1e-2,
+                "case {i}: the long factors differ by {apart} only"
+            );
+        }
+    }
+    let err = kiln_models::load::<burn::backend::Flex>(
+        dir,
+        &kiln_models::LoadOptions {
+            context: Some(129),
+            ..Default::default()
+        },
+        &Default::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("129") && err.contains("1 to 128"), "{err}");
+}
+
 mod cpu {
     type B = burn::backend::Flex;
 

@@ -123,13 +123,21 @@ fn untied_config_without_head_names_the_tensor() {
 fn unsupported_rope_type_is_named() {
     let dir = copy_fixture("llama-tiny-tied");
     edit_json(&dir.path().join("config.json"), |c| {
-        c["rope_scaling"]["rope_type"] = "longrope".into()
+        c["rope_scaling"]["rope_type"] = "mrope".into()
     });
     let err = load_err(dir.path());
     assert!(
-        err.to_string().contains("`longrope`") && err.to_string().contains("config.json"),
+        err.to_string().contains("`mrope`") && err.to_string().contains("config.json"),
         "{err}"
     );
+    // LongRoPE without its lists of factors is named by key.
+    let dir = copy_fixture("llama-tiny-tied");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c["rope_scaling"] = serde_json::json!({"rope_type": "longrope",
+            "original_max_position_embeddings": 32, "short_factor": [1.0]})
+    });
+    let err = load_err(dir.path()).to_string();
+    assert!(err.contains("`long_factor`"), "{err}");
     // YaRN without the original context it scales is named by key.
     let dir = copy_fixture("llama-tiny-tied");
     edit_json(&dir.path().join("config.json"), |c| {

@@ -35,11 +35,12 @@ fn gpt2_vocab_and_merges_encode_the_prompts_as_transformers() {
     assert!(tok.token_id("<|endoftext|>").is_some());
 }
 
-/// Llama 3's, Qwen2's and a SentencePiece (Llama 2 / Mistral) `tokenizer.json` layout
-/// (Qwen2's: NFC, single digits, no BOS; SentencePiece's: Metaspace, byte fallback).
+/// Llama 3's, Qwen2's and a SentencePiece (Llama 2 / Mistral, Phi-3) `tokenizer.json` layout
+/// (Qwen2's: NFC, single digits, no BOS; SentencePiece's: Metaspace, byte fallback; Phi-3's
+/// chat tokens take the whitespace after them).
 #[test]
 fn tokenizer_json_matches_transformers_on_tricky_strings() {
-    for name in ["llama-tiny", "qwen2-tiny", "llama2-tiny"] {
+    for name in ["llama-tiny", "qwen2-tiny", "llama2-tiny", "phi3-tiny"] {
         let tok =
             TextTokenizer::from_tokenizer_json(&fixture(name).join("tokenizer.json")).unwrap();
         let (json, _) = reference(name);
@@ -153,4 +154,31 @@ fn sentencepiece_folder_chat_template_and_decoding_match_transformers() {
         let ids = tokenizer.encode(text, false).unwrap();
         assert_eq!(tokenizer.decode(&ids, true).unwrap(), text);
     }
+}
+
+/// Phi-3's chat template (a system turn, the generation prompt) renders and encodes as
+/// transformers' `apply_chat_template` did (case 5 of the reference); `<|end|>` ends a reply
+/// beside `<|endoftext|>` (generation_config.json), and no BOS is added.
+#[test]
+fn phi3_chat_template_matches_transformers() {
+    use kiln_models::chat::{ChatMessage, Role};
+    let loaded = load::<burn::backend::Flex>("phi3-tiny", kiln_core::Dtype::F32);
+    let template = ChatTemplate::new(
+        loaded.chat_template.as_ref().unwrap(),
+        "<s>",
+        "<|endoftext|>",
+    )
+    .unwrap();
+    let messages = [
+        ChatMessage::new(Role::System, "Be brief."),
+        ChatMessage::new(Role::User, "Tell me a story"),
+    ];
+    let text = template.render(&messages, true).unwrap();
+    let tokenizer = loaded.tokenizer.as_ref().unwrap();
+    let (_, cases) = reference("phi3-tiny");
+    assert_eq!(tokenizer.encode(&text, false).unwrap(), cases[5].prompt);
+    let end = tokenizer.token_id("<|end|>").unwrap();
+    let endoftext = tokenizer.token_id("<|endoftext|>").unwrap();
+    assert_eq!(loaded.generation.eos, vec![endoftext, end]);
+    assert!(!loaded.generation.add_bos);
 }

@@ -70,6 +70,7 @@ const GEMMA2_DEFAULTS: HfDefaults = HfDefaults {
     sliding_window: Some(4096),
     tie_word_embeddings: true,
     hidden_act: "gelu_pytorch_tanh",
+    rms_norm_eps: 1e-6,
 };
 
 /// `Gemma3TextConfig`'s defaults (transformers 5).

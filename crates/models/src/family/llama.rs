@@ -60,6 +60,7 @@ const LLAMA_DEFAULTS: HfDefaults = HfDefaults {
     sliding_window: None,
     tie_word_embeddings: false,
     hidden_act: "silu",
+    rms_norm_eps: 1e-6,
 };
 
 /// `MistralConfig`'s defaults (transformers 5): a 4,096-token window unless the file says
@@ -226,7 +227,7 @@ mod tests {
         let PositionKind::Rope(rope) = &c.positions else {
             panic!("Llama uses RoPE")
         };
-        assert_eq!((rope.theta, rope.scaling), (10000.0, None));
+        assert_eq!((rope.theta, rope.scaling.clone()), (10000.0, None));
         let c = config(r#"{"bos_token_id": null, "eos_token_id": null}"#).expect("loads");
         assert_eq!((c.bos, c.eos.len()), (None, 0));
     }

@@ -9,6 +9,7 @@
 pub mod gemma;
 pub mod gpt2;
 pub mod llama;
+pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
 
@@ -68,13 +69,14 @@ pub enum Blocks {
 }
 
 /// Every family, in the order shown to users.
-pub static FAMILIES: [&Family; 8] = [
+pub static FAMILIES: [&Family; 9] = [
     &llama::LLAMA,
     &llama::MISTRAL,
     &qwen2::FAMILY,
     &qwen3::FAMILY,
     &gemma::GEMMA2,
     &gemma::GEMMA3,
+    &phi3::FAMILY,
     &gpt2::FAMILY,
     &gpt2::BIGCODE,
 ];
@@ -192,8 +194,8 @@ mod tests {
         }
         assert_eq!(
             names(),
-            "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gpt2, gpt_bigcode"
+            "llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, gpt2, gpt_bigcode"
         );
-        assert!(from_hf_model_type("phi3").is_none());
+        assert!(from_hf_model_type("phi").is_none());
     }
 }

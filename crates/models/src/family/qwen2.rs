@@ -42,6 +42,7 @@ pub(super) const DEFAULTS: HfDefaults = HfDefaults {
     sliding_window: Some(4096),
     tie_word_embeddings: false,
     hidden_act: "silu",
+    rms_norm_eps: 1e-6,
 };
 
 /// `Qwen2Config.max_window_layers`' default.

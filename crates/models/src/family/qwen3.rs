@@ -92,9 +92,9 @@ mod tests {
         };
         assert_eq!((yarn.factor, yarn.original_max_positions), (4.0, 32768));
         assert!((yarn.attention_factor - 1.138_629_4).abs() < 1e-6);
-        let err = parse(r#"{"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}"#)
+        let err = parse(r#"{"rope_scaling": {"rope_type": "mrope", "factor": 4.0}}"#)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("`longrope`"), "{err}");
+        assert!(err.contains("`mrope`"), "{err}");
     }
 }

@@ -11,8 +11,10 @@ use crate::config::{Llama3Scaling, RopeConfig, RopeScaling, YarnScaling};
 
 /// The inverse frequencies of a head of width `head_dim`, scaled as configured (transformers'
 /// `_compute_llama3_parameters`, `_compute_linear_scaling_rope_parameters`,
-/// `_compute_yarn_parameters`), in f32 as transformers computes them.
-pub fn inverse_frequencies(config: &RopeConfig, head_dim: usize) -> Vec<f32> {
+/// `_compute_yarn_parameters`, `_compute_longrope_parameters`), in f32 as transformers
+/// computes them, for a run whose context is `context` positions (LongRoPE's choice of
+/// factors).
+pub fn inverse_frequencies(config: &RopeConfig, head_dim: usize, context: usize) -> Vec<f32> {
     let base: Vec<f32> = (0..head_dim / 2)
         .map(|i| 1.0 / config.theta.powf((2 * i) as f32 / head_dim as f32))
         .collect();
@@ -21,6 +23,12 @@ pub fn inverse_frequencies(config: &RopeConfig, head_dim: usize) -> Vec<f32> {
         Some(RopeScaling::Llama3(s)) => base.into_iter().map(|f| llama3_scale(f, s)).collect(),
         Some(RopeScaling::Linear { factor }) => base.into_iter().map(|f| f / factor).collect(),
         Some(RopeScaling::Yarn(s)) => yarn_scale(&base, config.theta, head_dim, s),
+        Some(RopeScaling::LongRope(s)) => base
+            .iter()
+            .zip(s.factors_for(context))
+            .map(|(f, divisor)| f / divisor)
+            .collect(),
+        Some(RopeScaling::Dynamic { .. }) => base,
     };
     match &config.frequency_divisors {
         None => scaled,
@@ -32,6 +40,7 @@ pub fn inverse_frequencies(config: &RopeConfig, head_dim: usize) -> Vec<f32> {
 pub fn attention_factor(config: &RopeConfig) -> f32 {
     match &config.scaling {
         Some(RopeScaling::Yarn(s)) => s.attention_factor,
+        Some(RopeScaling::LongRope(s)) => s.attention_factor,
         _ => 1.0,
     }
 }
@@ -142,6 +151,7 @@ impl<B: Backend> RopeTables<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::LongRopeScaling;
 
     /// transformers' `_compute_llama3_parameters` for theta 10000, head_dim 16, factor 8,
     /// low 1, high 4, original 32 (printed by torch for this test).
@@ -157,7 +167,7 @@ mod tests {
             })),
             frequency_divisors: None,
         };
-        let f = inverse_frequencies(&config, 16);
+        let f = inverse_frequencies(&config, 16, 1 << 20);
         let plain = inverse_frequencies(
             &RopeConfig {
                 theta: 10000.0,
@@ -165,6 +175,7 @@ mod tests {
                 frequency_divisors: None,
             },
             16,
+            1 << 20,
         );
         // wavelength 2π < 8: untouched.
         assert_eq!(f[0], plain[0]);
@@ -211,7 +222,7 @@ mod tests {
             })),
             frequency_divisors: None,
         };
-        let ours = inverse_frequencies(&yarn, 32);
+        let ours = inverse_frequencies(&yarn, 32, 128);
         for (i, (a, b)) in ours.iter().zip(&expected).enumerate() {
             assert!(
                 (f64::from(*a) - b).abs() <= 1e-6 * b,
@@ -223,8 +234,71 @@ mod tests {
             scaling: Some(RopeScaling::Linear { factor: 4.0 }),
             ..yarn
         };
-        let ours = inverse_frequencies(&linear, 32);
+        let ours = inverse_frequencies(&linear, 32, 128);
         assert_eq!(&ours[..3], &[0.25, 0.105_424_13, 0.044_456_985]);
         assert_eq!(attention_factor(&linear), 1.0);
+    }
+
+    /// transformers' `ROPE_INIT_FUNCTIONS["longrope"]` for a Phi3Config with head_dim 16,
+    /// 128 positions over an original 32 and these factors, short (no `seq_len`) and long
+    /// (`seq_len` 33) (printed by transformers 5.24 for this test); `dynamic` within the
+    /// context is the default RoPE.
+    #[test]
+    fn longrope_picks_its_factors_by_the_context_as_transformers_computes_them() {
+        let short: [f64; 8] = [
+            1.0,
+            0.287_479_76,
+            0.076_923_08,
+            0.019_764_235,
+            0.005,
+            0.001_264_911_1,
+            0.000_322_580_66,
+            8.321_784e-5,
+        ];
+        let long: [f64; 8] = [
+            1.0,
+            0.210_818_5,
+            0.04,
+            0.007_905_694_7,
+            0.001_666_666_7,
+            0.000_351_364_2,
+            7.692_307_6e-5,
+            1.756_820_9e-5,
+        ];
+        let scaling = LongRopeScaling {
+            factor: 4.0,
+            original_max_positions: 32,
+            short_factors: vec![1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            long_factors: vec![1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
+            attention_factor: LongRopeScaling::default_attention_factor(4.0, 32) as f32,
+        };
+        let config = RopeConfig {
+            theta: 10000.0,
+            scaling: Some(RopeScaling::LongRope(scaling)),
+            frequency_divisors: None,
+        };
+        for (context, expected) in [(32, short), (33, long), (128, long)] {
+            let ours = inverse_frequencies(&config, 16, context);
+            for (i, (a, b)) in ours.iter().zip(&expected).enumerate() {
+                assert!(
+                    (f64::from(*a) - b).abs() <= 1e-6 * b,
+                    "context {context}, frequency {i}: {a} vs {b}"
+                );
+            }
+        }
+        assert!((attention_factor(&config) - 1.183_216).abs() < 1e-6);
+        let plain = RopeConfig {
+            scaling: None,
+            ..config.clone()
+        };
+        let dynamic = RopeConfig {
+            scaling: Some(RopeScaling::Dynamic { factor: 2.0 }),
+            ..config
+        };
+        assert_eq!(
+            inverse_frequencies(&dynamic, 16, 128),
+            inverse_frequencies(&plain, 16, 128)
+        );
+        assert_eq!(attention_factor(&dynamic), 1.0);
     }
 }

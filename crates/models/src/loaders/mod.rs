@@ -51,6 +51,29 @@ pub struct LoadOptions {
     /// Whether GGUF weights in a type with a CPU kernel (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) stay
     /// quantized instead of being dequantized to `dtype`. Other formats ignore it.
     pub weights: WeightStorage,
+    /// The longest sequence the run serves (llama.cpp's `-c`, vLLM's `--max-model-len`), at
+    /// most the model's own context; `None` for the model's. It also picks LongRoPE's factors
+    /// ([`crate::config::LongRopeScaling::factors_for`]).
+    pub context: Option<usize>,
+}
+
+impl LoadOptions {
+    /// `config` with its context capped at [`Self::context`].
+    ///
+    /// # Errors
+    /// [`ModelError::Config`] naming `path` for a context of 0 or above the model's.
+    fn limit_context(
+        &self,
+        mut config: TransformerConfig,
+        path: &Path,
+    ) -> Result<TransformerConfig> {
+        if let Some(context) = self.context {
+            config
+                .limit_context(context)
+                .map_err(|e| ModelError::config(path, e))?;
+        }
+        Ok(config)
+    }
 }
 
 /// How quantized weights are held after loading.
@@ -166,7 +189,7 @@ pub fn read_config(path: &Path, options: &LoadOptions) -> Result<TransformerConf
         ModelFormat::Gguf => gguf::read_config(path),
     }?;
     config.drop_impossible_special_tokens();
-    Ok(config)
+    options.limit_context(config, path)
 }
 
 /// Describes the model at `path` from its configuration, tensor headers and tokenizer files,
@@ -181,6 +204,7 @@ pub fn inspect(path: &Path, options: &LoadOptions) -> Result<ModelInfo> {
         ModelFormat::Gguf => gguf::inspect(path),
     }?;
     info.warnings = info.config.drop_impossible_special_tokens();
+    info.config = options.limit_context(info.config, path)?;
     Ok(info)
 }
 
@@ -208,9 +232,16 @@ pub fn load_with_progress<B: InferenceBackend>(
     progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<LoadedModel<B>> {
     B::require_dtype(device, options.dtype)?;
-    match detect_format(path)? {
+    let mut loaded = match detect_format(path)? {
         ModelFormat::HuggingFace => hf::load(path, options, device, progress),
         ModelFormat::MetaOriginal => meta::load(path, options, device, progress),
         ModelFormat::Gguf => gguf::load(path, options, device, progress),
+    }?;
+    if let Some(context) = options.context {
+        loaded
+            .model
+            .limit_context(context)
+            .map_err(|e| ModelError::config(path, e))?;
     }
+    Ok(loaded)
 }

@@ -93,6 +93,8 @@ pub struct AddedToken {
     pub id: u32,
     /// Special tokens are dropped by `decode(.., skip_special_tokens = true)`.
     pub special: bool,
+    /// Whether the whitespace after it in the text is dropped with it (`rstrip`).
+    pub rstrip: bool,
 }
 
 impl AddedToken {
@@ -102,6 +104,7 @@ impl AddedToken {
             content: content.into(),
             id,
             special: true,
+            rstrip: false,
         }
     }
 }

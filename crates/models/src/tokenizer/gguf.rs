@@ -178,11 +178,26 @@ fn sentencepiece_json(file: &GgufFile) -> Result<Value> {
         add_space_prefix: file
             .bool_opt("tokenizer.ggml.add_space_prefix")?
             .unwrap_or(true),
+        strip_after_specials: is_phi3(file),
         unknown,
         bos: framing_token(file, "bos", add_bos, vocab)?,
         eos: framing_token(file, "eos", add_eos, vocab)?,
         pieces,
     }))
+}
+
+/// Whether the file holds a Phi-3, whose chat tokens drop the whitespace after them
+/// ([`sentencepiece::Vocabulary::strip_after_specials`]): llama.cpp decides by `general.name`
+/// (containing `phi-3` or `phi3`), kiln also by the architecture.
+fn is_phi3(file: &GgufFile) -> bool {
+    let text = |key: &str| {
+        file.get(key)
+            .and_then(|v| v.as_str())
+            .map(str::to_lowercase)
+            .unwrap_or_default()
+    };
+    let name = text("general.name");
+    text("general.architecture") == "phi3" || name.contains("phi-3") || name.contains("phi3")
 }
 
 /// A byte-level BPE vocabulary: `tokenizer.ggml.tokens`, `.merges`, `.token_type` and the
@@ -231,6 +246,7 @@ fn byte_level_json(file: &GgufFile) -> Result<Value> {
                 content: token.to_string(),
                 id: id as u32,
                 special: kind == CONTROL,
+                rstrip: false,
             });
         }
     }

@@ -199,7 +199,7 @@ fn added_tokens_json(added: &[AddedToken]) -> Value {
         .iter()
         .map(|t| {
             serde_json::json!({"id": t.id, "content": t.content, "single_word": false,
-                "lstrip": false, "rstrip": false, "normalized": false, "special": t.special})
+                "lstrip": false, "rstrip": t.rstrip, "normalized": false, "special": t.special})
         })
         .collect()
 }

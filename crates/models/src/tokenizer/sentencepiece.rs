@@ -76,6 +76,11 @@ pub struct Vocabulary<'a> {
     /// Whether a `▁` goes before each run of text (SentencePiece's `add_dummy_prefix`;
     /// Llama and Mistral: yes, Gemma: no). Decoding then drops the first space.
     pub add_space_prefix: bool,
+    /// Whether control, user-defined and unknown pieces written in the text take the
+    /// whitespace after them along (`rstrip`), except `<unk>`, `<s>` and `<|endoftext|>`: what
+    /// llama.cpp does for Phi-3's vocabularies, as Phi-3's own `tokenizer.json` marks its
+    /// chat tokens.
+    pub strip_after_specials: bool,
     /// The piece characters without a piece become when no byte piece spells them.
     pub unknown: Option<u32>,
     /// The token `encode(.., true)` puts first.
@@ -137,10 +142,12 @@ pub fn tokenizer_json(vocabulary: &Vocabulary<'_>) -> Value {
                 PieceKind::UserDefined => false,
                 _ => return None,
             };
+            let keeps_whitespace = ["<unk>", "<s>", "<|endoftext|>"].contains(&piece.text);
             Some(AddedToken {
                 content: piece.text.to_string(),
                 id: id as u32,
                 special,
+                rstrip: vocabulary.strip_after_specials && !keeps_whitespace,
             })
         })
         .collect();
