@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Beam-search references: what Hugging Face transformers' `generate(num_beams=N, do_sample=False)` returns.
 
-Writes beam_reference.json in three fixture folders under crates/models/tests/fixtures/:
+Writes beam_reference.json in these fixture folders under crates/models/tests/fixtures/:
   gpt2-tiny/beam_reference.json   8 cases over the first 3 prompts of gpt2-tiny/reference.json
   llama-tiny/beam_reference.json  8 cases over the first 3 prompts of llama-tiny/reference.json
   smollm2/beam_reference.json     6 cases for SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to f32 by
                                   transformers) over the first two plain and first two chat prompts of
                                   smollm2/reference.json's greedy_cases, EOS [2] (<|im_end|>)
+  <family>-tiny/beam_reference.json  3 cases over the first 3 prompts of each other family fixture
+                                  (FAMILY_FIXTURES), each EOS picked from the model's own beams (auto_eos)
 
 Each case runs, on CPU in f32 with the model in eval mode,
     model.generate(prompt, num_beams=N, do_sample=False, length_penalty=LP, early_stopping=ES,
@@ -242,9 +244,49 @@ def smollm2(gguf_path):
     return cases
 
 
+# The other families' fixtures: (prompt, num_beams, length_penalty, early_stopping,
+# num_return_sequences, max_new_tokens); the EOS of each case is picked from the model's own
+# beams (`auto_eos`), so that some hypotheses end by it and others run to the length limit.
+FAMILY_FIXTURES = ["mistral-tiny", "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "phi3-tiny",
+                   "gpt-bigcode-tiny", "llama2-tiny"]
+FAMILY_CASES = [
+    (0, 3, 1.0, False, 2, 8),
+    (1, 2, 0.0, "never", 2, 8),
+    (2, 3, 1.5, True, 2, 10),
+]
+
+
+@torch.no_grad()
+def auto_eos(model, prompt, case):
+    """An EOS some beams meet early: a token the beams found without any EOS take at their third or
+    fourth step (the second-best beam's first), the first whose returned hypotheses are not within
+    1e-3 of a tie (so that their order is not a matter of rounding)."""
+    p, num_beams, lp, es, n_return, max_new = case
+    out = model.generate(torch.tensor([prompt]), num_beams=num_beams, do_sample=False, max_new_tokens=max_new,
+                         num_return_sequences=num_beams, eos_token_id=None, pad_token_id=0)
+    candidates = [int(out[b, len(prompt) + k]) for k in (2, 3) for b in (1, 0, 2) if b < num_beams]
+    for eos in dict.fromkeys(candidates):
+        tried, _ = run_case(model, "auto", prompt, num_beams, lp, es, n_return, max_new, [eos])
+        if tried["score_margin"] is None or tried["score_margin"] >= 1e-3:
+            return [eos]
+    sys.exit(f"no EOS candidate gives a clear order for case {case}")
+
+
+def family(folder):
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, folder), dtype=torch.float32)
+    model.eval()
+    fresh_generation_config(model)
+    prompts = load_reference_prompts(folder)[:3]
+    table = [(*case, auto_eos(model, prompts[case[0]], case)) for case in FAMILY_CASES]
+    note = ("random tiny model, prompts p0..p2 of reference.json; each EOS is a token the beams found without "
+            "EOS take early, chosen so that the returned order is not within 1e-3 of a tie")
+    return run_model(model, folder, prompts, table, os.path.join(ROOT, folder, "beam_reference.json"), note)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["gpt2-tiny", "llama-tiny", "smollm2"], help="write one model's references")
+    parser.add_argument("--only", choices=["gpt2-tiny", "llama-tiny", "smollm2", "families"] + FAMILY_FIXTURES,
+                        help="write one model's references (families: every fixture of FAMILY_FIXTURES)")
     parser.add_argument("--gguf", default=os.environ.get("KILN_SMOLLM2_GGUF", DEFAULT_GGUF), help="SmolLM2 GGUF path")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
@@ -256,6 +298,9 @@ def main():
         tiny("llama-tiny", LLAMA_CASES, note)
     if args.only in (None, "smollm2"):
         smollm2(args.gguf)
+    for folder in FAMILY_FIXTURES:
+        if args.only in (None, "families", folder):
+            family(folder)
 
 
 if __name__ == "__main__":
