@@ -15,7 +15,11 @@ builds), and quantizes with that build's llama-quantize:
 
 for qwen2-tiny and qwen3-tiny, and for llama2-tiny (a SentencePiece vocabulary: `tokenizer.ggml.model`
 `llama`) the F32 file and its reference, whose `tokenizer_cases` are llama.cpp's tokenization of the HF
-fixture's texts (below). The fixtures' tokenizers are trained here, so the converter's hash of their
+fixture's texts (below); phi3-tiny as llama2-tiny, with a Q8_0 file. gemma2-tiny and gemma3-tiny carry a
+byte-level stand-in for Gemma's vocabulary, which the converter cannot read: each is converted from a copy
+with a SentencePiece tokenizer.model trained here with Gemma's settings (gemma_vocabulary), and its
+reference is the folder as llama.cpp reads the file (scores by head_dim^-0.5: the file has no
+query_pre_attn_scalar; Gemma's default window patterns). The fixtures' tokenizers are trained here, so the converter's hash of their
 pre-tokenizer output matches no released model; `get_vocab_base_pre` is told the name their split regex
 is (`qwen2`), which is what the converter writes for every Qwen2/Qwen3 model. Nothing else is changed.
 
@@ -44,13 +48,58 @@ import tempfile
 import torch
 from transformers import AutoModelForCausalLM
 
-from make_model_fixtures import reference
+from make_model_fixtures import CORPUS, PROMPTS, ROOT as TEXT_ROOT, SPM_TRICKY, reference
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FIXTURES = os.path.join(ROOT, "crates", "models", "tests", "fixtures")
 # name: (the pre-tokenizer name the converter is told, or None for SentencePiece; quantize to Q8_0)
 FAMILIES = {"qwen2-tiny": ("qwen2", True), "qwen3-tiny": ("qwen2", True), "llama2-tiny": (None, False),
-            "phi3-tiny": (None, True)}
+            "phi3-tiny": (None, True), "gemma2-tiny": (None, True), "gemma3-tiny": (None, True)}
+# The Gemma fixtures carry a byte-level BPE stand-in; their GGUFs get a SentencePiece vocabulary
+# trained here with Gemma's settings, as many pieces as the model's vocabulary (gemma_vocabulary).
+GEMMA = {"gemma2-tiny", "gemma3-tiny"}
+GEMMA_TEXTS = PROMPTS + SPM_TRICKY + ["<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
+                                      "  two leading spaces", "<bos>x<eos> y"]
+
+
+def gemma_vocabulary(source, out):
+    """`source` (a Gemma fixture folder) in `out` with a SentencePiece tokenizer.model in place of its
+    tokenizer.json: Gemma's settings (no dummy prefix, identity normalization, spaces kept, digits
+    split, byte fallback), its ids (<pad> 0, <eos> 1, <bos> 2, <unk> 3), <start_of_turn> and
+    <end_of_turn> user-defined, and exactly `vocab_size` pieces."""
+    import io
+    import sentencepiece
+
+    shutil.copytree(source, out)
+    os.remove(os.path.join(out, "tokenizer.json"))
+    vocab_size = json.load(open(os.path.join(out, "config.json")))["vocab_size"]
+    text = open(os.path.join(TEXT_ROOT, "text", "around-the-world-ch1-2.txt")).read()
+    lines = [line for line in text.splitlines() if line.strip()] + CORPUS
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", add_dummy_prefix=False,
+        remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
+        unk_piece="<unk>", user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], num_threads=1,
+        minloglevel=2,
+    )
+    with open(os.path.join(out, "tokenizer.model"), "wb") as f:
+        f.write(model.getvalue())
+    config = json.load(open(os.path.join(out, "tokenizer_config.json")))
+    config["tokenizer_class"] = "GemmaTokenizer"
+    # As Gemma's tokenizer_config.json lists them: the converter types the pieces from it.
+    config["added_tokens_decoder"] = {
+        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                 "special": True}
+        for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"])
+    }
+    json.dump(config, open(os.path.join(out, "tokenizer_config.json"), "w"))
+    # The converter takes a single EOS id from config.json.
+    model_config = json.load(open(os.path.join(out, "config.json")))
+    model_config["eos_token_id"] = 1
+    json.dump(model_config, open(os.path.join(out, "config.json"), "w"))
+    return out
 
 
 def llama_cpp_tokenization(model_dir, texts, tokenize_binary, gguf_path):
@@ -67,6 +116,7 @@ def llama_cpp_tokenization(model_dir, texts, tokenize_binary, gguf_path):
     gguf_types = [int(fields["tokenizer.ggml.token_type"].parts[i][0]) for i in fields["tokenizer.ggml.token_type"].data]
     gguf_tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in fields["tokenizer.ggml.tokens"].data]
     add_bos = "tokenizer.ggml.add_bos_token" not in fields or bool(fields["tokenizer.ggml.add_bos_token"].parts[-1][0])
+    space = " " if "tokenizer.ggml.add_space_prefix" not in fields or bool(fields["tokenizer.ggml.add_space_prefix"].parts[-1][0]) else ""
     # gguf.TokenType and SentencePiece's proto number the kinds alike (1 normal ... 6 byte);
     # SentencePiece needs its one unknown piece, which both kinds match whole in text anyway.
     for piece, kind in zip(proto.pieces, gguf_types):
@@ -103,7 +153,7 @@ def llama_cpp_tokenization(model_dir, texts, tokenize_binary, gguf_path):
                 stripped.append(fragment)
         ids = [proto.trainer_spec.bos_id] if add_bos else []
         for fragment in stripped:
-            ids += [fragment] if isinstance(fragment, int) else processor.encode(" " + fragment)
+            ids += [fragment] if isinstance(fragment, int) else processor.encode(space + fragment)
         if tokenize_binary and text:  # llama-tokenize refuses an empty prompt
             out = subprocess.run([tokenize_binary, "-m", gguf_path, "-p", text, "--ids", "--log-disable"],
                                  check=True, capture_output=True, text=True).stdout
@@ -146,7 +196,11 @@ def main():
         if pre is not None:
             base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
         f32 = os.path.join(out_dir, f"{name}.f32.gguf")
-        sys.argv = ["convert_hf_to_gguf.py", os.path.join(FIXTURES, name), "--outfile", f32, "--outtype", "f32"]
+        vocabulary_dir = tempfile.TemporaryDirectory()
+        source = os.path.join(FIXTURES, name)
+        if name in GEMMA:
+            source = gemma_vocabulary(source, os.path.join(vocabulary_dir.name, name))
+        sys.argv = ["convert_hf_to_gguf.py", source, "--outfile", f32, "--outtype", "f32"]
         convert_hf_to_gguf.main()
         written = [f32]
         if quantize:
@@ -155,10 +209,11 @@ def main():
             written.append(q8)
         extra = None
         if pre is None:
-            texts = [c["text"] for c in json.load(open(os.path.join(FIXTURES, name, "reference.json")))["tokenizer_cases"]]
+            texts = GEMMA_TEXTS if name in GEMMA else [
+                c["text"] for c in json.load(open(os.path.join(FIXTURES, name, "reference.json")))["tokenizer_cases"]]
             tokenize = os.path.join(os.path.dirname(args.quantize), "llama-tokenize")
             tokenize = tokenize if os.path.exists(tokenize) else None
-            extra = {"tokenizer_cases": llama_cpp_tokenization(os.path.join(FIXTURES, name), texts, tokenize, f32),
+            extra = {"tokenizer_cases": llama_cpp_tokenization(source, texts, tokenize, f32),
                      "tokenizer_note": "llama.cpp's SPM tokenization" + (", checked with llama-tokenize" if tokenize else
                                        " (sentencepiece without its dummy prefix, a space before each run of text)")}
         with tempfile.TemporaryDirectory() as tmp:
@@ -169,7 +224,13 @@ def main():
             # Phi-3 has no `use_sliding_window`: its window stays, in the GGUF and here.
             window = "its sliding window" if config.get("sliding_window") and "use_sliding_window" not in config else "no sliding window"
             config["use_sliding_window"] = False
+            # Gemma: llama.cpp reads the window pattern as Gemma's defaults (every other layer; five
+            # of six), which is what transformers makes without `layer_types`, and scales scores by
+            # 1/sqrt(head_dim) (but for Gemma 2 27B's 46 layers): `query_pre_attn_scalar` is not in
+            # the file.
             config.pop("layer_types", None)
+            if name in GEMMA:
+                config["query_pre_attn_scalar"] = config["head_dim"]
             json.dump(config, open(config_path, "w"))
             model = AutoModelForCausalLM.from_pretrained(windowless, dtype=torch.float32, attn_implementation="eager")
             cases = json.load(open(os.path.join(FIXTURES, name, "reference.json")))["cases"]

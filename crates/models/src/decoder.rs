@@ -592,18 +592,32 @@ pub fn gguf_config(
     })
 }
 
-/// `{prefix}.rope.scaling.type`: only `none` (or absent). Llama 3.1's scaling is
-/// `rope_freqs.weight` instead; a GGUF's `linear` or `yarn` keys are refused by name until a
-/// converted file tests them (HF folders read both).
-fn gguf_rope_scaling(file: &GgufFile, prefix: &str) -> Result<Option<RopeScaling>> {
+/// `{prefix}.rope.scaling.type`: `none` (or absent), or `linear` with
+/// `{prefix}.rope.scaling.factor` (Gemma 3's global RoPE). Llama 3.1's scaling is
+/// `rope_freqs.weight` instead; `yarn` is refused by name until a converted file tests it (HF
+/// folders read it).
+pub(crate) fn gguf_rope_scaling(file: &GgufFile, prefix: &str) -> Result<Option<RopeScaling>> {
     let key = format!("{prefix}.rope.scaling.type");
     match file.get(&key).and_then(|v| v.as_str()) {
         None | Some("none") => Ok(None),
+        Some("linear") => {
+            let factor_key = format!("{prefix}.rope.scaling.factor");
+            let factor = file.float_opt(&factor_key)?.unwrap_or(1.0);
+            if !(factor.is_finite() && factor > 0.0) {
+                return Err(ModelError::config(
+                    file.path(),
+                    format!("{factor_key} must be positive, got {factor}"),
+                ));
+            }
+            Ok(Some(RopeScaling::Linear {
+                factor: factor as f32,
+            }))
+        }
         Some(kind) => Err(ModelError::config(
             file.path(),
             format!(
                 "{key} `{kind}` is not supported in GGUF files (kiln reads llama3 scaling as \
-                 rope_freqs.weight; linear and yarn from Hugging Face folders)"
+                 rope_freqs.weight and linear; yarn from Hugging Face folders)"
             ),
         )),
     }

@@ -232,7 +232,12 @@ fn tiny_tokenizer_matches_transformers() {
 fn tiny_llama_matches_transformers<B: InferenceBackend>(loaded: &kiln_models::LoadedModel<B>) {
     assert_eq!(loaded.format, ModelFormat::Gguf);
     let reference = json("gguf/tiny-llama.reference.json");
-    assert_eq!(loaded.generation.eos, vec![TokenId(393)]);
+    // `<|eot_id|>` (the file's EOS), then what llama.cpp also ends on by text: its
+    // `print_info` lists EOG tokens 385 `<|end_of_text|>`, 392 `<|eom_id|>`, 393.
+    assert_eq!(
+        loaded.generation.eos,
+        vec![TokenId(393), TokenId(385), TokenId(392)]
+    );
     assert!(loaded.generation.add_bos);
     for (i, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
         let prompt = ids(&case["prompt_ids"]);
@@ -313,6 +318,8 @@ fn family_ggufs_match_transformers_on_cpu() {
         ("qwen3-tiny", "qwen3"),
         ("llama2-tiny", "llama"),
         ("phi3-tiny", "phi3"),
+        ("gemma2-tiny", "gemma2"),
+        ("gemma3-tiny", "gemma3_text"),
     ] {
         let loaded = load::<burn::backend::Flex>(&format!("gguf/{name}.f32.gguf"), Dtype::F32);
         assert_eq!(loaded.model.config().architecture.name(), family);
@@ -452,7 +459,13 @@ fn family_ggufs_quantized_track_the_f32_files() {
         }
         widest
     };
-    for name in ["qwen2-tiny", "qwen3-tiny", "phi3-tiny"] {
+    for name in [
+        "qwen2-tiny",
+        "qwen3-tiny",
+        "phi3-tiny",
+        "gemma2-tiny",
+        "gemma3-tiny",
+    ] {
         let exact = load::<B>(&format!("gguf/{name}.f32.gguf"), Dtype::F32);
         let path = fixture(&format!("gguf/{name}.q8_0.gguf"));
         let ours = kiln_models::load::<B>(&path, &quantized, &Default::default()).unwrap();

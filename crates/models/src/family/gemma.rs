@@ -17,21 +17,26 @@
 //! (`rope_parameters.sliding_attention`, base 10,000; the full layers' base is 1,000,000,
 //! with any scaling).
 //!
-//! Gemma's GGUF files are not read yet: their SentencePiece vocabulary reads, but the
-//! `gemma2`/`gemma3` metadata keys and llama.cpp's stored `1 + w` norms are not wired up.
-//! Gemma 3's multimodal
-//! checkpoints (`model_type` `gemma3`) are refused by name: kiln runs the text model
-//! (`gemma3_text`, e.g. Gemma 3 1B).
+//! Their GGUF files (`gemma2`, `gemma3`) hold the same model as llama.cpp reads it: norms
+//! stored as `1 + w` already (its converter adds the 1), the window on every other layer
+//! (Gemma 2) or five layers of six (Gemma 3) unless `attention.sliding_window_pattern` says
+//! otherwise, scores scaled by `head_dim^-0.5` (`hidden / heads` for the 27B models:
+//! `query_pre_attn_scalar` is not in the file), Gemma 3's windowed layers on
+//! `rope.freq_base_swa` (10,000 by default).
+//!
+//! Gemma 3's multimodal checkpoints (`model_type` `gemma3`) are refused by name: kiln runs the
+//! text model (`gemma3_text`, e.g. Gemma 3 1B).
 
 use std::path::Path;
 
 use kiln_core::attention::Scoring;
 use serde_json::Value;
 
-use super::{Blocks, Family, validated};
-use crate::config::{Architecture, PositionKind, RopeConfig, TransformerConfig};
+use super::{Blocks, Family, GgufFamily, validated};
+use crate::config::{Architecture, MlpKind, PositionKind, RopeConfig, TransformerConfig};
 use crate::decoder::{self, HfConfig, HfDefaults};
 use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
 
 /// Gemma 2.
 pub static GEMMA2: Family = Family {
@@ -40,7 +45,11 @@ pub static GEMMA2: Family = Family {
     models: "Gemma 2",
     hf_model_types: &["gemma2"],
     hf_config: gemma2_hf_config,
-    gguf: None,
+    gguf: Some(GgufFamily {
+        architecture: "gemma2",
+        config: gemma2_gguf_config,
+        qk_rows_interleaved: false,
+    }),
     blocks: Blocks::Decoder,
 };
 
@@ -51,7 +60,11 @@ pub static GEMMA3: Family = Family {
     models: "Gemma 3 (text)",
     hf_model_types: &["gemma3_text"],
     hf_config: gemma3_hf_config,
-    gguf: None,
+    gguf: Some(GgufFamily {
+        architecture: "gemma3",
+        config: gemma3_gguf_config,
+        qk_rows_interleaved: false,
+    }),
     blocks: Blocks::Decoder,
 };
 
@@ -138,6 +151,119 @@ fn gemma3_hf_config(value: Value, path: &Path) -> Result<TransformerConfig> {
         ));
     }
     validated(config, path)
+}
+
+/// Gemma 2's window when a GGUF file has no `attention.sliding_window` (llama.cpp's default).
+const GEMMA2_GGUF_WINDOW: u64 = 4096;
+
+fn gemma2_gguf_config(file: &GgufFile) -> Result<TransformerConfig> {
+    let mut config = gemma_gguf_config(file, "gemma2", Architecture::Gemma2, 2)?;
+    config.attention_scoring.softcap = file
+        .float_opt("gemma2.attn_logit_softcapping")?
+        .map(|c| c as f32);
+    validated(config, file.path())
+}
+
+fn gemma3_gguf_config(file: &GgufFile) -> Result<TransformerConfig> {
+    let mut config = gemma_gguf_config(file, "gemma3", Architecture::Gemma3, GEMMA3_PATTERN)?;
+    let theta = |key: &str, default: f32| -> Result<f32> {
+        Ok(file.float_opt(key)?.map_or(default, |t| t as f32))
+    };
+    config.positions = PositionKind::Rope(RopeConfig {
+        theta: theta("gemma3.rope.freq_base", GEMMA3_GLOBAL_THETA)?,
+        scaling: decoder::gguf_rope_scaling(file, "gemma3")?,
+        frequency_divisors: None,
+    });
+    config.local_rope = Some(RopeConfig {
+        theta: theta("gemma3.rope.freq_base_swa", GEMMA3_LOCAL_THETA)?,
+        scaling: None,
+        frequency_divisors: None,
+    });
+    validated(config, file.path())
+}
+
+/// What both Gemma generations' GGUF files say, as llama.cpp's `gemma2` / `gemma3` loaders
+/// read it; `pattern` is the generation's default window pattern (a window on layer `i`
+/// unless `i % pattern` is `pattern - 1`).
+fn gemma_gguf_config(
+    file: &GgufFile,
+    prefix: &str,
+    architecture: Architecture,
+    pattern: usize,
+) -> Result<TransformerConfig> {
+    let mut config = decoder::gguf_config(file, prefix, architecture)?;
+    config.mlp = MlpKind::GeGlu;
+    config.sandwich_norms = true;
+    config.embed_scale = Some((config.d_model as f64).sqrt() as f32);
+    // llama.cpp scales queries by 1/sqrt(head_dim), and by 1/sqrt(hidden / heads) for the
+    // 27B models (46 layers in Gemma 2, 62 in Gemma 3), as Google's code does.
+    let layers_27b = if architecture == Architecture::Gemma2 {
+        46
+    } else {
+        62
+    };
+    if config.n_layers == layers_27b {
+        config.attention_scoring.scale =
+            Some(1.0 / ((config.d_model / config.n_heads) as f32).sqrt());
+    }
+    config.final_softcap = file
+        .float_opt(&format!("{prefix}.final_logit_softcapping"))?
+        .map(|c| c as f32);
+    let window_key = format!("{prefix}.attention.sliding_window");
+    let window = match file.unsigned_opt(&window_key)? {
+        Some(w) => w,
+        None if architecture == Architecture::Gemma2 => GEMMA2_GGUF_WINDOW,
+        None => 0,
+    };
+    if window > 0 {
+        let sliding = gguf_window_layers(file, prefix, config.n_layers, pattern)?;
+        config.attention_windows = sliding
+            .into_iter()
+            .map(|s| s.then_some(window as usize))
+            .collect();
+    }
+    Ok(config)
+}
+
+/// Which layers have a window: `{prefix}.attention.sliding_window_pattern` as one flag per
+/// layer or as a period, else `pattern` (llama.cpp's `load_swa_pattern`).
+fn gguf_window_layers(
+    file: &GgufFile,
+    prefix: &str,
+    n_layers: usize,
+    pattern: usize,
+) -> Result<Vec<bool>> {
+    let key = format!("{prefix}.attention.sliding_window_pattern");
+    let period = match file.get(&key) {
+        None => pattern,
+        Some(value) => match value.as_u64() {
+            Some(p) if p > 0 => p as usize,
+            Some(_) => {
+                return Err(ModelError::config(file.path(), format!("{key} is 0")));
+            }
+            None => {
+                let flags: Vec<bool> = file
+                    .array(&key)?
+                    .iter()
+                    .map(|v| v.as_bool())
+                    .collect::<Option<_>>()
+                    .ok_or_else(|| {
+                        ModelError::config(
+                            file.path(),
+                            format!("{key} must be a number or one flag per layer"),
+                        )
+                    })?;
+                if flags.len() != n_layers {
+                    return Err(ModelError::config(
+                        file.path(),
+                        format!("{key} has {} flags for {n_layers} layers", flags.len()),
+                    ));
+                }
+                return Ok(flags);
+            }
+        },
+    };
+    Ok((0..n_layers).map(|i| i % period < period - 1).collect())
 }
 
 /// The keys both Gemma generations add to the rotary decoder's.

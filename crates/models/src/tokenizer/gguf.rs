@@ -263,8 +263,37 @@ fn byte_level_json(file: &GgufFile) -> Result<Value> {
     ))
 }
 
-/// BOS, the ids that end a sequence (EOS, end-of-turn, end-of-message), and whether prompts
-/// start with BOS.
+/// Token texts that end generation whatever the metadata says (llama.cpp's `llama-vocab.cpp`,
+/// "maintain a list of tokens that cause end-of-generation"): converters name one EOS, while a
+/// chat model's turns end with another token (Phi-3's `<|end|>`, Gemma's `<end_of_turn>`).
+const END_OF_GENERATION_TEXTS: [&str; 22] = [
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<｜end▁of▁sentence｜>",
+    "[e~[",
+];
+
+/// BOS, the ids that end a sequence (EOS, end-of-turn, end-of-message, then every token
+/// whose text llama.cpp treats as ending generation, in id order), and whether prompts start
+/// with BOS.
 pub fn special_ids(file: &GgufFile) -> Result<(Option<u32>, Vec<u32>, bool)> {
     let vocab = file.array("tokenizer.ggml.tokens")?.len();
     let bos = token_id(file, "tokenizer.ggml.bos_token_id", vocab)?;
@@ -275,6 +304,16 @@ pub fn special_ids(file: &GgufFile) -> Result<(Option<u32>, Vec<u32>, bool)> {
         "tokenizer.ggml.eom_token_id",
     ] {
         if let Some(id) = token_id(file, key, vocab)?
+            && !eos.contains(&id)
+        {
+            eos.push(id);
+        }
+    }
+    for (id, token) in file.array("tokenizer.ggml.tokens")?.iter().enumerate() {
+        let id = id as u32;
+        if token
+            .as_str()
+            .is_some_and(|t| END_OF_GENERATION_TEXTS.contains(&t))
             && !eos.contains(&id)
         {
             eos.push(id);
