@@ -54,7 +54,11 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FIXTURES = os.path.join(ROOT, "crates", "models", "tests", "fixtures")
 # name: (the pre-tokenizer name the converter is told, or None for SentencePiece; quantize to Q8_0)
 FAMILIES = {"qwen2-tiny": ("qwen2", True), "qwen3-tiny": ("qwen2", True), "llama2-tiny": (None, False),
-            "phi3-tiny": (None, True), "gemma2-tiny": (None, True), "gemma3-tiny": (None, True)}
+            "phi3-tiny": (None, True), "gemma2-tiny": (None, True), "gemma3-tiny": (None, True),
+            "gpt2-tiny": ("gpt-2", False), "gpt-bigcode-tiny": ("gpt-2", False)}
+# Byte-level texts for the fixtures whose reference.json has no tokenizer_cases: the GGUF's
+# vocabulary must split them as the folder's tokenizer does.
+BYTE_LEVEL_TEXTS = PROMPTS + ["a  1", "  leading", "naïve café 🙂", "x\n\n\ny", "1234567", "end  ", "\ttab", "I'm we'll"]
 # The Gemma fixtures carry a byte-level BPE stand-in; their GGUFs get a SentencePiece vocabulary
 # trained here with Gemma's settings, as many pieces as the model's vocabulary (gemma_vocabulary).
 GEMMA = {"gemma2-tiny", "gemma3-tiny"}
@@ -200,6 +204,12 @@ def main():
         source = os.path.join(FIXTURES, name)
         if name in GEMMA:
             source = gemma_vocabulary(source, os.path.join(vocabulary_dir.name, name))
+        if name == "gpt2-tiny":
+            # The converter reads GPT-2's context as `n_ctx`, which transformers 5 no longer saves.
+            source = shutil.copytree(source, os.path.join(vocabulary_dir.name, name))
+            config = json.load(open(os.path.join(source, "config.json")))
+            config["n_ctx"] = config["n_positions"]
+            json.dump(config, open(os.path.join(source, "config.json"), "w"))
         sys.argv = ["convert_hf_to_gguf.py", source, "--outfile", f32, "--outtype", "f32"]
         convert_hf_to_gguf.main()
         written = [f32]
@@ -208,6 +218,12 @@ def main():
             subprocess.run([args.quantize, f32, q8, "Q8_0"], check=True, capture_output=True)
             written.append(q8)
         extra = None
+        hf_reference = json.load(open(os.path.join(FIXTURES, name, "reference.json")))
+        if pre is not None and "tokenizer_cases" not in hf_reference:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(os.path.join(FIXTURES, name))
+            extra = {"tokenizer_cases": [{"text": t, "ids": tokenizer(t)["input_ids"]} for t in BYTE_LEVEL_TEXTS],
+                     "tokenizer_note": "the HF folder's tokenizer (transformers)"}
         if pre is None:
             texts = GEMMA_TEXTS if name in GEMMA else [
                 c["text"] for c in json.load(open(os.path.join(FIXTURES, name, "reference.json")))["tokenizer_cases"]]
@@ -231,6 +247,10 @@ def main():
             config.pop("layer_types", None)
             if name in GEMMA:
                 config["query_pre_attn_scalar"] = config["head_dim"]
+            # llama.cpp's GPT-2 and StarCoder scale scores by head_dim^-0.5: the file has no
+            # `scale_attn_weights`.
+            if "scale_attn_weights" in config:
+                config["scale_attn_weights"] = True
             json.dump(config, open(config_path, "w"))
             model = AutoModelForCausalLM.from_pretrained(windowless, dtype=torch.float32, attn_implementation="eager")
             cases = json.load(open(os.path.join(FIXTURES, name, "reference.json")))["cases"]

@@ -320,6 +320,8 @@ fn family_ggufs_match_transformers_on_cpu() {
         ("phi3-tiny", "phi3"),
         ("gemma2-tiny", "gemma2"),
         ("gemma3-tiny", "gemma3_text"),
+        ("gpt2-tiny", "gpt2"),
+        ("gpt-bigcode-tiny", "gpt_bigcode"),
     ] {
         let loaded = load::<burn::backend::Flex>(&format!("gguf/{name}.f32.gguf"), Dtype::F32);
         assert_eq!(loaded.model.config().architecture.name(), family);

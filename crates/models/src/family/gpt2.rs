@@ -20,9 +20,11 @@ use serde::Deserialize;
 
 use serde_json::Value;
 
-use super::{Blocks, Family};
+use super::{Blocks, Family, GgufFamily};
 use crate::config::{Architecture, MlpKind, NormKind, PositionKind, TransformerConfig};
+use crate::decoder::TensorNames;
 use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
 use crate::layers::attention::{Attention, QkvProjection};
 use crate::layers::embedding::Embedding;
 use crate::layers::mlp::Mlp;
@@ -38,7 +40,11 @@ pub static FAMILY: Family = Family {
     models: "GPT-2",
     hf_model_types: &["gpt2"],
     hf_config,
-    gguf: None,
+    gguf: Some(GgufFamily {
+        architecture: "gpt2",
+        config: gpt2_gguf_config,
+        qk_rows_interleaved: false,
+    }),
     blocks: Blocks::Gpt2,
 };
 
@@ -49,7 +55,11 @@ pub static BIGCODE: Family = Family {
     models: "GPT-BigCode: SantaCoder, StarCoder",
     hf_model_types: &["gpt_bigcode"],
     hf_config: bigcode_hf_config,
-    gguf: None,
+    gguf: Some(GgufFamily {
+        architecture: "starcoder",
+        config: starcoder_gguf_config,
+        qk_rows_interleaved: false,
+    }),
     blocks: Blocks::GptBigCode,
 };
 
@@ -232,13 +242,18 @@ pub enum LinearLayout {
     Linear,
 }
 
-/// Loads GPT-2-block weights in HF names, the linear layers stored as `layout` says; the
-/// fused `c_attn` gives `n_heads` query heads then `n_kv_heads` key and value heads.
+/// Loads GPT-2-block weights named as `names` (HF's, or llama.cpp's: `attn_qkv`, `ffn_up`,
+/// `position_embd`, ... with every linear layer `[d_out, d_in]`), the HF linear layers stored
+/// as `layout` says; the fused `c_attn` gives `n_heads` query heads then `n_kv_heads` key and
+/// value heads. A GGUF's `output.weight`, where there is one, is the head; else the token
+/// embedding is.
 ///
 /// # Errors
-/// A missing tensor or one whose shape disagrees with `config`, naming file and tensor.
+/// A missing tensor or one whose shape disagrees with `config`, naming file and tensor; Meta
+/// naming (GPT-2 has no Meta checkpoints).
 pub fn load<B: InferenceBackend>(
     config: TransformerConfig,
+    names: TensorNames,
     layout: LinearLayout,
     source: &dyn TensorSource,
     dtype: Dtype,
@@ -249,6 +264,16 @@ pub fn load<B: InferenceBackend>(
     } else {
         ""
     };
+    let layout = match names {
+        TensorNames::HuggingFace => layout,
+        TensorNames::Gguf => LinearLayout::Linear,
+        TensorNames::Meta => {
+            return Err(ModelError::config(
+                source.describe(),
+                "GPT-2 and GPT-BigCode have no Meta checkpoints",
+            ));
+        }
+    };
     let w = WeightLoader::<B> {
         source,
         dtype,
@@ -256,7 +281,11 @@ pub fn load<B: InferenceBackend>(
         storage: WeightStorage::Dequantized,
     };
     let (d, ff) = (config.d_model, config.d_ff);
-    let name = |s: &str| format!("{prefix}{s}");
+    // HF's names (`h.3.attn.c_attn`) in this file's naming.
+    let name = |s: &str| match names {
+        TensorNames::Gguf => gguf_name(s),
+        _ => format!("{prefix}{s}"),
+    };
     let norm = |base: &str| -> Result<Norm<B>> {
         Ok(Norm {
             kind: NormKind::LayerNorm,
@@ -301,6 +330,12 @@ pub fn load<B: InferenceBackend>(
     let embed = Embedding::Dense(w.matrix(&name("wte.weight"), config.vocab, d)?);
     let positions = w.matrix(&name("wpe.weight"), config.max_positions, d)?;
     let final_norm = norm("ln_f")?;
+    let head = match names {
+        TensorNames::Gguf if source.contains("output.weight") => {
+            Some(w.linear_out_in("output.weight", None, d, config.vocab, None)?)
+        }
+        _ => None,
+    };
     Ok(Transformer::from_parts(
         config,
         dtype,
@@ -309,8 +344,115 @@ pub fn load<B: InferenceBackend>(
         Some(positions),
         blocks,
         final_norm,
-        None,
+        head,
     ))
+}
+
+/// llama.cpp's name for a GPT-2-block tensor HF calls `hf` (`h.3.attn.c_attn.weight` →
+/// `blk.3.attn_qkv.weight`).
+fn gguf_name(hf: &str) -> String {
+    let (stem, kind) = hf.rsplit_once('.').unwrap_or((hf, ""));
+    let renamed = match stem {
+        "wte" => "token_embd".to_string(),
+        "wpe" => "position_embd".to_string(),
+        "ln_f" => "output_norm".to_string(),
+        _ => {
+            let rest = stem.strip_prefix("h.").unwrap_or(stem);
+            let (layer, part) = rest.split_once('.').unwrap_or((rest, ""));
+            let part = match part {
+                "ln_1" => "attn_norm",
+                "attn.c_attn" => "attn_qkv",
+                "attn.c_proj" => "attn_output",
+                "ln_2" => "ffn_norm",
+                "mlp.c_fc" => "ffn_up",
+                "mlp.c_proj" => "ffn_down",
+                other => other,
+            };
+            format!("blk.{layer}.{part}")
+        }
+    };
+    format!("{renamed}.{kind}")
+}
+
+/// GPT-2's (`gpt2`) and StarCoder's (`starcoder`: GPT-BigCode) GGUF metadata, as llama.cpp's
+/// loaders read it. llama.cpp scales attention scores by `head_dim^-0.5` whatever the HF
+/// config's `scale_attn_weights` said (the key is not in the file).
+///
+/// # Errors
+/// A required key missing, a StarCoder file with more than one key/value head, inconsistent
+/// sizes.
+fn gguf_config(
+    file: &GgufFile,
+    prefix: &str,
+    architecture: Architecture,
+) -> Result<TransformerConfig> {
+    let path = file.path();
+    let count =
+        |k: &str| -> Result<usize> { Ok(file.unsigned(&format!("{prefix}.{k}"))? as usize) };
+    let n_heads = count("attention.head_count")?;
+    let d_model = count("embedding_length")?;
+    let n_kv_heads = file
+        .unsigned_opt(&format!("{prefix}.attention.head_count_kv"))?
+        .map_or(n_heads, |n| n as usize);
+    if architecture == Architecture::GptBigCode && n_kv_heads != 1 {
+        return Err(ModelError::config(
+            path,
+            format!(
+                "{prefix}.attention.head_count_kv is {n_kv_heads}: only multi-query GPT-BigCode \
+                 (one key/value head) is supported"
+            ),
+        ));
+    }
+    if n_heads == 0 || !d_model.is_multiple_of(n_heads) {
+        return Err(ModelError::config(
+            path,
+            format!(
+                "{prefix}.embedding_length ({d_model}) must be a multiple of the head count ({n_heads})"
+            ),
+        ));
+    }
+    let (bos, eos, _) = crate::tokenizer::gguf::special_ids(file)?;
+    let config = TransformerConfig {
+        architecture,
+        vocab: file.array("tokenizer.ggml.tokens")?.len(),
+        d_model,
+        n_layers: count("block_count")?,
+        n_heads,
+        n_kv_heads,
+        head_dim: d_model / n_heads,
+        d_ff: count("feed_forward_length")?,
+        max_positions: count("context_length")?,
+        norm: NormKind::LayerNorm,
+        norm_eps: file
+            .float_opt(&format!("{prefix}.attention.layer_norm_epsilon"))?
+            .unwrap_or(1e-5),
+        positions: PositionKind::Learned,
+        mlp: MlpKind::GeluTanh,
+        qkv_bias: true,
+        out_bias: true,
+        qk_norm: false,
+        mlp_bias: true,
+        sandwich_norms: false,
+        norm_unit_offset: false,
+        embed_scale: None,
+        attention_scoring: Scoring::default(),
+        final_softcap: None,
+        local_rope: None,
+        tied_head: !file.contains("output.weight"),
+        bos: bos.map(TokenId),
+        eos: eos.into_iter().map(TokenId).collect(),
+        attention_windows: Vec::new(),
+    };
+    config.validate().map_err(|e| ModelError::config(path, e))?;
+    Ok(config)
+}
+
+fn gpt2_gguf_config(file: &GgufFile) -> Result<TransformerConfig> {
+    gguf_config(file, "gpt2", Architecture::Gpt2)
+}
+
+fn starcoder_gguf_config(file: &GgufFile) -> Result<TransformerConfig> {
+    gguf_config(file, "starcoder", Architecture::GptBigCode)
 }
 
 #[cfg(test)]

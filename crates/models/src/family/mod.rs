@@ -135,7 +135,7 @@ pub fn gguf_names() -> String {
 ///
 /// # Errors
 /// A missing tensor or one whose shape disagrees with `config`, naming file and tensor; a
-/// naming the family's loader does not read (GPT-2 from anything but a HF folder).
+/// naming the family's loader does not read (GPT-2 from a Meta folder).
 pub fn load_weights<B: InferenceBackend>(
     config: TransformerConfig,
     names: TensorNames,
@@ -150,18 +150,24 @@ pub fn load_weights<B: InferenceBackend>(
         TensorNames::Meta => true,
         TensorNames::Gguf => family.gguf.as_ref().is_some_and(|g| g.qk_rows_interleaved),
     };
-    match (family.blocks, names) {
-        (Blocks::Gpt2, TensorNames::HuggingFace) => {
-            gpt2::load(config, gpt2::LinearLayout::Conv1d, source, dtype, device)
-        }
-        (Blocks::GptBigCode, TensorNames::HuggingFace) => {
-            gpt2::load(config, gpt2::LinearLayout::Linear, source, dtype, device)
-        }
-        (Blocks::Gpt2 | Blocks::GptBigCode, _) => Err(ModelError::config(
-            family.name,
-            "GPT-2 and GPT-BigCode weights are read from Hugging Face folders only",
-        )),
-        (Blocks::Decoder, _) => decoder::load(
+    match family.blocks {
+        Blocks::Gpt2 => gpt2::load(
+            config,
+            names,
+            gpt2::LinearLayout::Conv1d,
+            source,
+            dtype,
+            device,
+        ),
+        Blocks::GptBigCode => gpt2::load(
+            config,
+            names,
+            gpt2::LinearLayout::Linear,
+            source,
+            dtype,
+            device,
+        ),
+        Blocks::Decoder => decoder::load(
             config,
             names,
             qk_rows_interleaved,
