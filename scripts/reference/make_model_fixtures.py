@@ -951,12 +951,40 @@ def phi3():
     return min(reference(reloaded, ids, out, note, extra), min(c["min_greedy_margin"] for c in cases))
 
 
+# Qwen3's thinking switch, as the end of its chat template writes it (the hub's template also
+# handles tools and earlier turns' reasoning; this is the part `enable_thinking` drives).
+QWEN3_THINKING_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def qwen3_thinking():
+    """qwen3-tiny/thinking_chat_cases.json: Qwen3's thinking switch rendered by transformers'
+    apply_chat_template with `enable_thinking` absent, true and false (template variables)."""
+    out = os.path.join(ROOT, "qwen3-tiny")
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    cases = []
+    for kwargs in ({}, {"enable_thinking": True}, {"enable_thinking": False}):
+        rendered = tok.apply_chat_template(messages, chat_template=QWEN3_THINKING_TEMPLATE, tokenize=False,
+                                           add_generation_prompt=True, **kwargs)
+        cases.append({"messages": messages, "kwargs": kwargs, "rendered": rendered,
+                      "ids": tok(rendered, add_special_tokens=False)["input_ids"]})
+    write_json(os.path.join(out, "thinking_chat_cases.json"), {
+        "generator": "scripts/reference/make_model_fixtures.py --only qwen3-thinking",
+        "transformers": transformers.__version__, "template": QWEN3_THINKING_TEMPLATE, "cases": cases})
+    return 1.0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "gpt-bigcode", "llama", "mistral", "qwen", "gemma", "llama2", "phi3"], help="rewrite one family of fixtures")
+    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "gpt-bigcode", "llama", "mistral", "qwen", "gemma", "llama2", "phi3", "qwen3-thinking"], help="rewrite one family of fixtures")
     only = parser.parse_args().only
     torch.set_grad_enabled(False)
-    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("gpt-bigcode", bigcode), ("llama", llama), ("mistral", mistral), ("qwen", qwen), ("gemma", gemma), ("llama2", llama2), ("phi3", phi3)]:
+    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("gpt-bigcode", bigcode), ("llama", llama), ("mistral", mistral), ("qwen", qwen), ("gemma", gemma), ("llama2", llama2), ("phi3", phi3), ("qwen3-thinking", qwen3_thinking)]:
         if only in (None, name):
             print(f"{name}: smallest top-1/top-2 logit margin on the greedy paths {make():.4f}", file=sys.stderr)
     for name in sorted(n for n in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, n))):

@@ -46,6 +46,10 @@ pub struct Args {
     /// A system message to start the conversation with (the template's default otherwise).
     #[arg(long, value_name = "TEXT", help_heading = "Generation")]
     system: Option<String>,
+    /// More variables for the chat template, as a JSON object (llama.cpp's flag, vLLM's
+    /// `chat_template_kwargs`): `{"enable_thinking": false}` turns Qwen3's thinking off.
+    #[arg(long, value_name = "JSON", value_parser = parse_template_kwargs, help_heading = "Generation")]
+    chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     /// KV cache kept between turns: dynamic (grows as the conversation does), static (the
     /// model's whole context up front), paged or sliding.
     #[arg(
@@ -334,6 +338,7 @@ impl BackendTask for Task {
             );
         }
         let mut system = args.system.clone();
+        let template_kwargs = args.chat_template_kwargs.clone().unwrap_or_default();
         let mut turns: Vec<ChatMessage> = Vec::new();
         let mut last: Option<Completion> = None;
         let mut stdout = std::io::stdout();
@@ -399,7 +404,10 @@ impl BackendTask for Task {
                 .chain(turns.iter().cloned())
                 .collect();
             let request = Request {
-                prompt: tokenizer.encode(&template.render(&messages, true)?, false)?,
+                prompt: tokenizer.encode(
+                    &template.render_with(&messages, true, &template_kwargs)?,
+                    false,
+                )?,
                 max_tokens: settings.max_tokens,
                 sampling: settings.sampling.clone(),
                 eos: loaded.generation.eos.clone(),
@@ -473,5 +481,16 @@ mod tests {
         assert_eq!(settings.sampling.seed, None);
         assert!(settings.set("max-tokens", "3").is_ok());
         assert_eq!(settings.max_tokens, 3);
+    }
+}
+
+/// `--chat-template-kwargs`: a JSON object.
+fn parse_template_kwargs(
+    text: &str,
+) -> std::result::Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(text) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(_) => Err("expected a JSON object, e.g. {\"enable_thinking\": false}".into()),
+        Err(e) => Err(format!("not JSON: {e}")),
     }
 }

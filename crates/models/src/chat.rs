@@ -100,6 +100,33 @@ impl ChatTemplate {
     /// [`ModelError::ChatTemplate`] when rendering fails (including the template's own
     /// `raise_exception`, e.g. for roles out of order).
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`Self::render`] with more variables for the template (transformers'
+    /// `apply_chat_template(**kwargs)`, vLLM's `chat_template_kwargs`): Qwen3's
+    /// `enable_thinking`, for one.
+    ///
+    /// # Errors
+    /// As [`Self::render`], and a variable named as one kiln sets (`messages`,
+    /// `add_generation_prompt`, `bos_token`, `eos_token`).
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        variables: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        const RESERVED: [&str; 4] = [
+            "messages",
+            "add_generation_prompt",
+            "bos_token",
+            "eos_token",
+        ];
+        if let Some(name) = variables.keys().find(|k| RESERVED.contains(&k.as_str())) {
+            return Err(ModelError::ChatTemplate {
+                reason: format!("the template variable `{name}` is set by kiln, not by the caller"),
+            });
+        }
         let template = self.env.get_template(NAME).map_err(template_error)?;
         template
             .render(context! {
@@ -107,6 +134,7 @@ impl ChatTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
+                ..minijinja::Value::from_serialize(variables),
             })
             .map_err(template_error)
     }

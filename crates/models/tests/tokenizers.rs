@@ -182,3 +182,35 @@ fn phi3_chat_template_matches_transformers() {
     assert_eq!(loaded.generation.eos, vec![endoftext, end]);
     assert!(!loaded.generation.add_bos);
 }
+
+/// Qwen3's thinking switch: the template variable `enable_thinking` (`--chat-template-kwargs`,
+/// the server's `chat_template_kwargs`) renders as transformers' `apply_chat_template` renders
+/// it, absent, true and false (an empty think block after the assistant's header); a variable
+/// kiln sets itself is refused.
+#[test]
+fn qwen3_thinking_switch_renders_as_transformers() {
+    let cases: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("qwen3-tiny").join("thinking_chat_cases.json")).unwrap(),
+    )
+    .unwrap();
+    let template =
+        ChatTemplate::new(cases["template"].as_str().unwrap(), "", "<|im_end|>").unwrap();
+    let tokenizer =
+        TextTokenizer::from_tokenizer_json(&fixture("qwen3-tiny").join("tokenizer.json")).unwrap();
+    let mut rendered = Vec::new();
+    for case in cases["cases"].as_array().unwrap() {
+        let messages = chat_messages(&case["messages"]);
+        let kwargs = case["kwargs"].as_object().unwrap();
+        let text = template.render_with(&messages, true, kwargs).unwrap();
+        assert_eq!(text, case["rendered"].as_str().unwrap(), "{kwargs:?}");
+        assert_eq!(tokenizer.encode(&text, false).unwrap(), ids(&case["ids"]));
+        rendered.push(text);
+    }
+    assert_ne!(rendered[2], rendered[0], "thinking off changes the prompt");
+    let reserved = serde_json::json!({"add_generation_prompt": false});
+    let err = template
+        .render_with(&[], true, reserved.as_object().unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("`add_generation_prompt`"), "{err}");
+}

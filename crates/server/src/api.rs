@@ -95,6 +95,9 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     /// And this many alternatives with it (0-20).
     pub top_logprobs: Option<u64>,
+    /// More variables for the chat template (vLLM's field): `{"enable_thinking": false}`
+    /// turns Qwen3's thinking off.
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     /// The rest.
     #[serde(flatten)]
     pub common: CommonFields,

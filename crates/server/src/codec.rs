@@ -43,9 +43,15 @@ impl Codec {
     /// The prompt of a chat: the messages rendered with the generation prompt, then tokenized
     /// without adding special tokens (the template writes them).
     ///
+    /// `variables` go to the template beside the messages (`chat_template_kwargs`).
+    ///
     /// # Errors
     /// 400 for an unknown role, a non-text part, no template, or a template that fails.
-    pub fn chat_prompt(&self, messages: &[Message]) -> Result<Vec<TokenId>, ApiError> {
+    pub fn chat_prompt(
+        &self,
+        messages: &[Message],
+        variables: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Vec<TokenId>, ApiError> {
         let Some(template) = &self.template else {
             return Err(ApiError::invalid(
                 "this model has no chat template: use /v1/completions",
@@ -75,9 +81,14 @@ impl Codec {
             };
             turns.push(ChatMessage::new(role, content));
         }
-        let text = template
-            .render(&turns, true)
-            .map_err(|e| ApiError::invalid_field("messages", e.to_string()))?;
+        let text = template.render_with(&turns, true, variables).map_err(|e| {
+            let field = if e.to_string().contains("is set by kiln") {
+                "chat_template_kwargs"
+            } else {
+                "messages"
+            };
+            ApiError::invalid_field(field, e.to_string())
+        })?;
         self.encode(&text, false)
     }
 

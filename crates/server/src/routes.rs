@@ -432,7 +432,10 @@ async fn chat_completions(
         let ready = state.ready()?;
         let body: ChatRequest = json_body(&state, &headers, request).await?;
         let generation = body.generation()?;
-        let prompt = ready.codec.chat_prompt(&body.messages)?;
+        let prompt = ready.codec.chat_prompt(
+            &body.messages,
+            &body.chat_template_kwargs.clone().unwrap_or_default(),
+        )?;
         Ok::<_, ApiError>(Job {
             endpoint: Endpoint::Chat,
             id: state.response_id("chatcmpl"),

@@ -198,6 +198,18 @@ def test_completion_logprobs(client):
     assert all(b >= a for a, b in zip(lp.text_offset, lp.text_offset[1:]))
 
 
+def test_chat_template_kwargs_reach_the_template(client):
+    # SmolLM2's template has no `enable_thinking`: the reply is the same; a variable kiln sets
+    # itself is refused, naming the field (crates/models' tokenizers tests render Qwen3's
+    # switch against transformers).
+    plain = chat(client, max_tokens=16)
+    switched = chat(client, max_tokens=16, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert switched.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, extra_body={"chat_template_kwargs": {"messages": []}})
+    assert err.value.param == "chat_template_kwargs"
+
+
 def test_unknown_fields_and_nulls_are_ignored(client):
     reply = chat(client, stop=None, user="someone", extra_body={"unknown_field": {"x": 1}, "logprobs": None})
     assert reply.choices[0].message.content
