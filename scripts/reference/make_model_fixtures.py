@@ -951,6 +951,44 @@ def phi3():
     return min(reference(reloaded, ids, out, note, extra), min(c["min_greedy_margin"] for c in cases))
 
 
+@torch.no_grad()
+def gemma3_multimodal():
+    """gemma3-mm-tiny: Gemma 3's multimodal checkpoint layout (`Gemma3ForConditionalGeneration`,
+    model_type gemma3, a `text_config`, the language model under `language_model.`) around
+    gemma3-tiny's weights, with a one-layer SigLIP vision tower. Its text-only logits are
+    gemma3-tiny's (checked here), and its reference is transformers on this folder."""
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig, Gemma3ForConditionalGeneration
+
+    source = os.path.join(ROOT, "gemma3-tiny")
+    out = fresh_dir("gemma3-mm-tiny")
+    text = Gemma3TextConfig.from_pretrained(source)
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    # The top-level `tie_word_embeddings` is the one transformers 5 ties by: it must say what the
+    # text model says (gemma3-tiny's head is untied).
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                          image_token_index=5, boi_token_index=3, eoi_token_index=4,
+                          tie_word_embeddings=text.tie_word_embeddings)
+    torch.manual_seed(SEED + 31)
+    model = Gemma3ForConditionalGeneration(config)
+    text_model = Gemma3ForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="eager")
+    model.model.language_model.load_state_dict(text_model.model.state_dict(), strict=True)
+    model.lm_head.load_state_dict(text_model.lm_head.state_dict())
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(source, name), out)
+    reloaded = Gemma3ForConditionalGeneration.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    reloaded.eval()
+    cases = json.load(open(os.path.join(source, "reference.json")))["cases"]
+    ids = [c["prompt_ids"] for c in cases]
+    for i, prompt in enumerate(ids):
+        ours = reloaded(torch.tensor([prompt])).logits[0]
+        theirs = text_model(torch.tensor([prompt])).logits[0]
+        assert (ours - theirs).abs().max() < 1e-5, f"prompt {i}: the multimodal wrapper changes the text logits"
+    note = "gemma3-tiny's weights in Gemma3ForConditionalGeneration's layout (a one-layer SigLIP tower), text-only prompts"
+    return reference(reloaded, ids, out, note)
+
+
 # Qwen3's thinking switch, as the end of its chat template writes it (the hub's template also
 # handles tools and earlier turns' reasoning; this is the part `enable_thinking` drives).
 QWEN3_THINKING_TEMPLATE = (
@@ -981,10 +1019,10 @@ def qwen3_thinking():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "gpt-bigcode", "llama", "mistral", "qwen", "gemma", "llama2", "phi3", "qwen3-thinking"], help="rewrite one family of fixtures")
+    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "gpt-bigcode", "llama", "mistral", "qwen", "gemma", "gemma3-mm", "llama2", "phi3", "qwen3-thinking"], help="rewrite one family of fixtures")
     only = parser.parse_args().only
     torch.set_grad_enabled(False)
-    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("gpt-bigcode", bigcode), ("llama", llama), ("mistral", mistral), ("qwen", qwen), ("gemma", gemma), ("llama2", llama2), ("phi3", phi3), ("qwen3-thinking", qwen3_thinking)]:
+    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("gpt-bigcode", bigcode), ("llama", llama), ("mistral", mistral), ("qwen", qwen), ("gemma", gemma), ("gemma3-mm", gemma3_multimodal), ("llama2", llama2), ("phi3", phi3), ("qwen3-thinking", qwen3_thinking)]:
         if only in (None, name):
             print(f"{name}: smallest top-1/top-2 logit margin on the greedy paths {make():.4f}", file=sys.stderr)
     for name in sorted(n for n in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, n))):

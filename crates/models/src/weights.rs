@@ -66,6 +66,71 @@ pub(crate) fn tally(items: impl IntoIterator<Item = (String, usize)>) -> Vec<(St
     totals
 }
 
+/// A multimodal checkpoint's language model under the text model's names
+/// (`model.layers.0...`, `lm_head.weight`), where the file keeps it under a wrapper's prefix:
+/// `language_model.model.` (what transformers writes for Gemma 3, Llava, Mistral 3) or
+/// `model.language_model.` (transformers 5's module paths). The vision tower's tensors stay
+/// in the file, unread.
+pub struct LanguageModelSource<'a> {
+    inner: &'a dyn TensorSource,
+    body: &'static str,
+    head: &'static str,
+}
+
+impl<'a> LanguageModelSource<'a> {
+    /// The adapter when `inner` holds its language model under one of the wrapper prefixes and
+    /// not under the text model's own names; `None` otherwise.
+    pub fn detect(inner: &'a dyn TensorSource) -> Option<Self> {
+        const LAYOUTS: [(&str, &str); 2] = [
+            ("language_model.model.", "language_model.lm_head.weight"),
+            ("model.language_model.", "lm_head.weight"),
+        ];
+        if inner.contains("model.embed_tokens.weight") {
+            return None;
+        }
+        LAYOUTS
+            .into_iter()
+            .find(|(body, _)| inner.contains(&format!("{body}embed_tokens.weight")))
+            .map(|(body, head)| Self { inner, body, head })
+    }
+
+    fn stored_name(&self, name: &str) -> String {
+        match name.strip_prefix("model.") {
+            Some(rest) => format!("{}{rest}", self.body),
+            None if name == "lm_head.weight" => self.head.to_string(),
+            None => name.to_string(),
+        }
+    }
+}
+
+impl TensorSource for LanguageModelSource<'_> {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.inner.contains(&self.stored_name(name))
+    }
+
+    fn read(&self, name: &str) -> Result<HostTensor> {
+        let mut tensor = self.inner.read(&self.stored_name(name))?;
+        tensor.name = name.to_string();
+        Ok(tensor)
+    }
+
+    fn read_quantized(&self, name: &str) -> Result<Option<QuantizedTensor>> {
+        self.inner.read_quantized(&self.stored_name(name))
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.inner.names()
+    }
+
+    fn stored_types(&self) -> Vec<(String, usize)> {
+        self.inner.stored_types()
+    }
+}
+
 /// How far loading has come: tensors read (and uploaded) so far.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LoadProgress {

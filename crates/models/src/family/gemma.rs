@@ -24,8 +24,10 @@
 //! `query_pre_attn_scalar` is not in the file), Gemma 3's windowed layers on
 //! `rope.freq_base_swa` (10,000 by default).
 //!
-//! Gemma 3's multimodal checkpoints (`model_type` `gemma3`) are refused by name: kiln runs the
-//! text model (`gemma3_text`, e.g. Gemma 3 1B).
+//! Gemma 3's multimodal checkpoints (`model_type` `gemma3`: 4B, 12B, 27B) load as their text
+//! model: the `text_config` is read as a `gemma3_text` config, the language model's tensors
+//! are found under the wrapper's prefix (`weights::LanguageModelSource`), and the vision
+//! tower is left in the file; prompts are text only.
 
 use std::path::Path;
 
@@ -58,7 +60,7 @@ pub static GEMMA3: Family = Family {
     architecture: Architecture::Gemma3,
     name: "gemma3_text",
     models: "Gemma 3 (text)",
-    hf_model_types: &["gemma3_text"],
+    hf_model_types: &["gemma3_text", "gemma3"],
     hf_config: gemma3_hf_config,
     gguf: Some(GgufFamily {
         architecture: "gemma3",
@@ -124,6 +126,20 @@ fn gemma2_hf_config(value: Value, path: &Path) -> Result<TransformerConfig> {
 }
 
 fn gemma3_hf_config(value: Value, path: &Path) -> Result<TransformerConfig> {
+    let value = if value.get("model_type").and_then(Value::as_str) == Some("gemma3") {
+        // `Gemma3ForConditionalGeneration`: the language model's configuration.
+        match value.get("text_config") {
+            Some(text @ Value::Object(_)) => text.clone(),
+            _ => {
+                return Err(ModelError::config(
+                    path,
+                    "a gemma3 (multimodal) config needs its `text_config` object",
+                ));
+            }
+        }
+    } else {
+        value
+    };
     let extra = GemmaKeys::read(&value, path, None, None)?;
     let pattern = match value.get("sliding_window_pattern") {
         None | Some(Value::Null) => GEMMA3_PATTERN,

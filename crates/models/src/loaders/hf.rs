@@ -15,7 +15,8 @@ use crate::family;
 use crate::info::ModelInfo;
 use crate::tokenizer::TextTokenizer;
 use crate::weights::{
-    LoadProgress, Reporting, SafetensorsSource, TensorSource, file_size, read_text,
+    LanguageModelSource, LoadProgress, Reporting, SafetensorsSource, TensorSource, file_size,
+    read_text,
 };
 
 fn read_json(path: &Path) -> Result<Value> {
@@ -220,7 +221,12 @@ pub(super) fn load<B: InferenceBackend>(
     let mut config = read_config(dir)?;
     let mut warnings = config.drop_impossible_special_tokens();
     let files = weights(dir)?;
-    let source = Reporting::new(&files, progress);
+    let language_model = LanguageModelSource::detect(&files);
+    let files: &dyn TensorSource = match &language_model {
+        Some(adapter) => adapter,
+        None => &files,
+    };
+    let source = Reporting::new(files, progress);
     let model = family::load_weights(
         untie_if_head_present(config, &source),
         TensorNames::HuggingFace,

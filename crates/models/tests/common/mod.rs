@@ -9,7 +9,7 @@ use kiln_core::kv_cache::DynamicKvCache;
 use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, SeqId, TokenId};
 use serde_json::Value;
 
-pub const FIXTURES: [&str; 14] = [
+pub const FIXTURES: [&str; 15] = [
     "gpt2-tiny",
     "gpt2-tiny-legacy",
     "gpt2-tiny-lenient",
@@ -24,6 +24,7 @@ pub const FIXTURES: [&str; 14] = [
     "gpt-bigcode-tiny",
     "llama2-tiny",
     "phi3-tiny",
+    "gemma3-mm-tiny",
 ];
 
 /// A reference file's chat messages (`[{"role", "content"}]`) as kiln's.
