@@ -449,6 +449,17 @@ impl BackendTask for Task {
     }
 }
 
+/// `--chat-template-kwargs`: a JSON object.
+fn parse_template_kwargs(
+    text: &str,
+) -> std::result::Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(text) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(_) => Err("expected a JSON object, e.g. {\"enable_thinking\": false}".into()),
+        Err(e) => Err(format!("not JSON: {e}")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -481,16 +492,5 @@ mod tests {
         assert_eq!(settings.sampling.seed, None);
         assert!(settings.set("max-tokens", "3").is_ok());
         assert_eq!(settings.max_tokens, 3);
-    }
-}
-
-/// `--chat-template-kwargs`: a JSON object.
-fn parse_template_kwargs(
-    text: &str,
-) -> std::result::Result<serde_json::Map<String, serde_json::Value>, String> {
-    match serde_json::from_str(text) {
-        Ok(serde_json::Value::Object(map)) => Ok(map),
-        Ok(_) => Err("expected a JSON object, e.g. {\"enable_thinking\": false}".into()),
-        Err(e) => Err(format!("not JSON: {e}")),
     }
 }
