@@ -106,6 +106,13 @@ def gemma_vocabulary(source, out):
     return out
 
 
+def llama_tokenize(binary, gguf_path, text):
+    """`llama-tokenize`'s ids for `text` (special tokens parsed, BOS as the file says)."""
+    out = subprocess.run([binary, "-m", gguf_path, "-p", text, "--ids", "--log-disable"],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def llama_cpp_tokenization(model_dir, texts, tokenize_binary, gguf_path):
     """Each text's ids as llama.cpp's SPM tokenizer gives them (with BOS unless the GGUF says not), from tokenizer.model with
     the piece types the GGUF gives them (the converter types pieces from tokenizer_config.json)."""
@@ -159,9 +166,7 @@ def llama_cpp_tokenization(model_dir, texts, tokenize_binary, gguf_path):
         for fragment in stripped:
             ids += [fragment] if isinstance(fragment, int) else processor.encode(space + fragment)
         if tokenize_binary and text:  # llama-tokenize refuses an empty prompt
-            out = subprocess.run([tokenize_binary, "-m", gguf_path, "-p", text, "--ids", "--log-disable"],
-                                 check=True, capture_output=True, text=True).stdout
-            assert json.loads(out.strip().splitlines()[-1]) == ids, (text, out, ids)
+            assert llama_tokenize(tokenize_binary, gguf_path, text) == ids, (text, ids)
         cases.append({"text": text, "ids": ids})
     return cases
 
@@ -219,16 +224,24 @@ def main():
             written.append(q8)
         extra = None
         hf_reference = json.load(open(os.path.join(FIXTURES, name, "reference.json")))
-        if pre is not None and "tokenizer_cases" not in hf_reference:
+        tokenize = os.path.join(os.path.dirname(args.quantize), "llama-tokenize")
+        tokenize = tokenize if os.path.exists(tokenize) else None
+        if pre is not None:
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(os.path.join(FIXTURES, name))
-            extra = {"tokenizer_cases": [{"text": t, "ids": tokenizer(t)["input_ids"]} for t in BYTE_LEVEL_TEXTS],
-                     "tokenizer_note": "the HF folder's tokenizer (transformers)"}
+            cases = hf_reference.get("tokenizer_cases") or [
+                {"text": t, "ids": tokenizer(t)["input_ids"]} for t in BYTE_LEVEL_TEXTS]
+            checked = ""
+            if tokenize:
+                # llama.cpp applies no NFC; the HF file may (Qwen2's): decomposed text differs.
+                for case in cases:
+                    if case["text"] and "\u0301" not in case["text"]:
+                        assert llama_tokenize(tokenize, f32, case["text"]) == case["ids"], case
+                checked = ", equal to llama-tokenize's ids on the GGUF (but for decomposed text, which llama.cpp does not NFC)"
+            extra = {"tokenizer_cases": cases, "tokenizer_note": "the HF folder's tokenizer (transformers)" + checked}
         if pre is None:
             texts = GEMMA_TEXTS if name in GEMMA else [
                 c["text"] for c in json.load(open(os.path.join(FIXTURES, name, "reference.json")))["tokenizer_cases"]]
-            tokenize = os.path.join(os.path.dirname(args.quantize), "llama-tokenize")
-            tokenize = tokenize if os.path.exists(tokenize) else None
             extra = {"tokenizer_cases": llama_cpp_tokenization(source, texts, tokenize, f32),
                      "tokenizer_note": "llama.cpp's SPM tokenization" + (", checked with llama-tokenize" if tokenize else
                                        " (sentencepiece without its dummy prefix, a space before each run of text)")}
