@@ -4,12 +4,15 @@
 //! allocate a full layer per write and fail here.
 //!
 //! A counting global allocator is used, so this runs on the CPU backends, whose tensors live
-//! on the heap; `benches/kv_cache.rs` shows the same on every backend as time per append.
+//! on the heap; `benches/kv_cache.rs` shows the same on every backend as time per append. It
+//! counts what the measuring thread allocates (a copy of the cache is allocated by the thread
+//! that asks for the write): the tests of this binary run in parallel, and a global count
+//! would add theirs.
 
 #![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::cell::Cell;
 
 use burn::tensor::{Tensor, TensorData};
 use kiln_core::attention::{AttentionPlan, attend};
@@ -18,12 +21,21 @@ use kiln_core::{Batch, Dtype, Position, SeqId, TokenId};
 
 struct Counting;
 
-static ALLOCATED: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    /// Bytes this thread has allocated (const-initialised: no allocation of its own).
+    static ALLOCATED: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Bytes the current thread has allocated so far.
+fn allocated() -> usize {
+    ALLOCATED.with(Cell::get)
+}
 
 // SAFETY: forwards to the system allocator, only counting bytes.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCATED.fetch_add(layout.size(), Ordering::Relaxed);
+        // `try_with`: a thread being torn down has no counter left, and is not measured.
+        let _ = ALLOCATED.try_with(|n| n.set(n.get() + layout.size()));
         // SAFETY: same contract as the caller's.
         unsafe { System.alloc(layout) }
     }
@@ -61,16 +73,32 @@ fn decode_allocations<B: kiln_core::InferenceBackend>(device: &B::Device) -> (us
         };
         let (k, v) = (kv(), kv());
         let plan = cache.plan(&batch).unwrap();
-        let before = ALLOCATED.load(Ordering::Relaxed);
+        let before = allocated();
         cache.write(0, &plan, k, v);
         B::sync(device).unwrap();
-        let bytes = ALLOCATED.load(Ordering::Relaxed) - before;
+        let bytes = allocated() - before;
         // The first write may allocate lazily (zeros materialised on first use).
         if step > 0 {
             measured = measured.max(bytes);
         }
     }
     (measured, layer_bytes)
+}
+
+/// The counter sees a copy: writing one row into a tensor whose handle is shared makes burn
+/// copy the whole tensor, on the writing thread (the failure the tests below guard against).
+#[test]
+fn a_write_through_a_shared_handle_is_counted_as_a_copy() {
+    type B = burn::backend::Flex;
+    let device = Default::default();
+    let tensor = Tensor::<B, 2>::zeros([1024, 1024], &device);
+    let shared = tensor.clone();
+    let row = Tensor::<B, 2>::ones([1, 1024], &device);
+    let before = allocated();
+    let written = tensor.slice_assign([0..1, 0..1024], row);
+    let bytes = allocated() - before;
+    drop((written, shared));
+    assert!(bytes >= 1024 * 1024 * 4, "the copy allocated {bytes} bytes");
 }
 
 #[test]
@@ -93,16 +121,20 @@ fn static_cache_appends_without_copying_the_cache_ndarray() {
 }
 
 /// The same guarantee through attention: a decode step reads the cache but must not leave a
-/// handle behind that makes the next write copy, so what a step allocates does not grow with
-/// the cache's capacity.
+/// handle behind that makes the next write copy, so what a step allocates stays far below a
+/// layer's K/V (a copy would be all of it) and barely grows with the cache's capacity. (It
+/// may grow a little: when the thread pool is busy with other tests, the calling thread runs
+/// the flash-decoding partitions itself, and their per-partition scratch, one row per 512
+/// keys, is counted here.)
 #[test]
 fn decode_step_allocations_do_not_grow_with_capacity() {
     let small = decode_step_bytes(1024);
     let large = decode_step_bytes(8192);
     let large_layer = 8 * 8192 * LAYOUT.n_kv_heads * LAYOUT.head_dim * 4;
     assert!(
-        large <= small + small / 4 && large < large_layer / 16,
-        "a decode step allocated {small} bytes with 1024 slots per row and {large} with 8192"
+        large <= small + large_layer / 1024 && large < large_layer / 256,
+        "a decode step allocated {small} bytes with 1024 slots per row and {large} with 8192 \
+         (one layer's K is {large_layer} bytes)"
     );
 }
 
@@ -117,10 +149,10 @@ fn decode_step_bytes(slots: usize) -> usize {
         let plan = AttentionPlan::new(&batch, plan, 8, 4, &device);
         let q = Tensor::<B, 3>::ones([1, 8, 64], &device);
         let kv = Tensor::<B, 3>::ones([1, 4, 64], &device);
-        let before = ALLOCATED.load(Ordering::Relaxed);
+        let before = allocated();
         let out = attend(&mut cache, 0, &plan, q, kv.clone(), kv);
         drop(out);
-        let bytes = ALLOCATED.load(Ordering::Relaxed) - before;
+        let bytes = allocated() - before;
         if step > 0 {
             worst = worst.max(bytes);
         }

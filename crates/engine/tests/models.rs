@@ -390,6 +390,18 @@ fn prefix_cache_matches_alone<B: InferenceBackend>(
     assert_eq!(cached, vec![0, 68, 40, 72, 68, 44, 0]);
 }
 
+/// One fixture of each family the rotary decoder or GPT-BigCode's loader runs beside Llama
+/// (`make_model_fixtures.py`), each with transformers' greedy continuations.
+const FAMILY_FIXTURES: [&str; 7] = [
+    "mistral-tiny",
+    "qwen2-tiny",
+    "qwen3-tiny",
+    "gemma2-tiny",
+    "gemma3-tiny",
+    "phi3-tiny",
+    "gpt-bigcode-tiny",
+];
+
 /// Every family's fixture gives transformers' greedy continuations through the engine, its
 /// prompts batched and packed, on every cache kind (the default paged one included, with
 /// prefix caching on). The windows belong to the model: Mistral's (`sliding_window` 5 on every
@@ -398,15 +410,7 @@ fn prefix_cache_matches_alone<B: InferenceBackend>(
 /// two RoPEs, Phi-3's fused projections and LongRoPE and GPT-BigCode's one key/value head ride
 /// along.
 fn families_hold_on_every_cache_kind<B: InferenceBackend>() {
-    for name in [
-        "mistral-tiny",
-        "qwen2-tiny",
-        "qwen3-tiny",
-        "gemma2-tiny",
-        "gemma3-tiny",
-        "phi3-tiny",
-        "gpt-bigcode-tiny",
-    ] {
+    for name in FAMILY_FIXTURES {
         let dir = fixture(name);
         let loaded = load::<B>(&dir, Dtype::F32);
         let reference = read_json(&dir.join("reference.json"));
@@ -1143,16 +1147,7 @@ fn structured_output_on_smollm2<B: InferenceBackend>(weights: WeightStorage, kin
 /// hand-written constrained loop's tokens (on the fixtures with a tokenizer: all but
 /// mistral-tiny).
 fn every_family_decodes_alike<B: InferenceBackend>() {
-    for name in [
-        "mistral-tiny",
-        "qwen2-tiny",
-        "qwen3-tiny",
-        "gemma2-tiny",
-        "gemma3-tiny",
-        "phi3-tiny",
-        "gpt-bigcode-tiny",
-        "llama2-tiny",
-    ] {
+    for name in FAMILY_FIXTURES.into_iter().chain(["llama2-tiny"]) {
         let loaded = load::<B>(&fixture(name), Dtype::F32);
         let model = &loaded.model;
         beam_search_matches_transformers(model, name, &[CacheKind::Paged]);

@@ -63,6 +63,25 @@ fn special_tokens_outside_the_vocabulary_are_dropped_with_a_warning() {
     assert_eq!(plain.generation.eos.len(), 1);
 }
 
+/// A copy of fixture `name` (weights, tokenizer, its `config.json` as `edit` leaves it).
+fn with_config(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
+    let source = fixture(name);
+    let temp = tempfile::tempdir().unwrap();
+    for file in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(source.join(file), temp.path().join(file)).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).unwrap())
+            .unwrap();
+    edit(&mut config);
+    std::fs::write(temp.path().join("config.json"), config.to_string()).unwrap();
+    temp
+}
+
 /// YaRN RoPE scaling (Qwen3's documented long-context setting, scaled to the fixture: factor
 /// 4 over an original context of 32): `qwen3-tiny`'s weights with that `rope_parameters` give
 /// transformers' last-position logits (within 1e-4) and greedy tokens.
@@ -72,20 +91,10 @@ fn yarn_scaling_matches_transformers() {
     let reference: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(source.join("yarn_reference.json")).unwrap())
             .unwrap();
-    let temp = tempfile::tempdir().unwrap();
+    let temp = with_config("qwen3-tiny", |config| {
+        config["rope_parameters"] = reference["rope_parameters"].clone();
+    });
     let dir = temp.path();
-    for file in [
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    ] {
-        std::fs::copy(source.join(file), dir.join(file)).unwrap();
-    }
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).unwrap())
-            .unwrap();
-    config["rope_parameters"] = reference["rope_parameters"].clone();
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let loaded =
         kiln_models::load::<burn::backend::Flex>(dir, &Default::default(), &Default::default())
             .unwrap();
@@ -123,23 +132,12 @@ fn longrope_matches_transformers_on_both_sides_of_the_original_context() {
         &std::fs::read_to_string(source.join("longrope_reference.json")).unwrap(),
     )
     .unwrap();
-    let temp = tempfile::tempdir().unwrap();
+    let original = reference["original_max_position_embeddings"].clone();
+    let temp = with_config("phi3-tiny", |config| {
+        config["rope_parameters"]["original_max_position_embeddings"] = original.clone();
+        config["original_max_position_embeddings"] = original.clone();
+    });
     let dir = temp.path();
-    for file in [
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    ] {
-        std::fs::copy(source.join(file), dir.join(file)).unwrap();
-    }
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).unwrap())
-            .unwrap();
-    config["rope_parameters"]["original_max_position_embeddings"] =
-        reference["original_max_position_embeddings"].clone();
-    config["original_max_position_embeddings"] =
-        reference["original_max_position_embeddings"].clone();
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let load = |context: Option<usize>| {
         let options = kiln_models::LoadOptions {
             context,

@@ -403,47 +403,28 @@ fn gguf_config(
             ),
         ));
     }
-    if n_heads == 0 || !d_model.is_multiple_of(n_heads) {
-        return Err(ModelError::config(
-            path,
-            format!(
-                "{prefix}.embedding_length ({d_model}) must be a multiple of the head count ({n_heads})"
-            ),
-        ));
-    }
     let (bos, eos, _) = crate::tokenizer::gguf::special_ids(file)?;
-    let config = TransformerConfig {
-        architecture,
-        vocab: file.array("tokenizer.ggml.tokens")?.len(),
-        d_model,
-        n_layers: count("block_count")?,
-        n_heads,
-        n_kv_heads,
-        head_dim: d_model / n_heads,
-        d_ff: count("feed_forward_length")?,
-        max_positions: count("context_length")?,
-        norm: NormKind::LayerNorm,
-        norm_eps: file
+    // The model the HF config with these values describes (its checks included).
+    let mut config = Gpt2HfConfig {
+        vocab_size: file.array("tokenizer.ggml.tokens")?.len(),
+        n_positions: count("context_length")?,
+        n_embd: d_model,
+        n_layer: count("block_count")?,
+        n_head: n_heads,
+        n_inner: Some(count("feed_forward_length")?),
+        layer_norm_epsilon: file
             .float_opt(&format!("{prefix}.attention.layer_norm_epsilon"))?
             .unwrap_or(1e-5),
-        positions: PositionKind::Learned,
-        mlp: MlpKind::GeluTanh,
-        qkv_bias: true,
-        out_bias: true,
-        qk_norm: false,
-        mlp_bias: true,
-        sandwich_norms: false,
-        norm_unit_offset: false,
-        embed_scale: None,
-        attention_scoring: Scoring::default(),
-        final_softcap: None,
-        local_rope: None,
-        tied_head: !file.contains("output.weight"),
-        bos: bos.map(TokenId),
-        eos: eos.into_iter().map(TokenId).collect(),
-        attention_windows: Vec::new(),
-    };
-    config.validate().map_err(|e| ModelError::config(path, e))?;
+        activation_function: defaults::activation_function(),
+        scale_attn_weights: true,
+        scale_attn_by_inverse_layer_idx: false,
+        bos_token_id: bos,
+        eos_token_id: None,
+        multi_query: (architecture == Architecture::GptBigCode).then_some(true),
+    }
+    .to_config(path, architecture)?;
+    config.eos = eos.into_iter().map(TokenId).collect();
+    config.tied_head = !file.contains("output.weight");
     Ok(config)
 }
 
