@@ -108,6 +108,15 @@ pub trait CausalLm<B: InferenceBackend> {
         format!("{:?}", self.shape())
     }
 
+    /// The widest attention window over the model's layers: `Some(w)` when every layer's
+    /// query at `p` sees only keys at `p - w + 1 ..= p` (Mistral's and Phi-3's
+    /// `sliding_window`), `None` when some layer sees every earlier position. The engine
+    /// passes it to its cache ([`crate::kv_cache::CacheBook::set_attention_window`]) so keys
+    /// that have left it can be freed.
+    fn attention_window(&self) -> Option<usize> {
+        None
+    }
+
     /// One forward pass over a packed batch.
     ///
     /// # Shapes

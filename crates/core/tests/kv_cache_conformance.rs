@@ -138,7 +138,22 @@ fn round_to(dtype: Dtype, values: Vec<f32>) -> Vec<f32> {
 }
 
 fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::Device) {
-    let window = cache.window();
+    run_conformance_in_window(cache, None, device);
+}
+
+/// [`run_conformance`] for a model whose every layer attends inside `model_window`: the cache
+/// is told ([`CacheBook::set_attention_window`]), the masks narrow to it as a model's forward
+/// narrows them, and the host reference sees only the window.
+fn run_conformance_in_window<B: InferenceBackend>(
+    cache: &mut dyn KvCache<B>,
+    model_window: Option<usize>,
+    device: &B::Device,
+) {
+    cache.set_attention_window(model_window);
+    let window = match (cache.window(), model_window) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
     let (hkv, d) = (LAYOUT.n_kv_heads, LAYOUT.head_dim);
     let n_rep = N_HEADS / hkv;
     let mut rand = Rand(ChaCha8Rng::seed_from_u64(3));
@@ -179,7 +194,10 @@ fn run_conformance<B: InferenceBackend>(cache: &mut dyn KvCache<B>, device: &B::
             continue;
         }
         let t = batch.n_tokens();
-        let plan = cache.plan(&batch).unwrap();
+        let plan = StepPlan {
+            window,
+            ..cache.plan(&batch).unwrap()
+        };
         // Every other step scores as Gemma 2 does: a scale of its own and a soft cap small
         // enough to bend these scores.
         let scoring = if step_index % 2 == 1 {
@@ -586,6 +604,98 @@ fn conformance_on<B: InferenceBackend>(device: &B::Device) {
     }
 }
 
+/// The paged cache serving a model whose every layer has a window of 3 (Mistral's and Phi-3's
+/// kind) gives back blocks that have left it, with and without prefix caching: attention is
+/// unchanged, truncations and forks included. The sliding ring of the same window, and a
+/// dense cache, run beside it.
+fn window_conformance_on<B: InferenceBackend>(device: &B::Device) {
+    let caches: Vec<Box<dyn KvCache<B>>> = vec![
+        Box::new(PagedKvCache::new(LAYOUT, 16, 2, Dtype::F32, device).unwrap()),
+        Box::new(PagedKvCache::new(LAYOUT, 64, 1, Dtype::F32, device).unwrap()),
+        Box::new(with_prefix_cache(
+            PagedKvCache::new(LAYOUT, 16, 2, Dtype::F32, device).unwrap(),
+        )),
+        Box::new(SlidingKvCache::new(LAYOUT, 4, 3, 2, Dtype::F32, device).unwrap()),
+        Box::new(DynamicKvCache::new(LAYOUT, Dtype::F32, device)),
+    ];
+    for mut cache in caches {
+        run_conformance_in_window(cache.as_mut(), Some(3), device);
+    }
+}
+
+/// A sequence far longer than the paged pool runs through it when the model's window lets
+/// the cache forget: blocks behind the window (and one block of slack) go back to the pool;
+/// what it forgot cannot be exported, rolled back into or queried again, with named errors;
+/// forgotten blocks stay cached while the pool has room; release frees the rest.
+fn window_frees_blocks_on<B: InferenceBackend>(device: &B::Device) {
+    let mut rand = Rand(ChaCha8Rng::seed_from_u64(8));
+    // 5 blocks of 2 tokens: 10 slots for a sequence of 40.
+    let mut paged =
+        with_prefix_cache(PagedKvCache::<B>::new(LAYOUT, 5, 2, Dtype::F32, device).unwrap());
+    paged.set_attention_window(Some(3));
+    let tokens: Vec<u32> = (0..40).map(|i| 100 + i).collect();
+    append(&mut paged, 0, &tokens[..4], 0, &mut rand, device);
+    for i in 4..40 {
+        paged.reserve(&[(SeqId(0), 1)]).unwrap();
+        append(&mut paged, 0, &tokens[i..=i], i as u32, &mut rand, device);
+        // Keys from `i + 2 - 3 - 2` on are kept, in whole blocks, plus the next token's.
+        assert!(paged.block_table(SeqId(0)).len() <= 4, "token {i}");
+    }
+    assert_eq!(paged.seq_len(SeqId(0)), 40);
+    // Blocks are given back when the next step is reserved or planned: after position 39,
+    // keys from 36 on are kept (window 3 and a block of slack): the blocks of 36-37 and
+    // 38-39, and the new one for token 40.
+    paged.reserve(&[(SeqId(0), 1)]).unwrap();
+    assert_eq!(paged.block_table(SeqId(0)).len(), 3);
+    assert_eq!(
+        paged.export(SeqId(0)).unwrap_err(),
+        CacheError::NotAllHeld {
+            seq: SeqId(0),
+            held: 40,
+            kept: 4
+        }
+    );
+    // Keeping 38 tokens, the next query (38) sees 36.. (kept); keeping 36, it would need 34
+    // and 35 (forgotten).
+    assert_eq!(
+        paged.truncate(SeqId(0), 36).unwrap_err(),
+        CacheError::TruncateTooFar {
+            seq: SeqId(0),
+            dropped: 4,
+            max: 2
+        }
+    );
+    assert_eq!(
+        paged.seq_len(SeqId(0)),
+        40,
+        "a refused truncation changes nothing"
+    );
+    let batch = Batch::single(SeqId(0), &[TokenId(1)], Position(30)).unwrap();
+    assert_eq!(
+        paged.plan(&batch).unwrap_err(),
+        CacheError::KeysForgotten {
+            seq: SeqId(0),
+            position: Position(30)
+        }
+    );
+    paged.truncate(SeqId(0), 38).unwrap();
+    assert_eq!(paged.seq_len(SeqId(0)), 38);
+    // The forgotten blocks were registered, so they stay cached until the pool needs them
+    // (least recently released first: here the earliest are gone).
+    assert!(paged.usage().cached > 0);
+    paged.release(SeqId(0));
+    assert_eq!(paged.usage().used, 0);
+    assert_eq!(paged.pool().available(), 5);
+
+    // Without the window, the same sequence runs out of blocks at 10 tokens.
+    let mut plain = PagedKvCache::<B>::new(LAYOUT, 5, 2, Dtype::F32, device).unwrap();
+    append(&mut plain, 0, &tokens[..10], 0, &mut rand, device);
+    assert_eq!(
+        plain.reserve(&[(SeqId(0), 1)]).unwrap_err(),
+        CacheError::OutOfBlocks { needed: 1, free: 0 }
+    );
+}
+
 /// Every kind holding f16 and bf16 K/V (the cpu backend's kernel reads them in place), the
 /// scenario's K/V drawn as values those types hold exactly: the host's attention over them.
 fn narrow_conformance_on<B: InferenceBackend>(device: &B::Device) {
@@ -738,6 +848,16 @@ mod flex {
     fn fork() {
         fork_on::<B>(&Default::default());
     }
+
+    #[test]
+    fn window_conformance() {
+        window_conformance_on::<B>(&Default::default());
+    }
+
+    #[test]
+    fn window_frees_blocks() {
+        window_frees_blocks_on::<B>(&Default::default());
+    }
 }
 
 #[cfg(feature = "ndarray")]
@@ -769,5 +889,10 @@ mod wgpu {
     #[test]
     fn prefix_sharing() {
         prefix_sharing_on::<B>(&Default::default());
+    }
+
+    #[test]
+    fn window_conformance() {
+        window_conformance_on::<B>(&Default::default());
     }
 }

@@ -203,6 +203,7 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             // Kinds without prefix caching (sliding, dense) simply decline.
             cache.enable_prefix_cache(prefix_key_space(model));
         }
+        cache.set_attention_window(model.attention_window());
         Ok(Self {
             model,
             cache,
@@ -244,6 +245,8 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
                  model must share the target's tokenizer"
             )));
         }
+        let mut cache = cache;
+        cache.set_attention_window(model.attention_window());
         self.drafter = Some(DraftModel::new(model, cache));
         Ok(self)
     }

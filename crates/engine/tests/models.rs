@@ -435,6 +435,53 @@ fn families_hold_on_every_cache_kind<B: InferenceBackend>() {
     }
 }
 
+/// A model whose every layer has a window (Mistral's 5, Phi-3's 7) generates far past what
+/// its paged pool could hold without forgetting: 8 blocks of 4 tokens for two sequences of
+/// up to 110. The blocks that left the window go back to the pool as the sequences grow
+/// (prompts, and a preempted sequence's recompute, run in chunks of 8 tokens so that they
+/// forget between chunks too);
+/// the tokens equal each prompt's alone on an unbounded cache, plain and with prompt-lookup
+/// drafts (whose rejected drafts roll the cache back inside the kept slack).
+fn windowed_models_outgrow_their_pool<B: InferenceBackend>() {
+    for name in ["mistral-tiny", "phi3-tiny"] {
+        let loaded = load::<B>(&fixture(name), Dtype::F32);
+        let model = &loaded.model;
+        assert!(model.attention_window().is_some(), "{name}");
+        let prompts = prompts(&[9, 20], model.shape().vocab);
+        let n = 90;
+        let greedy = SamplingParams::greedy();
+        let expected: Vec<Vec<TokenId>> = prompts
+            .iter()
+            .map(|p| alone(model, p, n, &greedy))
+            .collect();
+        let spec = CacheSpec {
+            page_size: 4,
+            blocks: Some(8),
+            ..CacheSpec::paged(2, 128)
+        };
+        let lookup = Speculation {
+            source: DraftSource::PromptLookup {
+                min_ngram: 1,
+                max_ngram: 3,
+            },
+            draft_tokens: 4,
+            adaptive: false,
+            max_batch: 0,
+        };
+        for speculation in [None, Some(lookup)] {
+            let config = EngineConfig {
+                speculation,
+                max_batch: prompts.len(),
+                max_step_tokens: 8,
+                ..EngineConfig::default()
+            };
+            let sampling = vec![greedy.clone(); prompts.len()];
+            let (ours, _) = engine_outputs(model, None, spec, config, &prompts, n, &sampling);
+            assert_eq!(ours, expected, "{name}, speculation {speculation:?}");
+        }
+    }
+}
+
 /// A chat session keeps its cache between turns: turn 2 extends what turn 1 left, turn 3
 /// diverges inside the cached tokens and rolls the cache back. Every turn gives exactly the
 /// tokens of a full recompute of its context, on each cache kind in `kinds`.
@@ -1255,6 +1302,11 @@ mod cpu {
     #[test]
     fn families_hold_on_every_cache_kind() {
         super::families_hold_on_every_cache_kind::<B>();
+    }
+
+    #[test]
+    fn windowed_models_outgrow_their_pool() {
+        super::windowed_models_outgrow_their_pool::<B>();
     }
 
     #[test]

@@ -284,6 +284,18 @@ impl TransformerConfig {
         self.attention_windows.get(layer).copied().flatten()
     }
 
+    /// The widest window when every layer has one (keys further back are seen by no layer);
+    /// `None` when some layer attends to everything.
+    pub fn widest_window(&self) -> Option<usize> {
+        if self.attention_windows.is_empty() || self.attention_windows.len() != self.n_layers {
+            return None;
+        }
+        self.attention_windows
+            .iter()
+            .copied()
+            .try_fold(0, |widest, w| w.map(|w| widest.max(w)))
+    }
+
     /// Layer `layer`'s RoPE: [`Self::local_rope`] on a windowed layer where there is one,
     /// else [`Self::positions`]' (`None` for learned positions).
     pub fn rope_of(&self, layer: usize) -> Option<&RopeConfig> {

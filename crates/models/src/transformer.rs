@@ -215,6 +215,10 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
         self.device.clone()
     }
 
+    fn attention_window(&self) -> Option<usize> {
+        self.config.widest_window()
+    }
+
     fn forward(
         &self,
         batch: &Batch,

@@ -46,7 +46,7 @@ pub use storage::{CachedKv, ReadIndex, RowPick};
 
 use crate::batch::Batch;
 use crate::dtype::Dtype;
-use crate::ids::{SeqId, TokenId};
+use crate::ids::{Position, SeqId, TokenId};
 
 /// K/V copied to the host: per layer `(k, v)`, each `[tokens, n_kv_heads, head_dim]` as f32.
 pub type HostKv = Vec<(Vec<f32>, Vec<f32>)>;
@@ -184,7 +184,21 @@ pub enum CacheError {
         /// The most this cache can drop.
         max: usize,
     },
-    /// [`KvCache::export`] of a sequence whose oldest tokens a sliding ring has overwritten.
+    /// A query of `seq` at `position` would attend over keys the cache gave back once they left
+    /// the model's attention window ([`CacheBook::set_attention_window`]): positions must
+    /// only grow.
+    #[error(
+        "sequence {seq}: a query at position {position} needs keys the cache freed as they left \
+         the model's attention window"
+    )]
+    KeysForgotten {
+        /// The sequence.
+        seq: SeqId,
+        /// The query's position.
+        position: Position,
+    },
+    /// [`KvCache::export`] of a sequence whose oldest tokens a sliding ring has overwritten (or
+    /// the paged cache freed as they left the model's attention window).
     #[error("sequence {seq}: the cache keeps only the last {kept} of its {held} tokens")]
     NotAllHeld {
         /// The sequence.
@@ -263,6 +277,15 @@ pub trait CacheBook {
     /// The attention window: keys further back than this are invisible (sliding cache only).
     fn window(&self) -> Option<usize> {
         None
+    }
+
+    /// Tells the cache the model's widest attention window: `Some(w)` when every layer's query
+    /// at `p` sees only keys at `p - w + 1 ..= p`, `None` when some layer sees every earlier
+    /// position. A cache may then give back the space of keys no later query can see (the
+    /// paged cache frees whole blocks that have left the window); the others ignore it.
+    /// Masks, not this, keep attention inside the window.
+    fn set_attention_window(&mut self, window: Option<usize>) {
+        let _ = window;
     }
 
     /// Whether appending `n_new` tokens to `seq` (alone) would succeed now.

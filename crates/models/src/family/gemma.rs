@@ -431,6 +431,7 @@ mod tests {
         let c = parse(gemma3_hf_config, r#"{"num_hidden_layers": 7}"#).unwrap();
         let windowed: Vec<bool> = c.attention_windows.iter().map(Option::is_some).collect();
         assert_eq!(windowed, [true, true, true, true, true, false, true]);
+        assert_eq!(c.widest_window(), None, "a full layer keeps every key");
         assert!(c.qk_norm);
         assert_eq!((c.attention_scoring.softcap, c.final_softcap), (None, None));
         assert_eq!(c.rope_of(0).unwrap().theta, 10_000.0);

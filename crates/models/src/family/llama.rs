@@ -241,8 +241,10 @@ mod tests {
         let c = parse("{}").expect("Mistral-7B's shape");
         assert_eq!((c.n_kv_heads, c.d_ff, c.max_positions), (8, 14336, 131_072));
         assert_eq!(c.attention_windows, vec![Some(4096); 32]);
+        assert_eq!(c.widest_window(), Some(4096), "the paged cache may forget");
         let c = parse(r#"{"sliding_window": null}"#).expect("loads");
         assert!(c.attention_windows.is_empty());
+        assert_eq!(c.widest_window(), None);
         assert_eq!(c.architecture.name(), "mistral");
     }
 }

@@ -34,6 +34,18 @@ struct PagedSeq {
     /// False once a token sits at a position other than its index: such a sequence's blocks
     /// are not registered (their K/V depend on positions, not only tokens).
     unhashable: bool,
+    /// Leading blocks given back because no later query's window reaches them
+    /// ([`CacheBook::set_attention_window`]); `blocks[..forgotten]` are stale and never read.
+    forgotten: usize,
+    /// The latest position among the forgotten blocks' tokens.
+    forgotten_last: Option<Position>,
+}
+
+impl PagedSeq {
+    /// The blocks it still holds, in order.
+    fn live_blocks(&self) -> &[BlockId] {
+        &self.blocks[self.forgotten..]
+    }
 }
 
 /// Per layer a `[n_blocks, n_kv_heads, block_size, head_dim]` pool. Sequences take blocks as
@@ -54,6 +66,9 @@ pub struct PagedKvCache<B: InferenceBackend> {
     seqs: HashMap<SeqId, PagedSeq>,
     /// The key space (model and dtype) when prefix caching is on.
     prefix_space: Option<BlockKey>,
+    /// The model's widest attention window, when every layer has one: blocks that have left
+    /// it are given back.
+    attention_window: Option<usize>,
 }
 
 impl<B: InferenceBackend> PagedKvCache<B> {
@@ -78,6 +93,7 @@ impl<B: InferenceBackend> PagedKvCache<B> {
             pool: BlockPool::new(n_blocks),
             seqs: HashMap::new(),
             prefix_space: None,
+            attention_window: None,
         })
     }
 
@@ -91,9 +107,51 @@ impl<B: InferenceBackend> PagedKvCache<B> {
         &self.pool
     }
 
-    /// The blocks `seq` holds, in order.
+    /// The blocks `seq` holds, in order (without those it gave back as they left the model's
+    /// attention window).
     pub fn block_table(&self, seq: SeqId) -> &[BlockId] {
-        self.seqs.get(&seq).map_or(&[], |s| s.blocks.as_slice())
+        self.seqs.get(&seq).map_or(&[], PagedSeq::live_blocks)
+    }
+
+    /// Gives back `seq`'s leading full blocks that no later query can see: with window `w`,
+    /// a query after the last stored position `p` sees keys from `p + 2 - w` on. One block of
+    /// slack is kept, so a short rollback (a rejected speculative draft) still finds the keys
+    /// its successors attend over. Assumes a sequence's positions only grow, as every caller's
+    /// do; [`KvCache::plan`] refuses a query that would need a forgotten key.
+    fn forget_out_of_window(&mut self, seq: SeqId) {
+        let Some(window) = self.attention_window else {
+            return;
+        };
+        let bs = self.block_size();
+        let Some(entry) = self.seqs.get_mut(&seq) else {
+            return;
+        };
+        let Some(last) = entry.positions.last() else {
+            return;
+        };
+        let first_visible = (last.0 as usize + 2).saturating_sub(window + bs);
+        // Whole blocks only, never the one the next token goes into.
+        while (entry.forgotten + 1) * bs < entry.positions.len() {
+            let tokens = &entry.positions[entry.forgotten * bs..][..bs];
+            let newest = tokens.iter().copied().max().expect("a full block");
+            if newest.0 as usize >= first_visible {
+                break;
+            }
+            self.pool.release(&[entry.blocks[entry.forgotten]]);
+            entry.forgotten += 1;
+            entry.forgotten_last = entry.forgotten_last.max(Some(newest));
+        }
+    }
+
+    /// Whether a query at `query` (or later) of `seq` would need a key the cache forgot.
+    fn needs_forgotten(&self, seq: SeqId, query: Position) -> bool {
+        let (Some(window), Some(entry)) = (self.attention_window, self.seqs.get(&seq)) else {
+            return false;
+        };
+        // The query sees keys from `query + 1 - window` on.
+        entry
+            .forgotten_last
+            .is_some_and(|f| f.0 as usize + window > query.0 as usize)
     }
 
     /// Blocks that a sequence holding `held` tokens in `owned` blocks needs beyond those to
@@ -164,6 +222,11 @@ impl<B: InferenceBackend> PagedKvCache<B> {
         }
         while entry.keys.len() < entry.tokens.len() / bs {
             let i = entry.keys.len();
+            if i < entry.forgotten {
+                // Prefix caching was switched on after this block was given back.
+                entry.unhashable = true;
+                return;
+            }
             let parent = entry.keys.last().copied().unwrap_or(space);
             let key = self
                 .pool
@@ -208,6 +271,9 @@ impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
     }
 
     fn reserve(&mut self, step: &[(SeqId, usize)]) -> Result<(), CacheError> {
+        for &(seq, _) in step {
+            self.forget_out_of_window(seq);
+        }
         let needed: usize = step.iter().map(|&(seq, n)| self.step_blocks(seq, n)).sum();
         if needed > self.pool.available() {
             return Err(CacheError::OutOfBlocks {
@@ -227,7 +293,7 @@ impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
     fn release(&mut self, seq: SeqId) {
         if let Some(s) = self.seqs.remove(&seq) {
             // Last block first: the tail of a cached prefix is evicted before its head.
-            let blocks: Vec<BlockId> = s.blocks.into_iter().rev().collect();
+            let blocks: Vec<BlockId> = s.live_blocks().iter().rev().copied().collect();
             self.pool.release(&blocks);
         }
     }
@@ -238,6 +304,18 @@ impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
         if keep == 0 {
             self.release(seq);
             return Ok(());
+        }
+        let next_query = Position(self.seqs[&seq].positions[keep - 1].0 + 1);
+        if self.needs_forgotten(seq, next_query) {
+            let positions = &self.seqs[&seq].positions;
+            let shortest = (1..=len)
+                .find(|&k| !self.needs_forgotten(seq, Position(positions[k - 1].0 + 1)))
+                .unwrap_or(len);
+            return Err(CacheError::TruncateTooFar {
+                seq,
+                dropped: len - keep,
+                max: len - shortest,
+            });
         }
         let bs = self.block_size();
         let blocks_kept = keep.div_ceil(bs);
@@ -291,7 +369,7 @@ impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
         entry
             .blocks
             .truncate(entry.positions.len().div_ceil(self.block_size()));
-        for &block in &entry.blocks {
+        for &block in entry.live_blocks() {
             self.pool.share(block);
         }
         self.seqs.insert(child, entry);
@@ -301,6 +379,10 @@ impl<B: InferenceBackend> CacheBook for PagedKvCache<B> {
     fn clear(&mut self) {
         self.seqs.clear();
         self.pool.reset();
+    }
+
+    fn set_attention_window(&mut self, window: Option<usize>) {
+        self.attention_window = window;
     }
 
     fn enable_prefix_cache(&mut self, key_space: u64) -> bool {
@@ -375,6 +457,16 @@ impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
 
     fn plan(&mut self, batch: &Batch) -> Result<StepPlan, CacheError> {
         let incoming = incoming(batch, |seq| self.seq_len(seq));
+        for s in &incoming {
+            self.forget_out_of_window(s.seq);
+            let first = batch.positions()[s.tokens.start];
+            if self.needs_forgotten(s.seq, first) {
+                return Err(CacheError::KeysForgotten {
+                    seq: s.seq,
+                    position: first,
+                });
+            }
+        }
         let needed: usize = incoming
             .iter()
             .map(|s| self.step_blocks(s.seq, s.n_new()))
@@ -439,7 +531,11 @@ impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
                 plan.history.push(HistorySpan {
                     seq: s.seq,
                     tokens: s.tokens.clone(),
-                    key_positions: entry.positions.iter().copied().map(Some).collect(),
+                    key_positions: entry.positions[entry.forgotten * bs..]
+                        .iter()
+                        .copied()
+                        .map(Some)
+                        .collect(),
                 });
             }
             self.register_full_blocks(s.seq);
@@ -448,12 +544,12 @@ impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
             let blocks_per_row = plan
                 .history
                 .iter()
-                .map(|h| self.seqs[&h.seq].blocks.len())
+                .map(|h| self.seqs[&h.seq].live_blocks().len())
                 .max()
                 .unwrap_or(0);
             let mut blocks = Vec::with_capacity(plan.history.len() * blocks_per_row);
             for h in &mut plan.history {
-                let table = &self.seqs[&h.seq].blocks;
+                let table = self.seqs[&h.seq].live_blocks();
                 // Padding repeats a block of the same row; its slots are masked out.
                 blocks.extend(table.iter().copied());
                 blocks.extend(std::iter::repeat_n(table[0], blocks_per_row - table.len()));
@@ -491,6 +587,15 @@ impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
 
     fn export(&self, seq: SeqId) -> Result<HostKv, CacheError> {
         let bs = self.block_size();
+        let forgotten = self.seqs.get(&seq).map_or(0, |s| s.forgotten);
+        if forgotten > 0 {
+            let held = self.seq_len(seq);
+            return Err(CacheError::NotAllHeld {
+                seq,
+                held,
+                kept: held - forgotten * bs,
+            });
+        }
         let table = self.block_table(seq);
         let places: Vec<(usize, usize)> = (0..self.seq_len(seq))
             .map(|t| (table[t / bs].index(), t % bs))
