@@ -55,7 +55,7 @@ FIXTURES = os.path.join(ROOT, "crates", "models", "tests", "fixtures")
 # name: (the pre-tokenizer name the converter is told, or None for SentencePiece; quantize to Q8_0)
 FAMILIES = {"qwen2-tiny": ("qwen2", True), "qwen3-tiny": ("qwen2", True), "llama2-tiny": (None, False),
             "phi3-tiny": (None, True), "gemma2-tiny": (None, True), "gemma3-tiny": (None, True),
-            "gpt2-tiny": ("gpt-2", False), "gpt-bigcode-tiny": ("gpt-2", False)}
+            "gpt2-tiny": ("gpt-2", True), "gpt-bigcode-tiny": ("gpt-2", True)}
 # Byte-level texts for the fixtures whose reference.json has no tokenizer_cases: the GGUF's
 # vocabulary must split them as the folder's tokenizer does.
 BYTE_LEVEL_TEXTS = PROMPTS + ["a  1", "  leading", "naïve café 🙂", "x\n\n\ny", "1234567", "end  ", "\ttab", "I'm we'll"]

@@ -467,6 +467,8 @@ fn family_ggufs_quantized_track_the_f32_files() {
         "phi3-tiny",
         "gemma2-tiny",
         "gemma3-tiny",
+        "gpt2-tiny",
+        "gpt-bigcode-tiny",
     ] {
         let exact = load::<B>(&format!("gguf/{name}.f32.gguf"), Dtype::F32);
         let path = fixture(&format!("gguf/{name}.q8_0.gguf"));

@@ -26,7 +26,6 @@ use crate::decoder::TensorNames;
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
 use crate::layers::attention::{Attention, QkvProjection};
-use crate::layers::embedding::Embedding;
 use crate::layers::mlp::Mlp;
 use crate::layers::norm::Norm;
 use crate::loaders::WeightStorage;
@@ -246,7 +245,8 @@ pub enum LinearLayout {
 /// `position_embd`, ... with every linear layer `[d_out, d_in]`), the HF linear layers stored
 /// as `layout` says; the fused `c_attn` gives `n_heads` query heads then `n_kv_heads` key and
 /// value heads. A GGUF's `output.weight`, where there is one, is the head; else the token
-/// embedding is.
+/// embedding is. `storage` applies to a GGUF's linear layers and token embedding (with it the
+/// tied head), as for the rotary decoder; the position embedding is always dense.
 ///
 /// # Errors
 /// A missing tensor or one whose shape disagrees with `config`, naming file and tensor; Meta
@@ -257,6 +257,7 @@ pub fn load<B: InferenceBackend>(
     layout: LinearLayout,
     source: &dyn TensorSource,
     dtype: Dtype,
+    storage: WeightStorage,
     device: &B::Device,
 ) -> Result<Transformer<B>> {
     let prefix = if source.contains("transformer.wte.weight") {
@@ -278,7 +279,7 @@ pub fn load<B: InferenceBackend>(
         source,
         dtype,
         device,
-        storage: WeightStorage::Dequantized,
+        storage,
     };
     let (d, ff) = (config.d_model, config.d_ff);
     // HF's names (`h.3.attn.c_attn`) in this file's naming.
@@ -327,7 +328,7 @@ pub fn load<B: InferenceBackend>(
             post_mlp_norm: None,
         });
     }
-    let embed = Embedding::Dense(w.matrix(&name("wte.weight"), config.vocab, d)?);
+    let embed = w.embedding(&name("wte.weight"), config.vocab, d)?;
     let positions = w.matrix(&name("wpe.weight"), config.max_positions, d)?;
     let final_norm = norm("ln_f")?;
     let head = match names {

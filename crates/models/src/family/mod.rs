@@ -157,6 +157,7 @@ pub fn load_weights<B: InferenceBackend>(
             gpt2::LinearLayout::Conv1d,
             source,
             dtype,
+            storage,
             device,
         ),
         Blocks::GptBigCode => gpt2::load(
@@ -165,6 +166,7 @@ pub fn load_weights<B: InferenceBackend>(
             gpt2::LinearLayout::Linear,
             source,
             dtype,
+            storage,
             device,
         ),
         Blocks::Decoder => decoder::load(
