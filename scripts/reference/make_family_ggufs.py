@@ -15,7 +15,8 @@ builds), and quantizes with that build's llama-quantize:
 
 for qwen2-tiny and qwen3-tiny, and for llama2-tiny (a SentencePiece vocabulary: `tokenizer.ggml.model`
 `llama`) the F32 file and its reference, whose `tokenizer_cases` are llama.cpp's tokenization of the HF
-fixture's texts (below); phi3-tiny as llama2-tiny, with a Q8_0 file. gemma2-tiny and gemma3-tiny carry a
+fixture's texts (below); phi3-tiny as llama2-tiny, with a Q8_0 file; qwen2-yarn-tiny: qwen2-tiny with YaRN
+rope parameters (VARIANTS), converted and referenced as changed. gemma2-tiny and gemma3-tiny carry a
 byte-level stand-in for Gemma's vocabulary, which the converter cannot read: each is converted from a copy
 with a SentencePiece tokenizer.model trained here with Gemma's settings (gemma_vocabulary), and its
 reference is the folder as llama.cpp reads the file (scores by head_dim^-0.5: the file has no
@@ -55,7 +56,26 @@ FIXTURES = os.path.join(ROOT, "crates", "models", "tests", "fixtures")
 # name: (the pre-tokenizer name the converter is told, or None for SentencePiece; quantize to Q8_0)
 FAMILIES = {"qwen2-tiny": ("qwen2", True), "qwen3-tiny": ("qwen2", True), "llama2-tiny": (None, False),
             "phi3-tiny": (None, True), "gemma2-tiny": (None, True), "gemma3-tiny": (None, True),
-            "gpt2-tiny": ("gpt-2", True), "gpt-bigcode-tiny": ("gpt-2", True)}
+            "gpt2-tiny": ("gpt-2", True), "gpt-bigcode-tiny": ("gpt-2", True),
+            "qwen2-yarn-tiny": ("qwen2", False)}
+# GGUF-only variants: (the HF fixture they start from, what changes in its config.json). YaRN with
+# an original context of 32 stretched 4x to the fixture's 128 positions: the converter writes
+# llama.cpp's `rope.scaling.*` keys, and the reference is transformers on the changed folder.
+VARIANTS = {"qwen2-yarn-tiny": ("qwen2-tiny", {"rope_parameters": {
+    "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32}})}
+
+
+def fixture_folder(name, out):
+    """The HF folder `name` converts from: the fixture itself, or for a variant a copy of its base
+    under `out` with the config changes."""
+    if name not in VARIANTS:
+        return os.path.join(FIXTURES, name)
+    base, changes = VARIANTS[name]
+    shutil.copytree(os.path.join(FIXTURES, base), out)
+    config = json.load(open(os.path.join(out, "config.json")))
+    config.update(changes)
+    json.dump(config, open(os.path.join(out, "config.json"), "w"))
+    return out
 # Byte-level texts for the fixtures whose reference.json has no tokenizer_cases: the GGUF's
 # vocabulary must split them as the folder's tokenizer does.
 BYTE_LEVEL_TEXTS = PROMPTS + ["a  1", "  leading", "naïve café 🙂", "x\n\n\ny", "1234567", "end  ", "\ttab", "I'm we'll"]
@@ -206,7 +226,8 @@ def main():
             base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
         f32 = os.path.join(out_dir, f"{name}.f32.gguf")
         vocabulary_dir = tempfile.TemporaryDirectory()
-        source = os.path.join(FIXTURES, name)
+        source = fixture_folder(name, os.path.join(vocabulary_dir.name, "variant"))
+        hf_folder = source
         if name in GEMMA:
             source = gemma_vocabulary(source, os.path.join(vocabulary_dir.name, name))
         if name == "gpt2-tiny":
@@ -223,12 +244,12 @@ def main():
             subprocess.run([args.quantize, f32, q8, "Q8_0"], check=True, capture_output=True)
             written.append(q8)
         extra = None
-        hf_reference = json.load(open(os.path.join(FIXTURES, name, "reference.json")))
+        hf_reference = json.load(open(os.path.join(hf_folder, "reference.json")))
         tokenize = os.path.join(os.path.dirname(args.quantize), "llama-tokenize")
         tokenize = tokenize if os.path.exists(tokenize) else None
         if pre is not None:
             from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(os.path.join(FIXTURES, name))
+            tokenizer = AutoTokenizer.from_pretrained(hf_folder)
             cases = hf_reference.get("tokenizer_cases") or [
                 {"text": t, "ids": tokenizer(t)["input_ids"]} for t in BYTE_LEVEL_TEXTS]
             checked = ""
@@ -241,13 +262,13 @@ def main():
             extra = {"tokenizer_cases": cases, "tokenizer_note": "the HF folder's tokenizer (transformers)" + checked}
         if pre is None:
             texts = GEMMA_TEXTS if name in GEMMA else [
-                c["text"] for c in json.load(open(os.path.join(FIXTURES, name, "reference.json")))["tokenizer_cases"]]
+                c["text"] for c in json.load(open(os.path.join(hf_folder, "reference.json")))["tokenizer_cases"]]
             extra = {"tokenizer_cases": llama_cpp_tokenization(source, texts, tokenize, f32),
                      "tokenizer_note": "llama.cpp's SPM tokenization" + (", checked with llama-tokenize" if tokenize else
                                        " (sentencepiece without its dummy prefix, a space before each run of text)")}
         with tempfile.TemporaryDirectory() as tmp:
             windowless = os.path.join(tmp, "model")
-            shutil.copytree(os.path.join(FIXTURES, name), windowless)
+            shutil.copytree(hf_folder, windowless)
             config_path = os.path.join(windowless, "config.json")
             config = json.load(open(config_path))
             # Phi-3 has no `use_sliding_window`: its window stays, in the GGUF and here.
@@ -266,7 +287,7 @@ def main():
                 config["scale_attn_weights"] = True
             json.dump(config, open(config_path, "w"))
             model = AutoModelForCausalLM.from_pretrained(windowless, dtype=torch.float32, attn_implementation="eager")
-            cases = json.load(open(os.path.join(FIXTURES, name, "reference.json")))["cases"]
+            cases = json.load(open(os.path.join(hf_folder, "reference.json")))["cases"]
             out = os.path.join(tmp, "reference")
             os.makedirs(out)
             note = f"{name} as its GGUF holds it ({window}), by transformers"

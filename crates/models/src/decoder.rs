@@ -592,35 +592,108 @@ pub fn gguf_config(
     })
 }
 
-/// `{prefix}.rope.scaling.type`: `none` (or absent), or `linear` with
-/// `{prefix}.rope.scaling.factor` (Gemma 3's global RoPE). Llama 3.1's scaling is
-/// `rope_freqs.weight` instead; `yarn` is refused by name until a converted file tests it (HF
-/// folders read it).
+/// `{prefix}.rope.scaling.type`: `none` (or absent), `linear` with
+/// `{prefix}.rope.scaling.factor` (Gemma 3's global RoPE), or `yarn` as llama.cpp runs it
+/// (below). Llama 3.1's scaling is `rope_freqs.weight` instead.
 pub(crate) fn gguf_rope_scaling(file: &GgufFile, prefix: &str) -> Result<Option<RopeScaling>> {
     let key = format!("{prefix}.rope.scaling.type");
+    let factor_key = format!("{prefix}.rope.scaling.factor");
+    let positive = |key: &str, value: f64| {
+        if value.is_finite() && value > 0.0 {
+            Ok(value)
+        } else {
+            Err(ModelError::config(
+                file.path(),
+                format!("{key} must be a positive number, got {value}"),
+            ))
+        }
+    };
     match file.get(&key).and_then(|v| v.as_str()) {
         None | Some("none") => Ok(None),
         Some("linear") => {
-            let factor_key = format!("{prefix}.rope.scaling.factor");
-            let factor = file.float_opt(&factor_key)?.unwrap_or(1.0);
-            if !(factor.is_finite() && factor > 0.0) {
-                return Err(ModelError::config(
-                    file.path(),
-                    format!("{factor_key} must be positive, got {factor}"),
-                ));
-            }
+            let factor = positive(&factor_key, file.float_opt(&factor_key)?.unwrap_or(1.0))?;
             Ok(Some(RopeScaling::Linear {
                 factor: factor as f32,
             }))
         }
+        Some("yarn") => gguf_yarn(file, prefix, &factor_key, positive).map(Some),
         Some(kind) => Err(ModelError::config(
             file.path(),
             format!(
                 "{key} `{kind}` is not supported in GGUF files (kiln reads llama3 scaling as \
-                 rope_freqs.weight and linear; yarn from Hugging Face folders)"
+                 rope_freqs.weight, linear and yarn)"
             ),
         )),
     }
+}
+
+/// YaRN as llama.cpp reads it from a converted file: `rope.scaling.factor` (1 when absent or
+/// 0, as llama.cpp), `rope.scaling.original_context_length` (default: `context_length`),
+/// `beta_fast` 32 and `beta_slow` 1 (llama.cpp reads no file keys for them), ramp ends rounded
+/// to whole dimensions, and cos and sin multiplied by `rope.scaling.attn_factor` (default 1)
+/// times `0.1 ln(factor) + 1` for a factor above 1 (over `0.1 m ln(factor) + 1` with
+/// `m = rope.scaling.yarn_log_multiplier` when that is set): llama.cpp's context cancels
+/// ggml's own `1 + 0.1 ln(factor)` and applies this instead. Without an explicit
+/// `attention_factor` this equals transformers' YaRN for the same `rope_parameters`.
+fn gguf_yarn(
+    file: &GgufFile,
+    prefix: &str,
+    factor_key: &str,
+    positive: impl Fn(&str, f64) -> Result<f64>,
+) -> Result<RopeScaling> {
+    let factor = match file.float_opt(factor_key)? {
+        None => 1.0,
+        Some(f) if f == 0.0 => 1.0,
+        Some(f) => positive(factor_key, f)?,
+    };
+    let original_key = format!("{prefix}.rope.scaling.original_context_length");
+    let original = match file.unsigned_opt(&original_key)? {
+        Some(n) => n,
+        None => file
+            .unsigned_opt(&format!("{prefix}.context_length"))?
+            .ok_or_else(|| {
+                ModelError::config(
+                    file.path(),
+                    format!("YaRN needs {original_key} or {prefix}.context_length"),
+                )
+            })?,
+    };
+    if original == 0 || original > u64::from(u32::MAX) {
+        return Err(ModelError::config(
+            file.path(),
+            format!("{original_key} must be between 1 and 2^32 - 1, got {original}"),
+        ));
+    }
+    let attn_key = format!("{prefix}.rope.scaling.attn_factor");
+    let attn = positive(&attn_key, file.float_opt(&attn_key)?.unwrap_or(1.0))?;
+    let log_key = format!("{prefix}.rope.scaling.yarn_log_multiplier");
+    let log_multiplier = file.float_opt(&log_key)?.unwrap_or(0.0);
+    if !log_multiplier.is_finite() {
+        return Err(ModelError::config(
+            file.path(),
+            format!("{log_key} must be a finite number, got {log_multiplier}"),
+        ));
+    }
+    let mscale = |m: f64| {
+        if factor <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * factor.ln() + 1.0
+        }
+    };
+    let attention_factor = if log_multiplier == 0.0 {
+        attn * mscale(1.0)
+    } else {
+        attn * mscale(1.0) / mscale(log_multiplier)
+    };
+    Ok(RopeScaling::Yarn(YarnScaling {
+        factor: factor as f32,
+        original_max_positions: original as usize,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        attention_factor: attention_factor as f32,
+        truncate: true,
+    }))
 }
 
 /// LongRoPE as llama.cpp's converter writes it (Phi-3): the factors as the tensors

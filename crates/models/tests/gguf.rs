@@ -310,7 +310,9 @@ fn tiny_llama_quantized_on_cuda_matches_transformers() {
 /// transformers' where llama.cpp puts a space before text that follows a special token or
 /// starts with spaces, and for Phi-3 drops the whitespace after its chat tokens. phi3-tiny's
 /// file has fused QKV and gate/up projections, LongRoPE factors as tensors, a sliding window
-/// and a vocabulary padded past the tokenizer's (`[PAD…]` pieces).
+/// and a vocabulary padded past the tokenizer's (`[PAD…]` pieces). qwen2-yarn-tiny is
+/// qwen2-tiny with YaRN (original context 32, factor 4), read from the converter's
+/// `rope.scaling.*` keys as llama.cpp reads them.
 #[test]
 fn family_ggufs_match_transformers_on_cpu() {
     for (name, family) in [
@@ -322,6 +324,7 @@ fn family_ggufs_match_transformers_on_cpu() {
         ("gemma3-tiny", "gemma3_text"),
         ("gpt2-tiny", "gpt2"),
         ("gpt-bigcode-tiny", "gpt_bigcode"),
+        ("qwen2-yarn-tiny", "qwen2"),
     ] {
         let loaded = load::<burn::backend::Flex>(&format!("gguf/{name}.f32.gguf"), Dtype::F32);
         assert_eq!(loaded.model.config().architecture.name(), family);
@@ -337,10 +340,9 @@ fn family_ggufs_match_transformers_on_cpu() {
             assert_eq!(greedy, case.greedy, "{name} case {i}");
         }
         let tokenizer = loaded.tokenizer.as_ref().unwrap();
-        let (hf, _) = reference(name);
         let tokenizer_cases = match gguf_reference.get("tokenizer_cases") {
             Some(cases) => cases.clone(),
-            None => hf["tokenizer_cases"].clone(),
+            None => reference(name).0["tokenizer_cases"].clone(),
         };
         for case in tokenizer_cases.as_array().unwrap() {
             let text = case["text"].as_str().unwrap();
@@ -382,6 +384,36 @@ fn sentencepiece_gguf_frames_and_decodes_as_llama_cpp() {
     assert_eq!(
         texts[newline.0 as usize],
         kiln_core::ids::TokenText::Bytes(b"\n".to_vec())
+    );
+}
+
+/// Nonsense YaRN values in a GGUF are refused naming the key: a negative factor, an original
+/// context of 0.
+#[test]
+fn yarn_metadata_errors_are_named() {
+    let bytes = std::fs::read(fixture("gguf/qwen2-yarn-tiny.f32.gguf")).unwrap();
+    // A scalar's value after its key: the type (u32), then the value.
+    let value_at =
+        |key: &[u8]| bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+
+    let at = value_at(b"qwen2.rope.scaling.factor");
+    assert_eq!(&bytes[at..at + 4], &[6, 0, 0, 0], "an f32");
+    let mut negative = bytes.clone();
+    negative[at + 4..at + 8].copy_from_slice(&(-4.0f32).to_le_bytes());
+    let err = load_bytes(&negative).unwrap_err().to_string();
+    assert!(
+        err.contains("qwen2.rope.scaling.factor must be a positive number, got -4"),
+        "{err}"
+    );
+
+    let at = value_at(b"qwen2.rope.scaling.original_context_length");
+    assert_eq!(&bytes[at..at + 4], &[4, 0, 0, 0], "a u32");
+    let mut zero = bytes.clone();
+    zero[at + 4..at + 8].copy_from_slice(&0u32.to_le_bytes());
+    let err = load_bytes(&zero).unwrap_err().to_string();
+    assert!(
+        err.contains("qwen2.rope.scaling.original_context_length must be between 1"),
+        "{err}"
     );
 }
 
