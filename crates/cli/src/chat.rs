@@ -320,6 +320,13 @@ impl BackendTask for Task {
             ..CacheSpec::paged(1, shape.max_positions)
         };
         let kv_dtype = args.model.kv_dtype(&loaded.model)?;
+        crate::memory::check_cache_fits(
+            &spec,
+            shape.kv_layout(),
+            kv_dtype,
+            args.model.backend,
+            "--context or --page-size",
+        )?;
         let cache = spec.build::<B>(shape.kv_layout(), kv_dtype, &device)?;
         let mut session = Session::new(&loaded.model, cache, EngineConfig::default())?;
         let mut settings = Settings {

@@ -278,6 +278,13 @@ impl BackendTask for Task {
             blocks: None,
         };
         let kv_dtype = args.model.kv_dtype(&loaded.model)?;
+        crate::memory::check_cache_fits(
+            &spec,
+            shape.kv_layout(),
+            kv_dtype,
+            args.model.backend,
+            "--max-batch, --num-beams, --max-tokens or --page-size",
+        )?;
         let cache = spec.build::<B>(shape.kv_layout(), kv_dtype, &device)?;
         let tokenizer = loaded.tokenizer.as_ref();
         let detok = tokenizer.map(|t| move |ids: &[TokenId]| t.decode(ids, false).ok());

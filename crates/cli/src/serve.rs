@@ -94,6 +94,10 @@ pub struct Args {
     speculation: SpeculationArgs,
 }
 
+/// The longest `--shutdown-grace`, in seconds: a day (a longer one overflows the clock's
+/// arithmetic long before it means anything).
+const MAX_SHUTDOWN_GRACE: f64 = 86_400.0;
+
 pub fn run(mut args: Args) -> Result<()> {
     for (name, value) in [
         ("--max-batch", args.max_batch),
@@ -114,8 +118,14 @@ pub fn run(mut args: Args) -> Result<()> {
         ))
         .into());
     }
-    if !(args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0) {
-        return Err(UsageError("--shutdown-grace must be a number of seconds >= 0".into()).into());
+    if !(args.shutdown_grace.is_finite()
+        && (0.0..=MAX_SHUTDOWN_GRACE).contains(&args.shutdown_grace))
+    {
+        return Err(UsageError(format!(
+            "--shutdown-grace must be a number of seconds from 0 to {MAX_SHUTDOWN_GRACE} (a day), got {}",
+            args.shutdown_grace
+        ))
+        .into());
     }
     if args.api_key.is_none() {
         args.api_key = std::env::var("KILN_API_KEY").ok().filter(|k| !k.is_empty());
@@ -187,7 +197,14 @@ impl BackendTask for Task {
             speculation: args.speculation.speculation()?,
             ..EngineConfig::default()
         };
-        let (spec, bytes) = cache_spec(&args, shape.max_positions, per_token);
+        let spec = cache_spec(&args, shape.max_positions, per_token)?;
+        let bytes = crate::memory::check_cache_fits(
+            &spec,
+            shape.kv_layout(),
+            dtype,
+            backend,
+            "--kv-cache-mb, --max-batch or --page-size",
+        )?;
         let cache = spec
             .build::<B>(shape.kv_layout(), dtype, &device)
             .context("allocating the KV cache")?;
@@ -266,20 +283,30 @@ impl BackendTask for Task {
 const DEFAULT_KV_CAP: u64 = 1 << 30;
 
 /// The cache for the budget: paged, as many blocks as the budget holds; static, `max_batch`
-/// rows of the full context. Returns the spec and its bytes.
-fn cache_spec(args: &Args, max_positions: usize, per_token: usize) -> (CacheSpec, u64) {
+/// rows of the full context. Sizes that overflow are usage errors naming the flag.
+fn cache_spec(
+    args: &Args,
+    max_positions: usize,
+    per_token: usize,
+) -> Result<CacheSpec, UsageError> {
     let per_token = per_token.max(1) as u64;
     let page = args.page_size;
-    let worst = (args.max_batch * max_positions) as u64 * per_token;
+    let worst = (args.max_batch as u64)
+        .saturating_mul(max_positions as u64)
+        .saturating_mul(per_token);
     let budget = match args.kv_cache_mb {
-        Some(mb) => (mb as u64) << 20,
+        Some(mb) => (mb as u64)
+            .checked_mul(1 << 20)
+            .ok_or_else(|| UsageError(format!("--kv-cache-mb {mb} is more memory than exists")))?,
         None => {
-            let quarter = available_memory().map_or(1 << 30, |m| m / 4);
+            let quarter = crate::memory::available_memory().map_or(1 << 30, |m| m / 4);
             worst.min(quarter).min(DEFAULT_KV_CAP)
         }
     };
-    let blocks = ((budget / per_token) as usize / page).max(1);
-    let spec = CacheSpec {
+    let blocks = usize::try_from(budget / per_token / page as u64)
+        .unwrap_or(usize::MAX)
+        .max(1);
+    Ok(CacheSpec {
         kind: args.cache,
         max_sequences: args.max_batch,
         max_len: max_positions,
@@ -287,18 +314,5 @@ fn cache_spec(args: &Args, max_positions: usize, per_token: usize) -> (CacheSpec
         max_step: args.max_step_tokens,
         page_size: page,
         blocks: Some(blocks),
-    };
-    let bytes = match args.cache {
-        CacheKind::Paged => (blocks * page) as u64 * per_token,
-        _ => worst,
-    };
-    (spec, bytes)
-}
-
-/// `MemAvailable` from /proc/meminfo, in bytes (Linux).
-fn available_memory() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    })
 }

@@ -821,3 +821,75 @@ fn a_decode_step_launches_the_same_kernels_whatever_the_batch_or_context() {
         assert_eq!(step["blocking_reads"].as_f64(), Some(1.0), "{report}");
     }
 }
+
+/// Flags whose values once aborted or panicked the process are usage errors naming the flag
+/// (exit code 2, no panic), checked before anything is allocated: a grace period the clock
+/// cannot add, a KV cache of more memory than exists or than this machine has, a static cache
+/// of ten million full-context rows, a page of 2^40 tokens.
+#[test]
+fn sizes_that_cannot_be_allocated_are_usage_errors() {
+    let llama = fixture("llama-tiny");
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &["serve", "--shutdown-grace", "1e20"],
+            "--shutdown-grace must be a number of seconds from 0 to 86400",
+        ),
+        (
+            &[
+                "serve",
+                "--model",
+                &llama,
+                "--port",
+                "0",
+                "--kv-cache-mb",
+                "18446744073709551615",
+            ],
+            "--kv-cache-mb 18446744073709551615 is more memory than exists",
+        ),
+        (
+            &[
+                "serve",
+                "--model",
+                &llama,
+                "--port",
+                "0",
+                "--kv-cache-mb",
+                "1000000000",
+            ],
+            "of memory available; lower --kv-cache-mb, --max-batch or --page-size",
+        ),
+        (
+            &[
+                "serve",
+                "--model",
+                &llama,
+                "--port",
+                "0",
+                "--cache",
+                "static",
+                "--max-batch",
+                "10000000",
+            ],
+            "of memory available; lower --kv-cache-mb, --max-batch or --page-size",
+        ),
+        (
+            &[
+                "generate",
+                "--model",
+                &llama,
+                "--token-ids",
+                "1,2",
+                "--page-size",
+                "1099511627776",
+            ],
+            "lower --max-batch, --num-beams, --max-tokens or --page-size",
+        ),
+    ];
+    for (args, expected) in cases {
+        let out = kiln(args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

@@ -41,20 +41,67 @@ impl CacheSpec {
 
     /// Blocks in the paged pool.
     pub fn pool_blocks(&self) -> usize {
-        self.blocks
-            .unwrap_or_else(|| self.max_sequences * self.max_len.div_ceil(self.page_size.max(1)))
+        self.pool_blocks_checked().unwrap_or(usize::MAX)
+    }
+
+    /// Token slots the cache allocates when built (a dynamic cache: none up front; a sliding
+    /// ring also holds a step's tokens past its window); `None` if the count overflows.
+    pub fn slots(&self) -> Option<u64> {
+        let sequences = self.max_sequences as u64;
+        match self.kind {
+            CacheKind::Static => sequences.checked_mul(self.max_len as u64),
+            CacheKind::Dynamic => Some(0),
+            CacheKind::Sliding => (self.window as u64)
+                .checked_add(self.max_step as u64)?
+                .checked_sub(1)?
+                .checked_mul(sequences),
+            CacheKind::Paged => {
+                (self.pool_blocks_checked()? as u64).checked_mul(self.page_size as u64)
+            }
+        }
+    }
+
+    /// Bytes the cache allocates when built for `layout` in `dtype` ([`Self::slots`] of
+    /// [`KvLayout::bytes_per_token`]); `None` if the count overflows.
+    pub fn bytes(&self, layout: KvLayout, dtype: Dtype) -> Option<u64> {
+        self.slots()?
+            .checked_mul(layout.bytes_per_token(dtype) as u64)
+    }
+
+    /// [`Self::pool_blocks`], `None` if it overflows.
+    fn pool_blocks_checked(&self) -> Option<usize> {
+        match self.blocks {
+            Some(blocks) => Some(blocks),
+            None => self
+                .max_sequences
+                .checked_mul(self.max_len.div_ceil(self.page_size.max(1))),
+        }
     }
 
     /// Builds the cache.
     ///
     /// # Errors
-    /// [`CacheError::InvalidConfig`] for zero sizes.
+    /// [`CacheError::InvalidConfig`] for zero sizes, or sizes whose bytes do not fit in an
+    /// address space (checked before anything is allocated).
     pub fn build<B: InferenceBackend>(
         &self,
         layout: KvLayout,
         dtype: Dtype,
         device: &B::Device,
     ) -> Result<Box<dyn KvCache<B>>, CacheError> {
+        if self
+            .bytes(layout, dtype)
+            .is_none_or(|b| b > isize::MAX as u64)
+        {
+            return Err(CacheError::InvalidConfig(format!(
+                "a {} cache of {} sequences × {} tokens ({} blocks of {}) does not fit in memory",
+                self.kind,
+                self.max_sequences,
+                self.max_len,
+                self.blocks.map_or("default".to_string(), |b| b.to_string()),
+                self.page_size
+            )));
+        }
         Ok(match self.kind {
             CacheKind::Static => Box::new(StaticKvCache::<B>::new(
                 layout,

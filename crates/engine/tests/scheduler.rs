@@ -1432,3 +1432,46 @@ fn a_constrained_request_is_scheduled_like_any_request() {
     let err = engine.submit(wrong).unwrap_err().to_string();
     assert!(err.contains("vocabulary of 5 tokens"), "{err}");
 }
+
+/// A cache spec whose bytes overflow, or exceed any address space, is refused before anything
+/// is allocated, naming its sizes; [`CacheSpec::bytes`] counts what each kind allocates.
+#[test]
+fn cache_specs_too_big_to_allocate_are_refused() {
+    let layout = KvLayout {
+        n_layers: 2,
+        n_kv_heads: 2,
+        head_dim: 8,
+    };
+    let per_token = layout.bytes_per_token(Dtype::F32) as u64;
+    let paged = CacheSpec::paged(3, 40);
+    // 3 sequences × 3 blocks of 16.
+    assert_eq!(
+        paged.bytes(layout, Dtype::F32),
+        Some(3 * 3 * 16 * per_token)
+    );
+    let fixed = CacheSpec {
+        kind: CacheKind::Static,
+        ..paged
+    };
+    assert_eq!(fixed.bytes(layout, Dtype::F32), Some(3 * 40 * per_token));
+    for spec in [
+        CacheSpec {
+            blocks: Some(usize::MAX),
+            ..paged
+        },
+        CacheSpec {
+            page_size: 1 << 60,
+            ..paged
+        },
+        CacheSpec {
+            max_sequences: usize::MAX,
+            ..fixed
+        },
+    ] {
+        let err = spec
+            .build::<B>(layout, Dtype::F32, &Default::default())
+            .err()
+            .expect("refused");
+        assert!(err.to_string().contains("does not fit in memory"), "{err}");
+    }
+}

@@ -115,7 +115,7 @@ pub(crate) fn run<B: InferenceBackend>(
                     Ok(c) => c,
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => {
-                        deadline.get_or_insert_with(|| Instant::now() + grace);
+                        deadline.get_or_insert_with(|| far_or(Instant::now(), grace));
                         break;
                     }
                 },
@@ -129,7 +129,7 @@ pub(crate) fn run<B: InferenceBackend>(
                 }
                 Command::Submit(s) => worker.submit(engine, s),
                 Command::Shutdown => {
-                    deadline.get_or_insert_with(|| Instant::now() + grace);
+                    deadline.get_or_insert_with(|| far_or(Instant::now(), grace));
                 }
             }
         }
@@ -331,4 +331,12 @@ pub(crate) fn finish_reason(reason: FinishReason) -> &'static str {
         FinishReason::Length => "length",
         FinishReason::Eos | FinishReason::Stop => "stop",
     }
+}
+
+/// `now + grace`, or a day from now when the sum overflows the clock (a grace of
+/// `Duration::MAX` from a library caller).
+fn far_or(now: Instant, grace: Duration) -> Instant {
+    now.checked_add(grace)
+        .or_else(|| now.checked_add(Duration::from_secs(86_400)))
+        .unwrap_or(now)
 }
