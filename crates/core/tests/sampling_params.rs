@@ -28,6 +28,35 @@ fn nonsense_values_name_their_field() {
         }),
         "temperature"
     );
+    // Values that pass a sign check yet overflow the logits (the hostile-input audit's
+    // 1e-39) or mean nothing.
+    for temperature in [1e-39, 9e-5, 2e4, f32::INFINITY, -1.0] {
+        assert_eq!(
+            field_of(SamplingParams {
+                temperature,
+                ..base()
+            }),
+            "temperature",
+            "{temperature}"
+        );
+    }
+    for temperature in [0.0, 1e-4, 0.7, 1e4] {
+        let params = SamplingParams {
+            temperature,
+            ..base()
+        };
+        assert!(params.validate().is_ok(), "{temperature}");
+    }
+    for repetition_penalty in [1e-39, 0.009, 101.0, f32::NAN] {
+        assert_eq!(
+            field_of(SamplingParams {
+                repetition_penalty,
+                ..base()
+            }),
+            "repetition_penalty",
+            "{repetition_penalty}"
+        );
+    }
     assert_eq!(
         field_of(SamplingParams {
             top_p: 0.0,

@@ -71,8 +71,14 @@ impl SamplingParams {
                 expected,
             })
         };
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return invalid("temperature", self.temperature, "a finite number >= 0");
+        if !(self.temperature == 0.0
+            || (MIN_TEMPERATURE..=MAX_TEMPERATURE).contains(&self.temperature))
+        {
+            return invalid(
+                "temperature",
+                self.temperature,
+                "0 (greedy) or a number in [1e-4, 1e4]",
+            );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return invalid("top_p", self.top_p, "a number in (0, 1]");
@@ -80,11 +86,11 @@ impl SamplingParams {
         if !(0.0..=1.0).contains(&self.min_p) {
             return invalid("min_p", self.min_p, "a number in [0, 1]");
         }
-        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+        if !(MIN_REPETITION_PENALTY..=MAX_REPETITION_PENALTY).contains(&self.repetition_penalty) {
             return invalid(
                 "repetition_penalty",
                 self.repetition_penalty,
-                "a finite number > 0",
+                "a number in [0.01, 100]",
             );
         }
         for (field, value) in [
@@ -98,6 +104,16 @@ impl SamplingParams {
         Ok(())
     }
 }
+
+/// The smallest temperature above 0: logits divided by less overflow f32 (1e-39 made every
+/// score infinite), and below it sampling is greedy in all but name.
+pub const MIN_TEMPERATURE: f32 = 1e-4;
+/// The largest temperature: above it every distribution is uniform in all but name.
+pub const MAX_TEMPERATURE: f32 = 1e4;
+/// The smallest repetition penalty: dividing logits by less overflows them.
+pub const MIN_REPETITION_PENALTY: f32 = 0.01;
+/// The largest repetition penalty.
+pub const MAX_REPETITION_PENALTY: f32 = 100.0;
 
 /// Invalid sampling settings.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
