@@ -24,8 +24,8 @@ pub struct Args {
     /// Port to listen on (0: any free port; the log says which).
     #[arg(long, default_value_t = 8080, help_heading = "Server")]
     port: u16,
-    /// Require `Authorization: Bearer KEY` on /v1/* (also read from $KILN_API_KEY);
-    /// /health, /metrics, /tokenize and /detokenize stay open.
+    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (also read
+    /// from $KILN_API_KEY; trimmed; an empty key is an error); /health and /metrics stay open.
     #[arg(long, value_name = "KEY", help_heading = "Server")]
     api_key: Option<String>,
     /// Answer CORS preflights and allow any origin (for browser clients).
@@ -127,12 +127,29 @@ pub fn run(mut args: Args) -> Result<()> {
         ))
         .into());
     }
-    if args.api_key.is_none() {
-        args.api_key = std::env::var("KILN_API_KEY").ok().filter(|k| !k.is_empty());
-    }
+    args.api_key = api_key(args.api_key.take(), std::env::var("KILN_API_KEY").ok())?;
     init_logging(&args.log_format);
     let backend = args.model.backend;
     crate::device::run_on(backend, false, Task(args))?
+}
+
+/// The key the server requires: `--api-key`, else `$KILN_API_KEY`, trimmed (a key pasted with
+/// a newline still matches). One rule for both sources: a key that is empty once trimmed is
+/// a usage error, since it would lock every client out (or, read as "no key", leave a server
+/// meant to be private open).
+fn api_key(flag: Option<String>, env: Option<String>) -> Result<Option<String>, UsageError> {
+    let (source, key) = match (flag, env) {
+        (Some(key), _) => ("--api-key", key),
+        (None, Some(key)) => ("$KILN_API_KEY", key),
+        (None, None) => return Ok(None),
+    };
+    let key = key.trim();
+    if key.is_empty() {
+        return Err(UsageError(format!(
+            "{source} is empty: give a key, or leave it unset to serve without one"
+        )));
+    }
+    Ok(Some(key.to_string()))
 }
 
 /// Request lines and notices on stderr, through `tracing`.

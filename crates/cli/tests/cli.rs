@@ -893,3 +893,27 @@ fn sizes_that_cannot_be_allocated_are_usage_errors() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+/// One rule for an empty API key, from the flag or the environment: a usage error naming the
+/// source (it would lock every client out, or leave a server meant to be private open).
+#[test]
+fn an_empty_api_key_is_a_usage_error_from_either_source() {
+    let out = kiln(&["serve", "--api-key", "  "]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("--api-key is empty"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["serve"])
+        .env("KILN_API_KEY", "")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("$KILN_API_KEY is empty"),
+        "{}",
+        text(&out.stderr)
+    );
+}

@@ -108,18 +108,19 @@ fn unix_time() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Every route, with the API key on `/v1/*`, CORS when asked, and OpenAI-shaped 404 and 405.
+/// Every route, with the API key on every route that computes (`/v1/*`, `/tokenize`,
+/// `/detokenize`), CORS when asked, and OpenAI-shaped 404 and 405.
 pub(crate) fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     let open = Router::new()
         .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .route("/tokenize", post(tokenize))
-        .route("/detokenize", post(detokenize));
+        .route("/metrics", get(metrics));
     let cors = state.options.cors;
     let app = v1
         .merge(open)
@@ -153,20 +154,26 @@ async fn method_not_allowed() -> ApiError {
     ApiError::method_not_allowed()
 }
 
-/// `/v1/*` needs `Authorization: Bearer KEY` when the server has a key.
+/// The keyed routes need `Authorization: Bearer KEY` when the server has a key.
 async fn require_key(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.options.api_key {
         let given = request
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
+            .and_then(bearer_token);
+        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.trim().as_bytes())) {
             return ApiError::unauthorized().into_response();
         }
     }
     next.run(request).await
+}
+
+/// The token of an `Authorization` value whose scheme is `Bearer` in any case (RFC 9110: the
+/// scheme is case-insensitive), spaces around the token ignored.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
 /// Compares without stopping at the first difference, so timing does not reveal the key.
@@ -938,5 +945,26 @@ impl Streamer {
             }
         }
         events
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bearer_token;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive_and_spaces_around_the_token_do_not_count() {
+        for value in [
+            "Bearer sk-1",
+            "bearer sk-1",
+            "BEARER sk-1",
+            "Bearer   sk-1  ",
+            " Bearer sk-1",
+        ] {
+            assert_eq!(bearer_token(value), Some("sk-1"), "{value:?}");
+        }
+        for value in ["Basic sk-1", "Bearersk-1", "sk-1", ""] {
+            assert_eq!(bearer_token(value), None, "{value:?}");
+        }
     }
 }

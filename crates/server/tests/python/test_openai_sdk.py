@@ -29,6 +29,9 @@ def chat(client, content=QUESTION, **kw):
     )
 
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
 def raw(server, method, path, body=None, headers=None):
     """(status, headers, body text) of a plain HTTP request."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
@@ -134,7 +137,7 @@ def test_completions_with_several_prompts_and_n(client):
 
 
 def test_token_id_prompts(client, server):
-    ids = json.loads(raw(server, "POST", "/tokenize", {"content": "Paris is"})[2])["tokens"]
+    ids = json.loads(raw(server, "POST", "/tokenize", {"content": "Paris is"}, headers=AUTH)[2])["tokens"]
     by_ids = client.completions.create(model="kiln", prompt=ids, max_tokens=8, temperature=0)
     by_text = client.completions.create(model="kiln", prompt="Paris is", max_tokens=8, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
@@ -249,9 +252,14 @@ def test_a_wrong_or_missing_key_is_401(server):
         chat(bad)
     status, _, body = raw(server, "GET", "/v1/models")
     assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
-    # /health and /metrics stay open.
+    # Every route that computes needs the key; /health and /metrics stay open.
+    assert raw(server, "POST", "/tokenize", {"content": "Hello"})[0] == 401
+    assert raw(server, "POST", "/detokenize", {"tokens": [1]})[0] == 401
     assert raw(server, "GET", "/health")[0] == 200
     assert raw(server, "GET", "/metrics")[0] == 200
+    # The scheme in any case, spaces around the token ignored (RFC 9110).
+    for value in [f"bearer {API_KEY}", f"BEARER   {API_KEY} "]:
+        assert raw(server, "GET", "/v1/models", headers={"Authorization": value})[0] == 200, value
 
 
 def test_unknown_routes_are_404(client, server):
@@ -298,12 +306,12 @@ def test_cors_preflight_mirrors_the_sdk_headers(server):
 
 
 def test_tokenize_and_detokenize(server):
-    status, _, body = raw(server, "POST", "/tokenize", {"content": "Hello world"})
+    status, _, body = raw(server, "POST", "/tokenize", {"content": "Hello world"}, headers=AUTH)
     tokens = json.loads(body)["tokens"]
     assert status == 200 and len(tokens) >= 2
-    status, _, body = raw(server, "POST", "/detokenize", {"tokens": tokens})
+    status, _, body = raw(server, "POST", "/detokenize", {"tokens": tokens}, headers=AUTH)
     assert json.loads(body)["content"].endswith("Hello world")
-    status, _, body = raw(server, "POST", "/detokenize", {"tokens": [10**9]})
+    status, _, body = raw(server, "POST", "/detokenize", {"tokens": [10**9]}, headers=AUTH)
     assert status == 400
 
 
