@@ -643,7 +643,7 @@ fn gguf_yarn(
 ) -> Result<RopeScaling> {
     let factor = match file.float_opt(factor_key)? {
         None => 1.0,
-        Some(f) if f == 0.0 => 1.0,
+        Some(0.0) => 1.0,
         Some(f) => positive(factor_key, f)?,
     };
     let original_key = format!("{prefix}.rope.scaling.original_context_length");
