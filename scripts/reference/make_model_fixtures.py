@@ -10,6 +10,13 @@ Writes crates/models/tests/fixtures/<name>/ for:
                      sharded safetensors + index, tokenizer.json, transformers-5 config keys
   llama-tiny-meta    the same weights as Meta's original format: params.json,
                      consolidated.00.pth (wq/wk in Meta's interleaved RoPE order), tokenizer.model
+  llama-tiny-dcp     llama-tiny-meta's weights as torchtitan saves them: a torch.distributed.checkpoint
+                     folder (`.metadata`, `__0_0.distcp`, keys under `model.`) with its params.json
+                     and tokenizer.model (`--only dcp`, which reads llama-tiny-meta)
+  dcp-chunks         small bf16 / f16 / f32 / 0-d tensors whose chunks tile them (split along rows,
+                     along columns with a strided chunk, a 2x2 grid over two data files), as a
+                     sharded save writes them, plus a bytes entry and two broken `.metadata`
+                     variants; torch's own `dcp.load` reads it back (`--only dcp`)
   llama-tiny-tied    Llama-3.2 style: tied head, bf16 weights, transformers-4 config keys
   mistral-tiny       Mistral: Llama's architecture with `sliding_window` 5 (every layer attends
                      over the last 5 positions); no tokenizer (prompts are ids), eager attention
@@ -45,6 +52,7 @@ and in each, reference.json (prompts, greedy continuations, versions) and logits
 import argparse
 import base64
 import json
+import math
 import os
 import shutil
 import sys
@@ -484,6 +492,88 @@ def llama():
             cases = [{"text": t, "ids": enc.encode(t, allowed_special="all")} for t in PROMPTS + tricky]
             write_json(os.path.join(meta, "tiktoken_reference.json"), {"tiktoken": tiktoken.__version__, "cases": cases})
     return min(results)
+
+
+def dcp():
+    """llama-tiny-meta's consolidated.00.pth saved by torch.distributed.checkpoint as torchtitan
+    saves a model (`{"model": state_dict}`, so keys read `model.layers.0...`), single process;
+    and dcp-chunks, a hand-made multi-chunk checkpoint (one process cannot shard), checked by
+    torch's own loader. Returns 1.0 (no greedy margins here: the references are llama-tiny-meta's)."""
+    import io
+    import pickle
+
+    import torch.distributed.checkpoint as dist_cp
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    meta = os.path.join(ROOT, "llama-tiny-meta")
+    out = fresh_dir("llama-tiny-dcp")
+    state = torch.load(os.path.join(meta, "consolidated.00.pth"), weights_only=True)
+    dist_cp.save({"model": state}, storage_writer=dist_cp.FileSystemWriter(out))
+    for f in ("params.json", "tokenizer.model"):
+        shutil.copy(os.path.join(meta, f), out)
+    back = {"model": {k: torch.empty_like(v) for k, v in state.items()}}
+    dist_cp.load(back, storage_reader=dist_cp.FileSystemReader(out))
+    assert all(torch.equal(back["model"][k], v) for k, v in state.items())
+
+    # dcp-chunks: value k of a tensor (row-major) is k / 4 - 1, exact in bf16 and f16.
+    out = fresh_dir("dcp-chunks")
+    tensors = {
+        "model.rows": (torch.bfloat16, (6, 4), [((0, 0), (4, 4)), ((4, 0), (2, 4))]),
+        "model.cols": (torch.float16, (3, 5), [((0, 0), (3, 2)), ((0, 2), (3, 3))]),
+        "grid": (torch.float32, (4, 6), [((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 3)), ((2, 3), (2, 3))]),
+        "scalar": (torch.float32, (), [((), ())]),
+    }
+    full = {name: (torch.arange(math.prod(shape), dtype=torch.float32) / 4 - 1).reshape(shape).to(dtype)
+            for name, (dtype, shape, _) in tensors.items()}
+    files = {"__0_0.distcp": io.BytesIO(), "__1_0.distcp": io.BytesIO()}
+    state_md, storage = {}, {}
+    for name, (dtype, shape, chunks) in tensors.items():
+        metas = []
+        for i, (offsets, sizes) in enumerate(chunks):
+            piece = full[name][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
+            if name == "model.cols" and i == 1:
+                piece = piece.t().contiguous().t()  # column-major: read through its strides
+                assert not piece.is_contiguous()
+            file = "__1_0.distcp" if name == "grid" and i >= 2 else "__0_0.distcp"
+            stream = files[file]
+            start = stream.tell()
+            torch.save(piece, stream)
+            storage[MetadataIndex(name, torch.Size(offsets))] = _StorageInfo(file, start, stream.tell() - start)
+            metas.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+        state_md[name] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), metas)
+    stream = files["__0_0.distcp"]
+    start = stream.tell()
+    torch.save({"step": 3}, stream)
+    state_md["train_state"] = BytesStorageMetadata()
+    storage[MetadataIndex("train_state")] = _StorageInfo("__0_0.distcp", start, stream.tell() - start)
+    for file, stream in files.items():
+        with open(os.path.join(out, file), "wb") as f:
+            f.write(stream.getvalue())
+
+    def write_metadata(file, state_md, storage):
+        with open(os.path.join(out, file), "wb") as f:
+            pickle.dump(Metadata(state_dict_metadata=state_md, storage_data=storage), f)
+
+    write_metadata(".metadata", state_md, storage)
+    back = {name: torch.zeros(shape, dtype=dtype) for name, (dtype, shape, _) in tensors.items()}
+    dist_cp.load(back, storage_reader=dist_cp.FileSystemReader(out))
+    assert all(torch.equal(back[name], full[name]) for name in tensors), "torch reads dcp-chunks back"
+    # Broken variants (the tests rename one to `.metadata`): the grid's last chunk left out of
+    # its chunk list, and kept in the list without its storage entry.
+    grid = state_md["grid"]
+    gap = TensorStorageMetadata(grid.properties, grid.size, grid.chunks[:3])
+    write_metadata("missing-chunk.metadata", {**state_md, "grid": gap}, storage)
+    last = MetadataIndex("grid", torch.Size((2, 3)))
+    write_metadata("missing-storage.metadata", state_md, {k: v for k, v in storage.items() if k != last})
+    return 1.0
 
 
 def mistral():
@@ -1019,10 +1109,10 @@ def qwen3_thinking():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "gpt-bigcode", "llama", "mistral", "qwen", "gemma", "gemma3-mm", "llama2", "phi3", "qwen3-thinking"], help="rewrite one family of fixtures")
+    parser.add_argument("--only", choices=["gpt2", "gpt2-tiny-lenient", "gpt-bigcode", "llama", "mistral", "qwen", "gemma", "gemma3-mm", "llama2", "phi3", "qwen3-thinking", "dcp"], help="rewrite one family of fixtures")
     only = parser.parse_args().only
     torch.set_grad_enabled(False)
-    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("gpt-bigcode", bigcode), ("llama", llama), ("mistral", mistral), ("qwen", qwen), ("gemma", gemma), ("gemma3-mm", gemma3_multimodal), ("llama2", llama2), ("phi3", phi3), ("qwen3-thinking", qwen3_thinking)]:
+    for name, make in [("gpt2", gpt2), ("gpt2-tiny-lenient", gpt2_lenient), ("gpt-bigcode", bigcode), ("llama", llama), ("mistral", mistral), ("qwen", qwen), ("gemma", gemma), ("gemma3-mm", gemma3_multimodal), ("llama2", llama2), ("phi3", phi3), ("qwen3-thinking", qwen3_thinking), ("dcp", dcp)]:
         if only in (None, name):
             print(f"{name}: smallest top-1/top-2 logit margin on the greedy paths {make():.4f}", file=sys.stderr)
     for name in sorted(n for n in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, n))):

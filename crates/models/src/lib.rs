@@ -1,8 +1,8 @@
 //! # kiln-models
 //!
 //! Llama 3 (3, 3.1, 3.2), Mistral, Qwen2/2.5, Qwen3 and GPT-2 in burn, on one set of layers
-//! ([`layers`]) configured by [`TransformerConfig`], each family registered in [`family`]; loaders for Hugging Face folders, Meta's original checkpoints and
-//! llama.cpp GGUF files ([`loaders`], [`gguf`]); tokenizers ([`tokenizer`]); chat templates
+//! ([`layers`]) configured by [`TransformerConfig`], each family registered in [`family`]; loaders for Hugging Face folders, Meta's original checkpoints (consolidated `.pth` or
+//! torchtitan's `torch.distributed.checkpoint` folders) and llama.cpp GGUF files ([`loaders`], [`gguf`]); tokenizers ([`tokenizer`]); chat templates
 //! ([`chat`]). Every model implements
 //! [`kiln_core::CausalLm`], the only face the engine sees.
 //!

@@ -3,6 +3,7 @@
 //! keeps the test build short.
 
 mod common;
+mod dcp;
 mod gguf;
 mod golden;
 mod loader_errors;

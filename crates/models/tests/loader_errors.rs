@@ -157,6 +157,84 @@ fn truncated_meta_checkpoint_is_an_error() {
     assert!(err.to_string().contains("consolidated.00.pth"), "{err}");
 }
 
+/// A `torch.distributed.checkpoint` folder cut short or edited: each error names the file
+/// and, where there is one, the tensor.
+#[test]
+fn broken_dcp_folders_are_named() {
+    use kiln_models::weights::{DcpSource, TensorSource};
+    let open_err = |dir: &Path| DcpSource::open(dir).err().unwrap().to_string();
+
+    // `.metadata` truncated: the pickle ends early.
+    let dir = copy_fixture("llama-tiny-dcp");
+    let path = dir.path().join(".metadata");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    let err = load_err(dir.path()).to_string();
+    assert!(
+        err.contains(".metadata") && err.contains("truncated"),
+        "{err}"
+    );
+
+    // The data file cut short: a storage range runs past its end.
+    let dir = copy_fixture("llama-tiny-dcp");
+    let path = dir.path().join("__0_0.distcp");
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    let err = load_err(dir.path()).to_string();
+    assert!(
+        err.contains("__0_0.distcp") && err.contains("past the end") && err.contains("tensor `"),
+        "{err}"
+    );
+
+    // A data file `.metadata` names is gone.
+    let dir = copy_fixture("dcp-chunks");
+    std::fs::remove_file(dir.path().join("__1_0.distcp")).unwrap();
+    let err = DcpSource::open(dir.path()).err().unwrap();
+    assert!(matches!(err, ModelError::MissingFile { .. }), "{err}");
+    assert!(err.to_string().contains("__1_0.distcp"), "{err}");
+
+    // A chunk left out of its tensor's chunk list: the others do not cover it.
+    let dir = copy_fixture("dcp-chunks");
+    std::fs::rename(
+        dir.path().join("missing-chunk.metadata"),
+        dir.path().join(".metadata"),
+    )
+    .unwrap();
+    let err = open_err(dir.path());
+    assert!(
+        err.contains(".metadata") && err.contains("`grid`") && err.contains("18 of its 24"),
+        "{err}"
+    );
+
+    // A chunk listed without a storage entry.
+    let dir = copy_fixture("dcp-chunks");
+    std::fs::rename(
+        dir.path().join("missing-storage.metadata"),
+        dir.path().join(".metadata"),
+    )
+    .unwrap();
+    let err = open_err(dir.path());
+    assert!(
+        err.contains("`grid`") && err.contains("no storage entry") && err.contains("[2, 3]"),
+        "{err}"
+    );
+
+    // A chunk's bytes overwritten: its archive does not read, named with file and tensor.
+    let dir = copy_fixture("dcp-chunks");
+    let path = dir.path().join("__1_0.distcp");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let end = bytes.len();
+    bytes[end - 200..].fill(0);
+    std::fs::write(&path, &bytes).unwrap();
+    let source = DcpSource::open(dir.path()).unwrap();
+    let err = source.read("grid").err().unwrap().to_string();
+    assert!(
+        err.contains("__1_0.distcp") && err.contains("`grid`"),
+        "{err}"
+    );
+    assert!(source.read("rows").is_ok());
+}
+
 #[test]
 fn out_of_range_input_is_an_error_not_a_panic() {
     use kiln_core::kv_cache::DynamicKvCache;

@@ -1,6 +1,10 @@
-//! Meta's original Llama-3 folders: `params.json`, `consolidated.00.pth`, `tokenizer.model`.
-//! Single-shard checkpoints only (8B and smaller); `consolidated.01.pth` and beyond are
-//! tensor-parallel slices kiln does not merge.
+//! Meta-layout Llama folders: `params.json`, `tokenizer.model` and the weights under Meta's
+//! names (`tok_embeddings.weight`, `layers.N.attention.wq.weight`...), stored either as Meta's
+//! original `consolidated.00.pth` or as a `torch.distributed.checkpoint` folder (torchtitan's
+//! checkpoints: `.metadata` + `*.distcp`). [`Checkpoint`] is the only difference: both build
+//! the same model through one path. Single-shard `.pth` only (8B and smaller);
+//! `consolidated.01.pth` and beyond are tensor-parallel slices kiln does not merge (a DCP
+//! folder's shards are merged: they are chunks of whole tensors).
 
 use std::path::Path;
 
@@ -13,23 +17,65 @@ use crate::error::{ModelError, Result};
 use crate::family::{self, llama::MetaParams};
 use crate::info::ModelInfo;
 use crate::tokenizer::TextTokenizer;
-use crate::weights::{LoadProgress, PthSource, Reporting, TensorSource, file_size, read_text};
+use crate::weights::{
+    DcpSource, LoadProgress, PthSource, Reporting, TensorSource, file_size, read_text,
+};
+
+/// How a Meta-layout folder stores its weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Checkpoint {
+    /// `consolidated.00.pth` (Meta's downloads).
+    Consolidated,
+    /// `.metadata` + `*.distcp` (`torch.distributed.checkpoint`, torchtitan).
+    TorchDistributed,
+}
+
+/// An opened checkpoint and the bytes its files take.
+struct Opened {
+    source: Box<dyn TensorSource>,
+    file_bytes: u64,
+}
+
+impl Checkpoint {
+    fn format(self) -> ModelFormat {
+        match self {
+            Checkpoint::Consolidated => ModelFormat::MetaOriginal,
+            Checkpoint::TorchDistributed => ModelFormat::TorchDistributed,
+        }
+    }
+
+    fn open(self, dir: &Path) -> Result<Opened> {
+        match self {
+            Checkpoint::Consolidated => {
+                if dir.join("consolidated.01.pth").exists() {
+                    return Err(ModelError::UnknownFormat {
+                        path: dir.to_path_buf(),
+                        reason: "multi-shard Meta checkpoints (consolidated.01.pth...) are not \
+                                 supported; use the Hugging Face version of the model"
+                            .into(),
+                    });
+                }
+                let path = dir.join("consolidated.00.pth");
+                let source = PthSource::open(&path)?;
+                Ok(Opened {
+                    source: Box::new(source),
+                    file_bytes: file_size(&path)?,
+                })
+            }
+            Checkpoint::TorchDistributed => {
+                let source = DcpSource::open(dir)?;
+                Ok(Opened {
+                    file_bytes: source.bytes_on_disk(),
+                    source: Box::new(source),
+                })
+            }
+        }
+    }
+}
 
 fn params(dir: &Path) -> Result<MetaParams> {
     let path = dir.join("params.json");
     serde_json::from_str(&read_text(&path)?).map_err(|e| ModelError::config(&path, e.to_string()))
-}
-
-fn checkpoint(dir: &Path) -> Result<PthSource> {
-    if dir.join("consolidated.01.pth").exists() {
-        return Err(ModelError::UnknownFormat {
-            path: dir.to_path_buf(),
-            reason: "multi-shard Meta checkpoints (consolidated.01.pth...) are not supported; \
-                     use the Hugging Face version of the model"
-                .into(),
-        });
-    }
-    PthSource::open(&dir.join("consolidated.00.pth"))
 }
 
 fn d_ff(source: &dyn TensorSource) -> Result<usize> {
@@ -38,7 +84,11 @@ fn d_ff(source: &dyn TensorSource) -> Result<usize> {
 }
 
 /// The configuration from `params.json` and the checkpoint (which alone knows `d_ff`).
-fn config(dir: &Path, source: &PthSource, options: &LoadOptions) -> Result<TransformerConfig> {
+fn config(
+    dir: &Path,
+    source: &dyn TensorSource,
+    options: &LoadOptions,
+) -> Result<TransformerConfig> {
     params(dir)?.to_config(
         &dir.join("params.json"),
         d_ff(source)?,
@@ -46,19 +96,27 @@ fn config(dir: &Path, source: &PthSource, options: &LoadOptions) -> Result<Trans
     )
 }
 
-pub(super) fn read_config(dir: &Path, options: &LoadOptions) -> Result<TransformerConfig> {
-    config(dir, &checkpoint(dir)?, options)
+pub(super) fn read_config(
+    dir: &Path,
+    checkpoint: Checkpoint,
+    options: &LoadOptions,
+) -> Result<TransformerConfig> {
+    config(dir, checkpoint.open(dir)?.source.as_ref(), options)
 }
 
 /// Describes the folder from `params.json` and the checkpoint's index (opened once).
-pub(super) fn inspect(dir: &Path, options: &LoadOptions) -> Result<ModelInfo> {
-    let source = checkpoint(dir)?;
+pub(super) fn inspect(
+    dir: &Path,
+    checkpoint: Checkpoint,
+    options: &LoadOptions,
+) -> Result<ModelInfo> {
+    let opened = checkpoint.open(dir)?;
     Ok(ModelInfo {
         path: dir.to_path_buf(),
-        format: ModelFormat::MetaOriginal,
-        config: config(dir, &source, options)?,
-        stored_types: source.stored_types(),
-        file_bytes: file_size(&dir.join("consolidated.00.pth"))?,
+        format: checkpoint.format(),
+        config: config(dir, opened.source.as_ref(), options)?,
+        stored_types: opened.source.stored_types(),
+        file_bytes: opened.file_bytes,
         tokenizer: dir
             .join("tokenizer.model")
             .exists()
@@ -70,12 +128,14 @@ pub(super) fn inspect(dir: &Path, options: &LoadOptions) -> Result<ModelInfo> {
 
 pub(super) fn load<B: InferenceBackend>(
     dir: &Path,
+    checkpoint: Checkpoint,
     options: &LoadOptions,
     device: &B::Device,
     progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<LoadedModel<B>> {
-    let source = checkpoint(dir)?;
-    let mut config = config(dir, &source, options)?;
+    let opened = checkpoint.open(dir)?;
+    let source = opened.source.as_ref();
+    let mut config = config(dir, source, options)?;
     let tokenizer_path = dir.join("tokenizer.model");
     let tokenizer = if tokenizer_path.exists() {
         Some(TextTokenizer::from_tiktoken(&tokenizer_path)?)
@@ -97,7 +157,7 @@ pub(super) fn load<B: InferenceBackend>(
     generation.drop_impossible(config.vocab, &mut warnings);
     config.bos = generation.bos;
     config.eos = generation.eos.clone();
-    let reporting = Reporting::new(&source, progress);
+    let reporting = Reporting::new(source, progress);
     let model = family::load_weights(
         config,
         TensorNames::Meta,
@@ -112,7 +172,7 @@ pub(super) fn load<B: InferenceBackend>(
         tokenizer,
         generation,
         chat_template: Some(LLAMA3_CHAT_TEMPLATE.to_string()),
-        format: ModelFormat::MetaOriginal,
+        format: checkpoint.format(),
         path: dir.to_path_buf(),
         warnings,
     })

@@ -1,11 +1,15 @@
 //! Loading a model and its tokenizer from a path: a Hugging Face folder (`config.json`), a
-//! Meta original folder (`params.json`) or a llama.cpp GGUF file. [`load`] detects which.
+//! Meta original folder (`params.json`), a `torch.distributed.checkpoint` folder in Meta's
+//! layout (`.metadata` + `params.json`, torchtitan's) or a llama.cpp GGUF file. [`load`]
+//! detects which.
 
 mod gguf;
 mod hf;
 mod meta;
 
 pub use meta::LLAMA3_CHAT_TEMPLATE;
+
+use meta::Checkpoint;
 
 use std::path::{Path, PathBuf};
 
@@ -25,6 +29,10 @@ pub enum ModelFormat {
     HuggingFace,
     /// `params.json` + `consolidated.00.pth` + `tokenizer.model`.
     MetaOriginal,
+    /// A `torch.distributed.checkpoint` folder (torchtitan): `.metadata` + `*.distcp` holding
+    /// Meta's tensor names (under `model.` or not), with Meta's `params.json` and
+    /// `tokenizer.model`. Loaded as [`ModelFormat::MetaOriginal`] is, to the same model.
+    TorchDistributed,
     /// One llama.cpp `.gguf` file (weights, tokenizer and chat template).
     Gguf,
 }
@@ -35,6 +43,7 @@ impl ModelFormat {
         match self {
             ModelFormat::HuggingFace => "huggingface",
             ModelFormat::MetaOriginal => "meta",
+            ModelFormat::TorchDistributed => "torch-dcp",
             ModelFormat::Gguf => "gguf",
         }
     }
@@ -45,7 +54,7 @@ impl ModelFormat {
 pub struct LoadOptions {
     /// Precision of weights and activations (weights are cast at load).
     pub dtype: Dtype,
-    /// Meta folders only: the llama3 RoPE scaling factor when `params.json` does not say
+    /// Meta and torch-dcp folders only: the llama3 RoPE scaling factor when `params.json` does not say
     /// (8 for Llama 3.1, the default; 32 for Llama 3.2 1B and 3B).
     pub rope_scaling_factor: Option<f32>,
     /// Whether GGUF weights in a type with a CPU kernel (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) stay
@@ -165,14 +174,17 @@ pub fn detect_format(path: &Path) -> Result<ModelFormat> {
         if path.join("config.json").exists() {
             return Ok(ModelFormat::HuggingFace);
         }
+        if path.join(crate::weights::METADATA_FILE).exists() {
+            return Ok(ModelFormat::TorchDistributed);
+        }
         if path.join("params.json").exists() {
             return Ok(ModelFormat::MetaOriginal);
         }
     }
     Err(ModelError::UnknownFormat {
         path: path.to_path_buf(),
-        reason: "expected a Hugging Face folder (config.json), a Meta folder (params.json) or a \
-                 GGUF file"
+        reason: "expected a Hugging Face folder (config.json), a Meta folder (params.json), a \
+                 torch.distributed.checkpoint folder (.metadata and params.json) or a GGUF file"
             .into(),
     })
 }
@@ -185,7 +197,10 @@ pub fn detect_format(path: &Path) -> Result<ModelFormat> {
 pub fn read_config(path: &Path, options: &LoadOptions) -> Result<TransformerConfig> {
     let mut config = match detect_format(path)? {
         ModelFormat::HuggingFace => hf::read_config(path),
-        ModelFormat::MetaOriginal => meta::read_config(path, options),
+        ModelFormat::MetaOriginal => meta::read_config(path, Checkpoint::Consolidated, options),
+        ModelFormat::TorchDistributed => {
+            meta::read_config(path, Checkpoint::TorchDistributed, options)
+        }
         ModelFormat::Gguf => gguf::read_config(path),
     }?;
     config.drop_impossible_special_tokens();
@@ -200,7 +215,8 @@ pub fn read_config(path: &Path, options: &LoadOptions) -> Result<TransformerConf
 pub fn inspect(path: &Path, options: &LoadOptions) -> Result<ModelInfo> {
     let mut info = match detect_format(path)? {
         ModelFormat::HuggingFace => hf::inspect(path),
-        ModelFormat::MetaOriginal => meta::inspect(path, options),
+        ModelFormat::MetaOriginal => meta::inspect(path, Checkpoint::Consolidated, options),
+        ModelFormat::TorchDistributed => meta::inspect(path, Checkpoint::TorchDistributed, options),
         ModelFormat::Gguf => gguf::inspect(path),
     }?;
     info.warnings = info.config.drop_impossible_special_tokens();
@@ -234,7 +250,16 @@ pub fn load_with_progress<B: InferenceBackend>(
     B::require_dtype(device, options.dtype)?;
     let mut loaded = match detect_format(path)? {
         ModelFormat::HuggingFace => hf::load(path, options, device, progress),
-        ModelFormat::MetaOriginal => meta::load(path, options, device, progress),
+        ModelFormat::MetaOriginal => {
+            meta::load(path, Checkpoint::Consolidated, options, device, progress)
+        }
+        ModelFormat::TorchDistributed => meta::load(
+            path,
+            Checkpoint::TorchDistributed,
+            options,
+            device,
+            progress,
+        ),
         ModelFormat::Gguf => gguf::load(path, options, device, progress),
     }?;
     if let Some(context) = options.context {

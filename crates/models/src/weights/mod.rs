@@ -1,5 +1,12 @@
-//! Where tensors come from: [`TensorSource`] over safetensors files (single or sharded) and
-//! PyTorch `.pth` zips. Every read converts to f32 on the host and names its file in errors.
+//! Where tensors come from: [`TensorSource`] over safetensors files (single or sharded),
+//! PyTorch `.pth` zips and `torch.distributed.checkpoint` folders ([`DcpSource`]). Every read
+//! converts to f32 on the host and names its file in errors.
+
+mod dcp;
+mod pickle;
+mod torch_save;
+
+pub use dcp::{DcpSource, METADATA_FILE};
 
 use std::collections::HashMap;
 use std::fs::File;
