@@ -278,6 +278,17 @@ pub struct TransformerConfig {
     pub attention_windows: Vec<Option<usize>>,
 }
 
+/// The largest vocabulary [`TransformerConfig::validate`] accepts (16.7 M tokens).
+pub const MAX_VOCAB: usize = 1 << 24;
+/// The largest `d_model` and `d_ff` it accepts.
+pub const MAX_WIDTH: usize = 1 << 20;
+/// The most layers it accepts.
+pub const MAX_LAYERS: usize = 4096;
+/// The most heads, and the widest head, it accepts.
+pub const MAX_HEADS: usize = 1 << 12;
+/// The longest context it accepts (positions are 32-bit).
+pub const MAX_POSITIONS: usize = 1 << 31;
+
 impl TransformerConfig {
     /// Layer `layer`'s attention window, if it has one.
     pub fn attention_window(&self, layer: usize) -> Option<usize> {
@@ -363,6 +374,27 @@ impl TransformerConfig {
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} must be positive"));
         }
+        // Far beyond any published model, and small enough that no size derived from them
+        // overflows: a file claiming 2^32 layers is refused before anything is allocated.
+        let largest = [
+            ("vocab", self.vocab, MAX_VOCAB),
+            ("d_model", self.d_model, MAX_WIDTH),
+            ("d_ff", self.d_ff, MAX_WIDTH),
+            ("n_layers", self.n_layers, MAX_LAYERS),
+            ("n_heads", self.n_heads, MAX_HEADS),
+            ("n_kv_heads", self.n_kv_heads, MAX_HEADS),
+            ("head_dim", self.head_dim, MAX_HEADS),
+            ("max_positions", self.max_positions, MAX_POSITIONS),
+        ];
+        if let Some((name, value, max)) = largest.iter().find(|(_, v, max)| v > max) {
+            return Err(format!("{name} is {value}, more than kiln accepts ({max})"));
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
+            return Err(format!(
+                "the norm epsilon must be positive and finite, got {}",
+                self.norm_eps
+            ));
+        }
         if !self.attention_windows.is_empty() && self.attention_windows.len() != self.n_layers {
             return Err(format!(
                 "{} attention windows for {} layers",
@@ -389,6 +421,12 @@ impl TransformerConfig {
             .into_iter()
             .flatten()
         {
+            if !(rope.theta.is_finite() && rope.theta > 0.0) {
+                return Err(format!(
+                    "the RoPE base (rope_theta) must be positive and finite, got {}",
+                    rope.theta
+                ));
+            }
             if let Some(RopeScaling::LongRope(s)) = &rope.scaling {
                 for (name, factors) in [("short", &s.short_factors), ("long", &s.long_factors)] {
                     if factors.len() != self.head_dim / 2 {

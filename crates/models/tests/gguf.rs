@@ -387,6 +387,47 @@ fn sentencepiece_gguf_frames_and_decodes_as_llama_cpp() {
     );
 }
 
+/// Hyper-parameters that lie are refused before anything is allocated: 2^32 - 1 layers
+/// (which once asked the allocator for 20 TB and aborted), a negative RoPE base, a NaN norm
+/// epsilon (which loaded and generated garbage).
+#[test]
+fn lying_hyper_parameters_are_refused() {
+    let bytes = std::fs::read(fixture("gguf/qwen2-tiny.f32.gguf")).unwrap();
+    // A scalar's value after its key: the type (u32), then the value.
+    let patched = |key: &[u8], kind: u8, value: [u8; 4]| {
+        let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+        assert_eq!(&bytes[at..at + 4], &[kind, 0, 0, 0], "{key:?}");
+        let mut out = bytes.clone();
+        out[at + 4..at + 8].copy_from_slice(&value);
+        out
+    };
+    for (key, kind, value, expected) in [
+        (
+            &b"qwen2.block_count"[..],
+            4,
+            u32::MAX.to_le_bytes(),
+            "n_layers is 4294967295, more than kiln accepts (4096)",
+        ),
+        (
+            b"qwen2.rope.freq_base",
+            6,
+            (-1.0f32).to_le_bytes(),
+            "the RoPE base (rope_theta) must be positive and finite, got -1",
+        ),
+        (
+            b"qwen2.attention.layer_norm_rms_epsilon",
+            6,
+            f32::NAN.to_le_bytes(),
+            "the norm epsilon must be positive and finite, got NaN",
+        ),
+    ] {
+        let err = load_bytes(&patched(key, kind, value))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(expected), "{err}");
+    }
+}
+
 /// Nonsense YaRN values in a GGUF are refused naming the key: a negative factor, an original
 /// context of 0.
 #[test]

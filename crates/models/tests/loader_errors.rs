@@ -30,6 +30,21 @@ fn edit_json(path: &Path, edit: impl FnOnce(&mut Value)) {
     std::fs::write(path, value.to_string()).unwrap();
 }
 
+/// A config.json claiming 2^62 layers (once a "capacity overflow" panic) is refused naming
+/// the count.
+#[test]
+fn absurd_layer_counts_are_refused() {
+    let dir = copy_fixture("llama-tiny");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c["num_hidden_layers"] = (1u64 << 62).into();
+    });
+    let err = load_err(dir.path()).to_string();
+    assert!(
+        err.contains("n_layers is 4611686018427387904, more than kiln accepts"),
+        "{err}"
+    );
+}
+
 #[test]
 fn missing_path_and_unknown_folder() {
     let err = load_err(Path::new("/nonexistent/model"));
