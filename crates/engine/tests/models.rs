@@ -435,6 +435,20 @@ fn families_hold_on_every_cache_kind<B: InferenceBackend>() {
     }
 }
 
+/// Prompt-lookup drafting of 4 tokens from 1-3-grams at a fixed length (not adaptive), so
+/// drafts are proposed, rejected and rolled back on every step a match allows.
+fn steady_prompt_lookup() -> Speculation {
+    Speculation {
+        source: DraftSource::PromptLookup {
+            min_ngram: 1,
+            max_ngram: 3,
+        },
+        draft_tokens: 4,
+        adaptive: false,
+        max_batch: 0,
+    }
+}
+
 /// A model whose every layer has a window (Mistral's 5, Phi-3's 7) generates far past what
 /// its paged pool could hold without forgetting: 8 blocks of 4 tokens for two sequences of
 /// up to 110. The blocks that left the window go back to the pool as the sequences grow
@@ -459,16 +473,7 @@ fn windowed_models_outgrow_their_pool<B: InferenceBackend>() {
             blocks: Some(8),
             ..CacheSpec::paged(2, 128)
         };
-        let lookup = Speculation {
-            source: DraftSource::PromptLookup {
-                min_ngram: 1,
-                max_ngram: 3,
-            },
-            draft_tokens: 4,
-            adaptive: false,
-            max_batch: 0,
-        };
-        for speculation in [None, Some(lookup)] {
+        for speculation in [None, Some(steady_prompt_lookup())] {
             let config = EngineConfig {
                 speculation,
                 max_batch: prompts.len(),
@@ -1062,16 +1067,7 @@ fn structured_output_matches_alone<B: InferenceBackend>(
             .map(|s| alone_constrained(model, &prompt, n, s, &grammar, &eos))
             .collect();
         for &kind in kinds {
-            let lookup = Speculation {
-                source: DraftSource::PromptLookup {
-                    min_ngram: 1,
-                    max_ngram: 3,
-                },
-                draft_tokens: 4,
-                adaptive: false,
-                max_batch: 0,
-            };
-            for speculation in [None, Some(lookup)] {
+            for speculation in [None, Some(steady_prompt_lookup())] {
                 let spec = any_kind(kind, 3, prompt.len() + n + 8);
                 let mut engine = Engine::new(
                     model,
