@@ -259,18 +259,18 @@ impl BackendTask for Task {
         let shape = loaded.model.shape();
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
         let max_len = (longest + args.max_tokens).min(shape.max_positions).max(1);
+        let beam = args.beam.beam()?;
+        // Each beam is a row of the batch and a sequence of the cache.
+        let beams = beam.map_or(1, |b| b.num_beams);
         let config = EngineConfig {
-            max_batch: args.max_batch.min(prompts.len()),
+            max_batch: args.max_batch.min(prompts.len()) * beams,
             prefix_cache: !args.no_prefix_cache,
             speculation: args.speculation.speculation()?,
             ..EngineConfig::default()
         };
-        let beam = args.beam.beam()?;
-        // Each beam is a sequence of the cache.
-        let beams = beam.map_or(1, |b| b.num_beams);
         let spec = CacheSpec {
             kind: args.cache,
-            max_sequences: config.max_batch * beams,
+            max_sequences: config.max_batch,
             max_len,
             window: args.window,
             max_step: config.max_step_tokens,

@@ -139,6 +139,7 @@ impl Cell {
             policy: StepPolicy::PrefillFirst,
             prefix_cache: false,
             speculation: self.speculation,
+            max_group_rows: None,
         }
     }
 

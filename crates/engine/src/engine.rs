@@ -40,7 +40,8 @@ use crate::structured::GrammarMatcher;
 /// Scheduling limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineConfig {
-    /// Most sequences running at once.
+    /// Most rows running at once: a request takes one, a beam search one per beam
+    /// ([`Request::rows`]).
     pub max_batch: usize,
     /// Most prompt tokens fed in one step, over all sequences; longer prompts are prefilled
     /// in chunks (decode tokens are not counted).
@@ -52,6 +53,10 @@ pub struct EngineConfig {
     pub prefix_cache: bool,
     /// Speculative decoding for every decoding sequence (`None`: off).
     pub speculation: Option<Speculation>,
+    /// Most rows the running requests of one [`Request::group`] may hold (`None`:
+    /// `max_batch`). A server keeps some rows free of any one HTTP request this way, so a
+    /// short request from another client starts at once beside a large one.
+    pub max_group_rows: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -62,6 +67,7 @@ impl Default for EngineConfig {
             policy: StepPolicy::default(),
             prefix_cache: true,
             speculation: None,
+            max_group_rows: None,
         }
     }
 }
@@ -191,9 +197,10 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         mut cache: EngineCache<'a, B>,
         config: EngineConfig,
     ) -> Result<Self, EngineError> {
-        if config.max_batch == 0 || config.max_step_tokens == 0 {
+        if config.max_batch == 0 || config.max_step_tokens == 0 || config.max_group_rows == Some(0)
+        {
             return Err(EngineError::InvalidConfig(
-                "max_batch and max_step_tokens must be positive".into(),
+                "max_batch, max_step_tokens and max_group_rows must be positive".into(),
             ));
         }
         if let Some(why) = config.speculation.as_ref().and_then(Speculation::problem) {
@@ -323,6 +330,20 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         if let Some(beam) = &request.beam {
             if let Some(why) = beam.problem() {
                 return invalid(why);
+            }
+            let rows = self.max_rows(request.group);
+            if beam.num_beams > rows {
+                return invalid(format!(
+                    "{} beams take {} rows of the batch; at most {rows} run for one request \
+                     (the engine's max_batch{})",
+                    beam.num_beams,
+                    beam.num_beams,
+                    if request.group.is_some() && rows < self.config.max_batch {
+                        " less the rows kept for other requests"
+                    } else {
+                        ""
+                    }
+                ));
             }
             let s = &request.sampling;
             let refused = if !request.stop.is_empty() {
@@ -535,18 +556,48 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         Ok(id)
     }
 
-    /// Admits waiting requests while there is a free row and the cache can take their first
-    /// chunk.
+    /// Most rows the running requests of `group` may hold.
+    fn max_rows(&self, group: Option<u64>) -> usize {
+        match (group, self.config.max_group_rows) {
+            (Some(_), Some(rows)) => rows.min(self.config.max_batch),
+            _ => self.config.max_batch,
+        }
+    }
+
+    /// Admits waiting requests in order while their rows fit in the batch and the cache can
+    /// take their first chunk. A request whose group holds all the rows it may is passed
+    /// over (later requests of other groups go first); one that needs more rows than are
+    /// free stops admission, so a beam search is not starved by narrower requests behind it.
     fn admit(&mut self) {
-        while self.running.len() < self.config.max_batch {
-            let Some(next) = self.waiting.front() else {
+        let mut used: usize = self.running.iter().map(|s| s.request.rows()).sum();
+        let mut held: HashMap<u64, usize> = HashMap::new();
+        for seq in &self.running {
+            if let Some(g) = seq.request.group {
+                *held.entry(g).or_default() += seq.request.rows();
+            }
+        }
+        let mut at = 0;
+        while at < self.waiting.len() && used < self.config.max_batch {
+            let next = &self.waiting[at];
+            let rows = next.request.rows();
+            if let Some(g) = next.request.group
+                && held.get(&g).copied().unwrap_or(0) + rows > self.max_rows(Some(g))
+            {
+                at += 1;
+                continue;
+            }
+            if used + rows > self.config.max_batch {
                 break;
-            };
+            }
             let chunk = next.pending().min(self.config.max_step_tokens);
             if self.cache.check_append(next.seq, chunk).is_err() && !self.running.is_empty() {
                 break;
             }
-            let seq = self.waiting.pop_front().expect("front exists");
+            let seq = self.waiting.remove(at).expect("index in range");
+            used += rows;
+            if let Some(g) = seq.request.group {
+                *held.entry(g).or_default() += rows;
+            }
             self.running.push(seq);
         }
     }

@@ -78,6 +78,18 @@ pub struct Request {
     /// ([`crate::structured::GrammarCompiler::compile`]), and the request ends (as by an
     /// EOS) when the output is complete. Not with beam search.
     pub constraint: Option<Grammar>,
+    /// The caller's group of requests (a server's HTTP request, whose choices or prompts are
+    /// several engine requests): with [`crate::EngineConfig::max_group_rows`], the scheduler
+    /// lets one group hold at most that many rows of the batch, so one large request cannot
+    /// take every row while others wait. `None`: a group of its own.
+    pub group: Option<u64>,
+}
+
+impl Request {
+    /// Rows of the batch it takes while it runs: one per beam of a beam search, else one.
+    pub fn rows(&self) -> usize {
+        self.beam.map_or(1, |b| b.num_beams)
+    }
 }
 
 /// The most alternatives [`Request::logprobs`] may ask for (OpenAI's `top_logprobs` limit).

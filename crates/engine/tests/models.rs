@@ -953,8 +953,13 @@ fn beam_search_matches_transformers<B: InferenceBackend>(
                 let cache = spec
                     .build::<B>(model.shape().kv_layout(), model.dtype(), &model.device())
                     .unwrap();
+                // A row per beam, and one for the greedy request.
                 let config = EngineConfig {
-                    max_batch: group.len() + 1,
+                    max_batch: group
+                        .iter()
+                        .map(|c| c.request.rows())
+                        .sum::<usize>()
+                        + 1,
                     ..EngineConfig::default()
                 };
                 let mut engine = Engine::new(model, cache, config).unwrap();

@@ -217,6 +217,59 @@ fn new_requests_are_admitted_mid_run_up_to_max_batch() {
     assert_eq!(engine.cache().usage().used, 0);
 }
 
+/// Rows, not requests, fill the batch: one group's requests (a server's HTTP request with many
+/// choices) hold at most `max_group_rows` rows, so a request of another group that arrives
+/// later starts decoding at once instead of waiting for the whole group. Every request still
+/// gets the tokens it gets alone.
+#[test]
+fn one_group_cannot_hold_every_row_of_the_batch() {
+    let model = Scripted { script: count_up };
+    let config = EngineConfig {
+        max_batch: 4,
+        max_step_tokens: 64,
+        max_group_rows: Some(3),
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(&model, paged(64, 4), config).unwrap();
+    let grouped = |prompt: &[u32], max_tokens, group| Request {
+        group: Some(group),
+        ..request(prompt, max_tokens)
+    };
+    let mut requests: Vec<Request> = (0..6).map(|i| grouped(&[2 + i], 12, 1)).collect();
+    for r in &requests {
+        engine.submit(r.clone()).unwrap();
+    }
+    let mut done = Vec::new();
+    let collect = |events: Vec<Event>, done: &mut Vec<Completion>| {
+        let mut tokens_of = HashMap::new();
+        for event in events {
+            match event {
+                Event::Token { id, .. } => *tokens_of.entry(id.0).or_insert(0) += 1,
+                Event::Finished(c) => done.push(c),
+                Event::Text { .. } => {}
+            }
+        }
+        tokens_of
+    };
+    collect(engine.step().unwrap(), &mut done);
+    assert_eq!(engine.load(), (3, 3), "one row is kept from group 1");
+    requests.push(grouped(&[20], 3, 2));
+    let late = engine.submit(requests[6].clone()).unwrap();
+    let first = collect(engine.step().unwrap(), &mut done);
+    assert_eq!(first.get(&late.0), Some(&1), "the late request decodes at once");
+    assert_eq!(engine.load(), (4, 3));
+    while !engine.is_idle() {
+        collect(engine.step().unwrap(), &mut done);
+        let (running, _) = engine.load();
+        assert!(running <= 4);
+    }
+    done.sort_by_key(|c| c.id);
+    for (ours, theirs) in done.iter().zip(&alone(&model, &requests)) {
+        assert_eq!(tokens(ours), tokens(theirs));
+    }
+    assert_eq!(engine.cache().usage().used, 0);
+}
+
 /// A pool too small for every sequence's growth: the newest is preempted, recomputed later,
 /// and still gives what it gives alone; no block leaks.
 #[test]
@@ -1249,6 +1302,26 @@ fn beam_search_is_scheduled_like_any_request() {
     assert_eq!(both[1].beams, expected.beams);
 }
 
+/// A beam search takes a row of the batch per beam: beside it, only the rows left run.
+#[test]
+fn a_beam_search_takes_a_row_per_beam() {
+    let model = soft_target();
+    let config = EngineConfig {
+        max_batch: 4,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(&model, paged(64, 4), config).unwrap();
+    let searched = beam_request(&[2, 5, 7], 6, BeamSearch::new(3));
+    let plain = request(&[4, 4, 6], 6);
+    for r in [&searched, &plain, &plain] {
+        engine.submit(r.clone()).unwrap();
+    }
+    engine.step().unwrap();
+    assert_eq!(engine.load(), (2, 1), "3 beams and 1 plain request fill 4 rows");
+    engine.run(|_| {}).unwrap();
+    assert_eq!(engine.cache().usage().used, 0);
+}
+
 #[test]
 fn bad_beam_searches_are_refused_with_a_reason() {
     let model = soft_target();
@@ -1288,6 +1361,8 @@ fn bad_beam_searches_are_refused_with_a_reason() {
     let mut penalised = beam_request(&[2], 4, two);
     penalised.sampling.repetition_penalty = 1.2;
     cases.push((penalised, "penalties"));
+    // More beams than the batch has rows (8 by default) could never run.
+    cases.push((beam_request(&[2], 4, BeamSearch::new(9)), "rows of the batch"));
     for (r, needle) in cases {
         let err = engine.submit(r).unwrap_err();
         assert!(matches!(err, EngineError::InvalidRequest(_)), "{err}");
@@ -1305,6 +1380,16 @@ fn bad_beam_searches_are_refused_with_a_reason() {
         .submit(beam_request(&[2], 4, BeamSearch::new(5)))
         .unwrap_err();
     assert!(err.to_string().contains("holds 4"), "{err}");
+    // A grouped request's beams must fit in the rows one group may hold.
+    let config = EngineConfig {
+        max_group_rows: Some(2),
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(&model, paged(8, 4), config).unwrap();
+    let mut grouped = beam_request(&[2], 4, BeamSearch::new(3));
+    grouped.group = Some(7);
+    let err = engine.submit(grouped).unwrap_err();
+    assert!(err.to_string().contains("kept for other requests"), "{err}");
 }
 
 /// `Speculation::max_batch`: while more sequences decode than it allows, nobody drafts; once
