@@ -234,13 +234,7 @@ impl GrammarCompiler {
         // llguidance's messages may span lines (a grammar excerpt); errors here are one line.
         let invalid = |e: &dyn fmt::Display| StructuredError::Invalid {
             kind: constraint.kind(),
-            reason: e
-                .to_string()
-                .lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty())
-                .collect::<Vec<_>>()
-                .join("; "),
+            reason: reason_of(&e.to_string()),
         };
         let parser = self
             .factory
@@ -261,6 +255,22 @@ impl GrammarCompiler {
             vocab: self.vocab(),
         })
     }
+}
+
+/// llguidance's message as one line for a person: without the parser state it appends to
+/// some errors, and an empty language (its `NoExtensionBias`: no token may come first) said
+/// as such.
+fn reason_of(message: &str) -> String {
+    let message = message.split("<state>").next().unwrap_or(message);
+    if message.contains("NoExtensionBias") {
+        return "its language is empty: no output can match it".into();
+    }
+    message
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// A compiled constraint, ready to start any number of sequences ([`Grammar::start`]).
@@ -556,6 +566,16 @@ mod tests {
             "{e}"
         );
         assert!(err(OutputConstraint::Lark("  ".into())).contains("empty"));
+        // Languages with no string in them: llguidance reports them with a dump of its parser
+        // state, which is not for a person.
+        for empty in [
+            OutputConstraint::Lark("start: a\na: a".into()),
+            OutputConstraint::Lark("start: /[^\\s\\S]/".into()),
+            OutputConstraint::Regex("[^\\s\\S]".into()),
+        ] {
+            let e = err(empty);
+            assert!(e.ends_with("its language is empty: no output can match it"), "{e}");
+        }
         let e = err(OutputConstraint::JsonSchema(
             serde_json::json!({"type": "strng"}),
         ));
