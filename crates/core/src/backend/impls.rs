@@ -542,43 +542,44 @@ mod flex_write {
         let device = target.device();
         let owned = std::mem::replace(target, Tensor::empty([0; 4], &device));
         let (TensorPrimitive::Float(mut dst), TensorPrimitive::Float(src)) =
-            (owned.into_primitive(), values.clone().into_primitive())
+            (owned.into_primitive(), values.into_primitive())
         else {
             unreachable!("float tensors have float primitives");
         };
-        let written = match dst.dtype() {
-            DType::F32 => copy_block::<f32>(&mut dst, &ranges, &src),
-            DType::F16 => copy_block::<f16>(&mut dst, &ranges, &src),
-            DType::BF16 => copy_block::<bf16>(&mut dst, &ranges, &src),
-            _ => false,
+        let unwritten = match dst.dtype() {
+            DType::F32 => copy_block::<f32>(&mut dst, &ranges, src),
+            DType::F16 => copy_block::<f16>(&mut dst, &ranges, src),
+            DType::BF16 => copy_block::<bf16>(&mut dst, &ranges, src),
+            _ => Some(src),
         };
         *target = Tensor::from_primitive(TensorPrimitive::Float(dst));
-        if !written {
+        if let Some(values) = unwritten {
+            let values = Tensor::from_primitive(TensorPrimitive::Float(values));
             target.inplace(|t| t.slice_assign(ranges, values));
         }
     }
 
     /// Copies `src` into the block `ranges` of `dst` when that block lies in one index of the
     /// first dimension and spans the whole last one, and `dst` is contiguous and uniquely
-    /// owned: one contiguous run per index of the second dimension (a KV write: one run per
-    /// head). Returns whether it did.
+    /// owned once `src` is let go: one contiguous run per index of the second dimension (a KV
+    /// write: one run per head). Returns the values it did not write (`None`: it did).
     fn copy_block<E: burn::tensor::Element + bytemuck::Pod>(
         dst: &mut FlexTensor,
         ranges: &[Range<usize>; 4],
-        src: &FlexTensor,
-    ) -> bool {
+        src: FlexTensor,
+    ) -> Option<FlexTensor> {
         let Ok(dims) = <[usize; 4]>::try_from(dst.layout().shape().as_ref()) else {
-            return false;
+            return Some(src);
         };
         let contiguous = dst.is_contiguous() && dst.layout().start_offset() == 0;
         let in_bounds = ranges.iter().zip(&dims).all(|(r, &d)| r.end <= d);
         let blocky = ranges[0].len() == 1 && ranges[3] == (0..dims[3]);
         if !contiguous || !in_bounds || !blocky || src.dtype() != dst.dtype() {
-            return false;
+            return Some(src);
         }
         let expected = [1, ranges[1].len(), ranges[2].len(), dims[3]];
         if !src.layout().shape().iter().copied().eq(expected) {
-            return false;
+            return Some(src);
         }
         // The new K/V arrive as a view `[1, heads, tokens, head_dim]` of token-major rows:
         // copied a head row at a time from where they lie (burn-flex would copy such a view
@@ -586,23 +587,95 @@ mod flex_write {
         let strides = src.layout().strides();
         let (head_stride, token_stride) = (strides[1], strides[2]);
         if strides[3] != 1 || head_stride < 0 || token_stride < 0 {
-            return false;
+            return Some(src);
         }
         let (head_stride, token_stride) = (head_stride as usize, token_stride as usize);
-        let src_start = src.layout().start_offset();
-        let values: &[E] = src.storage::<E>();
-        let width = dims[3];
-        let Some(storage) = dst.try_storage_mut::<E>() else {
-            return false;
+        let (heads, tokens, width) = (ranges[1].len(), ranges[2].len(), dims[3]);
+        let write = |storage: &mut [E], values: &[E], start: usize, head: usize, token: usize| {
+            for (i, outer) in ranges[1].clone().enumerate() {
+                let at = ((ranges[0].start * dims[1] + outer) * dims[2] + ranges[2].start) * width;
+                for t in 0..tokens {
+                    let from = start + i * head + t * token;
+                    storage[at + t * width..][..width].copy_from_slice(&values[from..from + width]);
+                }
+            }
         };
-        for (i, outer) in ranges[1].clone().enumerate() {
-            let start = ((ranges[0].start * dims[1] + outer) * dims[2] + ranges[2].start) * width;
-            for t in 0..ranges[2].len() {
-                let from = src_start + i * head_stride + t * token_stride;
-                storage[start + t * width..][..width].copy_from_slice(&values[from..from + width]);
+        if let Some(storage) = dst.try_storage_mut::<E>() {
+            write(
+                storage,
+                src.storage::<E>(),
+                src.layout().start_offset(),
+                head_stride,
+                token_stride,
+            );
+            return None;
+        }
+        // `dst` is shared, most often with `src` itself: a copy between two places of one
+        // cache (a beam taking a copy of its parent's last block) reads a view of the buffer
+        // it writes. Its rows are copied out first and its handle let go, so the write stays
+        // in place instead of copying the whole pool.
+        let mut rows: Vec<E> = Vec::with_capacity(heads * tokens * width);
+        let values: &[E] = src.storage::<E>();
+        let start = src.layout().start_offset();
+        for i in 0..heads {
+            for t in 0..tokens {
+                let from = start + i * head_stride + t * token_stride;
+                rows.extend_from_slice(&values[from..from + width]);
             }
         }
-        true
+        drop(src);
+        if let Some(storage) = dst.try_storage_mut::<E>() {
+            write(storage, &rows, 0, tokens * width, width);
+            return None;
+        }
+        let data = burn::tensor::TensorData::new(rows, [1, heads, tokens, width]);
+        let options = (&burn::backend::flex::FlexDevice, dst.dtype());
+        let values = Tensor::<Flex, 4>::from_data(data, options);
+        match values.into_primitive() {
+            TensorPrimitive::Float(values) => Some(values),
+            TensorPrimitive::QFloat(_) => unreachable!("float data makes a float tensor"),
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use burn::backend::Flex;
+        use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+
+        fn buffer_address(t: &Tensor<Flex, 4>) -> usize {
+            match t.clone().into_primitive() {
+                TensorPrimitive::Float(p) => p.storage::<f32>().as_ptr() as usize,
+                TensorPrimitive::QFloat(_) => unreachable!(),
+            }
+        }
+
+        /// A copy between two places of one cache (a beam's fork) reads a view of the buffer
+        /// it writes: it must still write in place, not copy the whole pool first.
+        #[test]
+        fn a_copy_within_one_buffer_stays_in_place() {
+            let values: Vec<f32> = (0..2 * 2 * 4 * 3).map(|v| v as f32).collect();
+            let data = TensorData::new(values.clone(), [2, 2, 4, 3]);
+            let mut pool = Tensor::<Flex, 4>::from_data(data, &Default::default());
+            let before = buffer_address(&pool);
+            let source = pool.clone().slice([0..1, 0..2, 1..3, 0..3]);
+            super::write_in_place(&mut pool, [1..2, 0..2, 1..3, 0..3], source);
+            assert_eq!(buffer_address(&pool), before, "the pool was copied");
+            let after: Vec<f32> = pool.into_data().to_vec().unwrap();
+            let at = |t: usize, h: usize, s: usize, d: usize| ((t * 2 + h) * 4 + s) * 3 + d;
+            for h in 0..2 {
+                for s in 0..4 {
+                    for d in 0..3 {
+                        let expected = if (1..3).contains(&s) {
+                            values[at(0, h, s, d)]
+                        } else {
+                            values[at(1, h, s, d)]
+                        };
+                        assert_eq!(after[at(1, h, s, d)], expected, "head {h} slot {s}");
+                        assert_eq!(after[at(0, h, s, d)], values[at(0, h, s, d)]);
+                    }
+                }
+            }
+        }
     }
 }
 
