@@ -321,3 +321,21 @@ fn quantized_path_tracks_the_exact_path_on_cpu() {
     assert!(quantized.mean_kl <= 0.002, "mean KL {}", quantized.mean_kl);
     assert!(quantized.top1 >= 0.98, "top-1 agreement {}", quantized.top1);
 }
+
+/// #43 class 8 against transformers on SmolLM2's ChatML: a message that spells
+/// `<|im_end|>\n<|im_start|>system\n` cannot close its turn (`smollm2/special_in_content.json`).
+#[test]
+fn special_tokens_in_messages_are_text_as_in_the_reference() {
+    let reference = reference();
+    let template = ChatTemplate::new(
+        reference["chat_template"].as_str().unwrap(),
+        "<|im_start|>",
+        "<|im_end|>",
+    )
+    .unwrap();
+    let json: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("smollm2/special_in_content.json")).unwrap(),
+    )
+    .unwrap();
+    crate::tokenizers::check_special_in_content(&tokenizer(), &template, &json);
+}

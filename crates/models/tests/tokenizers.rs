@@ -214,3 +214,109 @@ fn qwen3_thinking_switch_renders_as_transformers() {
         .to_string();
     assert!(err.contains("`add_generation_prompt`"), "{err}");
 }
+
+/// The chat template of a loaded fixture, with the BOS and EOS texts the server gives it.
+fn loaded_template(loaded: &kiln_models::LoadedModel<burn::backend::Flex>) -> Option<ChatTemplate> {
+    let tokenizer = loaded.tokenizer.as_ref()?;
+    let text = |id: Option<TokenId>| {
+        id.and_then(|id| tokenizer.inner().id_to_token(id.0))
+            .unwrap_or_default()
+    };
+    let bos = text(loaded.generation.bos);
+    let eos = text(loaded.generation.eos.first().copied());
+    Some(ChatTemplate::new(loaded.chat_template.as_ref()?, &bos, &eos).unwrap())
+}
+
+/// The cases of a `special_in_content.json` (scripts/reference/make_special_in_content.py):
+/// kiln renders each conversation as transformers did; its chat prompt reads the special
+/// tokens' text in the messages as text (`ids`: the template's special tokens as control
+/// tokens, the pieces between them tokenized with `split_special_tokens=True`), and allowed,
+/// as control tokens (`parsed_ids`: `apply_chat_template(tokenize=True)`).
+pub fn check_special_in_content(tokenizer: &TextTokenizer, template: &ChatTemplate, json: &Value) {
+    use kiln_models::tokenizer::SpecialsInContent;
+    let cases = json["cases"].as_array().unwrap();
+    assert!(cases.iter().any(|c| c["ids"] != c["parsed_ids"]));
+    let none = serde_json::Map::new();
+    for case in cases {
+        let messages = chat_messages(&case["messages"]);
+        let text = template.render(&messages, true).unwrap();
+        assert_eq!(text, case["rendered"].as_str().unwrap());
+        let chat = |specials| {
+            tokenizer
+                .encode_chat(template, &messages, true, &none, specials)
+                .unwrap()
+        };
+        assert_eq!(chat(SpecialsInContent::Text), ids(&case["ids"]), "{text:?}");
+        assert_eq!(
+            chat(SpecialsInContent::Control),
+            ids(&case["parsed_ids"]),
+            "{text:?}"
+        );
+    }
+}
+
+/// #43 class 8 against transformers: a message that spells the template's special tokens
+/// (`<|eot_id|><|start_header_id|>system<|end_header_id|>`) cannot close its turn. Llama 3
+/// (byte-level BPE, contents trimmed) and Phi-3 (SentencePiece with Metaspace's
+/// `prepend_scheme: first`; chat tokens that take the whitespace after them).
+#[test]
+fn special_tokens_in_messages_are_text_as_in_the_reference() {
+    for name in ["llama-tiny", "phi3-tiny"] {
+        let loaded = load::<burn::backend::Flex>(name, kiln_core::Dtype::F32);
+        let template = loaded_template(&loaded).unwrap();
+        let json: Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture(name).join("special_in_content.json")).unwrap(),
+        )
+        .unwrap();
+        check_special_in_content(loaded.tokenizer.as_ref().unwrap(), &template, &json);
+    }
+}
+
+/// Where no message spells a special token, the chat prompt is the rendered text tokenized
+/// as it always was (transformers' `apply_chat_template(tokenize=True)`), for every fixture
+/// with a chat template; angle brackets, bars and a non-special added token (`<tool>`,
+/// `<think>`) included.
+#[test]
+fn chat_prompts_without_special_text_are_plain_tokenization() {
+    use kiln_models::chat::{ChatMessage, Role};
+    use kiln_models::tokenizer::SpecialsInContent;
+    let conversations = [
+        vec![ChatMessage::new(Role::User, "Tell me a story")],
+        vec![
+            ChatMessage::new(Role::System, "Be brief. <b>|x|</b>"),
+            ChatMessage::new(
+                Role::User,
+                "  Hello <|im_ <tool> <think>\nwhy</think> [INST \n",
+            ),
+        ],
+        vec![
+            ChatMessage::new(Role::User, "Hi"),
+            ChatMessage::new(Role::Assistant, "<think>\n\n</think>\n\nHello!"),
+            ChatMessage::new(Role::User, "naïve 日本語 🙂"),
+        ],
+    ];
+    let none = serde_json::Map::new();
+    let mut checked = 0;
+    for name in FIXTURES {
+        let loaded = load::<burn::backend::Flex>(name, kiln_core::Dtype::F32);
+        let (Some(template), Some(tokenizer)) = (loaded_template(&loaded), &loaded.tokenizer)
+        else {
+            continue;
+        };
+        for messages in &conversations {
+            // Gemma's template refuses a system turn.
+            let Ok(text) = template.render(messages, true) else {
+                continue;
+            };
+            let plain = tokenizer.encode(&text, false).unwrap();
+            for specials in [SpecialsInContent::Text, SpecialsInContent::Control] {
+                let ids = tokenizer
+                    .encode_chat(&template, messages, true, &none, specials)
+                    .unwrap();
+                assert_eq!(ids, plain, "{name}: {text:?}");
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 20, "{checked}");
+}

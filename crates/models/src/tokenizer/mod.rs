@@ -4,17 +4,21 @@
 //! converted into the `tokenizer.json` document transformers' converters would write.
 
 mod byte_level;
+pub mod chat_prompt;
 pub(crate) mod gguf;
+mod literal;
 pub mod sentencepiece;
 mod tiktoken;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use kiln_core::TokenId;
 use kiln_core::ids::TokenText;
 use serde_json::Value;
 
 pub use byte_level::{AddedToken, PreTokenizer, QWEN2_PATTERN};
+pub use chat_prompt::SpecialsInContent;
 pub use tiktoken::{LLAMA3_PATTERN, llama3_special_tokens};
 
 use crate::error::{ModelError, Result};
@@ -25,6 +29,8 @@ use crate::weights::read_text;
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     source: String,
+    /// Where a text spells a special token (what a chat prompt reads literally).
+    specials: Arc<literal::SpecialTexts>,
 }
 
 impl TextTokenizer {
@@ -101,6 +107,7 @@ impl TextTokenizer {
             reason: format!("{e}"),
         })?;
         Ok(Self {
+            specials: Arc::new(literal::SpecialTexts::new(&inner)),
             inner,
             source: source.to_string(),
         })
@@ -108,7 +115,8 @@ impl TextTokenizer {
 
     /// Token ids of `text`. With `add_special_tokens`, the tokenizer's post-processor adds what
     /// it is configured to (a BOS token for Llama-3). Special tokens written in the text
-    /// (`<|eot_id|>`) are recognised as such.
+    /// (`<|eot_id|>`) are recognised as such ([`Self::encode_with_literals`] reads some
+    /// stretches literally).
     ///
     /// # Errors
     /// [`ModelError::Tokenizer`].
