@@ -1,6 +1,7 @@
 //! `kiln serve`: the OpenAI-compatible HTTP server (`kiln-server`) on a model and backend
 //! chosen here. It listens before the model loads (`/health` answers 503 meanwhile), sizes the
-//! KV cache by a memory budget, logs one line per request, and exits 0 after SIGINT / SIGTERM.
+//! KV cache by a memory budget, logs one line per request, and exits 0 after SIGINT / SIGTERM
+//! (130 when a second one cuts the grace period short).
 
 use std::time::Duration;
 
@@ -9,7 +10,7 @@ use kiln_core::InferenceBackend;
 use kiln_core::backend::BackendTask;
 use kiln_core::kv_cache::{CacheKind, DEFAULT_BLOCK_SIZE};
 use kiln_engine::{CacheSpec, EngineConfig};
-use kiln_server::{ServedDraft, ServedModel, Server, ServerOptions};
+use kiln_server::{ServedDraft, ServedModel, Server, ServerOptions, Stopped};
 
 use crate::exit::UsageError;
 use crate::model_args::{ModelArgs, SpeculationArgs};
@@ -31,14 +32,20 @@ pub struct Args {
     /// Answer CORS preflights and allow any origin (for browser clients).
     #[arg(long, help_heading = "Server")]
     cors: bool,
-    /// Most requests waiting beyond the running batch (each of `n` choices counts); more get
-    /// 503.
+    /// Read special-token text in chat messages (`<|im_end|>`) as the control token it spells,
+    /// as older servers did; by default it is plain text, so a user cannot end their turn or
+    /// open a system one.
+    #[arg(long, help_heading = "Server")]
+    allow_special_in_content: bool,
+    /// Most sequences waiting beyond the running batch (each of `n` choices and each beam
+    /// counts); more get 503.
     #[arg(long, value_name = "N", default_value_t = 256, help_heading = "Server")]
     max_queue: usize,
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, value_name = "BYTES", default_value_t = 8 << 20, help_heading = "Server")]
     max_body_bytes: usize,
-    /// Seconds running requests may go on after SIGINT / SIGTERM before they are cancelled.
+    /// Seconds running requests may go on after SIGINT / SIGTERM before they are cancelled; a
+    /// second signal cancels them at once.
     #[arg(
         long,
         value_name = "SECONDS",
@@ -46,13 +53,44 @@ pub struct Args {
         help_heading = "Server"
     )]
     shutdown_grace: f64,
+    /// Seconds a client may take to send a request's head (its line and headers), counted from
+    /// when the connection opens or its previous response ends; slower connections are closed.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 10.0,
+        help_heading = "Server"
+    )]
+    header_timeout: f64,
+    /// Seconds a client may take to send a request's whole body; a slower one gets 408.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 60.0,
+        help_heading = "Server"
+    )]
+    body_timeout: f64,
+    /// Seconds a connection with no request in progress stays open for the next one; at most
+    /// --header-timeout, whose clock runs meanwhile [default: 5, or --header-timeout if shorter]
+    #[arg(long, value_name = "SECONDS", help_heading = "Server")]
+    keep_alive_timeout: Option<f64>,
+    /// Most connections open at once; at the limit new clients wait until one closes (the
+    /// open-files limit is raised to fit, or the limit lowered to fit it, with a warning).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 1024,
+        help_heading = "Server"
+    )]
+    max_connections: usize,
     /// The model's name in /v1/models and in responses (default: the file or folder name).
     #[arg(long, value_name = "NAME", help_heading = "Server")]
     served_model_name: Option<String>,
     /// Log lines as text or as JSON objects (one per line).
     #[arg(long, value_name = "FORMAT", default_value = "text", value_parser = ["text", "json"], help_heading = "Server")]
     log_format: String,
-    /// Most requests decoded together.
+    /// Most sequences decoded together (a beam search takes one per beam); one request may
+    /// hold three quarters of them, the rest are kept for other clients.
     #[arg(
         long,
         value_name = "N",
@@ -98,6 +136,19 @@ pub struct Args {
 /// arithmetic long before it means anything).
 const MAX_SHUTDOWN_GRACE: f64 = 86_400.0;
 
+/// The longest `--header-timeout`, `--body-timeout` and `--keep-alive-timeout`, in seconds: a
+/// day, as for `--shutdown-grace`.
+const MAX_TIMEOUT: f64 = 86_400.0;
+
+/// `--keep-alive-timeout` when not given (capped at `--header-timeout`): five seconds, the
+/// default of uvicorn (the server under vLLM and most Python OpenAI-compatible servers) and of
+/// Node; an idle pooled connection gives its `--max-connections` slot back soon, and the
+/// OpenAI Python SDK's pool drops idle connections after five seconds itself.
+const DEFAULT_KEEP_ALIVE: f64 = 5.0;
+
+/// The most `--max-connections`: 2^20, the usual hard limit of open files on Linux.
+const MAX_CONNECTIONS: usize = 1 << 20;
+
 pub fn run(mut args: Args) -> Result<()> {
     for (name, value) in [
         ("--max-batch", args.max_batch),
@@ -127,8 +178,42 @@ pub fn run(mut args: Args) -> Result<()> {
         ))
         .into());
     }
+    for (name, value) in [
+        ("--header-timeout", args.header_timeout),
+        ("--body-timeout", args.body_timeout),
+        (
+            "--keep-alive-timeout",
+            args.keep_alive_timeout.unwrap_or(1.0),
+        ),
+    ] {
+        if !(value.is_finite() && value > 0.0 && value <= MAX_TIMEOUT) {
+            return Err(UsageError(format!(
+                "{name} must be a number of seconds above 0 and at most {MAX_TIMEOUT} (a day), got {value}"
+            ))
+            .into());
+        }
+    }
+    match args.keep_alive_timeout {
+        Some(keep) if keep > args.header_timeout => {
+            return Err(UsageError(format!(
+                "--keep-alive-timeout {keep} is longer than --header-timeout {}: an idle connection waits under the header timeout too, so raise that as well",
+                args.header_timeout
+            ))
+            .into());
+        }
+        Some(_) => {}
+        None => args.keep_alive_timeout = Some(DEFAULT_KEEP_ALIVE.min(args.header_timeout)),
+    }
+    if !(1..=MAX_CONNECTIONS).contains(&args.max_connections) {
+        return Err(UsageError(format!(
+            "--max-connections must be from 1 to {MAX_CONNECTIONS}, got {}",
+            args.max_connections
+        ))
+        .into());
+    }
     args.api_key = api_key(args.api_key.take(), std::env::var("KILN_API_KEY").ok())?;
     init_logging(&args.log_format);
+    args.max_connections = open_files::fit(args.max_connections);
     let backend = args.model.backend;
     crate::device::run_on(backend, false, Task(args))?
 }
@@ -185,6 +270,13 @@ impl BackendTask for Task {
             max_queue: args.max_queue,
             max_body_bytes: args.max_body_bytes,
             shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
+            header_timeout: Duration::from_secs_f64(args.header_timeout),
+            body_timeout: Duration::from_secs_f64(args.body_timeout),
+            keep_alive_timeout: Duration::from_secs_f64(
+                args.keep_alive_timeout.unwrap_or(DEFAULT_KEEP_ALIVE),
+            ),
+            max_connections: args.max_connections,
+            special_tokens_in_content: args.allow_special_in_content,
         };
         let server = Server::start(options).map_err(|e| UsageError(e.to_string()))?;
         tracing::info!(
@@ -212,6 +304,7 @@ impl BackendTask for Task {
             max_step_tokens: args.max_step_tokens,
             prefix_cache: !args.no_prefix_cache,
             speculation: args.speculation.speculation()?,
+            max_group_rows: Some(kiln_server::rows_for_one_request(args.max_batch)),
             ..EngineConfig::default()
         };
         let spec = cache_spec(&args, shape.max_positions, per_token)?;
@@ -275,7 +368,7 @@ impl BackendTask for Task {
         } else {
             1
         };
-        server
+        let stopped = server
             .serve(ServedModel {
                 loaded: &loaded,
                 name,
@@ -290,7 +383,70 @@ impl BackendTask for Task {
             })
             .map_err(|e| UsageError(e.to_string()))?;
         tracing::info!("stopped");
+        if stopped == Stopped::Forced {
+            // 128 + SIGINT, as a shell reports a program Ctrl-C ended. The server has stopped
+            // and returned; `main`'s exit codes are 0, 1 and 2, so exit here.
+            std::process::exit(130);
+        }
         Ok(())
+    }
+}
+
+/// The open-files limit against `--max-connections`: each connection is a descriptor.
+mod open_files {
+    /// Descriptors the server needs besides its connections: standard streams, the listener,
+    /// the runtime's epoll and signal pipes, model files being read, the blocking pool's work.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    const RESERVED: u64 = 64;
+
+    /// `max_connections`, after raising the soft open-files limit towards the hard one to fit
+    /// it; lowered, with a warning, when even the hard limit cannot.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    pub fn fit(max_connections: usize) -> usize {
+        let need = max_connections as u64 + RESERVED;
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `getrlimit` writes into the struct it is given and reads nothing else.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+            return max_connections;
+        }
+        if limit.rlim_cur >= need {
+            return max_connections;
+        }
+        let soft = limit.rlim_cur;
+        let raised = libc::rlimit {
+            rlim_cur: need.min(limit.rlim_max),
+            rlim_max: limit.rlim_max,
+        };
+        // SAFETY: `setrlimit` reads the struct it is given; a soft limit up to the hard one
+        // needs no privilege.
+        if raised.rlim_cur > soft && unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            limit.rlim_cur = raised.rlim_cur;
+            tracing::info!(
+                "raised the open-files limit from {soft} to {} for --max-connections {max_connections}",
+                limit.rlim_cur
+            );
+        }
+        if limit.rlim_cur >= need {
+            return max_connections;
+        }
+        let fits = usize::try_from(limit.rlim_cur.saturating_sub(RESERVED))
+            .unwrap_or(usize::MAX)
+            .clamp(1, max_connections);
+        tracing::warn!(
+            "the open-files limit ({}, hard limit {}) leaves room for {fits} connections: serving at most {fits}, not --max-connections {max_connections} (raise it with `ulimit -n`)",
+            limit.rlim_cur,
+            limit.rlim_max
+        );
+        fits
+    }
+
+    /// Elsewhere the limit is not checked.
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    pub fn fit(max_connections: usize) -> usize {
+        max_connections
     }
 }
 

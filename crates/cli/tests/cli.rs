@@ -894,6 +894,51 @@ fn sizes_that_cannot_be_allocated_are_usage_errors() {
     }
 }
 
+/// The connection limits of `kiln serve` out of range are usage errors naming the flag, before
+/// anything loads: a zero or endless timeout, a keep-alive longer than the header timeout
+/// (whose clock runs while a connection is idle), no connections at all.
+#[test]
+fn connection_limits_out_of_range_are_usage_errors() {
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["serve", "--header-timeout", "0"],
+            "--header-timeout must be a number of seconds above 0 and at most 86400",
+        ),
+        (
+            &["serve", "--body-timeout", "inf"],
+            "--body-timeout must be a number of seconds above 0",
+        ),
+        (
+            &["serve", "--keep-alive-timeout=-1"],
+            "--keep-alive-timeout must be a number of seconds above 0",
+        ),
+        (
+            &[
+                "serve",
+                "--header-timeout",
+                "2",
+                "--keep-alive-timeout",
+                "3",
+            ],
+            "--keep-alive-timeout 3 is longer than --header-timeout 2",
+        ),
+        (
+            &["serve", "--max-connections", "0"],
+            "--max-connections must be from 1 to 1048576",
+        ),
+        (
+            &["serve", "--max-connections", "2000000"],
+            "--max-connections must be from 1 to 1048576",
+        ),
+    ];
+    for (args, expected) in cases {
+        let out = kiln(args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+}
+
 /// One rule for an empty API key, from the flag or the environment: a usage error naming the
 /// source (it would lock every client out, or leave a server meant to be private open).
 #[test]

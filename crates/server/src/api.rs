@@ -2,12 +2,21 @@
 //!
 //! Unknown fields are ignored (clients send many: `user`, `store`, `metadata`, ...), `null`
 //! means "not given", and every value out of range is a 400 naming its field.
+//!
+//! Parsing takes memory in proportion to the body: unknown fields are skipped without being
+//! kept (no `#[serde(flatten)]`, which buffers every field it does not know; the common fields
+//! are a second pass over the same bytes), the fields that take several forms are read by
+//! visitors of their own (serde's untagged enums buffer the value first), lists stop at their
+//! limit, and free-form JSON (a schema, template variables) is kept as text up to
+//! [`MAX_JSON_FIELD_BYTES`] before it is parsed.
 
 use kiln_core::TokenId;
 use kiln_core::sampling::{SamplingError, SamplingParams};
 use kiln_engine::{BeamSearch, EarlyStopping, MAX_BEAMS, MAX_TOP_LOGPROBS, OutputConstraint};
 use serde::Deserialize;
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 use crate::error::ApiError;
 
@@ -15,6 +24,11 @@ use crate::error::ApiError;
 pub const MAX_CHOICES: usize = 16;
 /// Most stop strings one request may give.
 pub const MAX_STOP_STRINGS: usize = 16;
+/// Most bytes of stop strings one request may give, all together.
+pub const MAX_STOP_BYTES: usize = 4096;
+/// Largest free-form JSON field (`response_format`, `chat_template_kwargs`), in bytes of its
+/// text.
+pub const MAX_JSON_FIELD_BYTES: usize = 1 << 20;
 /// Most alternatives `/v1/completions`' integer `logprobs` may ask for (OpenAI's limit).
 pub const MAX_COMPLETION_LOGPROBS: usize = 5;
 
@@ -55,8 +69,9 @@ pub struct CommonFields {
     /// Generate past end-of-sequence tokens.
     pub ignore_eos: Option<bool>,
     /// `{"type": "text"}`, `{"type": "json_object"}` or
-    /// `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`.
-    pub response_format: Option<Value>,
+    /// `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`, as text
+    /// ([`json_field`] parses it).
+    pub response_format: Option<Box<RawValue>>,
     /// Structured output (a kiln extension, vLLM's older name accepted): the output matches
     /// this regular expression.
     #[serde(alias = "guided_regex")]
@@ -68,8 +83,7 @@ pub struct CommonFields {
 }
 
 /// `stop`: one string or several.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug)]
 pub enum Stop {
     /// One.
     One(String),
@@ -96,10 +110,10 @@ pub struct ChatRequest {
     /// And this many alternatives with it (0-20).
     pub top_logprobs: Option<u64>,
     /// More variables for the chat template (vLLM's field): `{"enable_thinking": false}`
-    /// turns Qwen3's thinking off.
-    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
-    /// The rest.
-    #[serde(flatten)]
+    /// turns Qwen3's thinking off. As text; [`ChatRequest::template_variables`] parses it.
+    pub chat_template_kwargs: Option<Box<RawValue>>,
+    /// The fields both endpoints share (read from the same body by [`RequestBody::parse`]).
+    #[serde(skip)]
     pub common: CommonFields,
 }
 
@@ -114,8 +128,7 @@ pub struct Message {
 }
 
 /// A message's content.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug)]
 pub enum Content {
     /// Plain text.
     Text(String),
@@ -155,8 +168,8 @@ pub struct CompletionRequest {
     pub length_penalty: Option<f32>,
     /// Beam search: `false` (default), `true` or `"never"`, as transformers.
     pub early_stopping: Option<EarlyStoppingField>,
-    /// The rest.
-    #[serde(flatten)]
+    /// The fields both endpoints share (read from the same body by [`RequestBody::parse`]).
+    #[serde(skip)]
     pub common: CommonFields,
 }
 
@@ -171,8 +184,7 @@ pub enum EarlyStoppingField {
 }
 
 /// A completions prompt: text or token ids, one or several.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug)]
 pub enum Prompt {
     /// One text.
     Text(String),
@@ -309,6 +321,13 @@ impl CommonFields {
                 "stop strings must not be empty",
             ));
         }
+        let stop_bytes: usize = stop.iter().map(String::len).sum();
+        if stop_bytes > MAX_STOP_BYTES {
+            return Err(ApiError::invalid_field(
+                "stop",
+                format!("the stop strings are {stop_bytes} bytes in all; at most {MAX_STOP_BYTES}"),
+            ));
+        }
         let n = match self.n {
             None => 1,
             Some(n) if (1..=MAX_CHOICES as u64).contains(&n) => n as usize,
@@ -343,7 +362,10 @@ impl CommonFields {
     fn constraint(&self) -> Result<Option<(&'static str, OutputConstraint)>, ApiError> {
         let format = match &self.response_format {
             None => None,
-            Some(value) => response_format(value)?.map(|c| ("response_format", c)),
+            Some(raw) => {
+                let value = json_field("response_format", raw)?;
+                response_format(&value)?.map(|c| ("response_format", c))
+            }
         };
         let given = [
             format,
@@ -401,7 +423,45 @@ fn response_format(value: &Value) -> Result<Option<OutputConstraint>, ApiError> 
     }
 }
 
+/// A free-form JSON field's value, parsed from its text once it is known not to be huge.
+///
+/// # Errors
+/// A 400 naming `field` when its text is over [`MAX_JSON_FIELD_BYTES`].
+pub fn json_field(field: &str, raw: &RawValue) -> Result<Value, ApiError> {
+    let text = raw.get();
+    if text.len() > MAX_JSON_FIELD_BYTES {
+        return Err(ApiError::invalid_field(
+            field,
+            format!(
+                "{field} is {} bytes of JSON; at most {MAX_JSON_FIELD_BYTES}",
+                text.len()
+            ),
+        ));
+    }
+    serde_json::from_str(text).map_err(|e| ApiError::invalid_field(field, format!("{field}: {e}")))
+}
+
 impl ChatRequest {
+    /// `chat_template_kwargs`: an object of variables for the template (empty when not
+    /// given).
+    ///
+    /// # Errors
+    /// A 400 when it is not an object, or too large.
+    pub fn template_variables(&self) -> Result<serde_json::Map<String, Value>, ApiError> {
+        const FIELD: &str = "chat_template_kwargs";
+        match &self.chat_template_kwargs {
+            None => Ok(serde_json::Map::new()),
+            Some(raw) => match json_field(FIELD, raw)? {
+                Value::Object(map) => Ok(map),
+                Value::Null => Ok(serde_json::Map::new()),
+                other => Err(ApiError::invalid_field(
+                    FIELD,
+                    format!("{FIELD} must be an object of template variables, not {other}"),
+                )),
+            },
+        }
+    }
+
     /// The validated generation settings.
     ///
     /// # Errors
@@ -575,6 +635,20 @@ impl Prompt {
     }
 }
 
+impl Message {
+    /// Bytes of its text (the text parts' together), before any template.
+    pub fn text_bytes(&self) -> usize {
+        match &self.content {
+            None => 0,
+            Some(Content::Text(t)) => t.len(),
+            Some(Content::Parts(parts)) => parts
+                .iter()
+                .map(|p| p.text.as_ref().map_or(0, String::len))
+                .sum(),
+        }
+    }
+}
+
 impl Content {
     /// The text: the string, or the text parts joined.
     ///
@@ -616,40 +690,353 @@ pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
         if inner.is_syntax() || inner.is_eof() {
             ApiError::invalid(format!("the body is not valid JSON: {inner}"))
         } else if path == "." {
-            match field_at_fault::<T>(body) {
-                Some((field, why)) => ApiError::invalid_field(&field, format!("{field}: {why}")),
-                None => ApiError::invalid(format!("unexpected request body: {inner}")),
-            }
+            ApiError::invalid(format!("unexpected request body: {inner}"))
         } else {
             ApiError::invalid_field(&path, format!("{path}: {inner}"))
         }
     })
 }
 
-/// The first top-level field of a JSON object body that `T` refuses on its own, with serde's
-/// reason. `#[serde(flatten)]` (the common fields) hides the path from `serde_path_to_error`;
-/// every field is optional, so an object holding only the bad one fails and any other passes.
-fn field_at_fault<T: serde::de::DeserializeOwned>(body: &[u8]) -> Option<(String, String)> {
-    let serde_json::Value::Object(fields) = serde_json::from_slice(body).ok()? else {
-        return None;
-    };
-    fields.into_iter().find_map(|(key, value)| {
-        let alone = serde_json::Value::Object([(key.clone(), value)].into_iter().collect());
-        serde_json::from_value::<T>(alone)
-            .err()
-            .map(|e| (key, e.to_string()))
-    })
+/// A request body the handlers read: parsed from the body's bytes.
+pub trait RequestBody: Sized {
+    /// The request in `body`.
+    ///
+    /// # Errors
+    /// A 400 naming the field at fault.
+    fn parse(body: &[u8]) -> Result<Self, ApiError>;
+}
+
+impl RequestBody for ChatRequest {
+    fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        let mut request: Self = parse(body)?;
+        request.common = parse(body)?;
+        Ok(request)
+    }
+}
+
+impl RequestBody for CompletionRequest {
+    fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        let mut request: Self = parse(body)?;
+        request.common = parse(body)?;
+        Ok(request)
+    }
+}
+
+impl RequestBody for TokenizeRequest {
+    fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        parse(body)
+    }
+}
+
+impl RequestBody for DetokenizeRequest {
+    fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        parse(body)
+    }
+}
+
+impl<'de> Deserialize<'de> for Stop {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct StopVisitor;
+        impl<'de> Visitor<'de> for StopVisitor {
+            type Value = Stop;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                write!(
+                    f,
+                    "a string or a list of at most {MAX_STOP_STRINGS} strings"
+                )
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Stop, E> {
+                Ok(Stop::One(v.to_string()))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Stop, A::Error> {
+                bounded_list(seq, MAX_STOP_STRINGS, "stop strings").map(Stop::Many)
+            }
+        }
+        deserializer.deserialize_any(StopVisitor)
+    }
+}
+
+impl<'de> Deserialize<'de> for Content {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ContentVisitor;
+        impl<'de> Visitor<'de> for ContentVisitor {
+            type Value = Content;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string or a list of content parts")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Content, E> {
+                Ok(Content::Text(v.to_string()))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Content, E> {
+                Ok(Content::Text(v))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Content, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(part) = seq.next_element()? {
+                    parts.push(part);
+                }
+                Ok(Content::Parts(parts))
+            }
+        }
+        deserializer.deserialize_any(ContentVisitor)
+    }
+}
+
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(PromptVisitor)
+    }
+}
+
+/// Reads `prompt` in one pass: a string, a list of ids, a list of strings, or a list of id
+/// lists; at most [`MAX_CHOICES`] prompts.
+struct PromptVisitor;
+
+/// One entry of a `prompt` list.
+enum PromptItem {
+    Text(String),
+    Token(u32),
+    Tokens(Vec<u32>),
+}
+
+impl<'de> Deserialize<'de> for PromptItem {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ItemVisitor;
+        impl<'de> Visitor<'de> for ItemVisitor {
+            type Value = PromptItem;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string, a token id, or a list of token ids")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<PromptItem, E> {
+                Ok(PromptItem::Text(v.to_string()))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<PromptItem, E> {
+                u32::try_from(v)
+                    .map(PromptItem::Token)
+                    .map_err(|_| E::custom(format!("token id {v} is out of range")))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<PromptItem, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::custom(format!("token id {v} is negative")))
+                    .and_then(|v| self.visit_u64(v))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptItem, A::Error> {
+                let mut ids = Vec::new();
+                while let Some(id) = seq.next_element::<u32>()? {
+                    ids.push(id);
+                }
+                Ok(PromptItem::Tokens(ids))
+            }
+        }
+        deserializer.deserialize_any(ItemVisitor)
+    }
+}
+
+impl<'de> Visitor<'de> for PromptVisitor {
+    type Value = Prompt;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string, a list of token ids, a list of strings or a list of id lists")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Prompt, E> {
+        Ok(Prompt::Text(v.to_string()))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Prompt, E> {
+        Ok(Prompt::Text(v))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+        let mixed = || de::Error::custom("a prompt list mixes strings, ids and id lists");
+        let too_many =
+            || de::Error::custom(format!("more than {MAX_CHOICES} prompts in one request"));
+        let Some(first) = seq.next_element::<PromptItem>()? else {
+            return Ok(Prompt::Tokens(Vec::new()));
+        };
+        match first {
+            PromptItem::Token(id) => {
+                let mut ids = vec![id];
+                while let Some(id) = seq.next_element::<u32>()? {
+                    ids.push(id);
+                }
+                Ok(Prompt::Tokens(ids))
+            }
+            PromptItem::Text(text) => {
+                let mut texts = vec![text];
+                while let Some(item) = seq.next_element::<PromptItem>()? {
+                    let PromptItem::Text(text) = item else {
+                        return Err(mixed());
+                    };
+                    if texts.len() == MAX_CHOICES {
+                        return Err(too_many());
+                    }
+                    texts.push(text);
+                }
+                Ok(Prompt::Texts(texts))
+            }
+            PromptItem::Tokens(ids) => {
+                let mut lists = vec![ids];
+                while let Some(item) = seq.next_element::<PromptItem>()? {
+                    let PromptItem::Tokens(ids) = item else {
+                        return Err(mixed());
+                    };
+                    if lists.len() == MAX_CHOICES {
+                        return Err(too_many());
+                    }
+                    lists.push(ids);
+                }
+                Ok(Prompt::TokenLists(lists))
+            }
+        }
+    }
+}
+
+/// The strings of a JSON list, refusing it past `most` entries (before reading more).
+fn bounded_list<'de, A: SeqAccess<'de>>(
+    mut seq: A,
+    most: usize,
+    what: &str,
+) -> Result<Vec<String>, A::Error> {
+    let mut items = Vec::new();
+    while let Some(item) = seq.next_element::<String>()? {
+        if items.len() == most {
+            return Err(de::Error::custom(format!("more than {most} {what}")));
+        }
+        items.push(item);
+    }
+    Ok(items)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::cell::Cell;
+
+    /// The system allocator, counting each thread's live bytes and their peak, so a test can
+    /// measure what parsing a body allocates.
+    struct PerThreadPeak;
+
+    thread_local! {
+        static LIVE: Cell<usize> = const { Cell::new(0) };
+        static PEAK: Cell<usize> = const { Cell::new(0) };
+    }
+
+    // SAFETY: every call goes to `System` with the caller's layout; the counters only read
+    // and write thread-local cells, which allocate nothing.
+    unsafe impl GlobalAlloc for PerThreadPeak {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            let _ = LIVE.try_with(|live| {
+                live.set(live.get() + layout.size());
+                let _ = PEAK.try_with(|peak| peak.set(peak.get().max(live.get())));
+            });
+            // SAFETY: the caller's layout, as `GlobalAlloc::alloc` requires.
+            unsafe { System.alloc(layout) }
+        }
+
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            let _ = LIVE.try_with(|live| live.set(live.get().saturating_sub(layout.size())));
+            // SAFETY: `ptr` came from `alloc` above with this layout.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+    }
+
+    #[global_allocator]
+    static ALLOCATOR: PerThreadPeak = PerThreadPeak;
+
+    /// Bytes `work` allocates at its peak on this thread, beyond what was live before.
+    fn peak_of<T>(work: impl FnOnce() -> T) -> (T, usize) {
+        let before = LIVE.with(Cell::get);
+        PEAK.with(|p| p.set(before));
+        let out = work();
+        (out, PEAK.with(Cell::get) - before)
+    }
+
+    /// The audit's case: a 7 MiB array in a field the server does not know cost 168 MiB
+    /// (serde's `flatten` kept it). Now no request body costs more than four times its size
+    /// to parse, whatever its fields hold (the worst: a list of one-digit token ids, two
+    /// bytes of JSON for four of `u32`, in a vector that grows by doubling).
+    #[test]
+    fn parsing_takes_memory_in_proportion_to_the_body() {
+        let many = |item: &str| vec![item; 3 << 20].join(",");
+        let m = r#""messages": [{"role": "user", "content": "hi"}]"#;
+        let bodies = [
+            format!(r#"{{{m}, "unknown": [{}]}}"#, many("1")),
+            format!(r#"{{{m}, "metadata": {{"a": [{}]}}}}"#, many("[]")),
+            format!(r#"{{"prompt": [{}]}}"#, many("7")),
+            format!(r#"{{{m}, "response_format": [{}]}}"#, many("1")),
+            format!(r#"{{{m}, "stop": [{}]}}"#, many(r#""a""#)),
+        ];
+        for (i, body) in bodies.iter().enumerate() {
+            let (parsed, peak) = peak_of(|| {
+                if i == 2 {
+                    CompletionRequest::parse(body.as_bytes()).map(|_| ())
+                } else {
+                    ChatRequest::parse(body.as_bytes()).and_then(|r| r.generation().map(|_| ()))
+                }
+            });
+            assert!(
+                peak <= 4 * body.len(),
+                "body {i}: {peak} bytes to parse {} ({parsed:?})",
+                body.len()
+            );
+        }
+    }
+
+    #[test]
+    fn lists_and_free_form_fields_have_limits() {
+        let m = r#""messages": [{"role": "user", "content": "hi"}]"#;
+        let chat = |body: String| {
+            ChatRequest::parse(body.as_bytes()).and_then(|r| {
+                r.template_variables()?;
+                r.generation()
+            })
+        };
+        let param = |r: Result<Generation, ApiError>| r.err().and_then(|e| e.param);
+        let stops = vec![r#""x""#; 17].join(",");
+        assert_eq!(
+            param(chat(format!(r#"{{{m}, "stop": [{stops}]}}"#))).as_deref(),
+            Some("stop")
+        );
+        let long = "y".repeat(MAX_STOP_BYTES + 1);
+        let err = chat(format!(r#"{{{m}, "stop": "{long}"}}"#)).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("stop"));
+        assert!(err.message.contains("4097 bytes"), "{}", err.message);
+        let schema = format!(
+            r#"{{"type": "json_object", "pad": "{}"}}"#,
+            "z".repeat(MAX_JSON_FIELD_BYTES)
+        );
+        assert_eq!(
+            param(chat(format!(r#"{{{m}, "response_format": {schema}}}"#))).as_deref(),
+            Some("response_format")
+        );
+        assert_eq!(
+            param(chat(format!(r#"{{{m}, "chat_template_kwargs": [1]}}"#))).as_deref(),
+            Some("chat_template_kwargs")
+        );
+        assert!(
+            chat(format!(
+                r#"{{{m}, "chat_template_kwargs": {{"enable_thinking": false}}}}"#
+            ))
+            .is_ok()
+        );
+        let prompts = vec![r#""p""#; 17].join(",");
+        let err = CompletionRequest::parse(format!(r#"{{"prompt": [{prompts}]}}"#).as_bytes())
+            .unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("prompt"));
+        let err = CompletionRequest::parse(br#"{"prompt": ["a", 1]}"#).unwrap_err();
+        assert!(err.message.contains("mixes"), "{}", err.message);
+        let err = CompletionRequest::parse(br#"{"prompt": [-1]}"#).unwrap_err();
+        assert!(err.message.contains("negative"), "{}", err.message);
+    }
+
     #[test]
     fn clients_nulls_and_unknown_fields_are_accepted() {
         let body = br#"{"model": "x", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
             "stop": null, "logprobs": null, "user": "me", "store": false, "max_tokens": null}"#;
-        let request: ChatRequest = parse(body).expect("parses");
+        let request: ChatRequest = RequestBody::parse(body).expect("parses");
         let generation = request.generation().expect("valid");
         assert_eq!(generation.n, 1);
         assert!(generation.stop.is_empty());
@@ -661,7 +1048,7 @@ mod tests {
     #[test]
     fn out_of_range_values_name_their_field() {
         let field = |body: &str| -> Option<String> {
-            let request: ChatRequest = match parse(body.as_bytes()) {
+            let request: ChatRequest = match RequestBody::parse(body.as_bytes()) {
                 Ok(r) => r,
                 Err(e) => return e.param,
             };
@@ -706,7 +1093,7 @@ mod tests {
                 r#"{{{m}, "stream_options": {{"include_usage": 1}}}}"#
             ))
             .as_deref(),
-            Some("stream_options")
+            Some("stream_options.include_usage")
         );
         assert_eq!(field(r#"{"messages": "hi"}"#).as_deref(), Some("messages"));
         assert_eq!(field(&format!(r#"{{{m}, "temperature": 0.5}}"#)), None);
@@ -714,7 +1101,7 @@ mod tests {
 
     #[test]
     fn malformed_json_is_a_400() {
-        let err = parse::<ChatRequest>(b"{\"messages\": [").expect_err("truncated");
+        let err = <ChatRequest as RequestBody>::parse(b"{\"messages\": [").expect_err("truncated");
         assert_eq!(err.status, axum::http::StatusCode::BAD_REQUEST);
         assert!(err.message.contains("not valid JSON"), "{}", err.message);
     }
@@ -727,11 +1114,11 @@ mod tests {
             (r#"{"prompt": [1, 2, 3]}"#, 1),
             (r#"{"prompt": [[1, 2], [3]]}"#, 2),
         ] {
-            let request: CompletionRequest = parse(body.as_bytes()).expect(body);
+            let request: CompletionRequest = RequestBody::parse(body.as_bytes()).expect(body);
             let inputs = request.prompt.as_ref().map(|p| p.inputs().map(|v| v.len()));
             assert_eq!(inputs, Some(Ok(n)), "{body}");
         }
-        let request: CompletionRequest = parse(br#"{"prompt": []}"#).expect("parses");
+        let request: CompletionRequest = RequestBody::parse(br#"{"prompt": []}"#).expect("parses");
         assert!(request.prompt.as_ref().is_some_and(|p| p.inputs().is_err()));
     }
 }

@@ -92,7 +92,7 @@ impl ApiError {
             ..Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!(
-                    "the server is busy: {max_queue} requests are waiting already (--max-queue); retry later"
+                    "the server is busy: its queue of {max_queue} sequences (--max-queue) is full; retry later"
                 ),
             )
         }
@@ -109,6 +109,42 @@ impl ApiError {
         }
     }
 
+    /// 503: the server stopped before the request finished (the grace period ran out).
+    pub fn cut_off() -> Self {
+        Self {
+            code: Some("shutting_down"),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server shut down before this request finished",
+            )
+        }
+    }
+
+    /// 415: a POST body not declared as JSON.
+    pub fn not_json(content_type: Option<&str>) -> Self {
+        let given = content_type.map_or_else(|| "none".to_string(), |t| format!("{t:?}"));
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!(
+                "the body must be sent as Content-Type: application/json (given: {given}); \
+                 with curl, add -H 'Content-Type: application/json'"
+            ),
+        )
+    }
+
+    /// 403: a request addressed to a name other than this machine's own, to a server that
+    /// listens on loopback without a key (what DNS rebinding sends).
+    pub fn foreign_host(host: &str, bound: &str) -> Self {
+        Self::new(
+            StatusCode::FORBIDDEN,
+            format!(
+                "Host {host:?} is not a loopback name: a server listening on {bound} without \
+                 --api-key answers only localhost, 127.0.0.1 and [::1] (so that web pages \
+                 cannot reach it by DNS rebinding); listen on another address or set --api-key"
+            ),
+        )
+    }
+
     /// 500: kiln failed.
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, message)
@@ -118,6 +154,7 @@ impl ApiError {
     fn kind(&self) -> &'static str {
         match self.status {
             StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::FORBIDDEN => "permission_error",
             StatusCode::NOT_FOUND => "not_found_error",
             s if s.is_server_error() => "server_error",
             _ => "invalid_request_error",

@@ -10,24 +10,31 @@
 //! - [`Server::start`] binds and answers at once (`/health` is 503 while the model loads);
 //! - [`Server::serve`] takes the loaded model and runs the engine until SIGINT or SIGTERM,
 //!   then stops accepting, lets running requests finish within the grace period, cancels the
-//!   rest, and returns.
+//!   rest, and returns; a second signal cancels everything at once.
+//!
+//! Connections are accepted and served by `listener.rs` (hyper's HTTP/1 with deadlines for
+//! request heads, an idle timeout and a cap on open connections), and request bodies read by
+//! `body.rs` (a size limit and a deadline).
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 //! `GET /health`, `GET /metrics` (Prometheus), `POST /tokenize`, `POST /detokenize`.
 //! `docs/serve.md` describes each, with transcripts.
 
 mod api;
+mod body;
 mod codec;
 mod error;
+mod listener;
 mod metrics;
 mod routes;
 mod worker;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kiln_core::InferenceBackend;
 use kiln_core::kv_cache::KvCache;
@@ -37,7 +44,10 @@ use kiln_models::LoadedModel;
 pub use codec::Codec;
 pub use error::ApiError;
 pub use metrics::Metrics;
+pub use worker::rows_for_one_request;
 
+use crate::body::BodyLimits;
+use crate::listener::{ConnectionLimits, Phase};
 use crate::routes::{AppState, Ready};
 use crate::worker::Command;
 
@@ -52,12 +62,47 @@ pub struct ServerOptions {
     pub api_key: Option<String>,
     /// Answer CORS preflights and allow any origin.
     pub cors: bool,
-    /// Most requests (choices) waiting beyond the running batch; more are refused with 503.
+    /// Most sequences (choices, beams) waiting beyond the running batch; more are refused
+    /// with 503.
     pub max_queue: usize,
     /// Largest request body; larger ones get 413.
     pub max_body_bytes: usize,
     /// How long running requests may go on after SIGINT / SIGTERM before they are cancelled.
+    /// It counts from the signal, once: the engine's requests and the connections share it.
     pub shutdown_grace: Duration,
+    /// How long a client may take to send a request's head (request line and headers), from
+    /// when its connection opens or its previous response ends; then the connection closes.
+    pub header_timeout: Duration,
+    /// How long a client may take to send a request's whole body, from when the handler asks
+    /// for it; then it gets 408 and the connection closes.
+    pub body_timeout: Duration,
+    /// How long a connection with no request in progress stays open waiting for the next one
+    /// (in effect at most `header_timeout`, whose clock runs meanwhile).
+    pub keep_alive_timeout: Duration,
+    /// Most connections open at once (at least 1): at the limit the server stops accepting
+    /// until one closes.
+    pub max_connections: usize,
+    /// Tokenize special-token text in chat messages as the control tokens it spells (the
+    /// default, `false`, reads it as plain text, so a user cannot close their turn).
+    pub special_tokens_in_content: bool,
+}
+
+impl ServerOptions {
+    /// What a request body may be.
+    pub(crate) fn body_limits(&self) -> BodyLimits {
+        BodyLimits {
+            max_bytes: self.max_body_bytes,
+            timeout: self.body_timeout,
+        }
+    }
+
+    fn connection_limits(&self) -> ConnectionLimits {
+        ConnectionLimits {
+            header_timeout: self.header_timeout,
+            keep_alive_timeout: self.keep_alive_timeout,
+            max_connections: self.max_connections.max(1),
+        }
+    }
 }
 
 impl Default for ServerOptions {
@@ -70,8 +115,24 @@ impl Default for ServerOptions {
             max_queue: 256,
             max_body_bytes: 8 << 20,
             shutdown_grace: Duration::from_secs(10),
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(60),
+            keep_alive_timeout: Duration::from_secs(5),
+            max_connections: 1024,
+            special_tokens_in_content: false,
         }
     }
+}
+
+/// How [`Server::serve`] stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Stopped {
+    /// After one SIGINT or SIGTERM: running requests had the grace period to finish.
+    Gracefully,
+    /// A second signal came during the grace period: everything still running was cancelled
+    /// at once. (A command-line program conventionally exits 130 then, as after Ctrl-C.)
+    Forced,
 }
 
 /// What can stop the server from starting or running.
@@ -128,9 +189,24 @@ pub struct Server {
     runtime: tokio::runtime::Runtime,
     state: Arc<AppState>,
     commands: Receiver<Command>,
-    serving: tokio::task::JoinHandle<std::io::Result<()>>,
+    serving: tokio::task::JoinHandle<()>,
+    stop: Arc<Stop>,
     local_addr: SocketAddr,
 }
+
+/// The stop, shared by the signal task, the listener and [`Server::serve`].
+struct Stop {
+    /// What the listener and its connections are to do.
+    phase: tokio::sync::watch::Sender<Phase>,
+    /// When the first signal came: the one grace period counts from here.
+    since: OnceLock<Instant>,
+    /// A second signal came.
+    forced: AtomicBool,
+}
+
+/// After the grace period the engine cuts off what still runs; its clients' error answers
+/// are written within this much more before the connections are dropped.
+const FLUSH: Duration = Duration::from_millis(500);
 
 impl Server {
     /// Binds the address and starts answering: `/health` says 503 and the API endpoints 503
@@ -163,19 +239,22 @@ impl Server {
             Arc::new(Metrics::default()),
             Arc::new(AtomicUsize::new(0)),
         ));
-        let stop = Arc::new(tokio::sync::Notify::new());
+        let (phase, watching) = tokio::sync::watch::channel(Phase::Serving);
+        let stop = Arc::new(Stop {
+            phase,
+            since: OnceLock::new(),
+            forced: AtomicBool::new(false),
+        });
         runtime.spawn(on_signal(state.clone(), tx, stop.clone()));
         let app = routes::router(state.clone());
-        let serving = runtime.spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move { stop.notified().await })
-                .await
-        });
+        let limits = state.options.connection_limits();
+        let serving = runtime.spawn(listener::serve(listener, app, limits, watching));
         Ok(Self {
             runtime,
             state,
             commands,
             serving,
+            stop,
             local_addr,
         })
     }
@@ -191,13 +270,18 @@ impl Server {
     }
 
     /// Serves `model` on this thread until SIGINT or SIGTERM, then stops gracefully: no new
-    /// requests, running ones finish within the grace period and the rest are cancelled
-    /// (their clients get an error), open connections close.
+    /// connections or requests, running ones finish within the grace period (counted from the
+    /// signal) and the rest are cancelled (their clients get an error), open connections
+    /// close. A second signal during the grace period cancels everything at once
+    /// ([`Stopped::Forced`]).
     ///
     /// # Errors
     /// A model without a tokenizer, a chat template that does not compile, or an engine
     /// configuration out of range.
-    pub fn serve<B: InferenceBackend>(self, model: ServedModel<'_, B>) -> Result<(), ServerError> {
+    pub fn serve<B: InferenceBackend>(
+        self,
+        model: ServedModel<'_, B>,
+    ) -> Result<Stopped, ServerError> {
         let loaded = model.loaded;
         let tokenizer = loaded.tokenizer.clone().ok_or_else(|| {
             ServerError::Model(format!(
@@ -211,7 +295,8 @@ impl Server {
             loaded.generation.bos,
             loaded.generation.eos.first().copied(),
         )
-        .map_err(|e| ServerError::Model(e.to_string()))?;
+        .map_err(|e| ServerError::Model(e.to_string()))?
+        .with_special_tokens_in_content(self.state.options.special_tokens_in_content);
         let shape = kiln_core::CausalLm::shape(&loaded.model);
         // The token trie structured output needs, made once (tens of milliseconds).
         let grammars = loaded.generation.eos.first().and_then(|&eos| {
@@ -259,46 +344,116 @@ impl Server {
             runtime,
             state,
             commands,
-            serving,
+            mut serving,
+            stop,
             ..
         } = self;
         state.shutting_down.store(true, Ordering::SeqCst);
         drop(commands);
-        let grace = state.options.shutdown_grace;
-        runtime.block_on(async move {
-            let _ = tokio::time::timeout(grace, serving).await;
+        // The engine thread stops after a signal (it may also stop because every sender is
+        // gone, with no signal: then the grace counts from now).
+        let since = *stop.since.get_or_init(Instant::now);
+        stop.phase.send_if_modified(|phase| {
+            let serving = *phase == Phase::Serving;
+            if serving {
+                *phase = Phase::Draining;
+            }
+            serving
+        });
+        // One grace period from the signal for the connections too (the engine's ran out at the
+        // same time): then what is still open is dropped, slow uploads and stalled clients
+        // included. `FLUSH` lets the answers of requests cut off just now go out.
+        let deadline = later(since, state.options.shutdown_grace).max(Instant::now() + FLUSH);
+        runtime.block_on(async {
+            let deadline = tokio::time::Instant::from_std(deadline);
+            if tokio::time::timeout_at(deadline, &mut serving).await.is_err() {
+                tracing::info!(target: "kiln::serve", "grace period over: closing the connections still open");
+                stop.phase.send_replace(Phase::Aborting);
+                let _ = serving.await;
+            }
         });
         runtime.shutdown_timeout(Duration::from_secs(1));
-        Ok(())
+        Ok(if stop.forced.load(Ordering::SeqCst) {
+            Stopped::Forced
+        } else {
+            Stopped::Gracefully
+        })
     }
 }
 
-/// Waits for SIGINT or SIGTERM, then stops taking requests and tells the engine thread.
-async fn on_signal(
-    state: Arc<AppState>,
-    commands: Sender<Command>,
-    stop: Arc<tokio::sync::Notify>,
-) {
-    let interrupt = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let terminate = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut s) => {
-                    s.recv().await;
-                }
-                Err(_) => std::future::pending::<()>().await,
-            }
-        };
-        tokio::select! {
-            _ = interrupt => {}
-            () = terminate => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = interrupt.await;
-    tracing::info!(target: "kiln::serve", "shutting down: no new requests; running ones may finish");
+/// `at + span`, or a day after `at` when that overflows the clock (a grace of
+/// `Duration::MAX` from a library caller).
+fn later(at: Instant, span: Duration) -> Instant {
+    at.checked_add(span)
+        .or_else(|| at.checked_add(Duration::from_secs(86_400)))
+        .unwrap_or(at)
+}
+
+/// Waits for SIGINT or SIGTERM, then stops taking requests and connections and tells the
+/// engine thread; a second signal drops every connection, which cancels what still runs (the
+/// engine thread sees its clients gone before its next step), so [`Server::serve`] returns at
+/// once.
+async fn on_signal(state: Arc<AppState>, commands: Sender<Command>, stop: Arc<Stop>) {
+    let mut signals = Signals::new();
+    signals.next().await;
+    let _ = stop.since.set(Instant::now());
+    tracing::info!(
+        target: "kiln::serve",
+        "shutting down: no new requests; running ones may finish within {} s (--shutdown-grace); a second SIGINT or SIGTERM stops at once",
+        state.options.shutdown_grace.as_secs_f64()
+    );
     state.shutting_down.store(true, Ordering::SeqCst);
     let _ = commands.send(Command::Shutdown);
-    stop.notify_one();
+    stop.phase.send_replace(Phase::Draining);
+    signals.next().await;
+    tracing::warn!(target: "kiln::serve", "second signal: stopping now, cancelling the requests still running");
+    stop.forced.store(true, Ordering::SeqCst);
+    stop.phase.send_replace(Phase::Aborting);
+}
+
+/// SIGINT and SIGTERM, as many times as they come.
+struct Signals {
+    #[cfg(unix)]
+    interrupt: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    terminate: Option<tokio::signal::unix::Signal>,
+}
+
+impl Signals {
+    fn new() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Self {
+                interrupt: signal(SignalKind::interrupt()).ok(),
+                terminate: signal(SignalKind::terminate()).ok(),
+            }
+        }
+        #[cfg(not(unix))]
+        Self {}
+    }
+
+    /// The next signal (never, if none could be listened for).
+    async fn next(&mut self) {
+        #[cfg(unix)]
+        {
+            async fn recv(signal: &mut Option<tokio::signal::unix::Signal>) {
+                // `recv` gives `None` when the stream can deliver no more: wait forever then.
+                if let Some(s) = signal
+                    && s.recv().await.is_some()
+                {
+                    return;
+                }
+                std::future::pending().await
+            }
+            tokio::select! {
+                () = recv(&mut self.interrupt) => {}
+                () = recv(&mut self.terminate) => {}
+            }
+        }
+        #[cfg(not(unix))]
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
 }

@@ -42,6 +42,9 @@ pub(crate) struct AppState {
     pub shutting_down: AtomicBool,
     next_id: AtomicU64,
     id_prefix: u64,
+    /// Bytes of the tokenizer's longest token text, found at the first request: a text of
+    /// more than `tokens × longest` bytes cannot be `tokens` tokens.
+    longest_token: OnceLock<usize>,
 }
 
 /// The loaded model, as the handlers need it.
@@ -81,7 +84,45 @@ impl AppState {
             shutting_down: AtomicBool::new(false),
             next_id: AtomicU64::new(0),
             id_prefix: unix_time_nanos(),
+            longest_token: OnceLock::new(),
         }
+    }
+
+    /// Bytes of the longest token's text (at least 1).
+    fn longest_token(&self, ready: &Ready) -> usize {
+        *self.longest_token.get_or_init(|| {
+            (0..ready.shape.vocab)
+                .map(|id| ready.codec.token_text(TokenId(id as u32)).len())
+                .max()
+                .unwrap_or(1)
+                .max(1)
+        })
+    }
+
+    /// Refuses a text of `bytes` before tokenizing it when it cannot fit in `tokens`
+    /// tokens: every token stands for at most [`Self::longest_token`] bytes (twice that
+    /// allowed, for normalizers that shorten text).
+    fn check_text_fits(
+        &self,
+        ready: &Ready,
+        bytes: usize,
+        tokens: usize,
+        param: &str,
+        what: &str,
+    ) -> Result<(), ApiError> {
+        let longest = self.longest_token(ready);
+        let most = tokens.saturating_mul(longest).saturating_mul(2);
+        if bytes > most {
+            return Err(ApiError::invalid_field(
+                param,
+                format!(
+                    "{param} is {bytes} bytes of text; {what} holds {tokens} tokens, and no \
+                     token of this tokenizer stands for more than {longest} bytes, so at most \
+                     {most} bytes can fit"
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn ready(&self) -> Result<&Ready, ApiError> {
@@ -108,6 +149,16 @@ fn unix_time() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// Runs CPU work (parsing, templating, tokenizing, building a large body) on tokio's blocking
+/// pool, so the two async threads stay free to accept, read and stream for other clients.
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::internal(format!("a worker thread failed: {e}")))?
+}
+
 /// Every route, with the API key on every route that computes (`/v1/*`, `/tokenize`,
 /// `/detokenize`), CORS when asked, and OpenAI-shaped 404 and 405.
 pub(crate) fn router(state: Arc<AppState>) -> Router {
@@ -126,6 +177,10 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .merge(open)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            guard_browsers,
+        ))
         .with_state(state);
     if cors {
         // Mirror the origin and the requested headers: the official JS SDK sends
@@ -152,6 +207,74 @@ async fn not_found(request: Request) -> ApiError {
 
 async fn method_not_allowed() -> ApiError {
     ApiError::method_not_allowed()
+}
+
+/// What a web page in a browser must not be able to do to a server on this machine:
+///
+/// - send it work without a CORS preflight: a POST body must be declared JSON, which a
+///   page cannot send cross-origin without one (HTML forms and `no-cors` fetches send only
+///   `text/plain`, form or no content types), and the server answers preflights only with
+///   `--cors`;
+/// - reach it under another name (DNS rebinding: a page's own host name made to resolve to
+///   127.0.0.1): a server listening on a loopback address without `--api-key` answers only
+///   requests addressed to a loopback name.
+async fn guard_browsers(
+    State(state): State<Arc<AppState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if request.method() == Method::POST {
+        let content_type = request
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok());
+        if !content_type.is_some_and(is_json) {
+            return ApiError::not_json(content_type).into_response();
+        }
+    }
+    if state.options.api_key.is_none() && is_loopback_host(&state.options.host) {
+        let host = request
+            .headers()
+            .get(header::HOST)
+            .and_then(|v| v.to_str().ok());
+        if let Some(host) = host.filter(|h| !is_loopback_host(strip_port(h))) {
+            return ApiError::foreign_host(host, &state.options.host).into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// `application/json` or `application/*+json`, any parameters (`charset=utf-8`) aside.
+fn is_json(content_type: &str) -> bool {
+    let essence = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json"
+        || essence
+            .strip_prefix("application/")
+            .is_some_and(|sub| sub.ends_with("+json"))
+}
+
+/// A host name or address (without a port) that only reaches this machine.
+fn is_loopback_host(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let lower = host.to_ascii_lowercase();
+    lower == "localhost"
+        || lower.ends_with(".localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// `host` of a `Host` header's `host[:port]` (IPv6 in brackets).
+fn strip_port(value: &str) -> &str {
+    if let Some(rest) = value.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    value.rsplit_once(':').map_or(value, |(host, _)| host)
 }
 
 /// The keyed routes need `Authorization: Bearer KEY` when the server has a key.
@@ -181,24 +304,25 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// The JSON body as `T`, read within `--max-body-bytes`.
-async fn json_body<T: serde::de::DeserializeOwned>(
+/// The JSON body as `T`, read within `--max-body-bytes` and `--body-timeout`
+/// ([`crate::body`]).
+async fn json_body<T: api::RequestBody + Send + 'static>(
     state: &AppState,
     headers: &HeaderMap,
     request: Request,
 ) -> Result<T, ApiError> {
-    let limit = state.options.max_body_bytes;
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > limit) {
-        return Err(ApiError::too_large(limit));
-    }
-    let bytes = axum::body::to_bytes(request.into_body(), limit)
-        .await
-        .map_err(|_| ApiError::too_large(limit))?;
-    api::parse(&bytes)
+    let peer = request
+        .extensions()
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|c| c.0);
+    let bytes = crate::body::read(
+        headers,
+        request.into_body(),
+        state.options.body_limits(),
+        peer,
+    )
+    .await?;
+    blocking(move || T::parse(&bytes)).await
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
@@ -239,20 +363,32 @@ async fn tokenize(
     headers: HeaderMap,
     request: Request,
 ) -> Result<Response, ApiError> {
-    let ready = state.ready()?;
+    state.ready()?;
     let body: api::TokenizeRequest = json_body(&state, &headers, request).await?;
-    let text = body
-        .content
-        .or(body.prompt)
-        .ok_or_else(|| ApiError::invalid_field("content", "give the text as `content`"))?;
-    let add_special = body.add_special.or(body.add_special_tokens).unwrap_or(true);
-    let tokens = ready.codec.encode(&text, add_special)?;
-    Ok(axum::Json(json!({
-        "tokens": tokens,
-        "count": tokens.len(),
-        "max_model_len": ready.shape.max_positions,
-    }))
-    .into_response())
+    let body = blocking(move || {
+        let ready = state.ready()?;
+        let (param, text) = match (body.content, body.prompt) {
+            (Some(text), _) => ("content", text),
+            (None, Some(text)) => ("prompt", text),
+            (None, None) => {
+                return Err(ApiError::invalid_field(
+                    "content",
+                    "give the text as `content`",
+                ));
+            }
+        };
+        let context = ready.shape.max_positions;
+        state.check_text_fits(ready, text.len(), context, param, "the model's context")?;
+        let add_special = body.add_special.or(body.add_special_tokens).unwrap_or(true);
+        let tokens = ready.codec.encode(&text, add_special)?;
+        Ok(json!({
+            "tokens": tokens,
+            "count": tokens.len(),
+            "max_model_len": context,
+        }))
+    })
+    .await?;
+    Ok(axum::Json(body).into_response())
 }
 
 async fn detokenize(
@@ -260,12 +396,28 @@ async fn detokenize(
     headers: HeaderMap,
     request: Request,
 ) -> Result<Response, ApiError> {
-    let ready = state.ready()?;
+    let context = state.ready()?.shape.max_positions;
     let body: api::DetokenizeRequest = json_body(&state, &headers, request).await?;
-    let ids: Vec<TokenId> = body.tokens.into_iter().map(TokenId).collect();
-    let text = ready.codec.decode_all(&ids)?;
-    // llama.cpp answers `content`, vLLM `prompt`.
-    Ok(axum::Json(json!({"content": text, "prompt": text})).into_response())
+    // No sequence of the model is longer than its context; the cap bounds the answer at
+    // `context × longest token` bytes.
+    if body.tokens.len() > context {
+        return Err(ApiError::invalid_field(
+            "tokens",
+            format!(
+                "{} ids given; at most the model's context, {context}",
+                body.tokens.len()
+            ),
+        ));
+    }
+    let body = blocking(move || {
+        let ready = state.ready()?;
+        let ids: Vec<TokenId> = body.tokens.into_iter().map(TokenId).collect();
+        let text = ready.codec.decode_all(&ids)?;
+        // llama.cpp answers `content`, vLLM `prompt`.
+        Ok(json!({"content": text, "prompt": text}))
+    })
+    .await?;
+    Ok(axum::Json(body).into_response())
 }
 
 /// Which endpoint a job answers, for the shape of its bodies.
@@ -284,6 +436,9 @@ struct Job {
     prompts: Vec<Vec<TokenId>>,
     generation: Generation,
     arrived: Instant,
+    /// The engine requests, one per choice (a beam search: one per prompt); taken when
+    /// submitted.
+    requests: Vec<kiln_engine::Request>,
 }
 
 impl Job {
@@ -315,6 +470,57 @@ impl Job {
             .map(|choices| choices.first().copied().unwrap_or(0))
             .sum();
         usage(self.prompt_tokens(), completion_tokens, cached)
+    }
+
+    /// A job of `prompts` with its engine requests, or why they cannot run.
+    fn new(
+        state: &AppState,
+        endpoint: Endpoint,
+        prompts: Vec<Vec<TokenId>>,
+        generation: Generation,
+        arrived: Instant,
+    ) -> Result<Self, ApiError> {
+        let ready = state.ready()?;
+        let (prefix, param) = match endpoint {
+            Endpoint::Chat => ("chatcmpl", "messages"),
+            Endpoint::Completions => ("cmpl", "prompt"),
+        };
+        let mut job = Self {
+            endpoint,
+            id: state.response_id(prefix),
+            created: unix_time(),
+            model: ready.model.clone(),
+            prompts,
+            generation,
+            arrived,
+            requests: Vec::new(),
+        };
+        job.requests = job.requests(ready)?;
+        // Rows of the batch it takes: the queue limit counts them, and a request that
+        // takes more than the server ever runs or queues could never start.
+        let rows: usize = job.requests.iter().map(kiln_engine::Request::rows).sum();
+        let most = ready.max_batch + state.options.max_queue;
+        if rows > most {
+            let field = if job.generation.beam.is_some() {
+                "num_beams"
+            } else if job.prompts.len() > 1 {
+                param
+            } else {
+                "n"
+            };
+            return Err(ApiError::invalid_field(
+                field,
+                format!(
+                    "this request runs {rows} sequences (prompts × n, or prompts × num_beams); \
+                     the server runs and queues at most {most} (--max-batch + --max-queue)"
+                ),
+            ));
+        }
+        let group = state.next_id.fetch_add(1, Ordering::Relaxed);
+        for request in &mut job.requests {
+            request.group = Some(group);
+        }
+        Ok(job)
     }
 
     /// The engine requests, one per choice.
@@ -436,22 +642,21 @@ async fn chat_completions(
 ) -> Response {
     let arrived = Instant::now();
     let result = async {
-        let ready = state.ready()?;
+        state.ready()?;
         let body: ChatRequest = json_body(&state, &headers, request).await?;
-        let generation = body.generation()?;
-        let prompt = ready.codec.chat_prompt(
-            &body.messages,
-            &body.chat_template_kwargs.clone().unwrap_or_default(),
-        )?;
-        Ok::<_, ApiError>(Job {
-            endpoint: Endpoint::Chat,
-            id: state.response_id("chatcmpl"),
-            created: unix_time(),
-            model: ready.model.clone(),
-            prompts: vec![prompt],
-            generation,
-            arrived,
+        let state = state.clone();
+        blocking(move || {
+            let ready = state.ready()?;
+            let generation = body.generation()?;
+            let text_bytes = body.messages.iter().map(api::Message::text_bytes).sum();
+            let limit = ready.shape.max_positions.min(ready.kv_tokens);
+            state.check_text_fits(ready, text_bytes, limit, "messages", KV_CACHE)?;
+            let prompt = ready
+                .codec
+                .chat_prompt(&body.messages, &body.template_variables()?)?;
+            Job::new(&state, Endpoint::Chat, vec![prompt], generation, arrived)
         })
+        .await
     }
     .await;
     match result {
@@ -467,40 +672,10 @@ async fn completions(
 ) -> Response {
     let arrived = Instant::now();
     let result = async {
-        let ready = state.ready()?;
+        state.ready()?;
         let body: CompletionRequest = json_body(&state, &headers, request).await?;
-        let generation = body.generation()?;
-        let Some(prompt) = &body.prompt else {
-            return Err(ApiError::invalid_field("prompt", "prompt is required"));
-        };
-        let inputs = prompt.inputs()?;
-        if inputs.len() * generation.n > api::MAX_CHOICES {
-            return Err(ApiError::invalid_field(
-                "n",
-                format!(
-                    "{} prompts times n = {} is more than {} choices",
-                    inputs.len(),
-                    generation.n,
-                    api::MAX_CHOICES
-                ),
-            ));
-        }
-        let mut prompts = Vec::with_capacity(inputs.len());
-        for input in inputs {
-            prompts.push(match input {
-                PromptInput::Text(text) => ready.codec.encode(&text, true)?,
-                PromptInput::Tokens(ids) => ids,
-            });
-        }
-        Ok(Job {
-            endpoint: Endpoint::Completions,
-            id: state.response_id("cmpl"),
-            created: unix_time(),
-            model: ready.model.clone(),
-            prompts,
-            generation,
-            arrived,
-        })
+        let state = state.clone();
+        blocking(move || completion_job(&state, body, arrived)).await
     }
     .await;
     match result {
@@ -509,31 +684,76 @@ async fn completions(
     }
 }
 
+/// A completions request's job: its prompts tokenized (texts too long to fit refused first).
+fn completion_job(
+    state: &AppState,
+    body: CompletionRequest,
+    arrived: Instant,
+) -> Result<Job, ApiError> {
+    let ready = state.ready()?;
+    let generation = body.generation()?;
+    let Some(prompt) = &body.prompt else {
+        return Err(ApiError::invalid_field("prompt", "prompt is required"));
+    };
+    let inputs = prompt.inputs()?;
+    if inputs.len() * generation.n > api::MAX_CHOICES {
+        return Err(ApiError::invalid_field(
+            "n",
+            format!(
+                "{} prompts times n = {} is more than {} choices",
+                inputs.len(),
+                generation.n,
+                api::MAX_CHOICES
+            ),
+        ));
+    }
+    let limit = ready.shape.max_positions.min(ready.kv_tokens);
+    let mut prompts = Vec::with_capacity(inputs.len());
+    for input in inputs {
+        prompts.push(match input {
+            PromptInput::Text(text) => {
+                state.check_text_fits(ready, text.len(), limit, "prompt", KV_CACHE)?;
+                ready.codec.encode(&text, true)?
+            }
+            PromptInput::Tokens(ids) => ids,
+        });
+    }
+    Job::new(state, Endpoint::Completions, prompts, generation, arrived)
+}
+
+/// What [`AppState::check_text_fits`] says a prompt must fit in.
+const KV_CACHE: &str = "the server's KV cache (or the model's context, if smaller)";
+
 /// Submits `job` and answers with its body or its stream.
-async fn run(state: Arc<AppState>, job: Job) -> Response {
-    let updates = match submit(&state, &job).await {
+async fn run(state: Arc<AppState>, mut job: Job) -> Response {
+    let updates = match submit(&state, &mut job).await {
         Ok(rx) => rx,
         Err(e) => return e.into_response(),
     };
     if job.generation.stream {
-        stream(state, job, updates).into_response()
-    } else {
-        match collect(&state, &job, updates).await {
-            Ok(body) => axum::Json(body).into_response(),
-            Err(e) => e.into_response(),
-        }
+        return stream(state, job, updates).into_response();
+    }
+    let choices = match collect(&job, updates).await {
+        Ok(choices) => choices,
+        Err(e) => return e.into_response(),
+    };
+    // A body with many choices and log-probabilities is megabytes of JSON to build.
+    match blocking(move || body(&state, &job, &choices)).await {
+        Ok(body) => axum::Json(body).into_response(),
+        Err(e) => e.into_response(),
     }
 }
 
 /// Queues the job's requests on the engine thread, or refuses them: the queue is full, the
 /// server is stopping, or the engine refused them.
-async fn submit(state: &AppState, job: &Job) -> Result<UnboundedReceiver<Update>, ApiError> {
+async fn submit(state: &AppState, job: &mut Job) -> Result<UnboundedReceiver<Update>, ApiError> {
     let ready = state.ready()?;
-    let requests = job.requests(ready)?;
+    let requests = std::mem::take(&mut job.requests);
     if state.shutting_down.load(Ordering::SeqCst) {
         return Err(ApiError::shutting_down());
     }
-    let n = requests.len();
+    // Rows, not requests: a beam search of 8 beams queues as 8.
+    let n: usize = requests.iter().map(kiln_engine::Request::rows).sum();
     let limit = ready.max_batch + state.options.max_queue;
     let before = state.in_flight.fetch_add(n, Ordering::SeqCst);
     if before + n > limit {
@@ -572,13 +792,11 @@ struct ChoiceState {
     finish: Option<FinishReason>,
 }
 
-/// Waits for every choice and builds the whole body.
+/// Waits for every choice.
 async fn collect(
-    state: &AppState,
     job: &Job,
     mut updates: UnboundedReceiver<Update>,
-) -> Result<Value, ApiError> {
-    let ready = state.ready()?;
+) -> Result<Vec<ChoiceState>, ApiError> {
     let mut choices: Vec<ChoiceState> =
         (0..job.choices()).map(|_| ChoiceState::default()).collect();
     let per_request = job.choices_per_request();
@@ -616,11 +834,16 @@ async fn collect(
                 open -= 1;
             }
             Some(Update::Text { .. } | Update::Accepted) => {}
-            Some(Update::Failed(why)) => return Err(ApiError::internal(why)),
-            Some(Update::Rejected(e)) => return Err(e),
+            Some(Update::Failed(e) | Update::Rejected(e)) => return Err(e),
             None => return Err(ApiError::shutting_down()),
         }
     }
+    Ok(choices)
+}
+
+/// The whole body of a finished job.
+fn body(state: &AppState, job: &Job, choices: &[ChoiceState]) -> Result<Value, ApiError> {
+    let ready = state.ready()?;
     let completion_tokens: usize = choices.iter().map(|c| c.tokens).sum();
     let cached: Vec<usize> = choices.iter().map(|c| c.cached_tokens).collect();
     let body_choices: Vec<Value> = choices
@@ -928,8 +1151,8 @@ impl Streamer {
                 events.push(self.chunk(last));
             }
             Some(Update::Accepted) => {}
-            Some(Update::Failed(why)) => {
-                events.push(Self::data(&ApiError::internal(why).body()));
+            Some(Update::Failed(e)) => {
+                events.push(Self::data(&e.body()));
                 events.push(Self::done_event());
                 self.done = true;
             }
@@ -950,7 +1173,48 @@ impl Streamer {
 
 #[cfg(test)]
 mod tests {
-    use super::bearer_token;
+    use super::{bearer_token, is_json, is_loopback_host, strip_port};
+
+    #[test]
+    fn only_json_bodies_and_loopback_names_pass_the_browser_guard() {
+        for t in [
+            "application/json",
+            "application/json; charset=utf-8",
+            "Application/JSON",
+            "application/vnd.api+json",
+        ] {
+            assert!(is_json(t), "{t}");
+        }
+        for t in [
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=x",
+            "",
+            "application/jsonp",
+        ] {
+            assert!(!is_json(t), "{t}");
+        }
+        for h in [
+            "localhost:8080",
+            "LOCALHOST",
+            "127.0.0.1:80",
+            "127.1.2.3",
+            "[::1]:8080",
+            "[::1]",
+            "app.localhost:3000",
+        ] {
+            assert!(is_loopback_host(strip_port(h)), "{h}");
+        }
+        for h in [
+            "evil.example:8080",
+            "192.168.1.2",
+            "localhost.evil.example",
+            "[::2]:80",
+            "0.0.0.0:8080",
+        ] {
+            assert!(!is_loopback_host(strip_port(h)), "{h}");
+        }
+    }
 
     #[test]
     fn the_bearer_scheme_is_case_insensitive_and_spaces_around_the_token_do_not_count() {

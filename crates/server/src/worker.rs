@@ -37,6 +37,13 @@ pub(crate) struct Submission {
     pub tag: String,
 }
 
+impl Submission {
+    /// Rows of the batch its requests take (the queue limit counts them).
+    pub fn rows(&self) -> usize {
+        self.requests.iter().map(Request::rows).sum()
+    }
+}
+
 /// What the engine thread reports about a submission.
 #[derive(Debug)]
 pub(crate) enum Update {
@@ -58,8 +65,8 @@ pub(crate) enum Update {
         choice: usize,
         completion: Completion,
     },
-    /// The engine failed, or the server stopped, before the choice ended.
-    Failed(String),
+    /// The engine failed (500), or the server stopped (503), before the choice ended.
+    Failed(ApiError),
 }
 
 /// Where one engine request's events go.
@@ -70,13 +77,15 @@ struct Route {
     first_token: Option<Instant>,
     last_token: Option<Instant>,
     prompt_tokens: usize,
+    /// Rows of the batch it takes (beams), which the queue limit counts.
+    rows: usize,
     tag: String,
 }
 
 /// Shared counters the engine thread keeps up to date.
 pub(crate) struct Shared<'a> {
     pub metrics: &'a Metrics,
-    /// Engine requests accepted and not yet ended (the queue limit counts them).
+    /// Rows of engine requests accepted and not yet ended (the queue limit counts them).
     pub in_flight: &'a AtomicUsize,
     /// Tokens per KV block, to report blocks from token slots.
     pub block_tokens: usize,
@@ -122,9 +131,7 @@ pub(crate) fn run<B: InferenceBackend>(
             };
             match command {
                 Command::Submit(s) if deadline.is_some() => {
-                    shared
-                        .in_flight
-                        .fetch_sub(s.requests.len(), Ordering::Relaxed);
+                    shared.in_flight.fetch_sub(s.rows(), Ordering::Relaxed);
                     let _ = s.updates.send(Update::Rejected(ApiError::shutting_down()));
                 }
                 Command::Submit(s) => worker.submit(engine, s),
@@ -135,14 +142,17 @@ pub(crate) fn run<B: InferenceBackend>(
         }
         worker.cancel_abandoned(engine);
         if deadline.is_some_and(|d| Instant::now() >= d) {
-            worker.fail_all(engine, "the server shut down before this request finished");
+            worker.fail_all(engine, &ApiError::cut_off());
         }
         if !engine.is_idle() {
             match engine.step() {
                 Ok(events) => worker.route(events),
                 Err(e) => {
                     tracing::error!(target: "kiln::serve", error = %e, "engine step failed; failing every request in flight");
-                    worker.fail_all(engine, &format!("the engine failed: {e}"));
+                    worker.fail_all(
+                        engine,
+                        &ApiError::internal(format!("the engine failed: {e}")),
+                    );
                 }
             }
         }
@@ -158,7 +168,7 @@ pub(crate) fn run<B: InferenceBackend>(
             speculation: engine.speculation_stats(),
         });
     }
-    worker.fail_all(engine, "the server shut down before this request finished");
+    worker.fail_all(engine, &ApiError::cut_off());
 }
 
 struct Worker<'s, 'a> {
@@ -169,17 +179,18 @@ struct Worker<'s, 'a> {
 impl Worker<'_, '_> {
     /// Queues every choice of `s`, or none.
     fn submit<B: InferenceBackend>(&mut self, engine: &mut Engine<'_, B>, s: Submission) {
-        let n = s.requests.len();
-        let mut ids = Vec::with_capacity(n);
+        let rows = s.rows();
+        let mut ids = Vec::with_capacity(s.requests.len());
         for request in s.requests {
             let prompt_tokens = request.prompt.len();
+            let request_rows = request.rows();
             match engine.submit(request) {
-                Ok(id) => ids.push((id, prompt_tokens)),
+                Ok(id) => ids.push((id, prompt_tokens, request_rows)),
                 Err(e) => {
-                    for (id, _) in ids {
+                    for (id, _, _) in ids {
                         engine.cancel(id);
                     }
-                    self.shared.in_flight.fetch_sub(n, Ordering::Relaxed);
+                    self.shared.in_flight.fetch_sub(rows, Ordering::Relaxed);
                     let error = match e {
                         kiln_engine::EngineError::InvalidRequest(m) => ApiError::invalid(m),
                         other => ApiError::internal(other.to_string()),
@@ -189,7 +200,7 @@ impl Worker<'_, '_> {
                 }
             }
         }
-        for (choice, (id, prompt_tokens)) in ids.into_iter().enumerate() {
+        for (choice, (id, prompt_tokens, rows)) in ids.into_iter().enumerate() {
             self.routes.insert(
                 id,
                 Route {
@@ -199,6 +210,7 @@ impl Worker<'_, '_> {
                     first_token: None,
                     last_token: None,
                     prompt_tokens,
+                    rows,
                     tag: s.tag.clone(),
                 },
             );
@@ -229,16 +241,18 @@ impl Worker<'_, '_> {
     }
 
     /// Cancels every request in flight, telling each why.
-    fn fail_all<B: InferenceBackend>(&mut self, engine: &mut Engine<'_, B>, why: &str) {
+    fn fail_all<B: InferenceBackend>(&mut self, engine: &mut Engine<'_, B>, why: &ApiError) {
         for (id, route) in std::mem::take(&mut self.routes) {
             engine.cancel(id);
-            let _ = route.updates.send(Update::Failed(why.to_string()));
+            let _ = route.updates.send(Update::Failed(why.clone()));
             self.end(&route, Outcome::Failed, 0);
         }
     }
 
     fn end(&self, route: &Route, outcome: Outcome, preemptions: usize) {
-        self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.shared
+            .in_flight
+            .fetch_sub(route.rows, Ordering::Relaxed);
         self.shared
             .metrics
             .finished(outcome, route.prompt_tokens, preemptions);
@@ -331,6 +345,14 @@ pub(crate) fn finish_reason(reason: FinishReason) -> &'static str {
         FinishReason::Length => "length",
         FinishReason::Eos | FinishReason::Stop => "stop",
     }
+}
+
+/// Most rows of a batch of `max_batch` that one HTTP request's sequences may hold
+/// ([`kiln_engine::EngineConfig::max_group_rows`]): a quarter are kept for other clients, so
+/// a short request starts beside a large one (`n` choices, several prompts, a beam search)
+/// instead of waiting for all of it.
+pub fn rows_for_one_request(max_batch: usize) -> usize {
+    (max_batch - max_batch / 4).max(1)
 }
 
 /// `now + grace`, or a day from now when the sum overflows the clock (a grace of

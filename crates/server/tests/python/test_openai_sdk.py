@@ -36,6 +36,9 @@ def raw(server, method, path, body=None, headers=None):
     """(status, headers, body text) of a plain HTTP request."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     request = urllib.request.Request(server.url + path, data=data, method=method)
+    if data is not None:
+        # urllib would declare a form; the server takes JSON bodies only.
+        request.add_header("Content-Type", "application/json")
     for k, v in (headers or {}).items():
         request.add_header(k, v)
     try:
