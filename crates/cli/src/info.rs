@@ -61,7 +61,11 @@ fn short_count(n: usize) -> String {
 
 /// What the weights are stored as: each type's share of the elements.
 fn stored_as(info: &ModelInfo) -> String {
-    let total: usize = info.stored_types.iter().map(|(_, n)| n).sum();
+    // Saturating, as the counts are: never a wrapped total.
+    let total = info
+        .stored_types
+        .iter()
+        .fold(0usize, |total, (_, n)| total.saturating_add(*n));
     let parts: Vec<String> = info
         .stored_types
         .iter()

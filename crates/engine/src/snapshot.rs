@@ -25,6 +25,10 @@ use crate::request::{Request, RequestId};
 const MAGIC: &[u8; 8] = b"KILNKV02";
 /// The first format, which also stored the prompt's last logits.
 const MAGIC_V1: &[u8; 8] = b"KILNKV01";
+/// The most layers, KV heads, or values per head a snapshot's header may claim: far beyond
+/// any model (kiln-models refuses more than 4096 layers or heads), small enough that a lying
+/// header is named before its sizes are multiplied.
+pub const MAX_LAYOUT: usize = 1 << 16;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Header {
@@ -121,55 +125,107 @@ impl Snapshot {
 
     /// Reads a snapshot written by [`Snapshot::save`].
     ///
+    /// Every size the file claims is checked before anything is allocated: the header's
+    /// length against the bytes after it; `n_layers`, `n_kv_heads` and `head_dim` against
+    /// [`MAX_LAYOUT`] and zero; the prompt non-empty; and the data's length, computed with
+    /// checked arithmetic, equal to what is left. So what a snapshot takes in memory is in
+    /// proportion to its bytes (a 182-byte file claiming 10^12 layers of no tokens once
+    /// passed the length check and aborted on a 48 TB allocation).
+    ///
     /// # Errors
-    /// [`EngineError::Snapshot`] for a missing, truncated or foreign file.
+    /// [`EngineError::Snapshot`] for a missing, truncated or foreign file, naming the field
+    /// at fault.
     pub fn load(path: &Path) -> Result<Self, EngineError> {
         let fail = |reason: String| EngineError::Snapshot {
             path: path.to_path_buf(),
             reason,
         };
         let bytes = std::fs::read(path).map_err(|e| fail(e.to_string()))?;
-        let mut r = bytes.as_slice();
+        Self::from_bytes(&bytes).map_err(fail)
+    }
+
+    /// [`Snapshot::load`] on the file's bytes; the error is the reason alone.
+    fn from_bytes(bytes: &[u8]) -> Result<Self, String> {
+        let mut r = bytes;
         let mut magic = [0u8; 8];
         r.read_exact(&mut magic)
-            .map_err(|_| fail("too short to be a kiln snapshot".into()))?;
+            .map_err(|_| "too short to be a kiln snapshot".to_string())?;
         if &magic == MAGIC_V1 {
-            return Err(fail(
+            return Err(
                 "an older kiln snapshot format (KILNKV01); make it again with this version".into(),
-            ));
+            );
         }
         if &magic != MAGIC {
-            return Err(fail("not a kiln KV-cache snapshot".into()));
+            return Err("not a kiln KV-cache snapshot".into());
         }
         let mut len = [0u8; 8];
         r.read_exact(&mut len)
-            .map_err(|_| fail("truncated header".into()))?;
-        let len = u64::from_le_bytes(len) as usize;
-        if len > r.len() {
-            return Err(fail("truncated header".into()));
-        }
+            .map_err(|_| "truncated: the file ends before the header's length".to_string())?;
+        let len = u64::from_le_bytes(len);
+        let Some(json) = usize::try_from(len).ok().and_then(|n| r.get(..n)) else {
+            return Err(format!(
+                "truncated header: its length is {len} bytes, {} follow",
+                r.len()
+            ));
+        };
         let header: Header =
-            serde_json::from_slice(&r[..len]).map_err(|e| fail(format!("bad header: {e}")))?;
-        let r = &r[len..];
+            serde_json::from_slice(json).map_err(|e| format!("bad header: {e}"))?;
+        let data = &r[json.len()..];
         let dtype: Dtype = header
             .dtype
             .parse()
-            .map_err(|_| fail(format!("unknown dtype {}", header.dtype)))?;
-        let per_layer = header.tokens.len() * header.n_kv_heads * header.head_dim;
-        let expected = 2 * header.n_layers * per_layer * 4;
-        if r.len() != expected {
-            return Err(fail(format!(
-                "{} data bytes, the header implies {expected}",
-                r.len()
-            )));
+            .map_err(|_| format!("unknown dtype {}", header.dtype))?;
+        if header.tokens.is_empty() {
+            return Err("the header's `tokens` is empty: a snapshot holds a prompt".into());
         }
-        let mut floats = r
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-        let mut take = |n: usize| -> Vec<f32> { floats.by_ref().take(n).collect() };
-        let layers = (0..header.n_layers)
-            .map(|_| (take(per_layer), take(per_layer)))
-            .collect();
+        for (field, value) in [
+            ("n_layers", header.n_layers),
+            ("n_kv_heads", header.n_kv_heads),
+            ("head_dim", header.head_dim),
+        ] {
+            if value == 0 || value > MAX_LAYOUT {
+                return Err(format!(
+                    "the header's `{field}` is {value}, not between 1 and {MAX_LAYOUT}"
+                ));
+            }
+        }
+        // Values per layer for K (and again for V), and the data's bytes, checked: the
+        // factors come from the file.
+        let per_layer = header
+            .tokens
+            .len()
+            .checked_mul(header.n_kv_heads)
+            .and_then(|n| n.checked_mul(header.head_dim));
+        let expected = per_layer.and_then(|n| n.checked_mul(2 * 4)?.checked_mul(header.n_layers));
+        let (Some(per_layer), Some(expected)) = (per_layer, expected) else {
+            return Err(format!(
+                "the header's sizes (n_layers {}, {} tokens, n_kv_heads {}, head_dim {}) imply \
+                 more data than memory holds",
+                header.n_layers,
+                header.tokens.len(),
+                header.n_kv_heads,
+                header.head_dim
+            ));
+        };
+        if data.len() != expected {
+            return Err(format!(
+                "{} data bytes, the header implies {expected} (n_layers {} x K and V x {} tokens \
+                 x n_kv_heads {} x head_dim {} x 4 bytes)",
+                data.len(),
+                header.n_layers,
+                header.tokens.len(),
+                header.n_kv_heads,
+                header.head_dim
+            ));
+        }
+        let (floats, _) = data.as_chunks::<4>();
+        let mut tensors = floats
+            .chunks_exact(per_layer)
+            .map(|values| values.iter().map(|&b| f32::from_le_bytes(b)).collect());
+        let mut layers = Vec::with_capacity(header.n_layers);
+        while let (Some(k), Some(v)) = (tensors.next(), tensors.next()) {
+            layers.push((k, v));
+        }
         Ok(Self {
             model: header.model,
             dtype,
@@ -181,6 +237,30 @@ impl Snapshot {
             tokens: header.tokens.into_iter().map(TokenId).collect(),
             layers,
         })
+    }
+
+    /// Whether the layers hold what the layout and the prompt say (a snapshot built in
+    /// memory has public fields; one read by [`Snapshot::load`] always does).
+    fn check_consistent(&self) -> Result<(), String> {
+        let per_layer = self.tokens.len() * self.layout.n_kv_heads * self.layout.head_dim;
+        if self.layers.len() != self.layout.n_layers {
+            return Err(format!(
+                "{} layers of K/V for a layout of {}",
+                self.layers.len(),
+                self.layout.n_layers
+            ));
+        }
+        for (layer, (k, v)) in self.layers.iter().enumerate() {
+            if k.len() != per_layer || v.len() != per_layer {
+                return Err(format!(
+                    "layer {layer} holds {} K and {} V values, {} tokens need {per_layer}",
+                    k.len(),
+                    v.len(),
+                    self.tokens.len()
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -219,6 +299,7 @@ impl<B: InferenceBackend> Engine<'_, B> {
         if snapshot.layout != model.shape().kv_layout() {
             return Err(refuse("its KV layout differs from this model's".into()));
         }
+        snapshot.check_consistent().map_err(refuse)?;
         request.prompt = snapshot.tokens.clone();
         let device = model.device();
         let dtype = model.dtype().burn_float();
@@ -239,3 +320,6 @@ impl<B: InferenceBackend> Engine<'_, B> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -653,6 +653,19 @@ fn snapshots_resume_exactly<B: InferenceBackend>() {
     };
     let tied = load::<B>(&fixture("llama-tiny-tied"), Dtype::F32);
     assert!(refuse(&tied.model).contains("another model"));
+    // A snapshot built in memory whose layer holds less than its prompt needs is refused
+    // rather than sliced past its end.
+    let mut short = snapshot.clone();
+    short.layers[1].1.truncate(3);
+    let cache = CacheSpec::paged(2, 64)
+        .build::<B>(model.shape().kv_layout(), Dtype::F32, &model.device())
+        .unwrap();
+    let mut engine = Engine::new(model, cache, EngineConfig::default()).unwrap();
+    let err = engine
+        .submit_snapshot(&short, Request::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("layer 1 holds"), "{err}");
     let mut old = std::fs::read(&path).unwrap();
     old[..8].copy_from_slice(b"KILNKV01");
     std::fs::write(&path, old).unwrap();

@@ -143,10 +143,13 @@ impl GgmlType {
         }
     }
 
-    /// Bytes taken by `n` values, or `None` when `n` is not a whole number of blocks.
+    /// Bytes taken by `n` values, or `None` when `n` is not a whole number of blocks or the
+    /// bytes would overflow a `usize` (a file's shape can claim any count).
     pub fn bytes_for(self, n: usize) -> Option<usize> {
-        n.is_multiple_of(self.block_size())
-            .then(|| n / self.block_size() * self.type_size())
+        if !n.is_multiple_of(self.block_size()) {
+            return None;
+        }
+        (n / self.block_size()).checked_mul(self.type_size())
     }
 }
 

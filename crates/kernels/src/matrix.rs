@@ -68,12 +68,11 @@ impl QuantMatrix {
                 ty.block_size()
             ))
         })?;
-        if data.len() != rows * row_bytes {
+        if rows.checked_mul(row_bytes) != Some(data.len()) {
             return Err(KernelError::Shape(format!(
-                "{} bytes for a [{rows}, {cols}] {} matrix, expected {}",
+                "{} bytes for a [{rows}, {cols}] {} matrix, expected {rows} rows of {row_bytes}",
                 data.len(),
                 ty.name(),
-                rows * row_bytes
             )));
         }
         let interleaved = group_block_bytes(ty).is_some() && rows.is_multiple_of(GROUP);

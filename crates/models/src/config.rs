@@ -289,6 +289,21 @@ pub const MAX_HEADS: usize = 1 << 12;
 /// The longest context it accepts (positions are 32-bit).
 pub const MAX_POSITIONS: usize = 1 << 31;
 
+/// Refuses a layer count above [`MAX_LAYERS`] as soon as a loader reads it: families build
+/// per-layer lists (attention windows) before [`TransformerConfig::validate`] runs, and a
+/// Mistral `config.json` claiming 2^36 layers once asked for 64 GiB there.
+///
+/// # Errors
+/// The count, named as [`TransformerConfig::validate`] names it.
+pub fn check_layer_count(n_layers: usize) -> Result<(), String> {
+    if n_layers > MAX_LAYERS {
+        return Err(format!(
+            "n_layers is {n_layers}, more than kiln accepts ({MAX_LAYERS})"
+        ));
+    }
+    Ok(())
+}
+
 impl TransformerConfig {
     /// Layer `layer`'s attention window, if it has one.
     pub fn attention_window(&self, layer: usize) -> Option<usize> {
@@ -468,33 +483,47 @@ impl TransformerConfig {
 
     /// Parameter count, as `transformers`' `num_parameters()` counts it: every weight, bias
     /// and norm, the embedding once when the head is tied.
+    ///
+    /// Saturates at `usize::MAX` rather than wrap: [`TransformerConfig::validate`]'s bounds
+    /// keep a valid configuration's count below 2^59, but one built in code need not be
+    /// valid, and `kiln info` must never print a wrapped count.
     pub fn parameters(&self) -> usize {
-        let (d, q, kv) = (
-            self.d_model,
-            self.n_heads * self.head_dim,
-            self.n_kv_heads * self.head_dim,
-        );
-        let attn_bias = usize::from(self.qkv_bias) * (q + 2 * kv) + usize::from(self.out_bias) * d;
-        let qk_norm = usize::from(self.qk_norm) * 2 * self.head_dim;
-        let attn = d * (q + 2 * kv) + q * d + attn_bias + qk_norm;
+        let sum = |terms: &[usize]| terms.iter().fold(0usize, |a, &b| a.saturating_add(b));
+        let product = |factors: &[usize]| factors.iter().fold(1usize, |a, &b| a.saturating_mul(b));
+        let (d, f) = (self.d_model, self.d_ff);
+        let q = product(&[self.n_heads, self.head_dim]);
+        let kv = product(&[self.n_kv_heads, self.head_dim]);
+        let qkv = sum(&[q, kv, kv]);
+        let attn_bias = sum(&[
+            usize::from(self.qkv_bias) * qkv,
+            usize::from(self.out_bias) * d,
+        ]);
+        let qk_norm = product(&[usize::from(self.qk_norm) * 2, self.head_dim]);
+        let attn = sum(&[product(&[d, qkv]), product(&[q, d]), attn_bias, qk_norm]);
+        let bias = usize::from(self.mlp_bias);
         let mlp = match self.mlp {
-            MlpKind::GeluTanh => 2 * d * self.d_ff + usize::from(self.mlp_bias) * (self.d_ff + d),
-            MlpKind::SwiGlu | MlpKind::GeGlu => {
-                3 * d * self.d_ff + usize::from(self.mlp_bias) * (2 * self.d_ff + d)
-            }
+            MlpKind::GeluTanh => sum(&[product(&[2, d, f]), bias * sum(&[f, d])]),
+            MlpKind::SwiGlu | MlpKind::GeGlu => sum(&[product(&[3, d, f]), bias * sum(&[f, f, d])]),
         };
         let norm = match self.norm {
-            NormKind::LayerNorm => 2 * d,
+            NormKind::LayerNorm => product(&[2, d]),
             NormKind::RmsNorm => d,
         };
         let block_norms = if self.sandwich_norms { 4 } else { 2 };
-        let embed = self.vocab * d;
+        let embed = product(&[self.vocab, d]);
         let head = if self.tied_head { 0 } else { embed };
         let positions = match self.positions {
-            PositionKind::Learned => self.max_positions * d,
+            PositionKind::Learned => product(&[self.max_positions, d]),
             PositionKind::Rope(_) => 0,
         };
-        embed + positions + self.n_layers * (attn + mlp + block_norms * norm) + norm + head
+        let block = sum(&[attn, mlp, product(&[block_norms, norm])]);
+        sum(&[
+            embed,
+            positions,
+            product(&[self.n_layers, block]),
+            norm,
+            head,
+        ])
     }
 }
 

@@ -228,6 +228,7 @@ impl HfConfig {
         }
         let d_model = k.hidden_size.unwrap_or(d.hidden_size);
         let n_layers = k.num_hidden_layers.unwrap_or(d.num_hidden_layers);
+        crate::config::check_layer_count(n_layers).map_err(|e| ModelError::config(path, e))?;
         Ok(TransformerConfig {
             architecture,
             vocab: k.vocab_size.unwrap_or(d.vocab_size),
@@ -556,11 +557,13 @@ pub fn gguf_config(
             .transpose()?,
     };
     let (bos, eos, _) = crate::tokenizer::gguf::special_ids(file)?;
+    let n_layers = count("block_count")?;
+    crate::config::check_layer_count(n_layers).map_err(|e| ModelError::config(path, e))?;
     Ok(TransformerConfig {
         architecture,
         vocab,
         d_model,
-        n_layers: count("block_count")?,
+        n_layers,
         n_heads,
         n_kv_heads: file
             .unsigned_opt(&key("attention.head_count_kv"))?

@@ -547,6 +547,16 @@ pub fn random_model<B: InferenceBackend>(
 mod tests {
     use super::*;
 
+    /// A configuration built in code need not be valid: its count saturates rather than wrap
+    /// (`kiln info` printed wrapped counts).
+    #[test]
+    fn parameter_counts_saturate_rather_than_wrap() {
+        let mut config = KnownShape::Llama32_1b.config();
+        config.n_layers = 1 << 40;
+        config.d_model = 1 << 40;
+        assert_eq!(config.parameters(), usize::MAX);
+    }
+
     #[test]
     fn every_shape_parses_by_name_and_counts_its_published_parameters() {
         for shape in KnownShape::ALL {

@@ -616,3 +616,204 @@ fn inspect_counts_what_the_files_hold() {
     }
     assert!(kiln_models::inspect(&fixture("no-such-model"), &options).is_err());
 }
+
+/// A GGUF v3 file assembled from encoded metadata entries and tensor infos.
+#[derive(Default)]
+struct GgufWriter {
+    n_kv: u64,
+    kvs: Vec<u8>,
+    n_tensors: u64,
+    infos: Vec<u8>,
+}
+
+fn gguf_str(s: &str) -> Vec<u8> {
+    let mut out = (s.len() as u64).to_le_bytes().to_vec();
+    out.extend(s.as_bytes());
+    out
+}
+
+impl GgufWriter {
+    /// A key of value type `type_id` whose value is encoded as `value`.
+    fn kv(&mut self, key: &str, type_id: u32, value: &[u8]) -> &mut Self {
+        self.n_kv += 1;
+        self.kvs.extend(gguf_str(key));
+        self.kvs.extend(type_id.to_le_bytes());
+        self.kvs.extend(value);
+        self
+    }
+
+    /// A tensor info: `dims` in ggml's order (innermost first), offset into the data.
+    fn tensor(&mut self, name: &str, dims: &[u64], type_id: u32, offset: u64) -> &mut Self {
+        self.n_tensors += 1;
+        self.infos.extend(gguf_str(name));
+        self.infos.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            self.infos.extend(d.to_le_bytes());
+        }
+        self.infos.extend(type_id.to_le_bytes());
+        self.infos.extend(offset.to_le_bytes());
+        self
+    }
+
+    /// The file, `data` at the default alignment after the header.
+    fn bytes(&self, data: &[u8]) -> Vec<u8> {
+        let mut out = b"GGUF".to_vec();
+        out.extend(3u32.to_le_bytes());
+        out.extend(self.n_tensors.to_le_bytes());
+        out.extend(self.n_kv.to_le_bytes());
+        out.extend(&self.kvs);
+        out.extend(&self.infos);
+        out.resize(out.len().div_ceil(32) * 32, 0);
+        out.extend(data);
+        out
+    }
+}
+
+/// Two tensors whose data share bytes are refused naming both (300 layers pointing at layer
+/// 0's bytes once made 877 MiB of weights out of a 100 MB file); so is a real file edited so.
+#[test]
+fn overlapping_tensor_data_is_refused_naming_both() {
+    let mut w = GgufWriter::default();
+    w.tensor("a", &[16], 0, 0).tensor("b", &[8], 0, 32);
+    let err = parse_error(&w.bytes(&[0; 64]));
+    assert!(
+        err.contains("tensor `b` (bytes 128..160) overlaps tensor `a` (bytes 96..160)"),
+        "{err}"
+    );
+    // Side by side, and empty tensors anywhere, are fine.
+    let mut w = GgufWriter::default();
+    w.tensor("a", &[8], 0, 0)
+        .tensor("b", &[8], 0, 32)
+        .tensor("empty", &[0], 0, 32);
+    parse::parse(&w.bytes(&[0; 64])).unwrap();
+
+    // qwen2-tiny with layer 1's query projection pointing at layer 0's.
+    let bytes = std::fs::read(fixture("gguf/qwen2-tiny.f32.gguf")).unwrap();
+    let header = parse::parse(&bytes).unwrap();
+    let layer0 = header
+        .tensors
+        .iter()
+        .find(|t| t.name == "blk.0.attn_q.weight")
+        .unwrap();
+    let name = b"blk.1.attn_q.weight";
+    let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len();
+    let offset_at = at + 4 + 2 * 8 + 4;
+    let mut edited = bytes.clone();
+    let relative = (layer0.data.start - header.data_offset) as u64;
+    edited[offset_at..offset_at + 8].copy_from_slice(&relative.to_le_bytes());
+    let err = load_bytes(&edited).unwrap_err().to_string();
+    assert!(
+        err.contains("model.gguf")
+            && err.contains("overlaps")
+            && err.contains("`blk.0.attn_q.weight`")
+            && err.contains("`blk.1.attn_q.weight`"),
+        "{err}"
+    );
+}
+
+/// A shape whose size in bytes overflows is refused: 2^62 f32 values once took 0 bytes (the
+/// product wrapped), passed the range check, and asked for 16 EiB when read.
+#[test]
+fn tensor_sizes_that_overflow_are_refused() {
+    let mut w = GgufWriter::default();
+    w.tensor("huge", &[1 << 62], 0, 0);
+    let err = parse_error(&w.bytes(&[]));
+    assert!(
+        err.contains("tensor `huge`: 4611686018427387904 F32 values") && err.contains("past"),
+        "{err}"
+    );
+    let mut w = GgufWriter::default();
+    w.tensor("wide", &[1 << 32, 1 << 32], 0, 0);
+    let err = parse_error(&w.bytes(&[]));
+    assert!(
+        err.contains("tensor `wide`: shape [4294967296, 4294967296] has more values"),
+        "{err}"
+    );
+}
+
+/// The parsed header takes at most `HEADER_MEMORY_FACTOR` bytes per byte of header (plus
+/// `HEADER_MEMORY_SLACK`), for the smallest entries of every kind. A 24 MiB `u8` array once
+/// took 800 MiB (one 32-byte value per byte).
+#[test]
+fn metadata_memory_is_bounded_by_its_bytes() {
+    use crate::fuzz::harness::peak_of;
+    use kiln_models::gguf::{HEADER_MEMORY_FACTOR, HEADER_MEMORY_SLACK, MetaArray};
+
+    let array = |item_type: u32, count: usize, items: &[u8]| {
+        let mut value = item_type.to_le_bytes().to_vec();
+        value.extend((count as u64).to_le_bytes());
+        value.extend(items);
+        value
+    };
+    let mut cases: Vec<(&str, Vec<u8>)> = Vec::new();
+    let n = 24 << 20;
+    cases.push((
+        "a 24 MiB u8 array",
+        GgufWriter::default()
+            .kv("big", 9, &array(0, n, &vec![7; n]))
+            .bytes(&[]),
+    ));
+    let mut keys = GgufWriter::default();
+    for i in 0..200_000 {
+        keys.kv(&format!("{i:x}"), 0, &[1]);
+    }
+    cases.push(("200k one-byte keys", keys.bytes(&[])));
+    let n = 2_000_000;
+    cases.push((
+        "2M empty strings",
+        GgufWriter::default()
+            .kv("s", 9, &array(8, n, &vec![0; 8 * n]))
+            .bytes(&[]),
+    ));
+    let n = 1_000_000;
+    let invalid: Vec<u8> = (0..n)
+        .flat_map(|_| [1, 0, 0, 0, 0, 0, 0, 0, 0xff])
+        .collect();
+    cases.push((
+        "1M one-byte strings of invalid UTF-8",
+        GgufWriter::default()
+            .kv("s", 9, &array(8, n, &invalid))
+            .bytes(&[]),
+    ));
+    let empty_arrays: Vec<u8> = (0..n).flat_map(|_| array(0, 0, &[])).collect();
+    cases.push((
+        "1M empty nested arrays",
+        GgufWriter::default()
+            .kv("a", 9, &array(9, n, &empty_arrays))
+            .bytes(&[]),
+    ));
+    let mut tensors = GgufWriter::default();
+    for i in 0..200_000 {
+        tensors.tensor(&format!("{i:x}"), &[0], 0, 0);
+    }
+    cases.push(("200k empty tensors", tensors.bytes(&[])));
+
+    for (what, bytes) in cases {
+        let (header, peak) = peak_of(|| parse::parse(&bytes));
+        let header = header.unwrap();
+        let bound = HEADER_MEMORY_FACTOR * bytes.len() + HEADER_MEMORY_SLACK;
+        eprintln!(
+            "{what}: {peak} bytes for {} ({:.2} per byte)",
+            bytes.len(),
+            peak as f64 / bytes.len() as f64
+        );
+        assert!(
+            peak <= bound,
+            "{what}: {peak} bytes for {} ({:.1} per byte)",
+            bytes.len(),
+            peak as f64 / bytes.len() as f64
+        );
+        drop(header);
+    }
+
+    // The audit's array is held as what it is: one vector of bytes.
+    let n = 1000;
+    let bytes = GgufWriter::default()
+        .kv("big", 9, &array(0, n, &vec![7; n]))
+        .bytes(&[]);
+    let header = parse::parse(&bytes).unwrap();
+    assert_eq!(
+        header.metadata["big"].as_array(),
+        Some(&MetaArray::U8(vec![7; n]))
+    );
+}

@@ -4,6 +4,7 @@
 
 mod common;
 mod dcp;
+mod fuzz;
 mod gguf;
 mod golden;
 mod loader_errors;

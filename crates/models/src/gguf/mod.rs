@@ -12,9 +12,9 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-pub use parse::{Header, ParseError, TensorInfo};
+pub use parse::{HEADER_MEMORY_FACTOR, HEADER_MEMORY_SLACK, Header, ParseError, TensorInfo};
 pub use quant::{GgmlType, dequantize, has_kernel};
-pub use value::MetaValue;
+pub use value::{Items, MetaArray, MetaItem, MetaValue, Strings};
 
 use crate::error::{ModelError, Result};
 use crate::host::HostTensor;
@@ -171,7 +171,7 @@ impl GgufFile {
     ///
     /// # Errors
     /// [`ModelError::Config`] naming the key.
-    pub fn array(&self, key: &str) -> Result<&[MetaValue]> {
+    pub fn array(&self, key: &str) -> Result<&MetaArray> {
         self.required(key)?
             .as_array()
             .ok_or_else(|| self.wrong_type(key, "an array"))

@@ -1,11 +1,19 @@
 //! The GGUF container (v2 and v3, little-endian): header, metadata and tensor infos, parsed
 //! from a byte slice with every read bounds-checked, so a corrupt or truncated file is an
 //! error naming the byte offset, never a panic or an out-of-bounds read.
+//!
+//! A file that lies cannot make the parser allocate more than the file justifies: every count
+//! is checked against the bytes left before anything is allocated, arrays are held as typed
+//! vectors ([`MetaArray`]), and the parsed [`Header`] takes at most
+//! [`HEADER_MEMORY_FACTOR`] bytes of memory per byte of header in the file (plus a constant).
+//! Every tensor's data lies inside the file and no two tensors share bytes, so reading every
+//! tensor reads at most the file.
 
 use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
 
 use super::quant::{GgmlType, ggml_type_name};
-use super::value::MetaValue;
+use super::value::{MetaArray, MetaValue, Strings};
 
 /// `GGUF` read as a little-endian u32.
 const MAGIC: u32 = 0x4655_4747;
@@ -15,6 +23,16 @@ pub const DEFAULT_ALIGNMENT: u64 = 32;
 const MAX_NESTING: usize = 4;
 /// More dimensions than any ggml tensor has.
 const MAX_DIMS: u32 = 4;
+/// The most memory [`parse`] holds per byte of the header it reads (metadata and tensor
+/// infos), plus [`HEADER_MEMORY_SLACK`]. Arrays of numbers take what they take in the file,
+/// arrays of strings little more; the worst cases are the smallest entries, measured by
+/// `gguf::metadata_memory_is_bounded_by_its_bytes`: many one-byte scalars under short keys
+/// (a map entry each: about 8 bytes per byte), nested empty arrays (4), tensor
+/// infos with one-letter names (2.5). Twice the worst, for margin.
+pub const HEADER_MEMORY_FACTOR: usize = 16;
+/// Memory [`parse`] may hold whatever the header's size (maps' and vectors' first
+/// allocations).
+pub const HEADER_MEMORY_SLACK: usize = 64 << 10;
 
 /// What went wrong, and where.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,21 +169,7 @@ impl<'a> Cursor<'a> {
                 b => return self.fail(at, format!("{what}: bool byte is {b}, not 0 or 1")),
             },
             8 => MetaValue::String(self.string(what)?),
-            9 => {
-                if depth >= MAX_NESTING {
-                    return self.fail(
-                        at,
-                        format!("{what}: arrays nested deeper than {MAX_NESTING}"),
-                    );
-                }
-                let item_type = self.u32(what)?;
-                let len = self.count(what, min_value_bytes(item_type))?;
-                let mut items = Vec::with_capacity(len);
-                for _ in 0..len {
-                    items.push(self.value(item_type, depth + 1, what)?);
-                }
-                MetaValue::Array(items)
-            }
+            9 => MetaValue::Array(self.meta_array(depth, what)?),
             10 => MetaValue::U64(self.u64(what)?),
             11 => MetaValue::I64(i64::from_le_bytes(self.array(what)?)),
             12 => MetaValue::F64(f64::from_le_bytes(self.array(what)?)),
@@ -174,16 +178,100 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// The fewest bytes a value of this type takes (bounds array lengths before allocating).
-fn min_value_bytes(type_id: u32) -> usize {
-    match type_id {
+impl Cursor<'_> {
+    /// An array value after its `ARRAY` type id: item type, count, items, read into one
+    /// vector of the item type.
+    fn meta_array(&mut self, depth: usize, what: &str) -> Result<MetaArray, ParseError> {
+        let at = self.at;
+        if depth >= MAX_NESTING {
+            return self.fail(
+                at,
+                format!("{what}: arrays nested deeper than {MAX_NESTING}"),
+            );
+        }
+        let item_type = self.u32(what)?;
+        let Some(min_bytes) = min_value_bytes(item_type) else {
+            return self.fail(at, format!("{what}: unknown array item type {item_type}"));
+        };
+        let len = self.count(what, min_bytes)?;
+        Ok(match item_type {
+            0 => MetaArray::U8(self.take(len, what)?.to_vec()),
+            1 => MetaArray::I8(self.numbers(len, what, i8::from_le_bytes)?),
+            2 => MetaArray::U16(self.numbers(len, what, u16::from_le_bytes)?),
+            3 => MetaArray::I16(self.numbers(len, what, i16::from_le_bytes)?),
+            4 => MetaArray::U32(self.numbers(len, what, u32::from_le_bytes)?),
+            5 => MetaArray::I32(self.numbers(len, what, i32::from_le_bytes)?),
+            6 => MetaArray::F32(self.numbers(len, what, f32::from_le_bytes)?),
+            7 => {
+                let start = self.at;
+                let bytes = self.take(len, what)?;
+                if let Some(i) = bytes.iter().position(|&b| b > 1) {
+                    return self.fail(
+                        start + i,
+                        format!("{what}[{i}]: bool byte is {}, not 0 or 1", bytes[i]),
+                    );
+                }
+                MetaArray::Bool(bytes.iter().map(|&b| b == 1).collect())
+            }
+            8 => MetaArray::String(self.strings(len, what)?),
+            9 => {
+                let mut items = Vec::with_capacity(len);
+                for _ in 0..len {
+                    // Each item is an array without its `ARRAY` type id: item type, count, items.
+                    items.push(self.meta_array(depth + 1, what)?);
+                }
+                MetaArray::Array(items)
+            }
+            10 => MetaArray::U64(self.numbers(len, what, u64::from_le_bytes)?),
+            11 => MetaArray::I64(self.numbers(len, what, i64::from_le_bytes)?),
+            12 => MetaArray::F64(self.numbers(len, what, f64::from_le_bytes)?),
+            _ => return self.fail(at, format!("{what}: unknown array item type {item_type}")),
+        })
+    }
+
+    /// `len` little-endian numbers of `N` bytes each.
+    fn numbers<const N: usize, T>(
+        &mut self,
+        len: usize,
+        what: &str,
+        from_le: fn([u8; N]) -> T,
+    ) -> Result<Vec<T>, ParseError> {
+        // `count` checked that `len * N` bytes are left, so the product does not overflow.
+        let (chunks, _) = self.take(len * N, what)?.as_chunks::<N>();
+        Ok(chunks.iter().map(|&c| from_le(c)).collect())
+    }
+
+    /// `len` strings, into one buffer sized by a first pass over them.
+    fn strings(&mut self, len: usize, what: &str) -> Result<Strings, ParseError> {
+        let mut probe = Cursor {
+            bytes: self.bytes,
+            at: self.at,
+        };
+        let mut text_bytes = 0usize;
+        for _ in 0..len {
+            let n = probe.count(what, 1)?;
+            text_bytes += Strings::lossy_len(probe.take(n, what)?);
+        }
+        let mut strings = Strings::with_capacity(len, text_bytes);
+        for _ in 0..len {
+            let n = self.count(what, 1)?;
+            strings.push_lossy(self.take(n, what)?);
+        }
+        Ok(strings)
+    }
+}
+
+/// The fewest bytes a value of this type takes (bounds array lengths before allocating), or
+/// `None` for an unknown type.
+fn min_value_bytes(type_id: u32) -> Option<usize> {
+    Some(match type_id {
         0 | 1 | 7 => 1,
         2 | 3 => 2,
         4..=6 => 4,
         8 | 10..=12 => 8,
         9 => 12,
-        _ => 1,
-    }
+        _ => return None,
+    })
 }
 
 /// Parses the header of a GGUF file held in `bytes`, checking that every tensor's data lies
@@ -219,8 +307,13 @@ pub fn parse(bytes: &[u8]) -> Result<Header, ParseError> {
         let at = c.at;
         let type_id = c.u32(&format!("the type of `{key}`"))?;
         let value = c.value(type_id, 0, &format!("`{key}`"))?;
-        if metadata.insert(key.clone(), value).is_some() {
-            return c.fail(at, format!("metadata key `{key}` appears twice"));
+        match metadata.entry(key) {
+            Entry::Occupied(e) => {
+                return c.fail(at, format!("metadata key `{}` appears twice", e.key()));
+            }
+            Entry::Vacant(e) => {
+                e.insert(value);
+            }
         }
     }
 
@@ -232,29 +325,77 @@ pub fn parse(bytes: &[u8]) -> Result<Header, ParseError> {
         },
     };
 
-    let mut raw = Vec::with_capacity(n_tensors);
+    let mut tensors = Vec::with_capacity(n_tensors);
+    // Where each tensor's info starts, for the errors found once every info is read.
+    let mut info_at = Vec::with_capacity(n_tensors);
     for i in 0..n_tensors {
-        let start = c.at;
-        let name = c.string(&format!("the name of tensor {i}"))?;
-        let at = c.at;
-        let n_dims = c.u32(&format!("the rank of `{name}`"))?;
+        info_at.push(c.at);
+        tensors.push(c.tensor_info(i, alignment)?);
+    }
+
+    // Tensor data starts at the first multiple of the alignment after the infos (less than
+    // the file's length plus the alignment, both at most 2^63: no overflow).
+    let data_offset = (c.at as u64).div_ceil(alignment) * alignment;
+    let Ok(data_offset) = usize::try_from(data_offset) else {
+        return c.fail(
+            c.at,
+            format!("tensor data would start at byte {data_offset}"),
+        );
+    };
+    for (t, &at) in tensors.iter_mut().zip(&info_at) {
+        let range = t.data.start.checked_add(data_offset).and_then(|start| {
+            let end = t.data.end.checked_add(data_offset)?;
+            (end <= bytes.len()).then_some(start..end)
+        });
+        let Some(range) = range else {
+            return c.fail(
+                at,
+                format!(
+                    "tensor `{}`: its {} bytes at data offset {} lie past the end of the file \
+                     ({} bytes); the file is truncated",
+                    t.name,
+                    t.data.len(),
+                    t.data.start,
+                    bytes.len()
+                ),
+            );
+        };
+        t.data = range;
+    }
+    refuse_overlaps(&tensors, &info_at)?;
+    Ok(Header {
+        version,
+        metadata,
+        tensors,
+        data_offset,
+    })
+}
+
+impl Cursor<'_> {
+    /// Tensor info `i`: name, rank, dimensions, type and data offset, with the data's range
+    /// relative to the start of the data section (checked against the file by [`parse`]).
+    fn tensor_info(&mut self, i: usize, alignment: u64) -> Result<TensorInfo, ParseError> {
+        let start = self.at;
+        let name = self.string(&format!("the name of tensor {i}"))?;
+        let at = self.at;
+        let n_dims = self.u32(&format!("the rank of `{name}`"))?;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return c.fail(at, format!("tensor `{name}` has {n_dims} dimensions"));
+            return self.fail(at, format!("tensor `{name}` has {n_dims} dimensions"));
         }
         let mut shape = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
-            let at = c.at;
-            let d = c.u64(&format!("a dimension of `{name}`"))?;
+            let at = self.at;
+            let d = self.u64(&format!("a dimension of `{name}`"))?;
             let d = usize::try_from(d)
-                .or_else(|_| c.fail(at, format!("`{name}`: dimension {d} is too large")))?;
+                .or_else(|_| self.fail(at, format!("`{name}`: dimension {d} is too large")))?;
             shape.push(d);
         }
         shape.reverse();
-        let at = c.at;
-        let type_id = c.u32(&format!("the type of `{name}`"))?;
+        let at = self.at;
+        let type_id = self.u32(&format!("the type of `{name}`"))?;
         let Some(ggml_type) = GgmlType::from_id(type_id) else {
             let supported: Vec<&str> = GgmlType::ALL.iter().map(|t| t.name()).collect();
-            return c.fail(
+            return self.fail(
                 at,
                 format!(
                     "tensor `{name}` is stored as {}, which kiln cannot read (supported: {})",
@@ -263,17 +404,22 @@ pub fn parse(bytes: &[u8]) -> Result<Header, ParseError> {
                 ),
             );
         };
-        let offset_at = c.at;
-        let offset = c.u64(&format!("the data offset of `{name}`"))?;
+        let offset_at = self.at;
+        let offset = self.u64(&format!("the data offset of `{name}`"))?;
         if !offset.is_multiple_of(alignment) {
-            return c.fail(
+            return self.fail(
                 offset_at,
                 format!("`{name}`: data offset {offset} is not aligned to {alignment}"),
             );
         }
-        let len = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
-        let Some(size) = len.and_then(|n| ggml_type.bytes_for(n)) else {
-            return c.fail(
+        let Some(len) = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) else {
+            return self.fail(
+                start,
+                format!("tensor `{name}`: shape {shape:?} has more values than a usize counts"),
+            );
+        };
+        if !len.is_multiple_of(ggml_type.block_size()) {
+            return self.fail(
                 start,
                 format!(
                     "tensor `{name}`: shape {shape:?} is not a whole number of {} blocks of {}",
@@ -281,36 +427,51 @@ pub fn parse(bytes: &[u8]) -> Result<Header, ParseError> {
                     ggml_type.block_size()
                 ),
             );
-        };
-        raw.push((name, shape, ggml_type, offset, size, start));
-    }
-
-    let data_offset = (c.at as u64).div_ceil(alignment) * alignment;
-    let mut tensors = Vec::with_capacity(raw.len());
-    for (name, shape, ggml_type, offset, size, start) in raw {
-        let range = offset
-            .checked_add(data_offset)
-            .and_then(|s| usize::try_from(s).ok())
-            .and_then(|s| s.checked_add(size).map(|e| s..e))
-            .filter(|r| r.end <= bytes.len());
+        }
+        let range = ggml_type.bytes_for(len).and_then(|size| {
+            let start = usize::try_from(offset).ok()?;
+            Some(start..start.checked_add(size)?)
+        });
         let Some(data) = range else {
-            return c.fail(start, format!(
-                "tensor `{name}`: its {size} bytes at data offset {offset} lie past the end of the file ({} bytes); the file is truncated",
-                bytes.len()
-            ));
+            return self.fail(
+                start,
+                format!(
+                    "tensor `{name}`: {len} {} values at data offset {offset} lie past the end \
+                     of any file",
+                    ggml_type.name()
+                ),
+            );
         };
-        tensors.push(TensorInfo {
+        Ok(TensorInfo {
             name,
             shape,
             ggml_type,
             data,
-        });
+        })
     }
-    let data_offset = usize::try_from(data_offset).expect("below the file length");
-    Ok(Header {
-        version,
-        metadata,
-        tensors,
-        data_offset,
-    })
+}
+
+/// Refuses tensors whose data share bytes: reading every tensor must not read more than the
+/// file (300 layers all pointing at layer 0's bytes once made 877 MiB of weights out of a
+/// 100 MB file). Sorted by start, each non-empty range must start at or after the end of the
+/// one before (if any two overlap, two neighbours in that order do).
+fn refuse_overlaps(tensors: &[TensorInfo], info_at: &[usize]) -> Result<(), ParseError> {
+    let mut order: Vec<usize> = (0..tensors.len())
+        .filter(|&i| !tensors[i].data.is_empty())
+        .collect();
+    order.sort_unstable_by_key(|&i| (tensors[i].data.start, tensors[i].data.end));
+    for pair in order.windows(2) {
+        let (a, b) = (&tensors[pair[0]], &tensors[pair[1]]);
+        if b.data.start < a.data.end {
+            return Err(ParseError {
+                offset: info_at[pair[1]],
+                reason: format!(
+                    "tensor `{}` (bytes {}..{}) overlaps tensor `{}` (bytes {}..{}); each tensor \
+                     needs its own data",
+                    b.name, b.data.start, b.data.end, a.name, a.data.start, a.data.end
+                ),
+            });
+        }
+    }
+    Ok(())
 }

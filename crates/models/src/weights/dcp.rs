@@ -205,8 +205,13 @@ impl TensorSource for DcpSource {
         // Every chunk's archive must be able to hold its values before the whole tensor is
         // allocated, so that a lying `.metadata` cannot ask for more memory than the files hold.
         for chunk in &tensor.chunks {
-            let needed = chunk.sizes.iter().product::<usize>() as u64 * element as u64;
-            if needed > chunk.length {
+            // Checked: inside a shape of at most usize::MAX elements, times up to 8 bytes.
+            let needed = chunk
+                .sizes
+                .iter()
+                .try_fold(element as u64, |n, &d| n.checked_mul(d as u64));
+            if needed.is_none_or(|needed| needed > chunk.length) {
+                let needed = needed.map_or("more than 2^64".to_string(), |n| n.to_string());
                 return Err(ModelError::corrupt(
                     &chunk.file,
                     format!(
@@ -232,17 +237,11 @@ impl TensorSource for DcpSource {
                 )
             };
             let bytes = read_range(&chunk.file, chunk.offset, chunk.length)?;
-            let saved = read_torch_save(&bytes).map_err(&bad)?;
+            let saved = read_torch_save(&bytes, &chunk.sizes).map_err(&bad)?;
             if saved.dtype != tensor.dtype {
                 return Err(bad(format!(
                     "holds {}, `.metadata` says {}",
                     saved.dtype, tensor.dtype
-                )));
-            }
-            if saved.shape != chunk.sizes {
-                return Err(bad(format!(
-                    "holds shape {:?}, `.metadata` says {:?}",
-                    saved.shape, chunk.sizes
                 )));
             }
             place_chunk(
@@ -269,7 +268,7 @@ impl TensorSource for DcpSource {
         tally(
             self.tensors
                 .values()
-                .map(|t| (type_name(&t.dtype), t.shape.iter().product())),
+                .map(|t| (type_name(&t.dtype), super::elements(&t.shape))),
         )
     }
 }

@@ -12,16 +12,19 @@ use super::pickle::{Pickle, Value};
 pub(super) struct SavedTensor {
     /// torch's dtype name (`float32`...).
     pub dtype: String,
-    /// Dimensions, outermost first.
-    pub shape: Vec<usize>,
     /// Row-major, as f32.
     pub values: Vec<f32>,
 }
 
 /// Reads the one tensor a `torch.save(tensor)` archive holds: a stored zip with
 /// `<name>/data.pkl` (`torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)`)
-/// and the storage in `<name>/data/<key>`.
-pub(super) fn read_torch_save(bytes: &[u8]) -> std::result::Result<SavedTensor, String> {
+/// and the storage in `<name>/data/<key>`. Its shape must be `expected` (what the caller's
+/// index says), checked before its values are allocated: a blob claiming a shape of 2^40
+/// elements over a small storage with zero strides must not ask for terabytes.
+pub(super) fn read_torch_save(
+    bytes: &[u8],
+    expected: &[usize],
+) -> std::result::Result<SavedTensor, String> {
     let mut zip = zip::ZipArchive::new(Cursor::new(bytes))
         .map_err(|e| format!("not a torch.save archive: {e}"))?;
     let pkl_name = zip
@@ -94,11 +97,19 @@ pub(super) fn read_torch_save(bytes: &[u8]) -> std::result::Result<SavedTensor, 
     if stride.len() != shape.len() {
         return Err(format!("size {shape:?} with stride {stride:?}"));
     }
+    if shape != expected {
+        return Err(format!(
+            "holds shape {shape:?}, `.metadata` says {expected:?}"
+        ));
+    }
     let raw = entry(&format!("{prefix}data/{key}"))?
         .ok_or_else(|| format!("the archive lacks storage data/{key}"))?;
     let element = element_bytes(dtype).ok_or("unsupported dtype")?;
     let stored = raw.len() / element;
-    let numel: usize = shape.iter().product();
+    let numel = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| format!("size {shape:?} has more elements than memory"))?;
     if numel > 0 {
         let last = shape.iter().zip(&stride).try_fold(offset, |at, (&n, &s)| {
             at.checked_add((n - 1).checked_mul(s)?)
@@ -135,7 +146,6 @@ pub(super) fn read_torch_save(bytes: &[u8]) -> std::result::Result<SavedTensor, 
     }
     Ok(SavedTensor {
         dtype: dtype.to_string(),
-        shape,
         values,
     })
 }
@@ -167,7 +177,7 @@ mod tests {
 
     #[test]
     fn a_blob_that_is_not_an_archive_is_named() {
-        let err = read_torch_save(b"not a zip at all").err().unwrap();
+        let err = read_torch_save(b"not a zip at all", &[1]).err().unwrap();
         assert!(err.contains("not a torch.save archive"), "{err}");
     }
 }
