@@ -574,7 +574,10 @@ mod tests {
             OutputConstraint::Regex("[^\\s\\S]".into()),
         ] {
             let e = err(empty);
-            assert!(e.ends_with("its language is empty: no output can match it"), "{e}");
+            assert!(
+                e.ends_with("its language is empty: no output can match it"),
+                "{e}"
+            );
         }
         let e = err(OutputConstraint::JsonSchema(
             serde_json::json!({"type": "strng"}),

@@ -968,11 +968,7 @@ fn beam_search_matches_transformers<B: InferenceBackend>(
                     .unwrap();
                 // A row per beam, and one for the greedy request.
                 let config = EngineConfig {
-                    max_batch: group
-                        .iter()
-                        .map(|c| c.request.rows())
-                        .sum::<usize>()
-                        + 1,
+                    max_batch: group.iter().map(|c| c.request.rows()).sum::<usize>() + 1,
                     ..EngineConfig::default()
                 };
                 let mut engine = Engine::new(model, cache, config).unwrap();

@@ -256,7 +256,11 @@ fn one_group_cannot_hold_every_row_of_the_batch() {
     requests.push(grouped(&[20], 3, 2));
     let late = engine.submit(requests[6].clone()).unwrap();
     let first = collect(engine.step().unwrap(), &mut done);
-    assert_eq!(first.get(&late.0), Some(&1), "the late request decodes at once");
+    assert_eq!(
+        first.get(&late.0),
+        Some(&1),
+        "the late request decodes at once"
+    );
     assert_eq!(engine.load(), (4, 3));
     while !engine.is_idle() {
         collect(engine.step().unwrap(), &mut done);
@@ -1317,7 +1321,11 @@ fn a_beam_search_takes_a_row_per_beam() {
         engine.submit(r.clone()).unwrap();
     }
     engine.step().unwrap();
-    assert_eq!(engine.load(), (2, 1), "3 beams and 1 plain request fill 4 rows");
+    assert_eq!(
+        engine.load(),
+        (2, 1),
+        "3 beams and 1 plain request fill 4 rows"
+    );
     engine.run(|_| {}).unwrap();
     assert_eq!(engine.cache().usage().used, 0);
 }
@@ -1362,7 +1370,10 @@ fn bad_beam_searches_are_refused_with_a_reason() {
     penalised.sampling.repetition_penalty = 1.2;
     cases.push((penalised, "penalties"));
     // More beams than the batch has rows (8 by default) could never run.
-    cases.push((beam_request(&[2], 4, BeamSearch::new(9)), "rows of the batch"));
+    cases.push((
+        beam_request(&[2], 4, BeamSearch::new(9)),
+        "rows of the batch",
+    ));
     for (r, needle) in cases {
         let err = engine.submit(r).unwrap_err();
         assert!(matches!(err, EngineError::InvalidRequest(_)), "{err}");

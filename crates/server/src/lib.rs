@@ -29,6 +29,16 @@ mod metrics;
 mod routes;
 mod worker;
 
+// The fuzzer and counting allocator kiln-models' tests use (std only, shared by path): the
+// request parsers are fuzzed and their memory measured with it.
+#[cfg(test)]
+#[path = "../../models/tests/fuzz/harness.rs"]
+mod harness;
+
+#[cfg(test)]
+#[global_allocator]
+static GUARD: harness::Guard = harness::Guard;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::OnceLock;
