@@ -90,7 +90,7 @@ pub struct Args {
     #[arg(long, value_name = "FORMAT", default_value = "text", value_parser = ["text", "json"], help_heading = "Server")]
     log_format: String,
     /// Most sequences decoded together (a beam search takes one per beam); one request may
-    /// hold three quarters of them, the rest are kept for other clients.
+    /// hold half of them, the rest are kept for other clients.
     #[arg(
         long,
         value_name = "N",

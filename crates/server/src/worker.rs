@@ -348,11 +348,16 @@ pub(crate) fn finish_reason(reason: FinishReason) -> &'static str {
 }
 
 /// Most rows of a batch of `max_batch` that one HTTP request's sequences may hold
-/// ([`kiln_engine::EngineConfig::max_group_rows`]): a quarter are kept for other clients, so
-/// a short request starts beside a large one (`n` choices, several prompts, a beam search)
-/// instead of waiting for all of it.
+/// ([`kiln_engine::EngineConfig::max_group_rows`]): half, the other half kept for other
+/// clients, so a short request starts beside a large one (`n` choices, several prompts, a beam
+/// search) instead of waiting for all of it, and shares each step with at most half a batch
+/// of it. A batch under 4 rows has no half to spare: one request may hold all of it.
 pub fn rows_for_one_request(max_batch: usize) -> usize {
-    (max_batch - max_batch / 4).max(1)
+    if max_batch < 4 {
+        max_batch.max(1)
+    } else {
+        max_batch / 2
+    }
 }
 
 /// `now + grace`, or a day from now when the sum overflows the clock (a grace of

@@ -27,7 +27,7 @@ VICTIM_SLACK_S = 0.05
 
 @pytest.fixture(scope="module")
 def server():
-    """No API key (so the Host check is on), 8 rows of batch: 6 for any one request."""
+    """No API key (so the Host check is on), 8 rows of batch: 4 for any one request."""
     s = KilnServer("--max-batch", "8")
     yield s
     assert s.stop() == 0, "".join(s.log)
@@ -98,8 +98,8 @@ def test_beam_searches_that_can_never_fit_are_refused_at_once(server):
     assert body["error"]["param"] == "num_beams"
     assert "sequences" in body["error"]["message"]
     assert time.perf_counter() - start < 5
-    # 7 beams are more rows than one request may hold beside others (6 of 8).
-    status, body = post(server, "/v1/completions", {"prompt": "Tell me", "num_beams": 7, "max_tokens": 8})
+    # 5 beams are more rows than one request may hold beside others (4 of 8).
+    status, body = post(server, "/v1/completions", {"prompt": "Tell me", "num_beams": 5, "max_tokens": 8})
     assert status == 400, body
     assert "rows" in body["error"]["message"], body
 
@@ -111,12 +111,12 @@ def test_a_large_beam_search_leaves_room_for_others(server):
         lambda: post(
             server,
             "/v1/completions",
-            {"prompt": ["Tell me a story", "Once upon a time"] * 2, "num_beams": 6, "max_tokens": 48, "ignore_eos": True},
+            {"prompt": ["Tell me a story", "Once upon a time"] * 2, "num_beams": 4, "max_tokens": 48, "ignore_eos": True},
         ),
     )
     assert status == 200, body
     assert len(body["choices"]) == 4
-    assert_victim_holds(alone, during, "4 prompts x 6 beams")
+    assert_victim_holds(alone, during, "4 prompts x 4 beams")
 
 
 def test_many_choices_with_long_stop_strings_leave_room_for_others(server):
