@@ -19,7 +19,7 @@ use std::str::FromStr;
 use kiln_core::TokenId;
 use serde::Serialize;
 
-use crate::generate::FinishReason;
+use crate::finish::FinishReason;
 
 /// When a beam search stops before its budget (transformers' `early_stopping`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]

@@ -4,27 +4,14 @@ use std::ops::ControlFlow;
 
 use kiln_core::kv_cache::KvCache;
 use kiln_core::{CausalLm, InferenceBackend, TokenId};
-use serde::Serialize;
 
 use crate::engine::{Engine, EngineConfig};
 use crate::error::EngineError;
 use crate::request::{Completion, Event, Request};
 
-/// Why a sequence ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FinishReason {
-    /// `max_tokens` reached (or the model's context).
-    Length,
-    /// An end-of-sequence token was sampled (it is not part of the output).
-    Eos,
-    /// A stop string appeared, or the caller stopped it.
-    Stop,
-}
-
 /// Generates one continuation of `request.prompt` on `cache` (which must hold no sequences),
 /// calling `on_token` with each new token (return `ControlFlow::Break` to stop: the
-/// completion then ends with [`FinishReason::Stop`]). It is an [`Engine`] with this one
+/// completion then ends with [`crate::FinishReason::Stop`]). It is an [`Engine`] with this one
 /// request, so everything the engine does (chunked prefill, prefix caching on a paged cache)
 /// happens here too.
 ///

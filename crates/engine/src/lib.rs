@@ -55,12 +55,17 @@
 pub mod beam;
 pub mod bench;
 pub mod cache;
+pub mod config;
+mod decode;
 pub mod detok;
 mod drafter;
 pub mod engine;
 pub mod error;
+pub mod finish;
 pub mod generate;
 pub mod request;
+mod runner;
+mod scheduler;
 mod sequence;
 pub mod session;
 pub mod snapshot;
@@ -73,7 +78,8 @@ pub use cache::CacheSpec;
 pub use detok::Detokenizer;
 pub use engine::{Engine, EngineConfig, PrefixStats, StepPolicy};
 pub use error::EngineError;
-pub use generate::{FinishReason, generate};
+pub use finish::FinishReason;
+pub use generate::generate;
 pub use request::{
     Completion, Event, MAX_TOP_LOGPROBS, Request, RequestId, Timings, TokenLogprobs, prompt_problem,
 };

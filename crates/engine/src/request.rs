@@ -8,7 +8,7 @@ use kiln_core::{ModelShape, TokenId};
 use serde::Serialize;
 
 use crate::beam::{BeamHypothesis, BeamSearch};
-use crate::generate::FinishReason;
+use crate::finish::FinishReason;
 use crate::speculate::SpecCounts;
 use crate::structured::Grammar;
 

@@ -1,34 +1,40 @@
-//! One request's state inside the engine.
+//! One request's state inside the engine: [`SeqState`], what every request has (its context,
+//! its place in the cache, its text and stop strings, its timings), and the [`Decoder`] of its
+//! decoding mode, which owns everything that belongs to one mode only.
 
 use std::time::Instant;
 
-use kiln_core::sampling::{Sampler, TokenHistory};
 use kiln_core::{Position, SeqId, TokenId};
 
-use crate::beam::{BeamGroup, BeamHypothesis};
+use crate::decode::Decoder;
 use crate::detok::{Detokenizer, IncrementalDecoder};
-use crate::generate::FinishReason;
+use crate::finish::FinishReason;
 use crate::request::{Completion, Event, Request, RequestId, Timings, TokenLogprobs};
-use crate::speculate::SpecCounts;
 use crate::stop::StopMatcher;
-use crate::structured::GrammarMatcher;
 
-/// A request being served. Its *context* is the prompt followed by what it generated; the
-/// first `in_cache` tokens of the context are in the KV cache. Each step feeds the next tokens
-/// of the context (a prefill chunk, or the one token sampled last) and samples when the whole
-/// context is in the cache. Preemption sets `in_cache` to 0: the context is recomputed later,
-/// and the sampler's state survives, so the continuation is the same.
+/// A request being served: its state and its decoder, kept apart so a decoder can work on the
+/// state it belongs to.
 pub(crate) struct Sequence {
+    pub state: SeqState,
+    pub decoder: Box<dyn Decoder>,
+}
+
+/// What every request being served has. Its *context* is the prompt followed by what it
+/// generated; the first `in_cache` tokens of the context are in the KV cache. Each step feeds
+/// the next tokens of the context (a prefill chunk, or the one token sampled last) and its
+/// decoder picks what comes next when the whole context is in the cache. Preemption sets
+/// `in_cache` to 0: the context is recomputed later, and the decoder's sampling state survives,
+/// so the continuation is the same.
+pub(crate) struct SeqState {
     pub id: RequestId,
     /// The cache's name for it: its own id's, or that of the kept request it continues.
     pub seq: SeqId,
     pub request: Request,
     pub generated: Vec<TokenId>,
     pub in_cache: usize,
+    /// Most tokens it may generate (`max_tokens`, less what the context leaves).
     pub budget: usize,
-    pub sampler: Sampler,
-    pub history: TokenHistory,
-    pub decoder: IncrementalDecoder,
+    pub text: IncrementalDecoder,
     pub stops: StopMatcher,
     pub submitted: Instant,
     pub first_token: Option<Instant>,
@@ -37,40 +43,11 @@ pub(crate) struct Sequence {
     pub cached_tokens: Option<usize>,
     /// The caller asked it to end ([`crate::Engine::stop`]); it ends at the next step.
     pub stop_requested: bool,
-    /// Draft tokens this step feeds after its last sampled token (speculative decoding).
-    pub drafts: Vec<TokenId>,
-    /// Speculation's counts: drafts, accepted drafts, forwards and the tokens they produced.
-    pub counts: SpecCounts,
-    /// Most drafts it proposes next step (adaptive speculation moves it after each check).
-    pub draft_limit: usize,
-    /// The distribution each draft was drawn from (a draft model's sampled drafts only).
-    pub draft_q: Vec<Vec<f32>>,
-    /// Leading context tokens the draft model's cache holds for it.
-    pub draft_in_cache: usize,
-    /// Draws the draft model's proposals (an engine with a draft model only).
-    pub draft_sampler: Option<Sampler>,
-    /// Its beam search, when the request asked for one.
-    pub beams: Option<BeamGroup>,
-    /// The cache sequence of each running beam, in the order of the group's beams (empty
-    /// before the first search step, when the prompt runs as `seq`).
-    pub beam_seqs: Vec<SeqId>,
-    /// The cache sequences its beams may take: `seq` and `num_beams - 1` more.
-    pub beam_ids: Vec<SeqId>,
-    /// The hypotheses a finished beam search returned.
-    pub beam_results: Vec<BeamHypothesis>,
-    /// Its position in its grammar (structured output); the sampler holds a clone as its
-    /// first processor.
-    pub constraint: Option<GrammarMatcher>,
 }
 
-impl Sequence {
-    pub fn new(id: RequestId, request: Request, budget: usize, mut sampler: Sampler) -> Self {
-        let history = TokenHistory::with_prompt(&request.prompt);
+impl SeqState {
+    pub fn new(id: RequestId, request: Request, budget: usize) -> Self {
         let stops = StopMatcher::new(&request.stop);
-        let constraint = request.constraint.as_ref().map(|g| g.start(&request.eos));
-        if let Some(matcher) = &constraint {
-            sampler.prepend_processor(Box::new(matcher.clone()));
-        }
         Self {
             id,
             seq: SeqId(id.0),
@@ -78,67 +55,18 @@ impl Sequence {
             generated: Vec::new(),
             in_cache: 0,
             budget,
-            sampler,
-            history,
-            decoder: IncrementalDecoder::default(),
+            text: IncrementalDecoder::default(),
             stops,
             submitted: Instant::now(),
             first_token: None,
             preemptions: 0,
             cached_tokens: None,
             stop_requested: false,
-            drafts: Vec::new(),
-            counts: SpecCounts::default(),
-            draft_limit: usize::MAX,
-            draft_q: Vec::new(),
-            draft_in_cache: 0,
-            draft_sampler: None,
-            beams: None,
-            beam_seqs: Vec::new(),
-            beam_ids: Vec::new(),
-            beam_results: Vec::new(),
-            constraint,
         }
-    }
-
-    /// Whether its next token is the plain argmax of its logits row, which the device can
-    /// pick itself: greedy without processors (no penalty, no grammar), no log-probabilities
-    /// asked for, no drafts to verify and no beams.
-    pub fn argmax_on_device(&self) -> bool {
-        self.sampler.is_plain_greedy()
-            && self.request.logprobs.is_none()
-            && self.drafts.is_empty()
-            && self.beams.is_none()
-            && self.constraint.is_none()
-    }
-
-    /// Every cache sequence it may hold: its beams' with beam search, else its own.
-    pub fn cache_seqs(&self) -> Vec<SeqId> {
-        if self.beams.is_some() {
-            self.beam_ids.clone()
-        } else {
-            vec![self.seq]
-        }
-    }
-
-    /// Whether it proposes drafts when speculation is on: it decodes, and is no beam search.
-    pub fn can_draft(&self) -> bool {
-        self.wants_decode() && self.beams.is_none()
-    }
-
-    /// Whether its beams are past the first search step (each feeds its own last token).
-    pub fn beams_running(&self) -> bool {
-        !self.beam_seqs.is_empty()
     }
 
     pub fn context_len(&self) -> usize {
         self.request.prompt.len() + self.generated.len()
-    }
-
-    /// Whether `token` ends it: an EOS of the request, or of its grammar.
-    pub fn is_end(&self, token: TokenId) -> bool {
-        self.request.eos.contains(&token)
-            || self.constraint.as_ref().is_some_and(|c| c.is_end(token))
     }
 
     /// The prompt followed by what it generated, without copying.
@@ -195,10 +123,9 @@ impl Sequence {
     ) -> bool {
         self.first_token.get_or_insert_with(Instant::now);
         self.generated.push(token);
-        self.history.push(token);
         let (text, stopped) = match detok {
             Some(detok) => {
-                let piece = self.decoder.push(token, detok);
+                let piece = self.text.push(token, detok);
                 let check = self.stops.push(&piece);
                 (check.emit, check.stopped)
             }
@@ -213,8 +140,14 @@ impl Sequence {
         stopped
     }
 
-    /// The completion, with any held-back text flushed into `tail`.
-    pub fn finish(mut self, reason: FinishReason, has_text: bool) -> (Completion, String) {
+    /// The completion, with any held-back text flushed into `tail`; `decoder` gives its
+    /// counts and any alternatives.
+    pub fn finish(
+        mut self,
+        reason: FinishReason,
+        has_text: bool,
+        decoder: &mut dyn Decoder,
+    ) -> (Completion, String) {
         let tail = if reason == FinishReason::Stop {
             String::new()
         } else {
@@ -233,8 +166,8 @@ impl Sequence {
                 decode: now.duration_since(first),
             },
             preemptions: self.preemptions,
-            speculation: self.counts,
-            beams: self.beam_results,
+            speculation: decoder.counts(),
+            beams: decoder.take_hypotheses(),
             cached_tokens: self
                 .cached_tokens
                 .unwrap_or(0)

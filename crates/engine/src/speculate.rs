@@ -32,12 +32,10 @@ pub enum DraftSource {
 
 impl DraftSource {
     /// The draft length K used when none is asked for: 3 for prompt lookup, 4 for a draft
-    /// model. A lookup's drafts fail more often than a draft model's (72 % against 100 % on
-    /// the grounded prompt set), and each verification row costs a share of a step: on 2 CPU
-    /// cores a quarter, and a fifth row more (the quantized products take rows four at a
-    /// time). `cargo xtask bench-spec` on that set: K 3 beat K 4 in 5 of 5 alternated
-    /// commands (1.41-1.53x against 1.36-1.50x); a draft model's 4.7 tokens per forward want
-    /// the longer drafts.
+    /// model. A lookup's drafts fail more often than a draft model's, and each verification
+    /// row costs a share of a step (a fifth row more on a CPU, where the quantized products
+    /// take rows four at a time), so lookups want the shorter drafts (`cargo xtask
+    /// bench-spec`; docs/benchmarks.md, "Speculative decoding at batch 1").
     pub fn default_draft_tokens(self) -> usize {
         match self {
             DraftSource::PromptLookup { .. } => 3,
@@ -57,8 +55,7 @@ pub struct Speculation {
     /// after a check, the next draft is one longer than what was accepted, so a sequence whose
     /// drafts keep failing proposes one token at a time, and one copying its input goes back
     /// to K. Prompt lookup: a match of n tokens drafts at most n (a better guide to the next
-    /// tokens than the last check: with n-grams from 1, 1.5-4 % faster than the acceptance
-    /// rule with n-grams from 2 in replays of the grounded prompt set; docs/benchmarks.md).
+    /// tokens than the last check in replays of the grounded prompt set; docs/benchmarks.md).
     pub adaptive: bool,
     /// Speculate only in steps where at most this many sequences decode (0: in every step).
     /// Verification rows add up over a batch: on a CPU, where an extra row of a forward is
