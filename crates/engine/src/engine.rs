@@ -91,7 +91,6 @@ fn prefix_key_space<B: InferenceBackend>(model: &dyn CausalLm<B>) -> u64 {
     hasher.finish()
 }
 
-
 impl<'a, B: InferenceBackend> Engine<'a, B> {
     /// An engine over `model` and `cache` (which must be empty).
     ///
@@ -564,7 +563,11 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
         }
         let state = &seq.state;
         if state.request.keep_cache {
-            let tokens = state.context_tokens().take(state.in_cache).copied().collect();
+            let tokens = state
+                .context_tokens()
+                .take(state.in_cache)
+                .copied()
+                .collect();
             self.kept.insert(
                 state.id,
                 Kept {
@@ -578,9 +581,9 @@ impl<'a, B: InferenceBackend> Engine<'a, B> {
             }
         }
         let id = state.id;
-        let (completion, tail) =
-            seq.state
-                .finish(reason, self.detok.is_some(), &mut *seq.decoder);
+        let (completion, tail) = seq
+            .state
+            .finish(reason, self.detok.is_some(), &mut *seq.decoder);
         if !tail.is_empty() {
             events.push(Event::Text { id, text: tail });
         }

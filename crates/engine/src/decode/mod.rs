@@ -26,8 +26,8 @@ use kiln_core::sampling::Sampler;
 use kiln_core::{Batch, InferenceBackend, ModelShape, SeqId, TokenId};
 
 use crate::beam::BeamHypothesis;
-use crate::detok::Detokenizer;
 use crate::config::EngineConfig;
+use crate::detok::Detokenizer;
 use crate::error::EngineError;
 use crate::finish::FinishReason;
 use crate::request::{Event, Request};

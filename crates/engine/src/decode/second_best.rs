@@ -100,11 +100,8 @@ mod tests {
     fn recomputed(model: &dyn CausalLm<B>, prompt: &[TokenId], n: usize) -> Vec<TokenId> {
         let mut context = prompt.to_vec();
         for _ in 0..n {
-            let mut cache = DynamicKvCache::<B>::new(
-                model.shape().kv_layout(),
-                model.dtype(),
-                &model.device(),
-            );
+            let mut cache =
+                DynamicKvCache::<B>::new(model.shape().kv_layout(), model.dtype(), &model.device());
             let mut batch = Batch::new();
             batch.push(SeqId(0), &context, Position(0)).unwrap();
             let logits = model
@@ -148,7 +145,10 @@ mod tests {
             let done = engine.run(|_| {}).unwrap();
             for (prompt, completion) in prompts.iter().zip(&done) {
                 let expected = recomputed(model, prompt, completion.tokens.len());
-                assert_eq!(completion.tokens, expected, "{kind} cache, prompt {prompt:?}");
+                assert_eq!(
+                    completion.tokens, expected,
+                    "{kind} cache, prompt {prompt:?}"
+                );
             }
         }
     }

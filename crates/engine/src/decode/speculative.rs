@@ -245,9 +245,7 @@ impl<B: InferenceBackend> DecodingMode<B> for SpeculativeMode<'_, B> {
             decoder.draft_q.clear();
             if state.wants_decode() && !batch_too_large {
                 let room = state.budget.saturating_sub(state.generated.len() + 1);
-                *limit = room
-                    .min(decoder.draft_limit)
-                    .min(speculation.draft_tokens);
+                *limit = room.min(decoder.draft_limit).min(speculation.draft_tokens);
             }
         }
         match &mut self.drafter {
