@@ -68,6 +68,33 @@ impl CacheSpec {
             .checked_mul(layout.bytes_per_token(dtype) as u64)
     }
 
+    /// The most tokens each sequence of `request` may generate when it runs alone in this
+    /// cache, no sequence longer than `context` tokens: 0 when its prompt leaves no room.
+    ///
+    /// A request of one sequence has what its prompt leaves of the cache's slots. A beam
+    /// search's beams ([`crate::Request::beam`]) share the prompt, but each holds its own
+    /// generated tokens, and on a paged cache each may also hold two partial blocks (its own,
+    /// and the copy of one it shared with the beam it forked from): what is left after those is
+    /// split between the beams, so a search that runs to its end never runs the cache out.
+    pub fn room_per_sequence(&self, request: &crate::Request, context: usize) -> usize {
+        // A dynamic cache grows on demand: only the context bounds it.
+        let slots = match self.kind {
+            CacheKind::Dynamic => None,
+            _ => self.slots(),
+        };
+        let held = slots.map_or(usize::MAX, |s| usize::try_from(s).unwrap_or(usize::MAX));
+        let room = context.min(held).saturating_sub(request.prompt.len());
+        let Some(beam) = request.beam else {
+            return room;
+        };
+        let beams = beam.num_beams.max(1);
+        let block = match self.kind {
+            CacheKind::Paged => self.page_size.max(1),
+            _ => 1,
+        };
+        room.saturating_sub(2 * block * beams) / beams
+    }
+
     /// [`Self::pool_blocks`], `None` if it overflows.
     fn pool_blocks_checked(&self) -> Option<usize> {
         match self.blocks {
@@ -127,5 +154,37 @@ impl CacheSpec {
                 device,
             )?),
         })
+    }
+}
+
+#[cfg(test)]
+mod room_per_sequence_tests {
+    use kiln_core::TokenId;
+
+    use super::CacheSpec;
+    use crate::{BeamSearch, Request};
+
+    #[test]
+    fn beams_split_what_the_prompt_leaves_less_two_blocks_each() {
+        // 100 blocks of 16: 1600 slots, within a context of 8192.
+        let spec = CacheSpec {
+            blocks: Some(100),
+            ..CacheSpec::paged(4, 8192)
+        };
+        let prompt = vec![TokenId(1); 100];
+        let one = Request {
+            prompt: prompt.clone(),
+            ..Request::default()
+        };
+        assert_eq!(spec.room_per_sequence(&one, 8192), 1500);
+        assert_eq!(spec.room_per_sequence(&one, 1000), 900);
+        let beams = Request {
+            prompt,
+            beam: Some(BeamSearch::new(4)),
+            ..Request::default()
+        };
+        // (1500 - 2 × 16 × 4) / 4
+        assert_eq!(spec.room_per_sequence(&beams, 8192), 343);
+        assert_eq!(spec.room_per_sequence(&beams, 200), 0);
     }
 }

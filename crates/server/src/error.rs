@@ -4,7 +4,8 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
+
+use crate::api::response::{ErrorBody, ErrorDetail};
 
 /// An error answer.
 #[derive(Debug, Clone, PartialEq)]
@@ -162,21 +163,26 @@ impl ApiError {
     }
 
     /// The body, as sent alone or as a stream's data event.
+    pub(crate) fn envelope(&self) -> ErrorBody<'_> {
+        ErrorBody {
+            error: ErrorDetail {
+                message: &self.message,
+                kind: self.kind(),
+                param: self.param.as_deref(),
+                code: self.code,
+            },
+        }
+    }
+
+    /// The body (`{"error": {...}}`) as a JSON value.
     pub fn body(&self) -> serde_json::Value {
-        json!({
-            "error": {
-                "message": self.message,
-                "type": self.kind(),
-                "param": self.param,
-                "code": self.code,
-            }
-        })
+        serde_json::to_value(self.envelope()).unwrap_or_default()
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        (self.status, axum::Json(self.envelope())).into_response()
     }
 }
 

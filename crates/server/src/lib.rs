@@ -14,7 +14,10 @@
 //!
 //! Connections are accepted and served by `listener.rs` (hyper's HTTP/1 with deadlines for
 //! request heads, an idle timeout and a cap on open connections), and request bodies read by
-//! `body.rs` (a size limit and a deadline).
+//! `body.rs` (a size limit and a deadline). `routes/` holds the router, its middleware (the
+//! browser guard, the API key, CORS) and one file per endpoint family, with the SSE streamer
+//! and the non-streamed collector apart; `api/` the request types, their validation and the
+//! typed response bodies; `worker.rs` the engine thread.
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 //! `GET /health`, `GET /metrics` (Prometheus), `POST /tokenize`, `POST /detokenize`.
@@ -48,7 +51,7 @@ use std::time::{Duration, Instant};
 
 use kiln_core::InferenceBackend;
 use kiln_core::kv_cache::KvCache;
-use kiln_engine::{Engine, EngineConfig};
+use kiln_engine::{CacheSpec, Engine, EngineConfig};
 use kiln_models::LoadedModel;
 
 pub use codec::Codec;
@@ -313,6 +316,7 @@ impl Server {
             kiln_engine::GrammarCompiler::new(&tokenizer.token_texts(shape.vocab), eos).ok()
         });
         let kv_tokens = model.cache.usage().capacity;
+        let cache = cache_spec(&*model.cache, model.block_tokens, &shape, &model.config);
         let detok = move |ids: &[kiln_core::TokenId]| tokenizer.decode(ids, true).ok();
         let mut engine =
             Engine::new(&loaded.model, model.cache, model.config)?.with_detokenizer(&detok);
@@ -325,7 +329,7 @@ impl Server {
             model.block_tokens,
             model.cache_bytes,
         );
-        let _ = self.state.ready.set(Ready {
+        let _ = self.state.ready.set(Arc::new(Ready {
             model: model.name,
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -334,14 +338,13 @@ impl Server {
             eos: loaded.generation.eos.clone(),
             shape,
             kv_tokens,
-            block_tokens: model.block_tokens.max(1),
+            cache,
             max_batch: model.config.max_batch,
             grammars,
-        });
+        }));
         let shared = worker::Shared {
             metrics: &self.state.metrics,
             in_flight: &self.state.in_flight,
-            block_tokens: model.block_tokens,
         };
         worker::run(
             &mut engine,
@@ -388,6 +391,30 @@ impl Server {
         } else {
             Stopped::Gracefully
         })
+    }
+}
+
+/// The served cache as the engine describes it, from what [`ServedModel`] says of it: its kind,
+/// rows and window from the cache, its token slots as blocks of `block_tokens`. The handlers
+/// ask it what a request may generate ([`CacheSpec::room_per_sequence`]).
+fn cache_spec<B: InferenceBackend>(
+    cache: &dyn KvCache<B>,
+    block_tokens: usize,
+    shape: &kiln_core::ModelShape,
+    config: &EngineConfig,
+) -> CacheSpec {
+    let slots = cache.usage().capacity;
+    let page_size = block_tokens.max(1);
+    let rows = cache.max_sequences();
+    CacheSpec {
+        kind: cache.kind(),
+        max_sequences: rows.unwrap_or(config.max_batch),
+        // A static cache's rows share its slots; the others size nothing by it.
+        max_len: rows.map_or(shape.max_positions, |rows| slots / rows.max(1)),
+        window: cache.window().unwrap_or(shape.max_positions),
+        max_step: config.max_step_tokens,
+        page_size,
+        blocks: Some(slots / page_size),
     }
 }
 

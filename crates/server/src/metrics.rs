@@ -116,6 +116,11 @@ impl Metrics {
         self.kv_cache_bytes.store(bytes, Ordering::Relaxed);
     }
 
+    /// Whole KV blocks in `tokens` slots of the cache (slots, for a cache without blocks).
+    pub(crate) fn blocks(&self, tokens: usize) -> usize {
+        tokens / (self.kv_block_tokens.load(Ordering::Relaxed).max(1) as usize)
+    }
+
     /// The engine's state after a step.
     pub fn set_load(&self, load: Load) {
         self.running.store(load.running as u64, Ordering::Relaxed);

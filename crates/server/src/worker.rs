@@ -14,6 +14,7 @@ use kiln_core::TokenId;
 use kiln_engine::{Completion, Engine, Event, FinishReason, Request, RequestId, TokenLogprobs};
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::api::response::finish_reason;
 use crate::error::ApiError;
 use crate::metrics::{Load, Metrics, Outcome};
 
@@ -87,8 +88,6 @@ pub(crate) struct Shared<'a> {
     pub metrics: &'a Metrics,
     /// Rows of engine requests accepted and not yet ended (the queue limit counts them).
     pub in_flight: &'a AtomicUsize,
-    /// Tokens per KV block, to report blocks from token slots.
-    pub block_tokens: usize,
 }
 
 /// Serves submissions until a shutdown has drained (or the grace period ran out) or every
@@ -158,12 +157,11 @@ pub(crate) fn run<B: InferenceBackend>(
         }
         let (running, waiting) = engine.load();
         let usage = engine.cache().usage();
-        let block = shared.block_tokens.max(1);
         shared.metrics.set_load(Load {
             running,
             waiting,
-            kv_blocks_used: usage.used / block,
-            kv_blocks_cached: usage.cached / block,
+            kv_blocks_used: shared.metrics.blocks(usage.used),
+            kv_blocks_cached: shared.metrics.blocks(usage.cached),
             prefix: engine.prefix_stats(),
             speculation: engine.speculation_stats(),
         });
@@ -337,14 +335,6 @@ fn log_finished(route: &Route, c: &Completion, now: Instant) {
         finish_reason = finish_reason(c.finish_reason),
         "finished"
     );
-}
-
-/// OpenAI's name for why a choice ended.
-pub(crate) fn finish_reason(reason: FinishReason) -> &'static str {
-    match reason {
-        FinishReason::Length => "length",
-        FinishReason::Eos | FinishReason::Stop => "stop",
-    }
 }
 
 /// Most rows of a batch of `max_batch` that one HTTP request's sequences may hold
