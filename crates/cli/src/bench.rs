@@ -11,12 +11,13 @@ use anyhow::{Context, Result, bail};
 use kiln_core::backend::BackendKind;
 use kiln_core::backend::BackendTask;
 use kiln_core::{CausalLm, InferenceBackend};
-use kiln_engine::Engine;
 use kiln_engine::bench::{Cell, CellTimings, Sampling, quantile, run_cell};
+use kiln_engine::{EngineSettings, Run};
 use kiln_kernels::GgmlType;
 use kiln_models::random::{KnownShape, random_model};
 use serde_json::json;
 
+use crate::engine_args::{self, BENCH, EngineArgs};
 use crate::exit::UsageError;
 use crate::model_args::{ModelArgs, SpeculationArgs};
 use crate::{bandwidth, memory, progress};
@@ -65,6 +66,8 @@ pub struct Args {
     /// forward are reported per cell). Synthetic prompts give prompt lookup little to find.
     #[command(flatten)]
     speculation: SpeculationArgs,
+    #[command(flatten)]
+    pub(crate) engine: EngineArgs,
 }
 
 pub fn run(mut args: Args) -> Result<()> {
@@ -89,12 +92,13 @@ pub fn run(mut args: Args) -> Result<()> {
         ));
     }
     args.speculation.speculation()?;
+    let settings = args.engine.settings(&BENCH)?;
     let backend = args.model.backend;
     let count = args.verbose;
-    crate::device::run_on(backend, count, Task(args))?
+    crate::device::run_on(backend, count, Task(args, settings))?
 }
 
-struct Task(Args);
+struct Task(Args, EngineSettings);
 
 /// A GGUF type kiln multiplies in its blocks, by llama.cpp's name in either case.
 fn parse_quantized_type(name: &str) -> std::result::Result<GgmlType, String> {
@@ -209,7 +213,7 @@ impl BackendTask for Task {
     type Output = Result<()>;
 
     fn run<B: InferenceBackend>(self, device: B::Device) -> Result<()> {
-        let args = self.0;
+        let Task(args, settings) = self;
         let dtype = args.model.dtype();
         let (model, name, draft) = match args.shape {
             Some(shape) => (
@@ -299,7 +303,7 @@ impl BackendTask for Task {
                         prompt_len,
                         batch,
                         new_tokens: args.new_tokens,
-                        max_step_tokens: 512,
+                        max_step_tokens: settings.max_step_tokens,
                         sampling,
                         speculation,
                     });
@@ -314,17 +318,18 @@ impl BackendTask for Task {
         let mut reports = Vec::new();
         for cell in cells {
             B::release_unused_device_memory(&device);
-            let cache = cell
-                .cache_spec()
-                .build::<B>(shape.kv_layout(), kv_dtype, &device)?;
+            // Every sequence of the cell held whole, its prompts read in one step each.
+            let run = Run {
+                requests: Some(cell.batch),
+                max_len: cell.prompt_len + cell.new_tokens,
+                longest_prompt: cell.prompt_len,
+                ..engine_args::run_for(&model, kv_dtype, args.model.backend)
+            };
+            let mut spec = engine_args::spec(&settings, &run, &BENCH)?;
+            spec.config.speculation = speculation;
             // One engine per cell, its warm-up and timed runs one after another on it.
-            let mut engine = Engine::new(&model, cache, cell.engine_config())?;
-            if let Some(draft) = &draft {
-                let layout = CausalLm::shape(&draft.model).kv_layout();
-                let dtype = CausalLm::dtype(&draft.model);
-                let cache = cell.cache_spec().build::<B>(layout, dtype, &device)?;
-                engine = engine.with_draft_model(&draft.model, cache)?;
-            }
+            let draft_model = draft.as_ref().map(|d| &d.model as &dyn CausalLm<B>);
+            let mut engine = spec.engine(&model, kv_dtype, draft_model)?;
             memory::reset_peak();
             let mut runs = Vec::with_capacity(args.repeats);
             for run in 0..=args.repeats {

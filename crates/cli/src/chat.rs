@@ -11,13 +11,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Result, anyhow};
 use kiln_core::backend::BackendTask;
-use kiln_core::kv_cache::CacheKind;
 use kiln_core::sampling::SamplingParams;
-use kiln_core::{CausalLm, InferenceBackend, TokenId};
-use kiln_engine::{CacheSpec, Completion, EngineConfig, Request, Session};
+use kiln_core::{InferenceBackend, TokenId};
+use kiln_engine::{Completion, EngineSettings, Request, Run, Session};
 use kiln_models::LoadedModel;
 use kiln_models::chat::{ChatMessage, ChatTemplate, Role};
 
+use crate::engine_args::{self, CHAT, EngineArgs};
 use crate::exit::UsageError;
 use crate::generate::per_second;
 use crate::model_args::{ModelArgs, SamplingArgs, StructuredArgs};
@@ -50,35 +50,18 @@ pub struct Args {
     /// `chat_template_kwargs`): `{"enable_thinking": false}` turns Qwen3's thinking off.
     #[arg(long, value_name = "JSON", value_parser = parse_template_kwargs, help_heading = "Generation")]
     chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
-    /// KV cache kept between turns: dynamic (grows as the conversation does), static (the
-    /// model's whole context up front), paged or sliding.
-    #[arg(
-        long,
-        value_name = "KIND",
-        default_value = "dynamic",
-        help_heading = "KV cache"
-    )]
-    cache: CacheKind,
-    /// Sliding cache: attend over the last N tokens only.
-    #[arg(
-        long,
-        value_name = "N",
-        default_value_t = 4096,
-        help_heading = "KV cache"
-    )]
-    window: usize,
+    #[command(flatten)]
+    pub(crate) engine: EngineArgs,
 }
 
 pub fn run(args: Args) -> Result<()> {
     args.sampling.params()?;
-    if args.window == 0 {
-        return Err(UsageError("--window must be positive".into()).into());
-    }
+    let settings = args.engine.settings(&CHAT)?;
     let backend = args.model.backend;
-    crate::device::run_on(backend, false, Task(args))?
+    crate::device::run_on(backend, false, Task(args, settings))?
 }
 
-struct Task(Args);
+struct Task(Args, EngineSettings);
 
 const HELP: &str = "\
 commands:
@@ -289,7 +272,7 @@ impl BackendTask for Task {
     type Output = Result<()>;
 
     fn run<B: InferenceBackend>(self, device: B::Device) -> Result<()> {
-        let args = self.0;
+        let Task(args, engine) = self;
         let loaded: LoadedModel<B> = args.model.load(&device)?;
         let tokenizer = loaded.tokenizer.as_ref().ok_or_else(|| {
             UsageError(format!(
@@ -310,25 +293,14 @@ impl BackendTask for Task {
             &token_text(&loaded, loaded.generation.bos),
             &eos_text,
         )?;
-        let shape = loaded.model.shape();
-        let spec = CacheSpec {
-            kind: args.cache,
-            max_sequences: 1,
-            max_len: shape.max_positions,
-            window: args.window,
-            max_step: EngineConfig::default().max_step_tokens,
-            ..CacheSpec::paged(1, shape.max_positions)
-        };
         let kv_dtype = args.model.kv_dtype(&loaded.model)?;
-        crate::memory::check_cache_fits(
-            &spec,
-            shape.kv_layout(),
-            kv_dtype,
-            args.model.backend,
-            "--context or --page-size",
-        )?;
-        let cache = spec.build::<B>(shape.kv_layout(), kv_dtype, &device)?;
-        let mut session = Session::new(&loaded.model, cache, EngineConfig::default())?;
+        // One conversation, as long as the context.
+        let run = Run {
+            requests: Some(1),
+            ..engine_args::run_for(&loaded.model, kv_dtype, args.model.backend)
+        };
+        let spec = engine_args::spec(&engine, &run, &CHAT)?;
+        let mut session = spec.session(&loaded.model, kv_dtype)?;
         let mut settings = Settings {
             sampling: args.sampling.params()?,
             max_tokens: args.max_tokens,

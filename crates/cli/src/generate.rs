@@ -7,14 +7,12 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use kiln_core::backend::BackendTask;
-use kiln_core::kv_cache::{CacheKind, DEFAULT_BLOCK_SIZE};
 use kiln_core::{CausalLm, InferenceBackend, TokenId};
-use kiln_engine::{
-    CacheSpec, Completion, Engine, EngineConfig, Event, Request, Snapshot, SpecCounts, Timings,
-};
+use kiln_engine::{Completion, EngineSettings, Event, Request, Run, Snapshot, SpecCounts, Timings};
 use kiln_models::LoadedModel;
 use serde_json::json;
 
+use crate::engine_args::{self, EngineArgs, GENERATE};
 use crate::exit::UsageError;
 use crate::model_args::{BeamArgs, ModelArgs, SamplingArgs, SpeculationArgs, StructuredArgs};
 
@@ -57,37 +55,8 @@ pub struct Args {
     /// Keep generating past end-of-sequence tokens.
     #[arg(long, help_heading = "Generation")]
     ignore_eos: bool,
-    /// KV cache: paged, static, dynamic or sliding.
-    #[arg(
-        long,
-        value_name = "KIND",
-        default_value = "paged",
-        help_heading = "KV cache and batching"
-    )]
-    cache: CacheKind,
-    /// Sliding cache: attend over the last N tokens only.
-    #[arg(
-        long,
-        value_name = "N",
-        default_value_t = 4096,
-        help_heading = "KV cache and batching"
-    )]
-    window: usize,
-    /// Paged cache: tokens per block.
-    #[arg(long, value_name = "N", default_value_t = DEFAULT_BLOCK_SIZE, help_heading = "KV cache and batching")]
-    page_size: usize,
-    /// Compute every prompt in full instead of reusing the K/V of earlier requests' identical
-    /// leading tokens (prefix caching is on by default with the paged cache).
-    #[arg(long, help_heading = "KV cache and batching")]
-    no_prefix_cache: bool,
-    /// Most sequences decoded together.
-    #[arg(
-        long,
-        value_name = "N",
-        default_value_t = 8,
-        help_heading = "KV cache and batching"
-    )]
-    max_batch: usize,
+    #[command(flatten)]
+    pub(crate) engine: EngineArgs,
     #[command(flatten)]
     speculation: SpeculationArgs,
     #[command(flatten)]
@@ -99,12 +68,12 @@ pub struct Args {
         long,
         value_name = "FILE",
         conflicts_with = "prompts_file",
-        help_heading = "KV cache and batching"
+        help_heading = "Snapshots"
     )]
     save_snapshot: Option<PathBuf>,
     /// Start from a KV-cache snapshot (saved with --save-snapshot by the same model and
     /// dtype) instead of a prompt: only the prompt's last token is computed.
-    #[arg(long, value_name = "FILE", help_heading = "KV cache and batching", conflicts_with_all = ["prompt", "prompt_option", "token_ids", "prompts_file", "save_snapshot"])]
+    #[arg(long, value_name = "FILE", help_heading = "Snapshots", conflicts_with_all = ["prompt", "prompt_option", "token_ids", "prompts_file", "save_snapshot"])]
     from_snapshot: Option<PathBuf>,
     /// Print JSON instead of streaming text: one object per prompt, in input order.
     #[arg(long, help_heading = "Output")]
@@ -124,21 +93,18 @@ pub fn run(mut args: Args) -> Result<()> {
     if args.prompt.is_none() && !other_input {
         return Err(UsageError(NO_PROMPT.into()).into());
     }
-    for (name, value) in [
-        ("--window", args.window),
-        ("--page-size", args.page_size),
-        ("--max-batch", args.max_batch),
-    ] {
-        if value == 0 {
-            return Err(UsageError(format!("{name} must be positive")).into());
-        }
-    }
+    let settings = args.engine.settings(&GENERATE)?;
     let texts = match &args.prompts_file {
         Some(path) => Some(read_prompts(path)?),
         None => None,
     };
     let backend = args.model.backend;
-    crate::device::run_on(backend, false, Task { args, texts })?
+    let task = Task {
+        args,
+        texts,
+        settings,
+    };
+    crate::device::run_on(backend, false, task)?
 }
 
 const NO_PROMPT: &str = "no prompt: give one as an argument, `-` to read stdin, --token-ids, --prompts-file or --from-snapshot";
@@ -212,6 +178,7 @@ fn read_prompts(path: &Path) -> Result<Vec<String>> {
 struct Task {
     args: Args,
     texts: Option<Vec<String>>,
+    settings: EngineSettings,
 }
 
 impl Task {
@@ -258,42 +225,21 @@ impl BackendTask for Task {
         }
         let shape = loaded.model.shape();
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
-        let max_len = (longest + args.max_tokens).min(shape.max_positions).max(1);
         let beam = args.beam.beam()?;
-        // Each beam is a row of the batch and a sequence of the cache.
-        let beams = beam.map_or(1, |b| b.num_beams);
-        let config = EngineConfig {
-            max_batch: args.max_batch.min(prompts.len()) * beams,
-            prefix_cache: !args.no_prefix_cache,
-            speculation: args.speculation.speculation()?,
-            ..EngineConfig::default()
-        };
-        let spec = CacheSpec {
-            kind: args.cache,
-            max_sequences: config.max_batch,
-            max_len,
-            window: args.window,
-            max_step: config.max_step_tokens,
-            page_size: args.page_size,
-            blocks: None,
-        };
         let kv_dtype = args.model.kv_dtype(&loaded.model)?;
-        crate::memory::check_cache_fits(
-            &spec,
-            shape.kv_layout(),
-            kv_dtype,
-            args.model.backend,
-            "--max-batch, --num-beams, --max-tokens or --page-size",
-        )?;
-        let cache = spec.build::<B>(shape.kv_layout(), kv_dtype, &device)?;
+        let run = Run {
+            requests: Some(prompts.len()),
+            // Each beam is a row of the batch and a sequence of the cache.
+            rows_per_request: beam.map_or(1, |b| b.num_beams),
+            max_len: (longest + args.max_tokens).min(shape.max_positions),
+            ..engine_args::run_for(&loaded.model, kv_dtype, args.model.backend)
+        };
+        let mut spec = engine_args::spec(&self.settings, &run, &GENERATE)?;
+        spec.config.speculation = args.speculation.speculation()?;
         let tokenizer = loaded.tokenizer.as_ref();
         let detok = tokenizer.map(|t| move |ids: &[TokenId]| t.decode(ids, false).ok());
-        let mut engine = Engine::new(&loaded.model, cache, config)?;
-        if let Some(draft) = &draft {
-            let layout = draft.model.shape().kv_layout();
-            let cache = spec.build::<B>(layout, draft.model.dtype(), &device)?;
-            engine = engine.with_draft_model(&draft.model, cache)?;
-        }
+        let draft_model = draft.as_ref().map(|d| &d.model as &dyn CausalLm<B>);
+        let mut engine = spec.engine(&loaded.model, kv_dtype, draft_model)?;
         if let Some(detok) = &detok {
             engine = engine.with_detokenizer(detok);
         }

@@ -5,6 +5,7 @@ mod bandwidth;
 mod bench;
 mod chat;
 mod device;
+mod engine_args;
 mod exit;
 mod generate;
 mod info;
@@ -49,8 +50,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// List the backends compiled into this binary and whether each can run here.
-    Backends,
+    /// List the backends compiled into this binary and whether each can run here (on the
+    /// cpu backend, with the threads it computes on).
+    Backends(backends::Args),
     /// Run the operations kiln relies on, on one backend, and compare them with the cpu backend.
     Selftest(selftest::Args),
     /// Continue raw text (or many prompts), streaming the new text to stdout; no chat template.
@@ -73,6 +75,21 @@ enum Command {
     Bench(bench::Args),
 }
 
+impl Command {
+    /// The threads a command computes on (`None`: it computes nothing).
+    fn threads(&self) -> Option<engine_args::ThreadsArgs> {
+        match self {
+            Command::Backends(args) => Some(args.threads),
+            Command::Selftest(args) => Some(args.threads),
+            Command::Generate(args) => Some(args.engine.threads),
+            Command::Chat(args) => Some(args.engine.threads),
+            Command::Serve(args) => Some(args.engine.threads),
+            Command::Bench(args) => Some(args.engine.threads),
+            Command::Info(_) => None,
+        }
+    }
+}
+
 fn main() -> ExitCode {
     quiet_headless_vulkan();
     keep_freed_memory_for_reuse();
@@ -89,8 +106,15 @@ fn main() -> ExitCode {
     if let Err(err) = kiln_kernels::Tier::from_env() {
         return exit::report(Err(anyhow::Error::new(exit::UsageError(err.to_string()))));
     }
+    // The one thread count, set before anything computes: kiln's kernel pool and burn-flex's
+    // rayon pool are both built here, at `--threads` (else `KILN_THREADS`, else one per core).
+    if let Some(threads) = cli.command.threads()
+        && let Err(err) = threads.apply()
+    {
+        return exit::report(Err(err.into()));
+    }
     let result = match cli.command {
-        Command::Backends => backends::run(),
+        Command::Backends(_) => backends::run(),
         Command::Selftest(args) => selftest::run(&args),
         Command::Generate(args) => generate::run(args),
         Command::Chat(args) => chat::run(args),

@@ -3,52 +3,13 @@
 //! the model, cache and activations; on wgpu over lavapipe the device memory is host memory and
 //! counted too. Device memory of a discrete GPU is not included.
 
-use kiln_core::Dtype;
-use kiln_core::backend::BackendKind;
-use kiln_core::kv_cache::KvLayout;
-use kiln_engine::CacheSpec;
-
-use crate::exit::UsageError;
-
-/// `MemAvailable` from /proc/meminfo, in bytes (Linux).
+/// `MemAvailable` from /proc/meminfo, in bytes (Linux): what the engine spec caps and checks
+/// the KV cache against ([`kiln_engine::Run::available_memory`]).
 pub fn available_memory() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
-}
-
-/// The bytes of the KV cache `spec` builds, refused before anything is allocated when they
-/// overflow or, on a backend whose memory is the host's (cpu, ndarray), exceed the memory
-/// available now: the error names `flags`, the flags that sized it.
-pub fn check_cache_fits(
-    spec: &CacheSpec,
-    layout: KvLayout,
-    dtype: Dtype,
-    backend: BackendKind,
-    flags: &str,
-) -> Result<u64, UsageError> {
-    let too_big = |what: String| {
-        UsageError(format!(
-            "the KV cache ({} cache for {} × {} tokens) would take {what}; lower {flags}",
-            spec.kind, spec.max_sequences, spec.max_len
-        ))
-    };
-    let bytes = spec
-        .bytes(layout, dtype)
-        .filter(|&b| b <= isize::MAX as u64)
-        .ok_or_else(|| too_big("more bytes than an address space holds".into()))?;
-    if matches!(backend, BackendKind::Cpu | BackendKind::Ndarray)
-        && let Some(available) = available_memory()
-        && bytes > available
-    {
-        return Err(too_big(format!(
-            "{} MiB, more than the {} MiB of memory available",
-            bytes >> 20,
-            available >> 20
-        )));
-    }
-    Ok(bytes)
 }
 
 /// Resets the high-water mark to the current resident set (Linux 4.0+; elsewhere a no-op).

@@ -4,11 +4,15 @@ use anyhow::bail;
 use kiln_core::backend::{BackendKind, BackendTask, InferenceBackend};
 use kiln_core::selftest::{self, Check};
 
+use crate::engine_args::ThreadsArgs;
+
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Backend to test: cuda, wgpu, cpu or ndarray.
     #[arg(long, short, default_value = "cpu")]
     backend: BackendKind,
+    #[command(flatten)]
+    pub(crate) threads: ThreadsArgs,
 }
 
 struct Selftest;

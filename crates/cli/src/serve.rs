@@ -8,10 +8,11 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use kiln_core::InferenceBackend;
 use kiln_core::backend::BackendTask;
-use kiln_core::kv_cache::{CacheKind, DEFAULT_BLOCK_SIZE};
-use kiln_engine::{CacheSpec, EngineConfig};
+use kiln_core::kv_cache::CacheKind;
+use kiln_engine::EngineSettings;
 use kiln_server::{ServedDraft, ServedModel, Server, ServerOptions, Stopped};
 
+use crate::engine_args::{self, EngineArgs, SERVE};
 use crate::exit::UsageError;
 use crate::model_args::{ModelArgs, SpeculationArgs};
 
@@ -89,45 +90,8 @@ pub struct Args {
     /// Log lines as text or as JSON objects (one per line).
     #[arg(long, value_name = "FORMAT", default_value = "text", value_parser = ["text", "json"], help_heading = "Server")]
     log_format: String,
-    /// Most sequences decoded together (a beam search takes one per beam); one request may
-    /// hold half of them, the rest are kept for other clients.
-    #[arg(
-        long,
-        value_name = "N",
-        default_value_t = 32,
-        help_heading = "KV cache and batching"
-    )]
-    max_batch: usize,
-    /// Most prompt tokens prefilled in one step (longer prompts go in chunks, between
-    /// decode steps of the others).
-    #[arg(
-        long,
-        value_name = "N",
-        default_value_t = 512,
-        help_heading = "KV cache and batching"
-    )]
-    max_step_tokens: usize,
-    /// KV cache memory in MiB (default: what --max-batch sequences of the full context need,
-    /// capped at a quarter of the available memory and at 1 GiB). When it fills, the newest
-    /// request is preempted and recomputed later.
-    #[arg(long, value_name = "MIB", help_heading = "KV cache and batching")]
-    kv_cache_mb: Option<usize>,
-    /// KV cache: paged (the budget is a block pool shared by every request) or static
-    /// (--max-batch rows of the full context).
-    #[arg(
-        long,
-        value_name = "KIND",
-        default_value = "paged",
-        help_heading = "KV cache and batching"
-    )]
-    cache: CacheKind,
-    /// Paged cache: tokens per block.
-    #[arg(long, value_name = "N", default_value_t = DEFAULT_BLOCK_SIZE, help_heading = "KV cache and batching")]
-    page_size: usize,
-    /// Compute every prompt in full instead of reusing the K/V of earlier requests' identical
-    /// leading tokens (prefix caching is on by default with the paged cache).
-    #[arg(long, help_heading = "KV cache and batching")]
-    no_prefix_cache: bool,
+    #[command(flatten)]
+    pub(crate) engine: EngineArgs,
     #[command(flatten)]
     speculation: SpeculationArgs,
 }
@@ -150,25 +114,7 @@ const DEFAULT_KEEP_ALIVE: f64 = 5.0;
 const MAX_CONNECTIONS: usize = 1 << 20;
 
 pub fn run(mut args: Args) -> Result<()> {
-    for (name, value) in [
-        ("--max-batch", args.max_batch),
-        ("--max-step-tokens", args.max_step_tokens),
-        ("--page-size", args.page_size),
-    ] {
-        if value == 0 {
-            return Err(UsageError(format!("{name} must be positive")).into());
-        }
-    }
-    if args.kv_cache_mb == Some(0) {
-        return Err(UsageError("--kv-cache-mb must be positive".into()).into());
-    }
-    if !matches!(args.cache, CacheKind::Paged | CacheKind::Static) {
-        return Err(UsageError(format!(
-            "--cache {} cannot serve: use paged (the default) or static",
-            args.cache
-        ))
-        .into());
-    }
+    let settings = args.engine.settings(&SERVE)?;
     if !(args.shutdown_grace.is_finite()
         && (0.0..=MAX_SHUTDOWN_GRACE).contains(&args.shutdown_grace))
     {
@@ -215,7 +161,7 @@ pub fn run(mut args: Args) -> Result<()> {
     init_logging(&args.log_format);
     args.max_connections = open_files::fit(args.max_connections);
     let backend = args.model.backend;
-    crate::device::run_on(backend, false, Task(args))?
+    crate::device::run_on(backend, false, Task(args, settings))?
 }
 
 /// The key the server requires: `--api-key`, else `$KILN_API_KEY`, trimmed (a key pasted with
@@ -254,13 +200,13 @@ fn init_logging(format: &str) {
     }
 }
 
-struct Task(Args);
+struct Task(Args, EngineSettings);
 
 impl BackendTask for Task {
     type Output = Result<()>;
 
     fn run<B: InferenceBackend>(self, device: B::Device) -> Result<()> {
-        let args = self.0;
+        let Task(args, settings) = self;
         let backend = args.model.backend;
         let options = ServerOptions {
             host: args.host.clone(),
@@ -296,27 +242,16 @@ impl BackendTask for Task {
                 |s| s.to_string_lossy().into_owned(),
             )
         });
-        let shape = kiln_core::CausalLm::shape(&loaded.model);
         let dtype = args.model.kv_dtype(&loaded.model)?;
-        let per_token = shape.kv_layout().bytes_per_token(dtype);
-        let config = EngineConfig {
-            max_batch: args.max_batch,
-            max_step_tokens: args.max_step_tokens,
-            prefix_cache: !args.no_prefix_cache,
-            speculation: args.speculation.speculation()?,
-            max_group_rows: Some(kiln_server::rows_for_one_request(args.max_batch)),
-            ..EngineConfig::default()
-        };
-        let spec = cache_spec(&args, shape.max_positions, per_token)?;
-        let bytes = crate::memory::check_cache_fits(
-            &spec,
-            shape.kv_layout(),
-            dtype,
-            backend,
-            "--kv-cache-mb, --max-batch or --page-size",
-        )?;
+        // Requests arrive over time, each up to the full context.
+        let run = engine_args::run_for(&loaded.model, dtype, backend);
+        let mut spec = engine_args::spec(&settings, &run, &SERVE)?;
+        spec.config.speculation = args.speculation.speculation()?;
+        spec.config.max_group_rows = Some(kiln_server::rows_for_one_request(spec.config.max_batch));
+        let per_token = run.layout.bytes_per_token(dtype);
+        let bytes = spec.cache_bytes;
         let cache = spec
-            .build::<B>(shape.kv_layout(), dtype, &device)
+            .cache::<B>(run.layout, dtype, &device)
             .context("allocating the KV cache")?;
         let draft = args.speculation.load_draft(backend, &loaded, &device)?;
         // The draft model's cache holds as many tokens as the model's.
@@ -324,11 +259,12 @@ impl BackendTask for Task {
             Some(d) => {
                 let layout = kiln_core::CausalLm::shape(&d.model).kv_layout();
                 let dtype = kiln_core::CausalLm::dtype(&d.model);
-                let cache = spec.build::<B>(layout, dtype, &device);
+                let cache = spec.cache::<B>(layout, dtype, &device);
                 Some(cache.context("allocating the draft model's KV cache")?)
             }
             None => None,
         };
+        let config = spec.config;
         let tokens = kiln_core::kv_cache::CacheBook::usage(cache.as_ref()).capacity;
         let weights: Vec<String> = loaded
             .model
@@ -340,15 +276,11 @@ impl BackendTask for Task {
             "serving {name} on {} (weights: {}): max batch {}, KV cache {} MiB = {tokens} tokens ({} cache, {dtype}, {} KiB per token), prefix caching {}, speculative decoding {}",
             backend.name(),
             weights.join(", "),
-            args.max_batch,
+            config.max_batch,
             bytes >> 20,
-            spec.kind,
+            spec.cache.kind,
             per_token / 1024,
-            if args.no_prefix_cache || spec.kind != CacheKind::Paged {
-                "off"
-            } else {
-                "on"
-            },
+            if spec.prefix_caching() { "on" } else { "off" },
             match (&config.speculation, &draft) {
                 (Some(s), Some(draft)) => format!(
                     "draft model {} ({} drafts)",
@@ -363,8 +295,8 @@ impl BackendTask for Task {
                 (None, _) => "off".into(),
             },
         );
-        let block_tokens = if spec.kind == CacheKind::Paged {
-            spec.page_size
+        let block_tokens = if spec.cache.kind == CacheKind::Paged {
+            spec.cache.page_size
         } else {
             1
         };
@@ -448,44 +380,4 @@ mod open_files {
     pub fn fit(max_connections: usize) -> usize {
         max_connections
     }
-}
-
-/// The default KV budget's cap: 1 GiB holds 23,000 tokens of SmolLM2-135M (45 KiB each), 32
-/// requests of 700; the pool is allocated (and zeroed) at start, so more would cost seconds of
-/// start-up and resident memory that most runs never use. `--kv-cache-mb` sets any size.
-const DEFAULT_KV_CAP: u64 = 1 << 30;
-
-/// The cache for the budget: paged, as many blocks as the budget holds; static, `max_batch`
-/// rows of the full context. Sizes that overflow are usage errors naming the flag.
-fn cache_spec(
-    args: &Args,
-    max_positions: usize,
-    per_token: usize,
-) -> Result<CacheSpec, UsageError> {
-    let per_token = per_token.max(1) as u64;
-    let page = args.page_size;
-    let worst = (args.max_batch as u64)
-        .saturating_mul(max_positions as u64)
-        .saturating_mul(per_token);
-    let budget = match args.kv_cache_mb {
-        Some(mb) => (mb as u64)
-            .checked_mul(1 << 20)
-            .ok_or_else(|| UsageError(format!("--kv-cache-mb {mb} is more memory than exists")))?,
-        None => {
-            let quarter = crate::memory::available_memory().map_or(1 << 30, |m| m / 4);
-            worst.min(quarter).min(DEFAULT_KV_CAP)
-        }
-    };
-    let blocks = usize::try_from(budget / per_token / page as u64)
-        .unwrap_or(usize::MAX)
-        .max(1);
-    Ok(CacheSpec {
-        kind: args.cache,
-        max_sequences: args.max_batch,
-        max_len: max_positions,
-        window: max_positions,
-        max_step: args.max_step_tokens,
-        page_size: page,
-        blocks: Some(blocks),
-    })
 }

@@ -35,6 +35,69 @@ fn backends_lists_every_kind_and_cpu_is_available() {
     );
 }
 
+/// `--threads N` is one count for the cpu backend's two pools (kiln's kernels, burn-flex's
+/// rayon pool), taken by every command that computes; `kiln backends` reports the count the
+/// pools run, `KILN_THREADS` is the fallback (the flag wins), and a run computes on it
+/// (bench's report names the device as the pools ran it). Zero threads is a usage error.
+#[test]
+fn threads_are_one_count_from_the_flag_or_the_environment_and_zero_is_refused() {
+    let cpu = |out: &Output| {
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let stdout = text(&out.stdout);
+        let line = stdout.lines().find(|l| l.starts_with("cpu")).unwrap();
+        line.to_string()
+    };
+    let threads = |args: &[&str], env: Option<&str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_kiln"));
+        command.args(args).env_remove("KILN_THREADS");
+        if let Some(value) = env {
+            command.env("KILN_THREADS", value);
+        }
+        cpu(&command.output().unwrap())
+    };
+    let one = threads(&["backends", "--threads", "1"], None);
+    assert!(one.contains("(1 thread, "), "{one}");
+    let three = threads(&["backends", "--threads", "3"], None);
+    assert!(three.contains("(3 threads, "), "{three}");
+    let env = threads(&["backends"], Some("2"));
+    assert!(env.contains("(2 threads, "), "{env}");
+    let flag = threads(&["backends", "--threads", "1"], Some("2"));
+    assert!(flag.contains("(1 thread, "), "{flag}");
+
+    let dir = tempfile_dir("threads");
+    let json = dir.join("bench.json");
+    let out = kiln(&[
+        "bench",
+        "--model",
+        &fixture("llama-tiny"),
+        "--threads",
+        "1",
+        "--prompt-lens",
+        "8",
+        "--batch-sizes",
+        "2",
+        "--new-tokens",
+        "3",
+        "--repeats",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let device = report["device"].as_str().unwrap();
+    assert!(device.contains("(1 thread, "), "{report}");
+    let _ = std::fs::remove_dir_all(&dir);
+
+    for command in ["backends", "selftest", "generate", "chat", "serve", "bench"] {
+        let out = kiln(&[command, "--threads", "0"]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{command}: {stderr}");
+        assert!(stderr.contains("'--threads <N>'"), "{command}: {stderr}");
+    }
+}
+
 fn assert_selftest_passes(backend: &str) {
     let out = kiln(&["selftest", "--backend", backend]);
     let stdout = text(&out.stdout);
@@ -891,6 +954,54 @@ fn sizes_that_cannot_be_allocated_are_usage_errors() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
+
+/// generate, chat, serve and bench take one block of engine flags: a zero size is a usage
+/// error naming the flag on each, and so is a flag a command decides itself (chat's one
+/// conversation, bench's per-cell batch) or a cache kind it cannot run on; all before anything
+/// loads.
+#[test]
+fn the_engine_flags_are_one_block_checked_alike_on_every_command() {
+    let cases: [(&[&str], &str); 8] = [
+        (
+            &["chat", "hi", "--max-batch", "2"],
+            "--max-batch does not apply to `kiln chat`",
+        ),
+        (
+            &["bench", "--max-batch", "2"],
+            "--max-batch does not apply to `kiln bench`",
+        ),
+        (
+            &["serve", "--cache", "dynamic"],
+            "--cache dynamic cannot serve: use paged (the default) or static",
+        ),
+        (
+            &["chat", "hi", "--window", "0"],
+            "--window must be positive",
+        ),
+        (
+            &["bench", "--page-size", "0"],
+            "--page-size must be positive",
+        ),
+        (
+            &["serve", "--max-step-tokens", "0"],
+            "--max-step-tokens must be positive",
+        ),
+        (
+            &["generate", "hi", "--max-step-tokens", "0"],
+            "--max-step-tokens must be positive",
+        ),
+        (
+            &["generate", "hi", "--kv-cache-mb", "0"],
+            "--kv-cache-mb must be positive",
+        ),
+    ];
+    for (args, expected) in cases {
+        let out = kiln(args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
 }
 

@@ -45,6 +45,9 @@ pub enum CoreError {
     /// A batch that does not describe its tokens consistently.
     #[error("invalid batch: {0}")]
     InvalidBatch(String),
+    /// The CPU thread pools could not be sized as asked ([`crate::backend::set_threads`]).
+    #[error("{0}")]
+    Threads(String),
     /// A model refused the input (for example a token id outside its vocabulary or a position
     /// past its context).
     #[error("model input rejected: {0}")]

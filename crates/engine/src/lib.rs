@@ -69,6 +69,7 @@ mod scheduler;
 mod sequence;
 pub mod session;
 pub mod snapshot;
+pub mod spec;
 pub mod speculate;
 pub mod stop;
 pub mod structured;
@@ -85,5 +86,6 @@ pub use request::{
 };
 pub use session::Session;
 pub use snapshot::Snapshot;
+pub use spec::{EngineOptions, EngineSettings, EngineSpec, Run, SpecError, Workload};
 pub use speculate::{DraftSource, SpecCounts, Speculation};
 pub use structured::{Grammar, GrammarCompiler, GrammarMatcher, OutputConstraint, StructuredError};

@@ -40,7 +40,7 @@ pub mod tier;
 pub use error::KernelError;
 pub use ggml::GgmlType;
 pub use matrix::QuantMatrix;
-pub use pool::ThreadPool;
+pub use pool::{ThreadPool, ThreadsAlreadySet};
 pub use tier::Tier;
 
 /// An output buffer that several tasks write disjoint elements of.

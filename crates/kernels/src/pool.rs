@@ -7,6 +7,11 @@
 //! on a condition variable; a decode step therefore pays at most one wake-up. The pool never
 //! runs two jobs at once: callers on other threads queue on a mutex, and a job started from
 //! inside a job runs inline on the calling thread.
+//!
+//! The process-wide pool ([`ThreadPool::global`]) is sized once, at start-up: by
+//! [`ThreadPool::init_global`] with the count the program was given (`kiln --threads N`), or,
+//! when nothing sized it before the first kernel ran, by [`default_threads`] (`KILN_THREADS`,
+//! else one thread per core).
 
 use std::cell::{Cell, UnsafeCell};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -15,8 +20,12 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// The environment variable that sets the number of kernel threads (default: every core).
+/// The environment variable that sizes the pool when the program does not
+/// ([`ThreadPool::init_global`]); default: every core.
 pub const THREADS_ENV: &str = "KILN_THREADS";
+
+/// The process-wide pool, built once.
+static GLOBAL: OnceLock<ThreadPool> = OnceLock::new();
 
 /// How long an idle worker keeps spinning before it sleeps.
 pub const SPIN: Duration = Duration::from_micros(300);
@@ -106,11 +115,36 @@ impl ThreadPool {
         }
     }
 
-    /// The process-wide pool: `KILN_THREADS` threads if set to a positive number, else one
-    /// per core ([`std::thread::available_parallelism`]).
+    /// The process-wide pool the kernels run on: as [`init_global`](Self::init_global) built
+    /// it, or, if nothing did before this first call, [`default_threads`] threads.
     pub fn global() -> &'static ThreadPool {
-        static GLOBAL: OnceLock<ThreadPool> = OnceLock::new();
         GLOBAL.get_or_init(|| ThreadPool::new(default_threads()))
+    }
+
+    /// Builds the process-wide pool with `threads` threads (at least 1): the program's thread
+    /// count, set once at start-up before any kernel runs. Asking again for the count the pool
+    /// already has is not an error.
+    ///
+    /// # Errors
+    /// [`ThreadsAlreadySet`] when the pool was already built with another count (an earlier
+    /// call, or a kernel that ran first and sized it by [`default_threads`]).
+    pub fn init_global(threads: usize) -> Result<&'static ThreadPool, ThreadsAlreadySet> {
+        let threads = threads.max(1);
+        let mut built = false;
+        let pool = GLOBAL.get_or_init(|| {
+            built = true;
+            ThreadPool::new(threads)
+        });
+        // A pool that could not spawn every worker runs on fewer threads: what it has is what
+        // was asked for when it was built here.
+        if built || pool.threads == threads {
+            Ok(pool)
+        } else {
+            Err(ThreadsAlreadySet {
+                running: pool.threads,
+                asked: threads,
+            })
+        }
     }
 
     /// Threads a job runs on, the caller included.
@@ -146,6 +180,8 @@ impl ThreadPool {
         // until every worker has left the job (`active == 0`) before returning, and no worker
         // reads `job` outside that window.
         let erased: TaskFn<'static> = unsafe { std::mem::transmute::<TaskFn<'_>, _>(task) };
+        // SAFETY: we hold `submit`, so no other caller writes `job`, and every worker is idle
+        // (`active` is 0 between jobs): none reads it until the epoch bump below publishes it.
         unsafe { *shared.job.get() = Some(erased) };
         shared.tasks.store(tasks, Ordering::Relaxed);
         shared.next.store(0, Ordering::Relaxed);
@@ -163,6 +199,8 @@ impl ThreadPool {
         while shared.active.load(Ordering::Acquire) > 0 {
             std::hint::spin_loop();
         }
+        // SAFETY: `active` is 0: every worker has left the job and none reads `job` until the
+        // next epoch bump; we still hold `submit`.
         unsafe { *shared.job.get() = None };
         if shared.panicked.load(Ordering::Relaxed) {
             panic!("a kernel task panicked");
@@ -187,13 +225,30 @@ impl Drop for ThreadPool {
     }
 }
 
-/// `KILN_THREADS` if it is a positive number, else the number of cores.
+/// The thread count when the program names none: `KILN_THREADS` if it is a positive number,
+/// else the number of cores ([`std::thread::available_parallelism`]).
 pub fn default_threads() -> usize {
-    std::env::var(THREADS_ENV)
-        .ok()
+    threads_from_env(std::env::var(THREADS_ENV).ok().as_deref())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// A positive thread count from `KILN_THREADS`'s value; `None` for anything else.
+fn threads_from_env(value: Option<&str>) -> Option<usize> {
+    value
         .and_then(|v| v.trim().parse::<usize>().ok())
         .filter(|&n| n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// [`ThreadPool::init_global`] came after the process-wide pool was built with another count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the kernel thread pool runs {running} threads, and {asked} were asked for after it started"
+)]
+pub struct ThreadsAlreadySet {
+    /// Threads the pool has.
+    pub running: usize,
+    /// Threads asked for.
+    pub asked: usize,
 }
 
 /// Claims and runs tasks until none is left.
@@ -309,6 +364,38 @@ mod tests {
             h.join().expect("caller thread");
         }
         assert_eq!(total.load(Ordering::Relaxed), 4 * 50 * 4 * 3);
+    }
+
+    #[test]
+    fn the_global_pool_is_sized_once_and_keeps_its_size() {
+        // Another test of this binary may have run a kernel first, building the pool at its
+        // default size: then that is the size it keeps.
+        let running = match ThreadPool::init_global(3) {
+            Ok(pool) => {
+                assert_eq!(pool.threads(), 3);
+                3
+            }
+            Err(e) => e.running,
+        };
+        let pool = ThreadPool::global();
+        assert_eq!(pool.threads(), running);
+        let again = ThreadPool::init_global(running).expect("the same count again");
+        assert!(std::ptr::eq(again, pool));
+        assert_eq!(
+            ThreadPool::init_global(running + 1).unwrap_err(),
+            ThreadsAlreadySet {
+                running,
+                asked: running + 1
+            }
+        );
+    }
+
+    #[test]
+    fn kiln_threads_counts_only_when_positive() {
+        assert_eq!(threads_from_env(Some(" 4 ")), Some(4));
+        for value in [None, Some("0"), Some("-1"), Some("many"), Some("")] {
+            assert_eq!(threads_from_env(value), None, "{value:?}");
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! [`StepIndex`]: a step's attention as index arrays, for backends that write the K/V and
-//! attend for every sequence of a step in one launch each ([`InferenceBackend::STEP_ATTENTION`]).
+//! attend for every sequence of a step in one launch each
+//! ([`InferenceBackend::STEP_ATTENTION`](crate::InferenceBackend::STEP_ATTENTION)).
 //! All of it is uploaded in one transfer per forward and shared by every layer.
 //!
 //! Per query token four integers (`tokens`, `[n_tokens, 4]`):
@@ -19,7 +20,6 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use crate::backend::InferenceBackend;
 use crate::batch::Batch;
 use crate::kv_cache::{ReadPlan, StepPlan};
 
@@ -177,7 +177,7 @@ impl HostStepIndex {
     }
 }
 
-impl<B: InferenceBackend> StepIndex<B> {
+impl<B: Backend> StepIndex<B> {
     /// Uploads `host` in one transfer.
     pub fn upload(host: HostStepIndex, window: Option<usize>, device: &B::Device) -> Self {
         let arrays = [

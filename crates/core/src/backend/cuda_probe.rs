@@ -88,7 +88,8 @@ fn preload_pip_nvrtc() -> Option<PathBuf> {
                 std::mem::forget(lib);
             }
         }
-        // SAFETY: as above.
+        // SAFETY: NVIDIA's NVRTC, found in the same vendor folder as its builtins; loading it
+        // runs its initialisers only, and it is kept loaded (`forget`) for burn to use.
         if let Ok(lib) = unsafe { Library::new(&nvrtc) } {
             std::mem::forget(lib);
             return Some(nvrtc);
