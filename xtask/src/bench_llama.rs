@@ -1,15 +1,17 @@
 //! `cargo xtask bench --compare llama.cpp`: kiln and llama.cpp on the same GGUF file with the
 //! same threads, **interleaved in rounds** (kiln's matrix once, then llama.cpp's tools, then
-//! again), medians over the rounds and kiln's ratio to llama.cpp per cell. These VMs drift
-//! by 10-20 % within minutes, so two tools timed one after the other compare the machine's
-//! moods as much as the tools; alternating them spreads the drift over both.
+//! again), medians over the rounds and kiln's ratio to llama.cpp per cell. Cloud VMs drift in
+//! speed within minutes (docs/benchmarks.md, "Method"), so two tools timed one after the other
+//! compare the machine's moods as much as the tools; alternating them spreads the drift over
+//! both.
 //!
 //! llama.cpp's numbers per kiln cell (prompt `P`, batch `B`, `G` new tokens):
 //! - batch 1, prefill: `llama-bench -p P -n 0` (pp`P`);
 //! - batch 1, decode: `llama-bench -p 0 -n G -d P` (tg`G` after a context of `P`, as kiln
 //!   decodes after its prompt);
-//! - both run with flash attention off and on (`-fa 0,1`), each cell the better of the two (at
-//!   a depth of 4,096 this machine's llama.cpp decoded 3.5x slower with it on, its default);
+//! - both run with flash attention off and on (`-fa 0,1`), each cell the better of the two
+//!   (llama.cpp's default, on, decoded far slower at long depths on the CPUs kiln is measured
+//!   on: docs/benchmarks.md, "Figures that were in code comments");
 //! - batch > 1: `llama-batched-bench -npp P -ntg G -npl B`, its prompt rate (`S_PP`) and
 //!   generation rate (`S_TG`, all sequences' tokens over the generation time, as kiln's), each
 //!   the best of flash attention on and off.

@@ -36,6 +36,8 @@ pub mod sampling;
 #[cfg(feature = "cpu")]
 pub mod selftest;
 pub mod tensor;
+#[cfg(feature = "test-support")]
+pub mod testing;
 
 pub use backend::{BackendKind, DeviceMemory, InferenceBackend};
 pub use batch::{Batch, SeqSpan};

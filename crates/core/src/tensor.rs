@@ -82,8 +82,8 @@ pub fn int_tensor<B: Backend>(
 }
 
 /// A float tensor's values on the host as f32, row-major: one copy of the buffer where the
-/// tensor holds f32 (`TensorData::iter` goes through a boxed iterator, a dynamic call a value:
-/// ~0.1 ms for one row of a 49k-token vocabulary), converted value by value otherwise.
+/// tensor holds f32 (`TensorData::iter` goes through a boxed iterator, a dynamic call a value,
+/// which shows on every sampled row of a large vocabulary), converted value by value otherwise.
 ///
 /// # Shapes
 /// - `tensor`: any shape → `[tensor.shape().num_elements()]`

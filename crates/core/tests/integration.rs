@@ -11,3 +11,4 @@ mod sampling;
 mod sampling_hf;
 mod sampling_params;
 mod static_cache_in_place;
+mod testing;

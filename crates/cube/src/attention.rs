@@ -31,8 +31,9 @@ const TILE: usize = 128;
 const FILL_CUBES: usize = 1024;
 
 /// Below this many (query token, KV head) pairs in a step, each query head gets its own cubes
-/// instead of sharing one with its group: at batch 1 on an H200 the grouped kernel's 8 cubes
-/// (2 splits each) made a 1B model's decode step 5.0 ms where a cube per head made it 3.9.
+/// instead of sharing one with its group: at batch 1 the grouped kernel has too few cubes (8
+/// for a 1B model, 2 splits each) to fill the GPU, and a cube per head decodes faster
+/// (docs/benchmarks.md, "Figures that were in code comments").
 const GROUP_MIN_CUBES: usize = 64;
 
 /// The most outputs (query heads × head_dim) one cube accumulates: 8 per unit.

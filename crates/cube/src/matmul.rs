@@ -33,8 +33,8 @@ pub const FEW_ROWS_MAX: usize = 64;
 
 /// The most rows `few_rows_kernel` multiplies in f16 or bf16, three passes of `CHUNK` (8)
 /// rows: each pass reads the activations again, and past about three the tensor-core tiles are
-/// faster (on an H200, a 1B model's step took 9.3 ms in two passes at 16 rows where the tiles
-/// took 16.6 ms, and 30.4 ms in eight passes at 64 rows where the tiles took 18.5 ms).
+/// faster (the step times on an H200 are in docs/benchmarks.md, "Figures that were in code
+/// comments").
 pub const FEW_ROWS_MAX_HALF: usize = 3 * CHUNK;
 
 /// The most rows `x` may have for the few-rows kernels (`few_rows_kernel`, and the

@@ -365,69 +365,25 @@ pub fn run_cell<B: InferenceBackend>(
 mod tests {
     #![allow(clippy::unwrap_used)] // a test that fails on unwrap is the point
 
-    use std::cell::RefCell;
-
-    use burn::tensor::{Tensor, TensorData};
-    use kiln_core::kv_cache::{CacheKind, KvCache};
-    use kiln_core::{Batch, CausalLm, Dtype, LogitsFor, ModelShape};
+    use kiln_core::Dtype;
+    use kiln_core::kv_cache::CacheKind;
+    use kiln_core::testing::{Recording, Scripted};
 
     use super::*;
 
     type B = burn::backend::Flex;
 
-    const VOCAB: usize = 16;
+    const VOCAB: usize = Scripted::VOCAB;
 
     /// Next token = last token + 1 (mod the vocabulary), as a one-hot row far above the rest,
-    /// so greedy and top-p agree. Plans the cache (blocks are really reserved and freed) and
+    /// so greedy and top-p agree; plans the cache (blocks are really reserved and freed) and
     /// records each forward's sequences and tokens.
-    #[derive(Default)]
-    struct CountUp {
-        forwards: RefCell<Vec<(usize, usize)>>,
-    }
+    type CountUp = Recording<Scripted>;
 
-    impl CausalLm<B> for CountUp {
-        fn shape(&self) -> ModelShape {
-            ModelShape {
-                n_layers: 1,
-                n_heads: 1,
-                n_kv_heads: 1,
-                head_dim: 2,
-                vocab: VOCAB,
-                max_positions: 1024,
-            }
-        }
-
-        fn dtype(&self) -> Dtype {
-            Dtype::F32
-        }
-
-        fn device(&self) -> <B as burn::tensor::backend::BackendTypes>::Device {
-            Default::default()
-        }
-
-        fn forward(
-            &self,
-            batch: &Batch,
-            cache: &mut dyn KvCache<B>,
-            logits: LogitsFor,
-        ) -> kiln_core::Result<Tensor<B, 2>> {
-            cache.plan(batch)?;
-            self.forwards
-                .borrow_mut()
-                .push((batch.spans().len(), batch.n_tokens()));
-            let mut rows = Vec::new();
-            let wanted = logits.rows(batch)?;
-            for i in wanted.unwrap_or_else(|| (0..batch.n_tokens()).collect()) {
-                let mut row = vec![0f32; VOCAB];
-                row[(batch.tokens()[i].0 as usize + 1) % VOCAB] = 10.0;
-                rows.extend(row);
-            }
-            let n = rows.len() / VOCAB;
-            Ok(Tensor::from_data(
-                TensorData::new(rows, [n, VOCAB]),
-                &Default::default(),
-            ))
-        }
+    fn count_up() -> CountUp {
+        Recording::new(Scripted {
+            script: |token, _| (token + 1) % VOCAB as u32,
+        })
     }
 
     fn cell(sampling: Sampling) -> Cell {
@@ -443,7 +399,11 @@ mod tests {
 
     fn engine<'a>(model: &'a CountUp, cell: &Cell, spec: CacheSpec) -> Engine<'a, B> {
         let cache = spec
-            .build::<B>(model.shape().kv_layout(), Dtype::F32, &Default::default())
+            .build::<B>(
+                model.inner.shape().kv_layout(),
+                Dtype::F32,
+                &Default::default(),
+            )
             .unwrap();
         Engine::new(model, cache, cell.engine_config()).unwrap()
     }
@@ -455,7 +415,7 @@ mod tests {
     #[test]
     fn a_cell_generates_new_tokens_for_every_sequence_through_the_engine() {
         for sampling in Sampling::ALL {
-            let model = CountUp::default();
+            let model = count_up();
             let cell = cell(sampling);
             let mut engine = engine(&model, &cell, cell.cache_spec());
             let timings = run_cell(&mut engine, &cell).unwrap();
@@ -483,7 +443,7 @@ mod tests {
             // 2 prompts of 3 fit in 8 tokens: three prefill steps, then the decode steps.
             let decode = (cell.batch, cell.batch);
             assert_eq!(
-                *model.forwards.borrow(),
+                model.forwards(),
                 [(2, 6), (2, 6), (1, 3), decode, decode, decode]
             );
             assert!(engine.is_idle());
@@ -498,7 +458,7 @@ mod tests {
     /// cell's tokens in fewer decode steps, counting every decoded token.
     #[test]
     fn a_speculative_cell_counts_tokens_not_steps() {
-        let model = CountUp::default();
+        let model = count_up();
         let plain = Cell {
             new_tokens: 9,
             ..cell(Sampling::Greedy)
@@ -515,7 +475,11 @@ mod tests {
         let expected = run_cell(&mut engine(&model, &plain, plain.cache_spec()), &plain).unwrap();
         let draft_cache = cell
             .cache_spec()
-            .build::<B>(model.shape().kv_layout(), Dtype::F32, &Default::default())
+            .build::<B>(
+                model.inner.shape().kv_layout(),
+                Dtype::F32,
+                &Default::default(),
+            )
             .unwrap();
         let mut fast = engine(&model, &cell, cell.cache_spec())
             .with_draft_model(&model, draft_cache)
@@ -534,7 +498,7 @@ mod tests {
 
     #[test]
     fn a_prompt_longer_than_a_step_runs_whole_and_one_token_means_no_decode_step() {
-        let model = CountUp::default();
+        let model = count_up();
         let cell = Cell {
             prompt_len: 12,
             batch: 2,
@@ -547,16 +511,20 @@ mod tests {
         let timings = run_cell(&mut engine, &cell).unwrap();
         assert!(timings.tokens.iter().all(|t| t.len() == 1));
         assert!(timings.decode_steps.is_empty());
-        assert_eq!(*model.forwards.borrow(), [(1, 12), (1, 12)]);
+        assert_eq!(model.forwards(), [(1, 12), (1, 12)]);
     }
 
     #[test]
     fn an_engine_configured_otherwise_or_a_cache_too_small_is_refused() {
-        let model = CountUp::default();
+        let model = count_up();
         let cell = cell(Sampling::Greedy);
         let cache = cell
             .cache_spec()
-            .build::<B>(model.shape().kv_layout(), Dtype::F32, &Default::default())
+            .build::<B>(
+                model.inner.shape().kv_layout(),
+                Dtype::F32,
+                &Default::default(),
+            )
             .unwrap();
         let mut mixed = Engine::new(&model, cache, EngineConfig::default()).unwrap();
         assert!(matches!(

@@ -6,11 +6,11 @@
 
 use std::collections::HashMap;
 
-use burn::tensor::{Tensor, TensorData};
 use kiln_core::ids::TokenText;
 use kiln_core::kv_cache::{CacheKind, KvCache, KvLayout};
 use kiln_core::sampling::SamplingParams;
-use kiln_core::{Batch, CausalLm, Dtype, LogitsFor, ModelShape, TokenId};
+use kiln_core::testing::{Recording, Scripted, Soft};
+use kiln_core::{CausalLm, Dtype, TokenId};
 use kiln_engine::{
     BeamSearch, CacheSpec, Completion, DraftSource, EarlyStopping, Engine, EngineConfig,
     EngineError, Event, FinishReason, Grammar, GrammarCompiler, OutputConstraint, Request,
@@ -19,69 +19,11 @@ use kiln_engine::{
 
 type B = burn::backend::Flex;
 
-const VOCAB: usize = 32;
+/// The scripted models' vocabulary. The stand-ins (`Scripted`: one-hot rows; `Soft`: a real
+/// distribution; `Recording`: what a model was fed) are `kiln_core::testing`'s, shared with the
+/// benchmark harness's tests.
+const VOCAB: usize = Scripted::VOCAB;
 const EOS: TokenId = TokenId(1);
-
-/// Next token = `script(last token, its position)`, as a one-hot row.
-struct Scripted {
-    script: fn(u32, u32) -> u32,
-}
-
-impl CausalLm<B> for Scripted {
-    fn shape(&self) -> ModelShape {
-        ModelShape {
-            n_layers: 1,
-            n_heads: 1,
-            n_kv_heads: 1,
-            head_dim: 2,
-            vocab: VOCAB,
-            max_positions: 1024,
-        }
-    }
-
-    fn dtype(&self) -> Dtype {
-        Dtype::F32
-    }
-
-    fn device(&self) -> <B as burn::tensor::backend::BackendTypes>::Device {
-        Default::default()
-    }
-
-    fn forward(
-        &self,
-        batch: &Batch,
-        cache: &mut dyn KvCache<B>,
-        logits: LogitsFor,
-    ) -> kiln_core::Result<Tensor<B, 2>> {
-        rows_of(batch, cache, logits, VOCAB, |token, position| {
-            let mut row = vec![0f32; VOCAB];
-            row[(self.script)(token, position) as usize] = 10.0;
-            row
-        })
-    }
-}
-
-/// A test model's forward: plans the cache (so blocks are really reserved) and returns
-/// `row(token, position)` for each token `logits` asks for.
-fn rows_of(
-    batch: &Batch,
-    cache: &mut dyn KvCache<B>,
-    logits: LogitsFor,
-    vocab: usize,
-    row: impl Fn(u32, u32) -> Vec<f32>,
-) -> kiln_core::Result<Tensor<B, 2>> {
-    cache.plan(batch)?;
-    let wanted = logits.rows(batch)?;
-    let mut rows = Vec::new();
-    for i in wanted.unwrap_or_else(|| (0..batch.n_tokens()).collect()) {
-        rows.extend(row(batch.tokens()[i].0, batch.positions()[i].0));
-    }
-    let n = rows.len() / vocab;
-    Ok(Tensor::from_data(
-        TensorData::new(rows, [n, vocab]),
-        &Default::default(),
-    ))
-}
 
 /// Counts up from the last token, skipping EOS: 2, 3, ..., 31, 2, ...
 fn count_up(token: u32, _position: u32) -> u32 {
@@ -574,36 +516,6 @@ fn bad_requests_are_refused_with_a_reason() {
     assert!(engine.is_idle());
 }
 
-/// A [`Scripted`] model that counts the tokens it is fed.
-struct Counting<'a> {
-    inner: &'a Scripted,
-    fed: std::cell::Cell<usize>,
-}
-
-impl CausalLm<B> for Counting<'_> {
-    fn shape(&self) -> ModelShape {
-        self.inner.shape()
-    }
-
-    fn dtype(&self) -> Dtype {
-        self.inner.dtype()
-    }
-
-    fn device(&self) -> <B as burn::tensor::backend::BackendTypes>::Device {
-        self.inner.device()
-    }
-
-    fn forward(
-        &self,
-        batch: &Batch,
-        cache: &mut dyn KvCache<B>,
-        logits: LogitsFor,
-    ) -> kiln_core::Result<Tensor<B, 2>> {
-        self.fed.set(self.fed.get() + batch.n_tokens());
-        self.inner.forward(batch, cache, logits)
-    }
-}
-
 /// 32 requests sharing a 1,000-token system prompt, each with its own 8-token question,
 /// submitted at once: the shared prompt is computed once (the others wait for its blocks
 /// instead of computing it alongside), so the model is fed about 1,000 + 32 x (suffix) prompt
@@ -622,10 +534,7 @@ fn a_shared_system_prompt_is_computed_once() {
         .collect();
     let (block, decode_fed) = (16, 32 * 3);
     let run = |prefix_cache: bool| {
-        let counting = Counting {
-            inner: &model,
-            fed: std::cell::Cell::new(0),
-        };
+        let counting = Recording::new(model);
         let config = EngineConfig {
             prefix_cache,
             ..EngineConfig::default()
@@ -637,7 +546,7 @@ fn a_shared_system_prompt_is_computed_once() {
         let done = engine.run(|_| {}).unwrap();
         let stats = engine.prefix_stats();
         let usage = engine.cache().usage();
-        (done, counting.fed.get(), stats, usage)
+        (done, counting.tokens_fed(), stats, usage)
     };
     let (done, fed, stats, usage) = run(true);
     // 992 tokens (62 whole blocks) of the 1,008 are shared; each later request computes 16.
@@ -734,16 +643,13 @@ fn kept_caches_are_continued_computing_only_what_is_new() {
     };
     let first_prompt: Vec<u32> = (0..20).map(|i| 2 + (i * 7) % 29).collect();
     for kind in CacheKind::ALL {
-        let counting = Counting {
-            inner: &model,
-            fed: std::cell::Cell::new(0),
-        };
+        let counting = Recording::new(model);
         let cache = of_kind(kind, 512);
         let mut engine = Engine::new(&counting, cache, EngineConfig::default()).unwrap();
         let run_fed = |engine: &mut Engine<'_, B>| {
-            let before = counting.fed.get();
+            let before = counting.tokens_fed();
             let done = engine.run(|_| {}).unwrap();
-            (done, counting.fed.get() - before)
+            (done, counting.tokens_fed() - before)
         };
 
         let first = engine.submit(keep(&first_prompt, 5, None)).unwrap();
@@ -1007,49 +913,6 @@ fn draft_models_are_checked() {
     let engine = Engine::new(&model, paged(8, 4), drafting).unwrap();
     let err = engine.with_draft_model(&other, paged(8, 4)).err().unwrap();
     assert!(err.to_string().contains("vocabulary"), "{err}");
-}
-
-/// Logits are `logit(last token, its position, candidate)`: a model with a real distribution
-/// over the next token (unlike [`Scripted`]'s one-hot rows).
-struct Soft {
-    logit: fn(u32, u32, u32) -> f32,
-    vocab: usize,
-}
-
-impl Soft {
-    fn row(&self, token: u32, position: u32) -> Vec<f32> {
-        (0..self.vocab as u32)
-            .map(|v| (self.logit)(token, position, v))
-            .collect()
-    }
-}
-
-impl CausalLm<B> for Soft {
-    fn shape(&self) -> ModelShape {
-        ModelShape {
-            vocab: self.vocab,
-            ..Scripted { script: count_up }.shape()
-        }
-    }
-
-    fn dtype(&self) -> Dtype {
-        Dtype::F32
-    }
-
-    fn device(&self) -> <B as burn::tensor::backend::BackendTypes>::Device {
-        Default::default()
-    }
-
-    fn forward(
-        &self,
-        batch: &Batch,
-        cache: &mut dyn KvCache<B>,
-        logits: LogitsFor,
-    ) -> kiln_core::Result<Tensor<B, 2>> {
-        rows_of(batch, cache, logits, self.vocab, |token, position| {
-            self.row(token, position)
-        })
-    }
 }
 
 /// The target of the distribution test: a few likely tokens that move with the context.

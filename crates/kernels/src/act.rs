@@ -106,8 +106,9 @@ pub fn quantize_split(x: &[f32; ACT_BLOCK]) -> (ActBlock, ActBlock) {
 /// IEEE operations in the same order (a maximum does not depend on the order, the rounding of
 /// `cvtps2dq` is the scalar's ties-to-even, the sums are integers), so it gives the scalar
 /// bits for finite input; a test asserts it. AVX2 runs the scalar code: the same source
-/// compiled for AVX2 or AVX-512 was twice as slow as the plain build (92 ns a block), the
-/// compiler's vectorization of the byte conversions being poor.
+/// compiled for AVX2 or AVX-512 was slower than the plain build, the compiler's vectorization
+/// of the byte conversions being poor (docs/benchmarks.md, "Figures that were in code
+/// comments").
 ///
 /// # Panics
 /// If `x.len() != 32 × hi.len()`, `lo.len() != hi.len()`, or this CPU cannot run `tier`.

@@ -735,7 +735,7 @@ mod x86 {
             .zip(&mask[span])
             .filter(|(_, masked)| !**masked)
         {
-            let s = scorer.score(unsafe { dot(q, &kv.kv.k[at..at + head_dim]) });
+            let s = scorer.score(dot(q, &kv.kv.k[at..at + head_dim]));
             max = max.max(s);
             scores.push((at, s));
         }
@@ -755,13 +755,15 @@ mod x86 {
             for (x, &(_, s)) in x.iter_mut().zip(chunk) {
                 *x = s;
             }
-            let p = unsafe { exp8(_mm256_sub_ps(_mm256_loadu_ps(x.as_ptr()), max8)) };
+            // SAFETY: `x` is eight f32, the unaligned load's width.
+            let p = exp8(_mm256_sub_ps(unsafe { _mm256_loadu_ps(x.as_ptr()) }, max8));
             sums = _mm256_add_ps(sums, p);
             let mut lanes = [0f32; 8];
+            // SAFETY: `lanes` is eight f32, the unaligned store's width.
             unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), p) };
             probs.extend_from_slice(&lanes[..chunk.len()]);
         }
-        let sum = unsafe { hsum(sums) };
+        let sum = hsum(sums);
         let inv = 1.0 / sum;
         tail[1] = sum;
         // acc = Σ_j p_j v_j, 64 columns at a time in eight registers, then 8, then one.
@@ -781,6 +783,7 @@ mod x86 {
             }
             for (u, lane) in lanes.into_iter().enumerate() {
                 let out = _mm256_mul_ps(lane, _mm256_set1_ps(inv));
+                // SAFETY: a slice of eight f32 (checked), the unaligned store's width.
                 unsafe { _mm256_storeu_ps(acc[c + 8 * u..c + 8 * u + 8].as_mut_ptr(), out) };
             }
             c += 64;
@@ -793,6 +796,7 @@ mod x86 {
                 lane = _mm256_fmadd_ps(_mm256_set1_ps(p), x, lane);
             }
             let out = _mm256_mul_ps(lane, _mm256_set1_ps(inv));
+            // SAFETY: a slice of eight f32 (checked), the unaligned store's width.
             unsafe { _mm256_storeu_ps(acc[c..c + 8].as_mut_ptr(), out) };
             c += 8;
         }
@@ -810,7 +814,7 @@ mod x86 {
     /// The sum of a register's eight lanes, in a fixed order.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn hsum(v: __m256) -> f32 {
+    fn hsum(v: __m256) -> f32 {
         let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
         _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
@@ -819,12 +823,13 @@ mod x86 {
     /// `a · b`: sixteen lanes in two accumulators, then eight, then the rest one by one.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot<T: KvElement>(a: &[f32], b: &[T]) -> f32 {
+    fn dot<T: KvElement>(a: &[f32], b: &[T]) -> f32 {
         let n = a.len().min(b.len());
         let (pa, pb) = (a.as_ptr(), b.as_ptr());
         let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         let mut i = 0;
-        // SAFETY: every load reads eight values below `n`.
+        // SAFETY: every load reads eight values below `n`, the length of the shorter slice;
+        // F16C, which `load8` of f16 needs, is one of this function's features.
         unsafe {
             while i + 16 <= n {
                 s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), T::load8(pb.add(i)), s0);
@@ -836,7 +841,7 @@ mod x86 {
                 i += 8;
             }
         }
-        let mut sum = unsafe { hsum(_mm256_add_ps(s0, s1)) };
+        let mut sum = hsum(_mm256_add_ps(s0, s1));
         for j in i..n {
             sum = a[j].mul_add(b[j].to_f32(), sum);
         }
@@ -849,7 +854,7 @@ mod x86 {
     /// exponent bits. Below -87.3 (and for -inf) the result is 0.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn exp8(x: __m256) -> __m256 {
+    pub(super) fn exp8(x: __m256) -> __m256 {
         let min = _mm256_set1_ps(EXP_MIN);
         let underflow = _mm256_cmp_ps(x, min, _CMP_LT_OQ);
         let x = _mm256_max_ps(x, min);
@@ -888,6 +893,7 @@ mod x86 {
             while x <= 0.0 {
                 let lanes: [f32; 8] = std::array::from_fn(|i| x - i as f32 * 1e-3);
                 let mut got = [0f32; 8];
+                // SAFETY: AVX2 and FMA were checked above; `lanes` and `got` are eight f32.
                 unsafe {
                     _mm256_storeu_ps(got.as_mut_ptr(), exp8(_mm256_loadu_ps(lanes.as_ptr())))
                 };
@@ -906,6 +912,7 @@ mod x86 {
                 x += 0.0137;
             }
             let mut got = [1f32; 8];
+            // SAFETY: AVX2 and FMA were checked above; `got` is eight f32.
             unsafe {
                 let inf = _mm256_set1_ps(f32::NEG_INFINITY);
                 _mm256_storeu_ps(got.as_mut_ptr(), exp8(inf));

@@ -296,7 +296,8 @@ pub fn matmul_out_in_with(
                 });
                 let dots = match tier {
                     Tier::Scalar => dot4_scalar(row, xs),
-                    // SAFETY: the tier's features were checked above.
+                    // SAFETY: `check_shapes` checked the tier (both include AVX2 and FMA);
+                    // `row` and every `xs[t]` are `k` long.
                     #[cfg(target_arch = "x86_64")]
                     Tier::Avx2 | Tier::Avx512Vnni => unsafe { dot4_avx2(row, xs) },
                     #[allow(unreachable_patterns)]
@@ -317,6 +318,9 @@ fn dot4_scalar(w: &[f32], xs: [&[f32]; ROW_TILE]) -> [f32; ROW_TILE] {
 }
 
 /// `w · x_t` for four activation rows in eight FMA lanes each.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA, and every `xs[t]` must be at least as long as `w`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot4_avx2(w: &[f32], xs: [&[f32]; ROW_TILE]) -> [f32; ROW_TILE] {
@@ -325,10 +329,12 @@ unsafe fn dot4_avx2(w: &[f32], xs: [&[f32]; ROW_TILE]) -> [f32; ROW_TILE] {
     let whole = k - k % 8;
     let mut acc = [_mm256_setzero_ps(); ROW_TILE];
     for i in (0..whole).step_by(8) {
-        // SAFETY: i + 8 <= whole <= k, the length of `w` and of every `xs[t]`.
+        // SAFETY: i + 8 <= whole <= k, the length of `w`.
         let wv = unsafe { _mm256_loadu_ps(w.as_ptr().add(i)) };
         for (a, x) in acc.iter_mut().zip(&xs) {
-            *a = _mm256_fmadd_ps(wv, unsafe { _mm256_loadu_ps(x.as_ptr().add(i)) }, *a);
+            // SAFETY: i + 8 <= k, and every `xs[t]` is at least `k` long (the contract).
+            let xv = unsafe { _mm256_loadu_ps(x.as_ptr().add(i)) };
+            *a = _mm256_fmadd_ps(wv, xv, *a);
         }
     }
     let mut sums = [0f32; ROW_TILE];

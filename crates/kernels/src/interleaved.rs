@@ -438,8 +438,9 @@ pub const TILE: usize = 4;
 /// tile instead of once per row.
 ///
 /// # Safety
-/// The CPU must support the tier the function was chosen for; `w` must hold exactly
-/// `hi[i].len()` block columns of the function's type for every `i`, and
+/// The CPU must support the tier the function was chosen for; `w` must hold exactly the block
+/// columns of the function's type that `hi[i].len()` activation blocks cover (one per block,
+/// one per eight for the 256-value K-quants and IQ4_XS) for every `i`, and
 /// `lo[i].len() == hi[i].len()`.
 pub(crate) type TileFn<const N: usize> =
     unsafe fn(&[u8], [&[ActBlock]; N], [&[ActBlock]; N]) -> [[f32; GROUP]; N];
@@ -544,13 +545,15 @@ impl TileKernels {
         ) {
             let hi = std::array::from_fn(|i| rows[i].0);
             let lo = std::array::from_fn(|i| rows[i].1);
-            // SAFETY: the caller's contract.
+            // SAFETY: `f`'s `TileFn` contract is this function's, and `hi`/`lo` are the rows
+            // it covers.
             let y = unsafe { f(w, hi, lo) };
             for (i, y) in y.into_iter().enumerate() {
                 out(i, y);
             }
         }
-        // SAFETY (each arm): the caller's contract.
+        // SAFETY: each arm calls the kernel for exactly `rows.len()` rows, under the `TileFn`
+        // contract this function's caller vouches for every row.
         unsafe {
             match rows.len() {
                 1 => call(self.one, w, rows, &mut out),
@@ -859,7 +862,7 @@ mod x86 {
     /// Four activation bytes `4j..4j + 4` of `a` in every lane.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn broadcast(a: &ActBlock, j: usize) -> __m256i {
+    fn broadcast(a: &ActBlock, j: usize) -> __m256i {
         let word = i32::from_le_bytes([
             a.qs[4 * j] as u8,
             a.qs[4 * j + 1] as u8,
@@ -870,9 +873,13 @@ mod x86 {
     }
 
     /// Eight f16 at `p` as f32.
+    ///
+    /// # Safety
+    /// 16 bytes at `p` must be readable.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn halves(p: *const u8) -> __m256 {
+        // SAFETY: the caller's contract: 16 readable bytes at `p`, the unaligned load's width.
         _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
     }
 
@@ -880,7 +887,7 @@ mod x86 {
     /// column, shared by every kernel so that all round alike.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn add_sums(
+    fn add_sums(
         acc: __m256,
         d: __m256,
         sum_h: __m256i,
@@ -896,10 +903,12 @@ mod x86 {
         _mm256_fmadd_ps(d, scaled, acc)
     }
 
+    /// The eight lanes of `v`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn store(v: __m256) -> [f32; GROUP] {
+    fn store(v: __m256) -> [f32; GROUP] {
         let mut out = [0f32; GROUP];
+        // SAFETY: `out` is eight f32 (`GROUP`), the unaligned store's width.
         unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
         out
     }
@@ -908,7 +917,7 @@ mod x86 {
     /// the i8 side at most 127 in magnitude, so `vpmaddubsw`'s pair sums cannot saturate).
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn dot_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+    fn dot_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
         _mm256_add_epi32(
             acc,
             _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)),
@@ -918,7 +927,7 @@ mod x86 {
     /// The same with VNNI.
     #[inline]
     #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
-    unsafe fn dot_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+    fn dot_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(acc, u, s)
     }
 
@@ -939,18 +948,17 @@ mod x86 {
     /// The sum of a row's partial sums (the unused ones are zero, and vanish when compiled).
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn total([a, b, c, d]: [__m256i; 4]) -> __m256i {
+    fn total([a, b, c, d]: [__m256i; 4]) -> __m256i {
         _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d))
     }
 
     /// How far ahead of the block being multiplied a tile of [`PREFETCH_MIN_ROWS`] or more
     /// rows asks for weights: about a dozen Q4_1 blocks. The hardware prefetchers stop at
     /// each 4 KB page, and a tile of several rows, busy multiplying, then waits on the next
-    /// page's first lines; asking this far ahead keeps the stream going across pages.
-    /// Measured on SmolLM2 forwards of 3 to 8 rows (AMD EPYC Zen 4, weights from DRAM): 5-9 %
-    /// faster at 2 or 3 KB, less at 1 KB, slower with the T1 hint; one- and two-row
-    /// forwards no faster. Prefetching a whole group ahead at once was slower: the burst
-    /// fills the miss queue that the tile's own loads need.
+    /// page's first lines; asking this far ahead keeps the stream going across pages. The
+    /// distance and the T0 hint were chosen on whole forwards of 3 to 8 rows (docs/benchmarks.md,
+    /// "Figures that were in code comments"). Prefetching a whole group ahead at once was
+    /// slower: the burst fills the miss queue that the tile's own loads need.
     const PREFETCH_AHEAD: usize = 2048;
 
     /// The fewest rows a tile has to prefetch for: with one or two rows the prefetches
@@ -970,16 +978,24 @@ mod x86 {
     }
 
     /// Eight bytes at `p` as f32 (unsigned).
+    ///
+    /// # Safety
+    /// Eight bytes at `p` must be readable.
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn u8_lanes(p: *const u8) -> __m256 {
+        // SAFETY: the caller's contract: eight readable bytes at `p`, what `vmovq` loads.
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p.cast()) }))
     }
 
     /// Eight bytes at `p` as f32 (signed).
+    ///
+    /// # Safety
+    /// Eight bytes at `p` must be readable.
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn i8_lanes(p: *const u8) -> __m256 {
+        // SAFETY: the caller's contract: eight readable bytes at `p`, what `vmovq` loads.
         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(unsafe { _mm_loadl_epi64(p.cast()) }))
     }
 
@@ -989,7 +1005,7 @@ mod x86 {
     /// bits across bytes only into bits that the mask clears.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn fifth_bits_at_4(bits: __m256i, j: usize) -> (__m256i, __m256i) {
+    fn fifth_bits_at_4(bits: __m256i, j: usize) -> (__m256i, __m256i) {
         let (first, second) = match j {
             0 => (_mm256_slli_epi16(bits, 4), _mm256_slli_epi16(bits, 3)),
             1 => (_mm256_slli_epi16(bits, 2), _mm256_slli_epi16(bits, 1)),
@@ -1000,6 +1016,21 @@ mod x86 {
         (_mm256_and_si256(first, bit), _mm256_and_si256(second, bit))
     }
 
+    /// Block `b` of each of the rows, unchecked.
+    ///
+    /// # Safety
+    /// `b` must be below every row's length.
+    #[inline(always)]
+    unsafe fn blocks_at<const N: usize>(rows: [&[ActBlock]; N], b: usize) -> [&ActBlock; N] {
+        // SAFETY: `b` is below every row's length (the caller's contract).
+        std::array::from_fn(|i| unsafe { rows[i].get_unchecked(b) })
+    }
+
+    // The tiles below run under the `TileFn` contract: every row of `hi` and `lo` has
+    // `blocks = hi[0].len()` activation blocks, and `w` holds exactly the block columns they
+    // cover, so the column of block (or super-block) `b < blocks` (`< blocks / 8`) starts
+    // `bytes × b` into `w` and ends inside it. Their SAFETY comments name the bytes of a
+    // column each read touches.
     macro_rules! nibble_tiles {
         ($tier:ident, $features:literal, $dot:ident, $parts:ident) => {
             pub(super) mod $tier {
@@ -1013,6 +1044,9 @@ mod x86 {
                 /// of nibbles of eight rows at `p` (four chunks of 32 bytes), with `FIFTH` the
                 /// Q5_K fifth bits after them: per row, the `hi` and the `lo` pass's. Each
                 /// chunk is unpacked once for all the rows.
+                ///
+                /// # Safety
+                /// 128 bytes at `p` must be readable, 160 with `FIFTH`.
                 #[inline]
                 #[target_feature(enable = $features)]
                 unsafe fn nibble_sums<const N: usize, const FIFTH: bool>(
@@ -1023,6 +1057,8 @@ mod x86 {
                     let parts = $parts(N);
                     let mask = _mm256_set1_epi8(0x0F);
                     let fifth_bits = if FIFTH {
+                        // SAFETY: with `FIFTH` the caller vouches for 160 bytes: the fifth
+                        // bits are the last 32.
                         unsafe { _mm256_loadu_si256(p.add(128).cast()) }
                     } else {
                         _mm256_setzero_si256()
@@ -1030,27 +1066,27 @@ mod x86 {
                     let mut sh = [[_mm256_setzero_si256(); 4]; N];
                     let mut sl = [[_mm256_setzero_si256(); 4]; N];
                     for j in 0..4 {
+                        // SAFETY: `j < 4`: chunk `j` is bytes `32 j .. 32 j + 32` of the 128
+                        // the caller vouches for.
                         let raw = unsafe { _mm256_loadu_si256(p.add(32 * j).cast()) };
                         let mut low = _mm256_and_si256(raw, mask);
                         let mut high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
                         if FIFTH {
-                            let (first, second) = unsafe { fifth_bits_at_4(fifth_bits, j) };
+                            let (first, second) = fifth_bits_at_4(fifth_bits, j);
                             low = _mm256_or_si256(low, first);
                             high = _mm256_or_si256(high, second);
                         }
                         let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
                         for i in 0..N {
-                            unsafe {
-                                sh[i][k_low] = $dot(sh[i][k_low], low, broadcast(h[i], j));
-                                sh[i][k_high] = $dot(sh[i][k_high], high, broadcast(h[i], 4 + j));
-                                sl[i][k_low] = $dot(sl[i][k_low], low, broadcast(l[i], j));
-                                sl[i][k_high] = $dot(sl[i][k_high], high, broadcast(l[i], 4 + j));
-                            }
+                            sh[i][k_low] = $dot(sh[i][k_low], low, broadcast(h[i], j));
+                            sh[i][k_high] = $dot(sh[i][k_high], high, broadcast(h[i], 4 + j));
+                            sl[i][k_low] = $dot(sl[i][k_low], low, broadcast(l[i], j));
+                            sl[i][k_high] = $dot(sl[i][k_high], high, broadcast(l[i], 4 + j));
                         }
                     }
                     let mut sums = [(_mm256_setzero_si256(), _mm256_setzero_si256()); N];
                     for i in 0..N {
-                        sums[i] = unsafe { (total(sh[i]), total(sl[i])) };
+                        sums[i] = (total(sh[i]), total(sl[i]));
                     }
                     sums
                 }
@@ -1060,6 +1096,9 @@ mod x86 {
                 /// values with one `vpshufb` per half, once for all the rows, and multiply by
                 /// the sign trick (`|w|` unsigned, the activations given `w`'s sign; the
                 /// table's values are within ±127, so `vpmaddubsw`'s pair sums fit).
+                ///
+                /// # Safety
+                /// 128 bytes at `p` must be readable.
                 #[inline]
                 #[target_feature(enable = $features)]
                 unsafe fn iq4_sums<const N: usize>(
@@ -1069,10 +1108,12 @@ mod x86 {
                 ) -> [(__m256i, __m256i); N] {
                     let parts = $parts(N);
                     let mask = _mm256_set1_epi8(0x0F);
-                    let table = unsafe { crate::quant::iq4_table() };
+                    let table = crate::quant::iq4_table();
                     let mut sh = [[_mm256_setzero_si256(); 4]; N];
                     let mut sl = [[_mm256_setzero_si256(); 4]; N];
                     for j in 0..4 {
+                        // SAFETY: `j < 4`: chunk `j` is bytes `32 j .. 32 j + 32` of the 128
+                        // the caller vouches for.
                         let raw = unsafe { _mm256_loadu_si256(p.add(32 * j).cast()) };
                         let low = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, mask));
                         let high = _mm256_shuffle_epi8(
@@ -1082,23 +1123,19 @@ mod x86 {
                         let (low_abs, high_abs) = (_mm256_abs_epi8(low), _mm256_abs_epi8(high));
                         let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
                         for i in 0..N {
-                            unsafe {
-                                let (hl, hh) = (broadcast(h[i], j), broadcast(h[i], 4 + j));
-                                let (ll, lh) = (broadcast(l[i], j), broadcast(l[i], 4 + j));
-                                sh[i][k_low] =
-                                    $dot(sh[i][k_low], low_abs, _mm256_sign_epi8(hl, low));
-                                sh[i][k_high] =
-                                    $dot(sh[i][k_high], high_abs, _mm256_sign_epi8(hh, high));
-                                sl[i][k_low] =
-                                    $dot(sl[i][k_low], low_abs, _mm256_sign_epi8(ll, low));
-                                sl[i][k_high] =
-                                    $dot(sl[i][k_high], high_abs, _mm256_sign_epi8(lh, high));
-                            }
+                            let (hl, hh) = (broadcast(h[i], j), broadcast(h[i], 4 + j));
+                            let (ll, lh) = (broadcast(l[i], j), broadcast(l[i], 4 + j));
+                            sh[i][k_low] = $dot(sh[i][k_low], low_abs, _mm256_sign_epi8(hl, low));
+                            sh[i][k_high] =
+                                $dot(sh[i][k_high], high_abs, _mm256_sign_epi8(hh, high));
+                            sl[i][k_low] = $dot(sl[i][k_low], low_abs, _mm256_sign_epi8(ll, low));
+                            sl[i][k_high] =
+                                $dot(sl[i][k_high], high_abs, _mm256_sign_epi8(lh, high));
                         }
                     }
                     let mut sums = [(_mm256_setzero_si256(), _mm256_setzero_si256()); N];
                     for i in 0..N {
-                        sums[i] = unsafe { (total(sh[i]), total(sl[i])) };
+                        sums[i] = (total(sh[i]), total(sl[i]));
                     }
                     sums
                 }
@@ -1116,25 +1153,24 @@ mod x86 {
                     debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
                     let mut acc = [_mm256_setzero_ps(); N];
                     for b in 0..blocks {
+                        // SAFETY: column `b < blocks` of `bytes` lies in `w`.
                         let p = unsafe { w.as_ptr().add(bytes * b) };
                         if N >= PREFETCH_MIN_ROWS {
                             prefetch_ahead(p, bytes);
                         }
-                        // SAFETY: every row holds `blocks` blocks (the caller's contract).
-                        let h: [&ActBlock; N] =
-                            std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
-                        let l: [&ActBlock; N] =
-                            std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
-                        let sums = unsafe { iq4_sums::<N>(p.add(quants), h, l) };
-                        let d = unsafe { halves(p) };
+                        // SAFETY: `b < blocks`, every row's length (the `TileFn` contract).
+                        let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+                        // SAFETY: the column is the eight f16 `d` (16 bytes at `p`) and the
+                        // 128 bytes of indices at `quants`, its last.
+                        let (sums, d) = unsafe { (iq4_sums::<N>(p.add(quants), h, l), halves(p)) };
                         for i in 0..N {
                             let (sum_h, sum_l) = sums[i];
-                            acc[i] = unsafe { add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]) };
+                            acc[i] = add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]);
                         }
                     }
                     let mut out = [[0f32; GROUP]; N];
                     for (out, acc) in out.iter_mut().zip(acc) {
-                        *out = unsafe { store(acc) };
+                        *out = store(acc);
                     }
                     out
                 }
@@ -1152,32 +1188,38 @@ mod x86 {
                     debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
                     let mut acc = [_mm256_setzero_ps(); N];
                     for c in 0..blocks / 8 {
-                        let p = unsafe { w.as_ptr().add(IQ4_XS_BYTES * c) };
-                        let d = unsafe { halves(p) };
+                        // SAFETY: column `c < blocks / 8` of `IQ4_XS_BYTES` lies in `w`; its
+                        // first 16 bytes are the eight f16 `d`.
+                        let (p, d) = unsafe {
+                            let p = w.as_ptr().add(IQ4_XS_BYTES * c);
+                            (p, halves(p))
+                        };
                         for s in 0..8 {
                             if N >= PREFETCH_MIN_ROWS {
                                 let eighth = IQ4_XS_BYTES / 8;
                                 prefetch_ahead(p.wrapping_add(eighth * s), eighth);
                             }
                             let b = 8 * c + s;
-                            // SAFETY: every row holds `blocks` blocks (the caller's contract).
-                            let h: [&ActBlock; N] =
-                                std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
-                            let l: [&ActBlock; N] =
-                                std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
-                            let sub = unsafe { p.add(IQ4_XS_QUANTS + 128 * s) };
-                            let sums = unsafe { iq4_sums::<N>(sub, h, l) };
-                            let scale = _mm256_mul_ps(d, unsafe { i8_lanes(p.add(16 + 8 * s)) });
+                            // SAFETY: `b = 8 c + s < blocks`, every row's length (the `TileFn`
+                            // contract).
+                            let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+                            // SAFETY: `s < 8`: sub-block `s`'s 128 bytes of indices at
+                            // `IQ4_XS_QUANTS + 128 s` end at the column's end, and its eight
+                            // scales at `16 + 8 s` lie before `IQ4_XS_QUANTS` (16 + 64).
+                            let (sums, scales) = unsafe {
+                                let sub = p.add(IQ4_XS_QUANTS + 128 * s);
+                                (iq4_sums::<N>(sub, h, l), i8_lanes(p.add(16 + 8 * s)))
+                            };
+                            let scale = _mm256_mul_ps(d, scales);
                             for i in 0..N {
                                 let (sum_h, sum_l) = sums[i];
-                                acc[i] =
-                                    unsafe { add_sums(acc[i], scale, sum_h, sum_l, h[i], l[i]) };
+                                acc[i] = add_sums(acc[i], scale, sum_h, sum_l, h[i], l[i]);
                             }
                         }
                     }
                     let mut out = [[0f32; GROUP]; N];
                     for (out, acc) in out.iter_mut().zip(acc) {
-                        *out = unsafe { store(acc) };
+                        *out = store(acc);
                     }
                     out
                 }
@@ -1189,7 +1231,8 @@ mod x86 {
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
-                    // SAFETY: the caller's contract.
+                    // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
+                    // the rows' blocks) is the one `q4_tile` needs, for the same type.
                     unsafe { q4_tile::<N, false, false>(w, hi, lo) }
                 }
 
@@ -1200,7 +1243,8 @@ mod x86 {
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
-                    // SAFETY: the caller's contract.
+                    // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
+                    // the rows' blocks) is the one `q4_tile` needs, for the same type.
                     unsafe { q4_tile::<N, true, false>(w, hi, lo) }
                 }
 
@@ -1211,7 +1255,8 @@ mod x86 {
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
-                    // SAFETY: the caller's contract.
+                    // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
+                    // the rows' blocks) is the one `q4_tile` needs, for the same type.
                     unsafe { q4_tile::<N, false, true>(w, hi, lo) }
                 }
 
@@ -1222,12 +1267,16 @@ mod x86 {
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
-                    // SAFETY: the caller's contract.
+                    // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
+                    // the rows' blocks) is the one `q4_tile` needs, for the same type.
                     unsafe { q4_tile::<N, true, true>(w, hi, lo) }
                 }
 
                 /// Eight Q4_0 (`MIN` false: the minimum is `-8 d`), Q4_1, Q5_0 (`FIFTH`,
                 /// minimum `-16 d`) or Q5_1 rows × `N` two-pass activation rows.
+                ///
+                /// # Safety
+                /// As [`super::super::TileFn`], for the type the parameters name.
                 #[inline]
                 #[target_feature(enable = $features)]
                 unsafe fn q4_tile<const N: usize, const MIN: bool, const FIFTH: bool>(
@@ -1241,25 +1290,27 @@ mod x86 {
                     let mut acc = [_mm256_setzero_ps(); N];
                     let mut mins = [_mm256_setzero_ps(); N];
                     for b in 0..blocks {
+                        // SAFETY: column `b < blocks` of `bytes` lies in `w`.
                         let p = unsafe { w.as_ptr().add(bytes * b) };
                         if N >= PREFETCH_MIN_ROWS {
                             prefetch_ahead(p, bytes);
                         }
-                        // SAFETY: every row holds `blocks` blocks (the caller's contract).
-                        let h: [&ActBlock; N] =
-                            std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
-                        let l: [&ActBlock; N] =
-                            std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
+                        // SAFETY: `b < blocks`, every row's length (the `TileFn` contract).
+                        let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+                        // SAFETY: from `quants` to its end the column holds the 128 bytes of
+                        // nibbles (and with `FIFTH` the 32 of fifth bits) `nibble_sums` reads.
                         let sums = unsafe { nibble_sums::<N, FIFTH>(p.add(quants), h, l) };
+                        // SAFETY: the column's first 16 bytes are the eight f16 `d`.
                         let d = unsafe { halves(p) };
                         let m = if MIN {
+                            // SAFETY: with `MIN` bytes 16-31 of the column are the minimums.
                             unsafe { halves(p.add(16)) }
                         } else {
                             _mm256_mul_ps(d, _mm256_set1_ps(-q_offset(FIFTH)))
                         };
                         for i in 0..N {
                             let (sum_h, sum_l) = sums[i];
-                            acc[i] = unsafe { add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]) };
+                            acc[i] = add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]);
                             mins[i] = _mm256_fmadd_ps(
                                 m,
                                 _mm256_set1_ps(h[i].d_sum + l[i].d_sum),
@@ -1269,7 +1320,7 @@ mod x86 {
                     }
                     let mut out = [[0f32; GROUP]; N];
                     for ((out, acc), mins) in out.iter_mut().zip(acc).zip(mins) {
-                        *out = unsafe { store(_mm256_add_ps(acc, mins)) };
+                        *out = store(_mm256_add_ps(acc, mins));
                     }
                     out
                 }
@@ -1281,7 +1332,8 @@ mod x86 {
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
-                    // SAFETY: the caller's contract.
+                    // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
+                    // the rows' blocks) is the one `k_tile` needs, for the same type.
                     unsafe { k_tile::<N, false>(w, hi, lo) }
                 }
 
@@ -1292,13 +1344,17 @@ mod x86 {
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
-                    // SAFETY: the caller's contract.
+                    // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
+                    // the rows' blocks) is the one `k_tile` needs, for the same type.
                     unsafe { k_tile::<N, true>(w, hi, lo) }
                 }
 
                 /// Eight Q4_K (`FIFTH` false) or Q5_K rows × `N` two-pass activation rows:
                 /// each sub-block as a Q4_1 block (with Q5_K's fifth bits joined to the
                 /// nibbles) whose scale and minimum are `d × scale` and `dmin × min`.
+                ///
+                /// # Safety
+                /// As [`super::super::TileFn`], for the type the parameters name.
                 #[inline]
                 #[target_feature(enable = $features)]
                 unsafe fn k_tile<const N: usize, const FIFTH: bool>(
@@ -1312,8 +1368,12 @@ mod x86 {
                     let mut acc = [_mm256_setzero_ps(); N];
                     let mut mins = [_mm256_setzero_ps(); N];
                     for c in 0..blocks / 8 {
-                        let p = unsafe { w.as_ptr().add(column_bytes * c) };
-                        let (d, dmin) = unsafe { (halves(p), halves(p.add(16))) };
+                        // SAFETY: column `c < blocks / 8` of `column_bytes` lies in `w`; its
+                        // first 32 bytes are the eight f16 `d`, then the eight `dmin`.
+                        let (p, d, dmin) = unsafe {
+                            let p = w.as_ptr().add(column_bytes * c);
+                            (p, halves(p), halves(p.add(16)))
+                        };
                         for s in 0..8 {
                             if N >= PREFETCH_MIN_ROWS {
                                 // An eighth of the column per sub-block covers the stream.
@@ -1321,19 +1381,26 @@ mod x86 {
                                 prefetch_ahead(p.wrapping_add(eighth * s), eighth);
                             }
                             let b = 8 * c + s;
-                            // SAFETY: every row holds `blocks` blocks (the caller's contract).
-                            let h: [&ActBlock; N] =
-                                std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
-                            let l: [&ActBlock; N] =
-                                std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
-                            let sub = unsafe { p.add(K_QUANTS + sub_bytes * s) };
-                            let sums = unsafe { nibble_sums::<N, FIFTH>(sub, h, l) };
-                            let scale = _mm256_mul_ps(d, unsafe { u8_lanes(p.add(32 + 8 * s)) });
-                            let min = _mm256_mul_ps(dmin, unsafe { u8_lanes(p.add(96 + 8 * s)) });
+                            // SAFETY: `b = 8 c + s < blocks`, every row's length (the `TileFn`
+                            // contract).
+                            let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+                            // SAFETY: `s < 8`: sub-block `s` (`sub_bytes`: 128 of nibbles, with
+                            // `FIFTH` 32 of fifth bits) at `K_QUANTS + sub_bytes s` ends by the
+                            // column's end; its eight scales at `32 + 8 s` and minimums at
+                            // `96 + 8 s` lie before `K_QUANTS` (32 + 64 + 64).
+                            let (sums, scales, mins_s) = unsafe {
+                                let sub = p.add(K_QUANTS + sub_bytes * s);
+                                (
+                                    nibble_sums::<N, FIFTH>(sub, h, l),
+                                    u8_lanes(p.add(32 + 8 * s)),
+                                    u8_lanes(p.add(96 + 8 * s)),
+                                )
+                            };
+                            let scale = _mm256_mul_ps(d, scales);
+                            let min = _mm256_mul_ps(dmin, mins_s);
                             for i in 0..N {
                                 let (sum_h, sum_l) = sums[i];
-                                acc[i] =
-                                    unsafe { add_sums(acc[i], scale, sum_h, sum_l, h[i], l[i]) };
+                                acc[i] = add_sums(acc[i], scale, sum_h, sum_l, h[i], l[i]);
                                 mins[i] = _mm256_fmadd_ps(
                                     min,
                                     _mm256_set1_ps(h[i].d_sum + l[i].d_sum),
@@ -1344,7 +1411,7 @@ mod x86 {
                     }
                     let mut out = [[0f32; GROUP]; N];
                     for ((out, acc), mins) in out.iter_mut().zip(acc).zip(mins) {
-                        *out = unsafe { store(_mm256_sub_ps(acc, mins)) };
+                        *out = store(_mm256_sub_ps(acc, mins));
                     }
                     out
                 }
@@ -1356,7 +1423,8 @@ mod x86 {
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
-                    // SAFETY: the caller's contract.
+                    // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
+                    // the rows' blocks) is the one `half_scaled_tile` needs, for the same type.
                     unsafe { half_scaled_tile::<N, false>(w, hi, lo) }
                 }
 
@@ -1367,7 +1435,8 @@ mod x86 {
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
-                    // SAFETY: the caller's contract.
+                    // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
+                    // the rows' blocks) is the one `half_scaled_tile` needs, for the same type.
                     unsafe { half_scaled_tile::<N, true>(w, hi, lo) }
                 }
 
@@ -1375,6 +1444,9 @@ mod x86 {
                 /// chunk's values (Q6_K: low nibbles and high bits joined; Q3_K: the nibbles)
                 /// are formed once for all the rows, and each sub-block's halves are summed
                 /// apart for their two scales.
+                ///
+                /// # Safety
+                /// As [`super::super::TileFn`], for the type the parameters name.
                 #[inline]
                 #[target_feature(enable = $features)]
                 unsafe fn half_scaled_tile<const N: usize, const Q3: bool>(
@@ -1389,27 +1461,35 @@ mod x86 {
                     let top = _mm256_set1_epi8(0x30);
                     let mut acc = [_mm256_setzero_ps(); N];
                     for c in 0..blocks / 8 {
-                        let p = unsafe { w.as_ptr().add(column_bytes * c) };
-                        let d = unsafe { halves(p) };
+                        // SAFETY: column `c < blocks / 8` of `column_bytes` lies in `w`; its
+                        // first 16 bytes are the eight f16 `d`.
+                        let (p, d) = unsafe {
+                            let p = w.as_ptr().add(column_bytes * c);
+                            (p, halves(p))
+                        };
                         for s in 0..8 {
                             if N >= PREFETCH_MIN_ROWS {
                                 let eighth = column_bytes / 8;
                                 prefetch_ahead(p.wrapping_add(eighth * s), eighth);
                             }
                             let b = 8 * c + s;
-                            // SAFETY: every row holds `blocks` blocks (the caller's contract).
-                            let h: [&ActBlock; N] =
-                                std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
-                            let l: [&ActBlock; N] =
-                                std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
+                            // SAFETY: `b = 8 c + s < blocks`, every row's length (the `TileFn`
+                            // contract).
+                            let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+                            // SAFETY: `s < 8`: sub-block `s` (`sub_bytes`) at
+                            // `Q6_K_QUANTS + sub_bytes s` ends by the column's end.
                             let q = unsafe { p.add(Q6_K_QUANTS + sub_bytes * s) };
                             // Per row: [first half, second half] of the hi pass, then the lo's.
                             let mut sums = [[_mm256_setzero_si256(); 4]; N];
                             for j in 0..4 {
+                                // SAFETY: `j < 4`: the chunk `32 j ..` lies in the sub-block's
+                                // first 128 bytes, its nibbles.
                                 let raw = unsafe { _mm256_loadu_si256(q.add(32 * j).cast()) };
                                 let mut first = _mm256_and_si256(raw, mask);
                                 let mut second = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
                                 if !Q3 {
+                                    // SAFETY: Q6_K's sub-block is 192 bytes; with `j < 4` the
+                                    // high bits `128 + 32 (j / 2) ..` end by its byte 191.
                                     let bits = unsafe {
                                         _mm256_loadu_si256(q.add(128 + 32 * (j / 2)).cast())
                                     };
@@ -1425,15 +1505,16 @@ mod x86 {
                                         _mm256_or_si256(second, _mm256_and_si256(high_second, top));
                                 }
                                 for i in 0..N {
-                                    unsafe {
-                                        let [f_h, s_h, f_l, s_l] = &mut sums[i];
-                                        *f_h = $dot(*f_h, first, broadcast(h[i], j));
-                                        *s_h = $dot(*s_h, second, broadcast(h[i], 4 + j));
-                                        *f_l = $dot(*f_l, first, broadcast(l[i], j));
-                                        *s_l = $dot(*s_l, second, broadcast(l[i], 4 + j));
-                                    }
+                                    let [f_h, s_h, f_l, s_l] = &mut sums[i];
+                                    *f_h = $dot(*f_h, first, broadcast(h[i], j));
+                                    *s_h = $dot(*s_h, second, broadcast(h[i], 4 + j));
+                                    *f_l = $dot(*f_l, first, broadcast(l[i], j));
+                                    *s_l = $dot(*s_l, second, broadcast(l[i], 4 + j));
                                 }
                             }
+                            // SAFETY: `s < 8`: the scales of halves `2 s` and `2 s + 1` (eight
+                            // bytes each at `16 + 8 (2 s + half)`) lie in bytes 16-143, before
+                            // `Q6_K_QUANTS`.
                             let scales = unsafe {
                                 [
                                     _mm256_mul_ps(d, i8_lanes(p.add(16 + 8 * (2 * s)))),
@@ -1452,16 +1533,15 @@ mod x86 {
                                 for (half, (sum_h, sum_l)) in halves.into_iter().enumerate() {
                                     let (sum_h, sum_l) =
                                         (unoffset(sum_h, h[i], half), unoffset(sum_l, l[i], half));
-                                    acc[i] = unsafe {
-                                        add_sums(acc[i], scales[half], sum_h, sum_l, h[i], l[i])
-                                    };
+                                    acc[i] =
+                                        add_sums(acc[i], scales[half], sum_h, sum_l, h[i], l[i]);
                                 }
                             }
                         }
                     }
                     let mut out = [[0f32; GROUP]; N];
                     for (out, acc) in out.iter_mut().zip(acc) {
-                        *out = unsafe { store(acc) };
+                        *out = store(acc);
                     }
                     out
                 }
@@ -1485,9 +1565,13 @@ mod x86 {
         use super::*;
 
         /// A chunk of 32 stored quants at `p` back as signed bytes.
+        ///
+        /// # Safety
+        /// 32 bytes at `p` must be readable.
         #[inline]
         #[target_feature(enable = "avx2")]
         unsafe fn signed(p: *const u8) -> __m256i {
+            // SAFETY: the caller's contract: 32 readable bytes, the unaligned load's width.
             let stored = unsafe { _mm256_loadu_si256(p.cast()) };
             _mm256_xor_si256(stored, _mm256_set1_epi8(i8::MIN))
         }
@@ -1504,34 +1588,35 @@ mod x86 {
             debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
             let mut acc = [_mm256_setzero_ps(); N];
             for b in 0..blocks {
+                // SAFETY: column `b < blocks` (272 bytes: eight f16 `d`, eight chunks of 32
+                // quants) lies in `w`.
                 let p = unsafe { w.as_ptr().add(272 * b) };
                 if N >= PREFETCH_MIN_ROWS {
                     prefetch_ahead(p, 272);
                 }
-                // SAFETY: every row holds `blocks` blocks (the caller's contract).
-                let h: [&ActBlock; N] = std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
-                let l: [&ActBlock; N] = std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
+                // SAFETY: `b < blocks`, every row's length (the `TileFn` contract).
+                let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
                 let mut sh = [_mm256_setzero_si256(); N];
                 let mut sl = [_mm256_setzero_si256(); N];
                 for j in 0..8 {
+                    // SAFETY: `j < 8`: chunk `16 + 32 j ..` ends by byte 271 of the column.
                     let w0 = unsafe { signed(p.add(16 + 32 * j)) };
                     let u0 = _mm256_abs_epi8(w0);
                     for i in 0..N {
-                        unsafe {
-                            let (hj, lj) = (broadcast(h[i], j), broadcast(l[i], j));
-                            sh[i] = dot_avx2(sh[i], u0, _mm256_sign_epi8(hj, w0));
-                            sl[i] = dot_avx2(sl[i], u0, _mm256_sign_epi8(lj, w0));
-                        }
+                        let (hj, lj) = (broadcast(h[i], j), broadcast(l[i], j));
+                        sh[i] = dot_avx2(sh[i], u0, _mm256_sign_epi8(hj, w0));
+                        sl[i] = dot_avx2(sl[i], u0, _mm256_sign_epi8(lj, w0));
                     }
                 }
+                // SAFETY: the column's first 16 bytes are the eight f16 `d`.
                 let d = unsafe { halves(p) };
                 for i in 0..N {
-                    acc[i] = unsafe { add_sums(acc[i], d, sh[i], sl[i], h[i], l[i]) };
+                    acc[i] = add_sums(acc[i], d, sh[i], sl[i], h[i], l[i]);
                 }
             }
             let mut out = [[0f32; GROUP]; N];
             for (out, acc) in out.iter_mut().zip(acc) {
-                *out = unsafe { store(acc) };
+                *out = store(acc);
             }
             out
         }
@@ -1549,7 +1634,7 @@ mod x86 {
         /// `sum - 128 × Σ a` in every lane.
         #[inline]
         #[target_feature(enable = "avx2")]
-        unsafe fn unoffset(sum: __m256i, a: &ActBlock) -> __m256i {
+        fn unoffset(sum: __m256i, a: &ActBlock) -> __m256i {
             _mm256_sub_epi32(sum, _mm256_set1_epi32(a.sum << 7))
         }
 
@@ -1566,35 +1651,36 @@ mod x86 {
             debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
             let mut acc = [_mm256_setzero_ps(); N];
             for b in 0..blocks {
+                // SAFETY: column `b < blocks` (272 bytes: eight f16 `d`, eight chunks of 32
+                // quants) lies in `w`.
                 let p = unsafe { w.as_ptr().add(272 * b) };
                 if N >= PREFETCH_MIN_ROWS {
                     prefetch_ahead(p, 272);
                 }
-                // SAFETY: every row holds `blocks` blocks (the caller's contract).
-                let h: [&ActBlock; N] = std::array::from_fn(|i| unsafe { hi[i].get_unchecked(b) });
-                let l: [&ActBlock; N] = std::array::from_fn(|i| unsafe { lo[i].get_unchecked(b) });
+                // SAFETY: `b < blocks`, every row's length (the `TileFn` contract).
+                let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
                 let mut sh = [[_mm256_setzero_si256(); 4]; N];
                 let mut sl = [[_mm256_setzero_si256(); 4]; N];
                 for j in 0..8 {
+                    // SAFETY: `j < 8`: chunk `16 + 32 j ..` ends by byte 271 of the column.
                     let w0 = unsafe { _mm256_loadu_si256(p.add(16 + 32 * j).cast()) };
                     let k = j % parts;
                     for i in 0..N {
-                        unsafe {
-                            sh[i][k] = dot_vnni(sh[i][k], w0, broadcast(h[i], j));
-                            sl[i][k] = dot_vnni(sl[i][k], w0, broadcast(l[i], j));
-                        }
+                        sh[i][k] = dot_vnni(sh[i][k], w0, broadcast(h[i], j));
+                        sl[i][k] = dot_vnni(sl[i][k], w0, broadcast(l[i], j));
                     }
                 }
+                // SAFETY: the column's first 16 bytes are the eight f16 `d`.
                 let d = unsafe { halves(p) };
                 for i in 0..N {
                     let (sum_h, sum_l) =
-                        unsafe { (unoffset(total(sh[i]), h[i]), unoffset(total(sl[i]), l[i])) };
-                    acc[i] = unsafe { add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]) };
+                        (unoffset(total(sh[i]), h[i]), unoffset(total(sl[i]), l[i]));
+                    acc[i] = add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]);
                 }
             }
             let mut out = [[0f32; GROUP]; N];
             for (out, acc) in out.iter_mut().zip(acc) {
-                *out = unsafe { store(acc) };
+                *out = store(acc);
             }
             out
         }

@@ -26,8 +26,7 @@ use crate::gguf::GgufFile;
 use crate::layers::attention::{Attention, HeadNorms, QkvProjection};
 use crate::layers::mlp::{GateActivation, Mlp};
 use crate::layers::norm::Norm;
-use crate::loaders::WeightStorage;
-use crate::transformer::{Block, Transformer, WeightLoader};
+use crate::transformer::{Block, Transformer, WeightLoader, WeightStorage};
 use crate::weights::TensorSource;
 
 /// A family's `PretrainedConfig` defaults: what a `config.json` that leaves a key out means, as

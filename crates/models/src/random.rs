@@ -509,7 +509,7 @@ pub fn random_model<B: InferenceBackend>(
     let config = shape.config();
     let mut source = RandomSource::new(&config, seed);
     let storage = match quantized {
-        None => crate::loaders::WeightStorage::Dequantized,
+        None => crate::transformer::WeightStorage::Dequantized,
         Some(ty) => {
             let problem = if !kiln_kernels::quant::has_kernel(ty) {
                 Some(format!(
@@ -530,7 +530,7 @@ pub fn random_model<B: InferenceBackend>(
                 return Err(ModelError::config(shape.name(), problem));
             }
             source.quantized = Some(ty);
-            crate::loaders::WeightStorage::Quantized
+            crate::transformer::WeightStorage::Quantized
         }
     };
     family::load_weights(

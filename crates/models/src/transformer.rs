@@ -20,7 +20,6 @@ use crate::layers::linear::{Linear, LinearWeight};
 use crate::layers::mlp::Mlp;
 use crate::layers::norm::Norm;
 use crate::layers::rope::{RopeTables, attention_factor, inverse_frequencies};
-use crate::loaders::WeightStorage;
 use crate::weights::TensorSource;
 
 /// One transformer block: pre-norm attention and pre-norm MLP, each with a residual, and
@@ -396,6 +395,29 @@ fn fingerprint<B: InferenceBackend>(
         config.vocab,
         dtype.name()
     )
+}
+
+/// How quantized weights are held after loading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightStorage {
+    /// Dequantized to the model's dtype: the exact path, equal to transformers on the same
+    /// dequantized weights.
+    #[default]
+    Dequantized,
+    /// Kept in their ggml blocks and multiplied by kiln's CPU kernels with activations
+    /// quantized to 8 bits per block of 32 (llama.cpp's approach; see docs/kernels.md for its
+    /// accuracy). Activations, norms and the KV cache stay in `dtype`, which must be f32.
+    Quantized,
+}
+
+impl WeightStorage {
+    /// `quantized` or `dequantized`.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightStorage::Dequantized => "dequantized",
+            WeightStorage::Quantized => "quantized",
+        }
+    }
 }
 
 /// Reads tensors from a [`TensorSource`], checks their shapes against the configuration, and

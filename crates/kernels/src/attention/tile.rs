@@ -154,7 +154,8 @@ pub(super) unsafe fn attend_rows<T: KvElement>(
             _ => scores_to_probabilities::<4>(tile, q, &keys_seen, &mut probs),
         };
         let inv = sums.map(|s| if s > 0.0 { 1.0 / s } else { 0.0 });
-        // SAFETY: as this function's.
+        // SAFETY: `weighted_sum` needs what this function's caller vouches for (AVX-512,
+        // `head_dim` a multiple of 16, the tile's records this task's alone).
         unsafe {
             match tile.len() {
                 1 => weighted_sum::<1, T>(tile, kv, span, &probs, &inv, sink),
@@ -233,10 +234,9 @@ fn transpose_keys<T: KvElement>(kv: &HeadKv<'_, T>, span: Range<usize>, kt: &mut
 /// How far ahead (in keys) the transposition prefetches keys: it reads sixteen keys a
 /// column slice at a time, a pattern the hardware prefetcher follows late on a short run of
 /// keys, and a head's keys lie one after another (in a block of the paged cache, or the whole
-/// run of a dense one). Measured end to end on Zen 4 (SmolLM2 Q4_1 decode, 2 threads, with
-/// the row lookup below): +13 % tok/s after 128 tokens, +11 % after 512, +4 % after 1024.
-/// Prefetching the values too was slower in a probe of the kernel alone (not tried end to
-/// end).
+/// run of a dense one); decode gains most at short contexts (measured end to end:
+/// docs/benchmarks.md, "Figures that were in code comments"). Prefetching the values too was
+/// slower in a probe of the kernel alone (not tried end to end).
 const KEYS_AHEAD: usize = 2 * LANES;
 
 /// Prefetches the cache lines of `row`'s span moved `ahead` values on (the key `ahead /
@@ -349,6 +349,7 @@ fn scores_to_probabilities<const R: usize>(
             // SAFETY: 16 values each (slices of that length).
             let k0 = unsafe { _mm512_loadu_ps(key_chunk(c, d).as_ptr()) };
             let k1 = if pair == 2 {
+                // SAFETY: 16 values (a slice of that length).
                 unsafe { _mm512_loadu_ps(key_chunk(c + 1, d).as_ptr()) }
             } else {
                 _mm512_setzero_ps()
@@ -394,6 +395,7 @@ fn scores_to_probabilities<const R: usize>(
                 max16,
             ));
             sums = _mm512_add_ps(sums, p);
+            // SAFETY: 16 values (a chunk of that length).
             unsafe { _mm512_storeu_ps(chunk.as_mut_ptr(), p) };
         }
         row_sums[r] = _mm512_reduce_add_ps(sums);
@@ -417,7 +419,8 @@ unsafe fn weighted_sum<const R: usize, T: KvElement>(
 ) {
     let mut column = 0;
     while column < kv.head_dim {
-        // SAFETY: as this function's.
+        // SAFETY: `columns` needs this function's contract (`attend_rows`'s: AVX-512, the
+        // tile's records this task's alone), and gets the same tile.
         unsafe {
             column += match (kv.head_dim - column) / LANES {
                 1 => columns::<R, 1, T>(tile, kv, span.clone(), column, probs, inv, out),

@@ -28,8 +28,7 @@ use crate::gguf::GgufFile;
 use crate::layers::attention::{Attention, QkvProjection};
 use crate::layers::mlp::Mlp;
 use crate::layers::norm::Norm;
-use crate::loaders::WeightStorage;
-use crate::transformer::{Block, Transformer, WeightLoader};
+use crate::transformer::{Block, Transformer, WeightLoader, WeightStorage};
 use crate::weights::TensorSource;
 
 /// GPT-2, every size.

@@ -22,8 +22,7 @@ use crate::config::{Architecture, TransformerConfig};
 use crate::decoder::{self, TensorNames};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::loaders::WeightStorage;
-use crate::transformer::Transformer;
+use crate::transformer::{Transformer, WeightStorage};
 use crate::weights::TensorSource;
 
 /// One model family.

@@ -7,6 +7,9 @@ mod gguf;
 mod hf;
 mod meta;
 
+/// Re-exported where [`LoadOptions`] names it; it lives beside [`crate::transformer::WeightLoader`],
+/// which honours it, so that the model's code needs nothing from the loaders.
+pub use crate::transformer::WeightStorage;
 pub use meta::LLAMA3_CHAT_TEMPLATE;
 
 use meta::Checkpoint;
@@ -82,29 +85,6 @@ impl LoadOptions {
                 .map_err(|e| ModelError::config(path, e))?;
         }
         Ok(config)
-    }
-}
-
-/// How quantized weights are held after loading.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum WeightStorage {
-    /// Dequantized to the model's dtype: the exact path, equal to transformers on the same
-    /// dequantized weights.
-    #[default]
-    Dequantized,
-    /// Kept in their ggml blocks and multiplied by kiln's CPU kernels with activations
-    /// quantized to 8 bits per block of 32 (llama.cpp's approach; see docs/kernels.md for its
-    /// accuracy). Activations, norms and the KV cache stay in `dtype`, which must be f32.
-    Quantized,
-}
-
-impl WeightStorage {
-    /// `quantized` or `dequantized`.
-    pub fn name(self) -> &'static str {
-        match self {
-            WeightStorage::Dequantized => "dequantized",
-            WeightStorage::Quantized => "quantized",
-        }
     }
 }
 

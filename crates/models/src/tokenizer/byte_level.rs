@@ -3,7 +3,8 @@
 
 use serde_json::{Value, json};
 
-use super::tiktoken::LLAMA3_PATTERN;
+/// Llama-3's pre-tokenizer regex.
+pub const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Qwen2's split regex (its `tokenizer.json`; llama.cpp's `LLAMA_VOCAB_PRE_TYPE_QWEN2`):
 /// Llama-3's with every digit a word of its own.

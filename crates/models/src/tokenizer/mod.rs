@@ -17,9 +17,9 @@ use kiln_core::TokenId;
 use kiln_core::ids::TokenText;
 use serde_json::Value;
 
-pub use byte_level::{AddedToken, PreTokenizer, QWEN2_PATTERN};
+pub use byte_level::{AddedToken, LLAMA3_PATTERN, PreTokenizer, QWEN2_PATTERN};
 pub use chat_prompt::SpecialsInContent;
-pub use tiktoken::{LLAMA3_PATTERN, llama3_special_tokens};
+pub use tiktoken::llama3_special_tokens;
 
 use crate::error::{ModelError, Result};
 use crate::weights::read_text;

@@ -12,9 +12,6 @@ use super::byte_level::{self, AddedToken, PreTokenizer, byte_to_char, encode_byt
 use crate::error::{ModelError, Result};
 use crate::weights::read_text;
 
-/// Llama-3's pre-tokenizer regex.
-pub const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
 /// Meta's 256 special tokens (Llama 3.1 / 3.2 names), in id order after the base vocabulary.
 pub fn llama3_special_tokens() -> Vec<String> {
     let named: HashMap<usize, &str> = [
