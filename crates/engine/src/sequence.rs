@@ -84,6 +84,14 @@ impl SeqState {
         self.context_len() - self.in_cache
     }
 
+    /// Records that a step put `n` more context tokens in the cache; returns whether the
+    /// whole context is there now, so that the step's rows decide what comes next (a prompt
+    /// read in chunks ignores the rows of all but its last chunk).
+    pub fn feed_done(&mut self, n: usize) -> bool {
+        self.in_cache += n;
+        self.pending() == 0
+    }
+
     /// Whether it has been fed anything yet in its current cache life.
     pub fn is_fresh(&self) -> bool {
         self.in_cache == 0

@@ -157,8 +157,7 @@ impl Decoder for BeamSearchDecoder {
         rows: Rows<'_>,
         cx: &mut StepContext<'_>,
     ) -> Result<Option<FinishReason>, EngineError> {
-        seq.in_cache += n;
-        if seq.pending() > 0 {
+        if !seq.feed_done(n) {
             return Ok(None);
         }
         self.counts.forwards += 1;
