@@ -63,6 +63,11 @@ pub struct Args {
     beam: BeamArgs,
     #[command(flatten)]
     structured: StructuredArgs,
+    /// Whitespace JSON output (--json-schema, --json-object, a grammar's `%json`) may have
+    /// between its tokens: `compact` (none), `bounded` (one space, or one or two newlines and
+    /// up to 20 spaces of indentation, as llama.cpp), or `free` (any).
+    #[arg(long, value_name = "MODE", default_value = "bounded", value_parser = ["compact", "bounded", "free"], help_heading = "Structured output")]
+    json_whitespace: String,
     /// Prefill the prompt, save its KV cache to FILE, then generate as usual.
     #[arg(
         long,
@@ -244,7 +249,11 @@ impl BackendTask for Task {
             engine = engine.with_detokenizer(detok);
         }
         let sampling = args.sampling.params()?;
-        let constraint = args.structured.compile(&loaded)?;
+        let whitespace = args
+            .json_whitespace
+            .parse()
+            .map_err(|e: kiln_engine::UnknownJsonWhitespace| UsageError(e.to_string()))?;
+        let constraint = args.structured.compile_with(&loaded, whitespace)?;
         let eos = if args.ignore_eos {
             Vec::new()
         } else {

@@ -14,6 +14,11 @@
 //!   penalties, top-k, top-p and min-p only ever see allowed tokens. When the grammar is
 //!   complete the only allowed tokens are the end-of-sequence ones. It reads the generated
 //!   tokens from the [`TokenHistory`], so it also works in a hand-written loop.
+//!
+//! JSON output is bounded so that it ends (the private `json_bounds` module): whitespace
+//! between tokens as the compiler's [`JsonWhitespace`] says (bounded by default), integers
+//! within [`MAX_UNBOUNDED_INTEGER`] unless the schema says otherwise, and at most
+//! [`MAX_JSON_DIGITS`] digits in a row in a number's integer part, fraction or exponent.
 
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -25,6 +30,11 @@ use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
+
+mod json_bounds;
+
+use json_bounds::{DigitRuns, lark_with_whitespace, longest_digit_run, with_whitespace};
+pub use json_bounds::{JsonWhitespace, MAX_JSON_DIGITS, UnknownJsonWhitespace};
 
 /// What the output must be.
 #[derive(Debug, Clone, PartialEq)]
@@ -54,7 +64,12 @@ impl OutputConstraint {
         }
     }
 
-    fn grammar(&self) -> Result<TopLevelGrammar, StructuredError> {
+    /// Whether the whole output is JSON (so the digit bound applies to it).
+    fn is_json(&self) -> bool {
+        matches!(self, Self::JsonSchema(_) | Self::JsonObject)
+    }
+
+    fn grammar(&self, whitespace: JsonWhitespace) -> Result<TopLevelGrammar, StructuredError> {
         let invalid = |reason: String| StructuredError::Invalid {
             kind: self.kind(),
             reason,
@@ -64,11 +79,15 @@ impl OutputConstraint {
                 if !schema.is_object() && !schema.is_boolean() {
                     return Err(invalid("a JSON schema is an object (or true/false)".into()));
                 }
-                TopLevelGrammar::from_json_schema(bound_integers(schema.clone()))
+                TopLevelGrammar::from_json_schema(with_whitespace(
+                    bound_integers(schema.clone()),
+                    whitespace,
+                ))
             }
-            Self::JsonObject => {
-                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
-            }
+            Self::JsonObject => TopLevelGrammar::from_json_schema(with_whitespace(
+                serde_json::json!({"type": "object"}),
+                whitespace,
+            )),
             Self::Regex(rx) => {
                 // llguidance's lexer takes a subset of regex syntax; check the pattern with a
                 // full parser first so a typo reads as a regex error, not a grammar one.
@@ -90,7 +109,7 @@ impl OutputConstraint {
                 if text.trim().is_empty() {
                     return Err(invalid("the grammar is empty".into()));
                 }
-                TopLevelGrammar::from_lark(text.clone())
+                TopLevelGrammar::from_lark(lark_with_whitespace(text, whitespace))
             }
         })
     }
@@ -117,10 +136,19 @@ fn bound_integers(mut schema: Value) -> Value {
             _ => false,
         };
         if integer {
-            if !map.contains_key("maximum") && !map.contains_key("exclusiveMaximum") {
+            // A bound the schema gives beyond the range keeps the other side open, rather
+            // than making the schema empty.
+            let limit = MAX_UNBOUNDED_INTEGER as f64;
+            let given = |map: &serde_json::Map<String, Value>, keys: [&str; 2]| {
+                let values = keys.iter().filter_map(|k| map.get(*k));
+                values.map(|v| v.as_f64().unwrap_or(0.0)).next()
+            };
+            let low = given(map, ["minimum", "exclusiveMinimum"]);
+            let high = given(map, ["maximum", "exclusiveMaximum"]);
+            if high.is_none() && low.is_none_or(|low| low < limit) {
                 map.insert("maximum".into(), MAX_UNBOUNDED_INTEGER.into());
             }
-            if !map.contains_key("minimum") && !map.contains_key("exclusiveMinimum") {
+            if low.is_none() && high.is_none_or(|high| high > -limit) {
                 map.insert("minimum".into(), (-MAX_UNBOUNDED_INTEGER).into());
             }
         }
@@ -170,6 +198,10 @@ pub enum StructuredError {
 pub struct GrammarCompiler {
     factory: Arc<ParserFactory>,
     eos: TokenId,
+    /// Whitespace JSON output may have ([`GrammarCompiler::with_json_whitespace`]).
+    json_whitespace: JsonWhitespace,
+    /// The most digits in a row in any token (how close to the digit bound a token can go).
+    longest_token_digits: usize,
 }
 
 impl fmt::Debug for GrammarCompiler {
@@ -177,13 +209,15 @@ impl fmt::Debug for GrammarCompiler {
         f.debug_struct("GrammarCompiler")
             .field("vocab", &self.vocab())
             .field("eos", &self.eos)
+            .field("json_whitespace", &self.json_whitespace)
             .finish()
     }
 }
 
 impl GrammarCompiler {
     /// A compiler over the vocabulary `tokens` (one per id, as many as the model's logits
-    /// have), whose end-of-sequence token is `eos`.
+    /// have), whose end-of-sequence token is `eos`; JSON whitespace is
+    /// [`JsonWhitespace::Bounded`].
     ///
     /// # Errors
     /// [`StructuredError::Vocabulary`]: an empty vocabulary, or `eos` outside it.
@@ -207,6 +241,11 @@ impl GrammarCompiler {
                 }
             })
             .collect();
+        let longest_token_digits = words
+            .iter()
+            .map(|w| longest_digit_run(w))
+            .max()
+            .unwrap_or(0);
         let info = TokRxInfo::new(tokens.len() as u32, eos.0);
         let trie = TokTrie::from(&info, &words);
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
@@ -217,7 +256,22 @@ impl GrammarCompiler {
         Ok(Self {
             factory: Arc::new(factory),
             eos,
+            json_whitespace: JsonWhitespace::default(),
+            longest_token_digits,
         })
+    }
+
+    /// The same compiler, with JSON output (schemas, `json_object`, a Lark grammar's `%json`
+    /// embeds) allowed `whitespace` between its tokens.
+    #[must_use]
+    pub fn with_json_whitespace(mut self, whitespace: JsonWhitespace) -> Self {
+        self.json_whitespace = whitespace;
+        self
+    }
+
+    /// The whitespace JSON output may have.
+    pub fn json_whitespace(&self) -> JsonWhitespace {
+        self.json_whitespace
     }
 
     /// Vocabulary size.
@@ -230,7 +284,7 @@ impl GrammarCompiler {
     /// # Errors
     /// [`StructuredError::Invalid`]: malformed, or asks for what llguidance does not support.
     pub fn compile(&self, constraint: &OutputConstraint) -> Result<Grammar, StructuredError> {
-        let grammar = constraint.grammar()?;
+        let grammar = constraint.grammar(self.json_whitespace)?;
         // llguidance's messages may span lines (a grammar excerpt); errors here are one line.
         let invalid = |e: &dyn fmt::Display| StructuredError::Invalid {
             kind: constraint.kind(),
@@ -253,6 +307,10 @@ impl GrammarCompiler {
             kind: constraint.kind(),
             eos: self.eos,
             vocab: self.vocab(),
+            digits: constraint.is_json().then(|| DigitBound {
+                env: self.factory.tok_env().clone(),
+                longest_token_digits: self.longest_token_digits,
+            }),
         })
     }
 }
@@ -282,6 +340,39 @@ pub struct Grammar {
     kind: &'static str,
     eos: TokenId,
     vocab: usize,
+    /// For JSON output: the bound on digits in a row.
+    digits: Option<DigitBound>,
+}
+
+/// What the digit bound needs of the vocabulary: each token's bytes, and the longest run of
+/// digits in any one.
+#[derive(Clone)]
+struct DigitBound {
+    env: TokEnv,
+    longest_token_digits: usize,
+}
+
+impl DigitBound {
+    /// `mask` without the tokens that would make a run of digits outside strings longer than
+    /// [`MAX_JSON_DIGITS`] after `runs`; unchanged if that would leave nothing (the grammar
+    /// itself asks for more digits: a schema's `minimum` of 10^20), so the bound never makes
+    /// an output impossible.
+    fn restrict(&self, mask: &mut SimpleVob, runs: &DigitRuns) {
+        if !runs.at_risk(self.longest_token_digits) {
+            return;
+        }
+        let trie = self.env.tok_trie();
+        let mut refused = Vec::new();
+        mask.iter_set_entries(|t| {
+            let t = t as u32;
+            if !runs.allows(trie.token(t)) {
+                refused.push(t);
+            }
+        });
+        if refused.len() < mask.num_set() {
+            refused.into_iter().for_each(|t| mask.disallow_token(t));
+        }
+    }
 }
 
 impl fmt::Debug for Grammar {
@@ -324,9 +415,11 @@ impl Grammar {
                 matcher,
                 consumed: Vec::new(),
                 mask: None,
+                runs: DigitRuns::default(),
             })),
             ends: ends.into(),
             trie_eos: self.eos,
+            digits: self.digits.clone(),
         }
     }
 }
@@ -340,6 +433,8 @@ pub struct GrammarMatcher {
     ends: Arc<[TokenId]>,
     /// The trie's end-of-sequence token, which carries "complete" in llguidance's mask.
     trie_eos: TokenId,
+    /// For JSON output: the bound on digits in a row.
+    digits: Option<DigitBound>,
 }
 
 struct MatchState {
@@ -350,6 +445,8 @@ struct MatchState {
     consumed: Vec<TokenId>,
     /// The mask for the token after `consumed`, once computed.
     mask: Option<SimpleVob>,
+    /// Where `consumed`'s JSON stands, for the digit bound.
+    runs: DigitRuns,
 }
 
 impl fmt::Debug for GrammarMatcher {
@@ -372,10 +469,14 @@ impl GrammarMatcher {
     /// microseconds); the engine calls it while the forward runs.
     pub fn prepare(&self, generated: &[TokenId]) {
         let mut state = lock(&self.state);
-        state.sync(generated, &self.ends);
+        let env = self.digits.as_ref().map(|d| &d.env);
+        state.sync(generated, &self.ends, env);
         if state.mask.is_none() {
             // A stopped matcher (nothing can follow) allows only the end.
-            let mask = state.matcher.compute_mask_or_eos().ok();
+            let mut mask = state.matcher.compute_mask_or_eos().ok();
+            if let (Some(mask), Some(digits)) = (mask.as_mut(), &self.digits) {
+                digits.restrict(mask, &state.runs);
+            }
             state.mask = mask;
         }
     }
@@ -422,8 +523,9 @@ impl GrammarMatcher {
 impl MatchState {
     /// Makes the matcher's consumed tokens equal `generated`: consumes what is new, or, when
     /// the history went another way (a hand-written loop that backtracked), starts over and
-    /// replays it. End tokens are not fed (the sequence ends on them).
-    fn sync(&mut self, generated: &[TokenId], ends: &[TokenId]) {
+    /// replays it. End tokens are not fed (the sequence ends on them). With `env` (JSON
+    /// output), the digit runs follow the tokens' bytes.
+    fn sync(&mut self, generated: &[TokenId], ends: &[TokenId], env: Option<&TokEnv>) {
         let shared = crate::sequence::common_prefix(&self.consumed, generated);
         if shared == self.consumed.len() && shared == generated.len() {
             return;
@@ -434,6 +536,7 @@ impl MatchState {
             // and never happens on the engine's path.
             self.matcher = self.start.deep_clone();
             self.consumed.clear();
+            self.runs = DigitRuns::default();
         }
         for &t in &generated[self.consumed.len()..] {
             if ends.contains(&t) {
@@ -442,6 +545,9 @@ impl MatchState {
             // A token the mask forbade puts the matcher in its error state, which allows only
             // an end from then on.
             let _ = self.matcher.consume_token(t.0);
+            if let Some(env) = env {
+                self.runs.push(env.tok_trie().token(t.0));
+            }
             self.consumed.push(t);
         }
     }
@@ -623,6 +729,9 @@ mod tests {
             serde_json::json!({"type": "integer"})
         );
         assert_eq!(bounded["$defs"]["enum"]["minimum"], -MAX_UNBOUNDED_INTEGER);
+        // A bound beyond the range leaves the other side open, not the schema empty.
+        let beyond = bound_integers(serde_json::json!({"type": "integer", "minimum": 1e17}));
+        assert!(beyond.get("maximum").is_none());
         // The matcher stops an integer at the bound's digits.
         let g = compiler()
             .compile(&OutputConstraint::JsonSchema(
@@ -633,6 +742,171 @@ mod tests {
         let digits = ids(b"9007199254740991");
         assert!(allowed(&m, &digits).contains(&256));
         assert!(!allowed(&m, &digits).contains(&u32::from(b'0')));
+    }
+
+    fn json(schema: Value) -> OutputConstraint {
+        OutputConstraint::JsonSchema(schema)
+    }
+
+    fn start_with(whitespace: JsonWhitespace, constraint: &OutputConstraint) -> GrammarMatcher {
+        compiler()
+            .with_json_whitespace(whitespace)
+            .compile(constraint)
+            .unwrap()
+            .start(&[])
+    }
+
+    const WHITESPACE: [u8; 4] = [b' ', b'\n', b'\t', b'\r'];
+
+    /// Which JSON whitespace bytes may follow `text`.
+    fn whitespace_after(m: &GrammarMatcher, text: &[u8]) -> Vec<u8> {
+        let allowed = allowed(m, &ids(text));
+        WHITESPACE
+            .into_iter()
+            .filter(|&b| allowed.contains(&u32::from(b)))
+            .collect()
+    }
+
+    #[test]
+    fn bounded_whitespace_is_one_space_or_newlines_and_twenty_of_indentation() {
+        let schema = json(serde_json::json!({
+            "type": "object",
+            "properties": {"a": {"type": "array", "items": {"type": "integer"}}}
+        }));
+        let m = start_with(JsonWhitespace::Bounded, &schema);
+        assert_eq!(whitespace_after(&m, b"{\"a\":"), vec![b' ', b'\n']);
+        // One space is all a space may be.
+        assert!(whitespace_after(&m, b"{\"a\": ").is_empty());
+        // Two newlines at most, then indentation up to 20 spaces or tabs.
+        assert_eq!(whitespace_after(&m, b"{\"a\":[\n\n"), vec![b' ', b'\t']);
+        let mut indented = b"{\"a\":[\n".to_vec();
+        indented.extend([b' '; 19]);
+        assert_eq!(whitespace_after(&m, &indented), vec![b' ', b'\t']);
+        indented.push(b' ');
+        assert!(whitespace_after(&m, &indented).is_empty());
+        // The value may follow, and whitespace again after it.
+        indented.push(b'1');
+        assert_eq!(whitespace_after(&m, &indented), vec![b' ', b'\n']);
+        // Free: llguidance's own, any run of whitespace.
+        let m = start_with(JsonWhitespace::Free, &schema);
+        let mut spaces = b"{\"a\":[\n".to_vec();
+        spaces.extend([b' '; 200]);
+        assert_eq!(whitespace_after(&m, &spaces), WHITESPACE.to_vec());
+        // Compact: none anywhere.
+        let m = start_with(JsonWhitespace::Compact, &schema);
+        for text in [
+            &b"{"[..],
+            b"{\"a\"",
+            b"{\"a\":",
+            b"{\"a\":[1",
+            b"{\"a\":[1,",
+        ] {
+            assert!(whitespace_after(&m, text).is_empty(), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn json_object_and_lark_json_embeds_get_the_same_whitespace_bound() {
+        let lark = OutputConstraint::Lark(
+            "start: \"answer: \" obj\nobj: %json {\"type\": \"object\"}\n".into(),
+        );
+        for (constraint, prefix) in [
+            (OutputConstraint::JsonObject, &b"{\"k\":"[..]),
+            (lark, b"answer: {\"k\":"),
+        ] {
+            let m = start_with(JsonWhitespace::Bounded, &constraint);
+            let mut text = prefix.to_vec();
+            text.push(b'\n');
+            text.extend([b' '; 20]);
+            assert!(whitespace_after(&m, &text).is_empty(), "{constraint:?}");
+            let m = start_with(JsonWhitespace::Free, &constraint);
+            assert!(!whitespace_after(&m, &text).is_empty(), "{constraint:?}");
+        }
+    }
+
+    fn digit_allowed(m: &GrammarMatcher, text: &[u8]) -> bool {
+        let allowed = allowed(m, &ids(text));
+        (b'0'..=b'9').any(|d| allowed.contains(&u32::from(d)))
+    }
+
+    #[test]
+    fn a_number_s_integer_part_fraction_and_exponent_stop_at_the_digit_bound() {
+        let m = start_with(
+            JsonWhitespace::Bounded,
+            &json(serde_json::json!({"type": "number"})),
+        );
+        let digits = "1234567890123456";
+        assert_eq!(digits.len(), MAX_JSON_DIGITS);
+        let integer = format!("-{}", &digits[..MAX_JSON_DIGITS - 1]);
+        assert!(digit_allowed(&m, integer.as_bytes()));
+        let integer = format!("-{digits}");
+        assert!(!digit_allowed(&m, integer.as_bytes()));
+        // The number can still go on (a fraction) or end.
+        let after = allowed(&m, &ids(integer.as_bytes()));
+        assert!(after.contains(&u32::from(b'.')) && after.contains(&256));
+        // The fraction of the issue: zeros until max_tokens.
+        let fraction = format!("0.{}", "0".repeat(MAX_JSON_DIGITS));
+        assert!(!digit_allowed(&m, fraction.as_bytes()));
+        assert!(allowed(&m, &ids(fraction.as_bytes())).contains(&256));
+        let exponent = format!("1.5e+{digits}");
+        assert!(!digit_allowed(&m, exponent.as_bytes()));
+        assert!(allowed(&m, &ids(exponent.as_bytes())).contains(&256));
+        // Bounded numbers' fractions too, and numbers anywhere in a document.
+        let m = start_with(
+            JsonWhitespace::Bounded,
+            &json(
+                serde_json::json!({"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1}}),
+            ),
+        );
+        let text = format!("[0.5, 0.{digits}");
+        assert!(!digit_allowed(&m, text.as_bytes()));
+        assert!(digit_allowed(&m, b"[0.5, 0.1"));
+    }
+
+    #[test]
+    fn digits_in_strings_are_text_and_a_schema_that_needs_more_digits_still_gets_them() {
+        let m = start_with(
+            JsonWhitespace::Bounded,
+            &json(serde_json::json!({"type": "string"})),
+        );
+        let text = format!("\"{}", "7".repeat(40));
+        assert!(digit_allowed(&m, text.as_bytes()));
+        // 10^17 has 18 digits: the bound gives way rather than make the schema impossible.
+        let m = start_with(
+            JsonWhitespace::Bounded,
+            &json(serde_json::json!({"type": "integer", "minimum": 100_000_000_000_000_000_i64})),
+        );
+        assert!(digit_allowed(&m, "1".repeat(17).as_bytes()));
+        // Not JSON output: a regex's digits are the regex's business.
+        let m = start_with(
+            JsonWhitespace::Bounded,
+            &OutputConstraint::Regex("[0-9]{1,40}".into()),
+        );
+        assert!(digit_allowed(&m, "1".repeat(30).as_bytes()));
+    }
+
+    #[test]
+    fn max_and_min_length_and_items_are_honoured() {
+        let m = start_with(
+            JsonWhitespace::Bounded,
+            &json(serde_json::json!({"type": "string", "minLength": 2, "maxLength": 5})),
+        );
+        assert_eq!(allowed(&m, &ids(b"\"abcde")), vec![u32::from(b'"')]);
+        assert!(!allowed(&m, &ids(b"\"a")).contains(&u32::from(b'"')));
+        assert!(allowed(&m, &ids(b"\"ab")).contains(&u32::from(b'"')));
+        let m = start_with(
+            JsonWhitespace::Compact,
+            &json(serde_json::json!({
+                "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                "minItems": 2, "maxItems": 3
+            })),
+        );
+        assert_eq!(allowed(&m, &ids(b"[1")), vec![u32::from(b',')]);
+        assert_eq!(
+            allowed(&m, &ids(b"[1,2")),
+            vec![u32::from(b','), u32::from(b']')]
+        );
+        assert_eq!(allowed(&m, &ids(b"[1,2,3")), vec![u32::from(b']')]);
     }
 
     #[test]

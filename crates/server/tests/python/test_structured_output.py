@@ -3,9 +3,9 @@
 Every schema of structured_schemas.json (23: objects with required and optional properties,
 nested objects and arrays, enums, every JSON type, item and numeric bounds,
 additionalProperties, local $refs, anyOf/oneOf/allOf, const, patterns) is asked for through
-`response_format: json_schema`, greedy and sampled (temperature 1.0, three seeds): each output
-that ends with EOS parses and validates (the `jsonschema` package checks it); an output cut by
-max_tokens must say `length` and is not counted as valid. Regexes and Lark grammars (the
+`response_format: json_schema`, greedy and sampled (temperature 1.0, three seeds): every output
+ends on its own (`stop`, with max_tokens far above what the answers need: JSON whitespace and
+numbers' digits are bounded) and validates (the `jsonschema` package checks it). Regexes and Lark grammars (the
 `regex` and `grammar` extension fields) likewise, checked with Python's `re` and `lark`.
 Malformed constraints are a 400 naming their field.
 """
@@ -77,11 +77,8 @@ def test_every_schema_holds_greedy_and_sampled(client):
         jsonschema.validate(json.loads(text), case["schema"])
 
     done, truncated = count(results, valid)
-    greedy = [r for r in results if r[1]["temperature"] == 0]
-    assert all(choice.finish_reason == "stop" for _, _, choice, _ in greedy)
     print(f"{done} of {len(results)} outputs valid, {truncated} cut by max_tokens")
-    assert done + truncated == len(results)
-    assert done >= 0.9 * len(results)
+    assert done == len(results), f"{truncated} of {len(results)} outputs did not end"
 
 
 REGEXES = [
