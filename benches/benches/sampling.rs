@@ -87,6 +87,7 @@ fn processors(c: &mut Criterion) {
         presence_penalty: 0.5,
         frequency_penalty: 0.5,
         seed: Some(7),
+        logit_bias: Vec::new(),
     };
     let mut sampler = Sampler::new(&full, VOCAB).expect("valid parameters");
     group.bench_function("full_chain", |b| {

@@ -2,8 +2,11 @@
 """Reference distributions for kiln's sampling chain, from Hugging Face transformers.
 
 For fixed logit vectors and settings, applies transformers' own processors in the order
-generation uses (repetition penalty, temperature, top-k, top-p, min-p) and records which tokens
-survive and their probabilities. kiln's `sampling` tests compare against the JSON this writes.
+generation uses (sequence bias, repetition penalty, temperature, top-k, top-p, min-p) and
+records which tokens survive and their probabilities. kiln's `sampling` tests compare against
+the JSON this writes: `cases` (the chain without a bias, `sampling_hf.rs`) and
+`logit_bias_cases` (OpenAI's `logit_bias` as transformers' `SequenceBiasLogitsProcessor` with
+one-token sequences, which adds the bias to the logit; `logit_bias_hf.rs`).
 
     python3 scripts/reference/sampling_reference.py > crates/core/tests/fixtures/sampling_hf.json
 """
@@ -16,6 +19,7 @@ from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -50,8 +54,32 @@ CASES = [
 ]
 
 
-def processors(case, vocab):
+# `logit_bias` as OpenAI spells it, token id -> bias; "argmax" is the raw logits' argmax (so
+# -100 on it must change the greedy pick). Combined with the other settings so that the order
+# matters: bias before the repetition penalty and the temperature, as transformers, vLLM and
+# llama.cpp apply it.
+LOGIT_BIAS_CASES = [
+    {"logit_bias": {"3": 5.0, "10": -2.5}},
+    {"logit_bias": {"0": 100.0}},
+    {"logit_bias": {"argmax": -100.0}},
+    {"logit_bias": {"argmax": -100.0, "5": 1.0}, "temperature": 0.7, "top_k": 5},
+    {"logit_bias": {"2": 4.0, "20": 6.0}, "temperature": 1.3, "top_p": 0.8},
+    {"logit_bias": {"3": 2.0, "5": -1.5}, "repetition_penalty": 1.3, "prompt": [0, 3, 5]},
+    {"logit_bias": {"4": 7.5, "9": -0.5}, "repetition_penalty": 0.8, "temperature": 0.9,
+     "min_p": 0.1, "prompt": [4, 9]},
+    {"logit_bias": {"1": -100.0, "6": 100.0}, "temperature": 1.1, "top_k": 3},
+]
+
+
+def resolve_bias(case, logits):
+    argmax = max(range(len(logits)), key=lambda i: (logits[i], -i))
+    return {(argmax if k == "argmax" else int(k)): v for k, v in case["logit_bias"].items()}
+
+
+def processors(case, vocab, bias=None):
     chain = []
+    if bias:
+        chain.append(SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()]))
     if case.get("repetition_penalty", 1.0) != 1.0:
         chain.append(RepetitionPenaltyLogitsProcessor(case["repetition_penalty"]))
     if case.get("temperature", 1.0) != 1.0:
@@ -100,6 +128,35 @@ def main():
                             )[0]
                         ).item()
                     ),
+                }
+            )
+    out["logit_bias_cases"] = []
+    for name, logits in logit_vectors().items():
+        vocab = len(logits)
+        for case in LOGIT_BIAS_CASES:
+            bias = resolve_bias(case, logits)
+            prompt = case.get("prompt", [])
+            scores = torch.tensor([logits], dtype=torch.float32)
+            input_ids = torch.tensor([prompt if prompt else [0]], dtype=torch.long)
+            biased = processors({}, vocab, bias)(input_ids, scores.clone())[0]
+            processed = processors(case, vocab, bias)(input_ids, scores.clone())[0]
+            penalised = processors(
+                {"repetition_penalty": case.get("repetition_penalty", 1.0)}, vocab, bias
+            )(input_ids, scores.clone())[0]
+            probs = torch.softmax(processed, dim=-1)
+            kept = [i for i in range(vocab) if processed[i].item() != float("-inf")]
+            out["logit_bias_cases"].append(
+                {
+                    "logits_name": name,
+                    "logits": logits,
+                    "logit_bias": [[t, b] for t, b in sorted(bias.items())],
+                    "params": {k: v for k, v in case.items() if k not in ("prompt", "logit_bias")},
+                    "prompt": prompt,
+                    "biased": biased.tolist(),
+                    "kept": kept,
+                    "kept_logits": [processed[i].item() for i in kept],
+                    "probs": [probs[i].item() for i in kept],
+                    "greedy": int(torch.argmax(penalised).item()),
                 }
             )
     json.dump(out, sys.stdout, indent=1)

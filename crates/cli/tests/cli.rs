@@ -1073,3 +1073,55 @@ fn an_empty_api_key_is_a_usage_error_from_either_source() {
         text(&out.stderr)
     );
 }
+
+/// `--logit-bias ID=BIAS` (OpenAI's `logit_bias`) on the default model: +100 forces a token
+/// (every greedy pick is it, in `generate` and `chat`), -100 on the greedy first token makes
+/// the pick another one; a bad value is a usage error (exit 2) that says what is wrong.
+#[test]
+fn logit_bias_forces_and_bans_tokens_and_refuses_bad_values() {
+    let prompt = "The capital of France is";
+    let plain = generate_json(&[prompt, "--ignore-eos", "-n", "6"]);
+    let tokens = plain["tokens"].as_array().unwrap();
+    let first = tokens[0].as_u64().unwrap();
+    // A token the model would not pick first.
+    let other = tokens.iter().find(|t| t.as_u64() != Some(first)).unwrap();
+
+    let forced = format!("{other}=100");
+    let out = generate_json(&[prompt, "--ignore-eos", "-n", "6", "--logit-bias", &forced]);
+    assert_eq!(
+        out["tokens"],
+        serde_json::Value::from(vec![other.clone(); 6])
+    );
+    let chat = kiln(&[
+        "chat",
+        "What is the capital of France?",
+        "--temperature",
+        "0",
+        "-n",
+        "6",
+        "--logit-bias",
+        &forced,
+    ]);
+    assert!(chat.status.success(), "{}", text(&chat.stderr));
+    assert_eq!(
+        text(&chat.stdout).trim_end_matches('\n'),
+        out["text"].as_str().unwrap()
+    );
+
+    let banned = format!("{first}=-100");
+    let out = generate_json(&[prompt, "--ignore-eos", "-n", "1", "--logit-bias", &banned]);
+    assert_ne!(out["tokens"][0].as_u64(), Some(first));
+
+    for (bias, says) in [
+        ("5=101", "logit_bias"),
+        ("5=nan", "logit_bias"),
+        ("5", "ID=BIAS"),
+        ("x=1", "ID=BIAS"),
+        ("49152=1", "outside the vocabulary"),
+    ] {
+        let out = kiln(&["generate", prompt, "-n", "2", "--logit-bias", bias]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bias}: {stderr}");
+        assert!(stderr.contains(says), "{bias}: {stderr}");
+    }
+}

@@ -7,6 +7,7 @@ mod batch;
 mod block_pool;
 mod kv_cache_conformance;
 mod layer_ops;
+mod logit_bias;
 mod sampling;
 mod sampling_hf;
 mod sampling_params;

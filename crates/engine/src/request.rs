@@ -70,7 +70,7 @@ pub struct Request {
     pub continues: Option<RequestId>,
     /// Beam search instead of sampling ([`BeamSearch`]): deterministic, as transformers'
     /// `generate(num_beams=N, do_sample=False)`; the sampling settings other than the
-    /// penalties (which it refuses) are ignored. The best hypothesis's tokens arrive as
+    /// penalties and the logit bias (which it refuses) are ignored. The best hypothesis's tokens arrive as
     /// [`Event::Token`]s when the search ends (nothing streams before), all returned ones in
     /// [`Completion::beams`]. It takes no stop strings, log-probabilities or kept caches.
     pub beam: Option<BeamSearch>,

@@ -307,6 +307,67 @@ fn mixed_batch_matches_alone<B: InferenceBackend>(
     }
 }
 
+/// `logit_bias` through the engine: greedy rows with a bias (+100 forcing a token, -100 banning
+/// the unbiased first pick) and a sampled one, beside a plain greedy row and then all biased,
+/// each give exactly their continuation alone. On a GPU backend a step whose rows are all
+/// plain greedy lets the device pick the argmaxes; a biased row must never go that way (its
+/// pick is the argmax of the biased logits), which the all-biased batch holds.
+fn logit_bias_matches_alone<B: InferenceBackend>() {
+    let loaded = load_with::<B>(
+        &fixture("llama-tiny"),
+        Dtype::F32,
+        WeightStorage::Dequantized,
+    );
+    let model = &loaded.model;
+    let n = 6;
+    let prompts = prompts(&[3, 17, 9, 5], model.shape().vocab);
+    let plain: Vec<Vec<TokenId>> = prompts
+        .iter()
+        .map(|p| alone(model, p, n, &SamplingParams::greedy()))
+        .collect();
+    let forced = TokenId(7);
+    assert!(!plain[2].contains(&forced), "a token greedy would not pick");
+    let biased = |bias: Vec<(TokenId, f32)>, base: SamplingParams| SamplingParams {
+        logit_bias: bias,
+        ..base
+    };
+    let sampling = [
+        SamplingParams::greedy(),
+        biased(vec![(plain[1][0], -100.0)], SamplingParams::greedy()),
+        biased(vec![(forced, 100.0)], SamplingParams::greedy()),
+        biased(
+            vec![(plain[3][0], -100.0), (TokenId(11), 3.0)],
+            SamplingParams {
+                temperature: 0.8,
+                top_k: 40,
+                seed: Some(5),
+                ..SamplingParams::default()
+            },
+        ),
+    ];
+    let expected: Vec<Vec<TokenId>> = prompts
+        .iter()
+        .zip(&sampling)
+        .map(|(p, s)| alone(model, p, n, s))
+        .collect();
+    assert_eq!(expected[0], plain[0]);
+    assert_ne!(expected[1][0], plain[1][0], "-100 bans the greedy pick");
+    assert_eq!(expected[2], vec![forced; n], "+100 forces the token");
+    let spec = any_kind(CacheKind::Paged, prompts.len(), 128);
+    let (ours, _) = engine_outputs(model, None, spec, one_batch(4), &prompts, n, &sampling);
+    assert_eq!(ours, expected, "beside a plain greedy row");
+    let (ours, _) = engine_outputs(
+        model,
+        None,
+        spec,
+        one_batch(2),
+        &prompts[1..3],
+        n,
+        &sampling[1..3],
+    );
+    assert_eq!(ours, expected[1..3], "every row greedy with a bias");
+}
+
 /// Prefix caching changes no token: prompts that share leading tokens with each other (in one
 /// wave: they wait for each other's blocks) and with the previous wave's finished requests
 /// (their blocks are cached) give exactly what each gives alone, greedy, and what the same
@@ -1250,6 +1311,11 @@ mod cpu {
     type B = burn::backend::Flex;
 
     #[test]
+    fn logit_bias_matches_alone() {
+        super::logit_bias_matches_alone::<B>();
+    }
+
+    #[test]
     fn every_family_decodes_alike() {
         super::every_family_decodes_alike::<B>();
     }
@@ -1389,6 +1455,12 @@ mod cpu_quantized {
 
 mod wgpu {
     type B = burn::backend::Wgpu;
+
+    /// Greedy rows with a bias are never the device's plain argmax.
+    #[test]
+    fn logit_bias_matches_alone() {
+        super::logit_bias_matches_alone::<B>();
+    }
 
     /// Forks on the paged cache (shared blocks, copy on write) and the static rows; the cpu
     /// tests run every kind and SmolLM2.

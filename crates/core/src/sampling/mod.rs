@@ -2,17 +2,20 @@
 //!
 //! A [`Sampler`] is a chain of [`LogitsProcessor`]s in a fixed order, then a selection:
 //!
-//! 1. penalties: [`RepetitionPenalty`] (Hugging Face semantics, over prompt and generated
+//! 1. [`LogitBias`] (OpenAI's `logit_bias`: a bias added to chosen tokens' raw logits);
+//! 2. penalties: [`RepetitionPenalty`] (Hugging Face semantics, over prompt and generated
 //!    tokens), then [`PresenceFrequencyPenalty`] (OpenAI semantics, over generated tokens);
-//! 2. [`Temperature`];
-//! 3. [`TopK`], 4. [`TopP`], 5. [`MinP`] (each as Hugging Face's warper of the same name);
-//! 6. select: argmax when the temperature is 0, else a draw from the softmax of what remains,
+//! 3. [`Temperature`];
+//! 4. [`TopK`], 5. [`TopP`], 6. [`MinP`] (each as Hugging Face's warper of the same name);
+//! 7. select: argmax when the temperature is 0, else a draw from the softmax of what remains,
 //!    with the sampler's own seeded RNG (ChaCha8: same seed and logits, same tokens, on every
 //!    platform).
 //!
-//! This is transformers' order (`_get_logits_processor`), and the top-k/top-p/min-p filters
+//! This is transformers' order (`_get_logits_processor`, whose `SequenceBiasLogitsProcessor`
+//! comes before the penalties, as vLLM's logit bias does), and the top-k/top-p/min-p filters
 //! see temperature-scaled logits, as there. Temperature 0 skips temperature, top-k, top-p and
-//! min-p (they cannot change the argmax) but not the penalties, as transformers' greedy search.
+//! min-p (they cannot change the argmax) but not the bias or the penalties, as transformers'
+//! greedy search.
 
 mod candidates;
 mod history;
@@ -24,9 +27,10 @@ use rand_chacha::ChaCha8Rng;
 
 pub use candidates::{Candidates, first_max_index};
 pub use history::TokenHistory;
-pub use params::{SamplingError, SamplingParams};
+pub use params::{MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, SamplingError, SamplingParams};
 pub use processors::{
-    LogitsProcessor, MinP, PresenceFrequencyPenalty, RepetitionPenalty, Temperature, TopK, TopP,
+    LogitBias, LogitsProcessor, MinP, PresenceFrequencyPenalty, RepetitionPenalty, Temperature,
+    TopK, TopP,
 };
 
 use crate::ids::TokenId;
@@ -54,10 +58,15 @@ impl Sampler {
     /// The standard chain for `params` over a vocabulary of `vocab` tokens.
     ///
     /// # Errors
-    /// [`SamplingError::Invalid`] naming the first field out of range.
+    /// [`SamplingError::Invalid`] naming the first field out of range;
+    /// [`SamplingError::TokenOutsideVocab`] for a logit bias on a token past `vocab`.
     pub fn new(params: &SamplingParams, vocab: usize) -> Result<Self, SamplingError> {
         params.validate()?;
+        params.check_vocab(vocab)?;
         let mut processors: Vec<Box<dyn LogitsProcessor>> = Vec::new();
+        if !params.logit_bias.is_empty() {
+            processors.push(Box::new(LogitBias(params.logit_bias.clone())));
+        }
         if params.repetition_penalty != 1.0 {
             processors.push(Box::new(RepetitionPenalty(params.repetition_penalty)));
         }
@@ -129,8 +138,9 @@ impl Sampler {
         self.selection
     }
 
-    /// Whether this sampler takes the plain argmax of the logits (greedy, no processor), a
-    /// choice the device can make itself ([`crate::InferenceBackend::argmax_rows`]) so that
+    /// Whether this sampler takes the plain argmax of the logits (greedy, no processor: no
+    /// logit bias, penalty or grammar, which change the argmax), a choice the device can make
+    /// itself ([`crate::InferenceBackend::argmax_rows`]) so that
     /// only token ids come back.
     pub fn is_plain_greedy(&self) -> bool {
         self.selection == Selection::Greedy && self.processors.is_empty()
@@ -166,7 +176,7 @@ impl Sampler {
     }
 
     /// The greedy choice (the highest processed logit, the lowest id among ties), or `None`
-    /// when this sampler draws. With no processor (no penalty, no grammar: the common case,
+    /// when this sampler draws. With no processor (no bias, penalty or grammar: the common case,
     /// and every row a speculative verification checks) the argmax is taken from `logits` in
     /// place, without building the candidates (two vocabulary-sized copies a token).
     ///

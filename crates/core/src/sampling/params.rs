@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::ids::TokenId;
+
 /// Sampling settings of one sequence. The defaults change nothing: temperature 1, no
 /// truncation, no penalty, a random seed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -28,6 +30,11 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Seed of this sequence's RNG; `None` draws one. Same seed, same logits: same tokens.
     pub seed: Option<u64>,
+    /// OpenAI's `logit_bias`: each `(token, bias)` adds `bias` (in [-100, 100]) to that
+    /// token's raw logit, before the penalties and temperature; -100 all but bans the token,
+    /// +100 all but forces it. At most [`MAX_LOGIT_BIAS_TOKENS`] tokens, each once (empty =
+    /// off).
+    pub logit_bias: Vec<(TokenId, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -41,6 +48,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -101,9 +109,70 @@ impl SamplingParams {
                 return invalid(field, value, "a number in [-2, 2] (OpenAI's range)");
             }
         }
+        self.validate_logit_bias()
+    }
+
+    /// [`SamplingParams::logit_bias`]: at most [`MAX_LOGIT_BIAS_TOKENS`] tokens, each once,
+    /// each bias within plus or minus [`MAX_LOGIT_BIAS`].
+    fn validate_logit_bias(&self) -> Result<(), SamplingError> {
+        let invalid = |value: String, expected: &'static str| {
+            Err(SamplingError::Invalid {
+                field: "logit_bias",
+                value,
+                expected,
+            })
+        };
+        if self.logit_bias.len() > MAX_LOGIT_BIAS_TOKENS {
+            return invalid(
+                format!("{} tokens", self.logit_bias.len()),
+                "at most 1024 tokens",
+            );
+        }
+        if let Some((token, bias)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(b))
+        {
+            return invalid(
+                format!("{{{token}: {bias}}}"),
+                "a bias in [-100, 100] for each token (OpenAI's range)",
+            );
+        }
+        let mut tokens: Vec<TokenId> = self.logit_bias.iter().map(|&(t, _)| t).collect();
+        tokens.sort_unstable();
+        if let Some(pair) = tokens.windows(2).find(|w| w[0] == w[1]) {
+            return invalid(
+                format!("token {} given twice", pair[0]),
+                "each token id once",
+            );
+        }
         Ok(())
     }
+
+    /// Checks the token ids the settings name ([`SamplingParams::logit_bias`]) against a
+    /// vocabulary of `vocab` tokens, which [`SamplingParams::validate`] does not know.
+    ///
+    /// # Errors
+    /// [`SamplingError::TokenOutsideVocab`] naming the field and the first such token.
+    pub fn check_vocab(&self, vocab: usize) -> Result<(), SamplingError> {
+        match self.logit_bias.iter().find(|(t, _)| t.0 as usize >= vocab) {
+            Some(&(token, _)) => Err(SamplingError::TokenOutsideVocab {
+                field: "logit_bias",
+                token,
+                vocab,
+            }),
+            None => Ok(()),
+        }
+    }
 }
+
+/// The largest logit bias, either way (OpenAI's range): enough to ban or force any token, as
+/// logits rarely span more than a few tens.
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
+/// The most tokens one [`SamplingParams::logit_bias`] may name (the server reads no more).
+pub const MAX_LOGIT_BIAS_TOKENS: usize = 1024;
+// The messages of `validate_logit_bias` spell these out.
+const _: () = assert!(MAX_LOGIT_BIAS == 100.0 && MAX_LOGIT_BIAS_TOKENS == 1024);
 
 /// The smallest temperature above 0: logits divided by less overflow f32 (1e-39 made every
 /// score infinite), and below it sampling is greedy in all but name.
@@ -127,6 +196,18 @@ pub enum SamplingError {
         value: String,
         /// What is accepted.
         expected: &'static str,
+    },
+    /// A token id past the vocabulary.
+    #[error(
+        "invalid sampling parameter {field}: token id {token} is outside the vocabulary of {vocab} tokens"
+    )]
+    TokenOutsideVocab {
+        /// The field that names it, as on the command line (with `_`).
+        field: &'static str,
+        /// The token id.
+        token: TokenId,
+        /// The vocabulary's size.
+        vocab: usize,
     },
     /// Logits of the wrong width.
     #[error("logits have {got} entries, the vocabulary has {vocab}")]

@@ -1,9 +1,10 @@
 //! The built-in [`LogitsProcessor`]s, in the order [`super::Sampler`] chains them:
-//! penalties, temperature, top-k, top-p, min-p.
+//! logit bias, penalties, temperature, top-k, top-p, min-p.
 
 use std::fmt::Debug;
 
 use super::{Candidates, TokenHistory};
+use crate::ids::TokenId;
 
 /// One stage of the sampling chain. Implement it to add your own (a logit bias, a grammar).
 pub trait LogitsProcessor: Debug + Send + Sync {
@@ -12,6 +13,24 @@ pub trait LogitsProcessor: Debug + Send + Sync {
 
     /// Changes logits and/or drops candidates. Must leave at least one candidate.
     fn process(&self, candidates: &mut Candidates, history: &TokenHistory);
+}
+
+/// OpenAI's `logit_bias` (transformers' `SequenceBiasLogitsProcessor` with one-token
+/// sequences, vLLM's `LogitBiasLogitsProcessor`): each listed token's logit gets its bias
+/// added. First in the chain, on the raw logits, as vLLM, llama.cpp and transformers place it.
+#[derive(Debug, Clone)]
+pub struct LogitBias(pub Vec<(TokenId, f32)>);
+
+impl LogitsProcessor for LogitBias {
+    fn name(&self) -> &'static str {
+        "logit_bias"
+    }
+
+    fn process(&self, candidates: &mut Candidates, _: &TokenHistory) {
+        for &(token, bias) in &self.0 {
+            candidates.update(token, |l| l + bias);
+        }
+    }
 }
 
 /// Hugging Face's repetition penalty (`RepetitionPenaltyLogitsProcessor`, from CTRL): every

@@ -241,6 +241,11 @@ impl<B: InferenceBackend> DecodingMode<B> for BeamSearchMode {
             || s.frequency_penalty != 0.0
         {
             Some("repetition, presence or frequency penalties")
+        } else if !s.logit_bias.is_empty() {
+            // Its scores are log-probabilities of the raw logits; where a bias would go in
+            // them (transformers adds it after the log-softmax, into the beam's score) has no
+            // OpenAI meaning to follow.
+            Some("a logit bias")
         } else if request.constraint.is_some() {
             Some("a grammar constraint")
         } else {
