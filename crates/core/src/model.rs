@@ -132,4 +132,32 @@ pub trait CausalLm<B: InferenceBackend> {
         cache: &mut dyn KvCache<B>,
         logits: LogitsFor,
     ) -> Result<Tensor<B, 2>>;
+
+    /// The width of the states [`CausalLm::hidden_states`] returns (`d_model`); `None` (the
+    /// default) for a model that gives none.
+    fn hidden_size(&self) -> Option<usize> {
+        None
+    }
+
+    /// The same forward pass as [`CausalLm::forward`], stopped before the output head: the
+    /// final hidden states after the model's final norm (transformers' `last_hidden_state`),
+    /// for embeddings. It writes the batch's K/V to `cache` as a forward does.
+    ///
+    /// # Shapes
+    /// - returns `[rows, d_model]`, the rows [`LogitsFor`] picks as for logits; always f32.
+    ///
+    /// # Errors
+    /// As [`CausalLm::forward`]; [`CoreError::ModelInput`] from a model that gives no hidden
+    /// states (the default, where [`CausalLm::hidden_size`] is `None`).
+    fn hidden_states(
+        &self,
+        batch: &Batch,
+        cache: &mut dyn KvCache<B>,
+        rows: LogitsFor,
+    ) -> Result<Tensor<B, 2>> {
+        let _ = (batch, cache, rows);
+        Err(CoreError::ModelInput(
+            "this model does not give its hidden states".into(),
+        ))
+    }
 }

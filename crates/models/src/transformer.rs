@@ -224,6 +224,40 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
         cache: &mut dyn KvCache<B>,
         logits: LogitsFor,
     ) -> kiln_core::Result<Tensor<B, 2>> {
+        let x = self.final_states(batch, cache, logits)?;
+        let logits = self.head.forward(x).cast(FloatDType::F32);
+        Ok(match self.config.final_softcap {
+            Some(cap) => logits.div_scalar(cap).tanh().mul_scalar(cap),
+            None => logits,
+        })
+    }
+
+    fn hidden_size(&self) -> Option<usize> {
+        Some(self.config.d_model)
+    }
+
+    fn hidden_states(
+        &self,
+        batch: &Batch,
+        cache: &mut dyn KvCache<B>,
+        rows: LogitsFor,
+    ) -> kiln_core::Result<Tensor<B, 2>> {
+        Ok(self.final_states(batch, cache, rows)?.cast(FloatDType::F32))
+    }
+}
+
+impl<B: InferenceBackend> Transformer<B> {
+    /// The blocks over `batch` and the final norm, on the rows `rows` picks: what the head
+    /// reads, and what embeddings pool.
+    ///
+    /// # Shapes
+    /// - returns `[rows, d_model]` in the model's dtype.
+    fn final_states(
+        &self,
+        batch: &Batch,
+        cache: &mut dyn KvCache<B>,
+        logits: LogitsFor,
+    ) -> kiln_core::Result<Tensor<B, 2>> {
         self.check_input(batch)?;
         let device = &self.device;
         let cfg = &self.config;
@@ -313,11 +347,7 @@ impl<B: InferenceBackend> CausalLm<B> for Transformer<B> {
             }
         };
         let (_, x) = self.final_norm.forward_after(x, delta);
-        let logits = self.head.forward(x).cast(FloatDType::F32);
-        Ok(match cfg.final_softcap {
-            Some(cap) => logits.div_scalar(cap).tanh().mul_scalar(cap),
-            None => logits,
-        })
+        Ok(x)
     }
 }
 

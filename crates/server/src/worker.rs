@@ -3,15 +3,23 @@
 //! arrive meanwhile join the running batch at the next step), and sends each request's tokens
 //! back over the request's own channel. A request whose channel has closed (its client went
 //! away) is cancelled before the next step, and its cache freed.
+//!
+//! Embedding jobs ([`Command::Embed`]) queue beside the engine's requests: each turn of the
+//! loop runs one engine step and then one step of the oldest embedding job (a few of its inputs
+//! in one forward, on a scratch cache of their own: [`kiln_engine::Embedding`]), so neither
+//! kind waits for the other to drain, and embeddings take nothing from the engine's cache.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
 use kiln_core::InferenceBackend;
 use kiln_core::TokenId;
-use kiln_engine::{Completion, Engine, Event, FinishReason, Request, RequestId, TokenLogprobs};
+use kiln_engine::{
+    Completion, Embedding, Engine, EngineError, Event, FinishReason, Pooling, Request, RequestId,
+    TokenLogprobs,
+};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::response::finish_reason;
@@ -22,6 +30,8 @@ use crate::metrics::{Load, Metrics, Outcome};
 pub(crate) enum Command {
     /// Run these requests (one per choice) and report on `updates`.
     Submit(Submission),
+    /// Embed these inputs and answer on the job's channel.
+    Embed(EmbedJob),
     /// Stop taking work; finish what runs within the grace period.
     Shutdown,
 }
@@ -43,6 +53,27 @@ impl Submission {
     pub fn rows(&self) -> usize {
         self.requests.iter().map(Request::rows).sum()
     }
+}
+
+/// One HTTP request's inputs to embed.
+pub(crate) struct EmbedJob {
+    /// Each input's tokens, in input order.
+    pub inputs: Vec<Vec<TokenId>>,
+    /// How each input's states become one vector.
+    pub pooling: Pooling,
+    /// Where the vectors (one per input, L2-normalised, in input order) or the error go;
+    /// closed when the client goes away, which drops the job.
+    pub reply: tokio::sync::oneshot::Sender<Result<Vec<Vec<f32>>, ApiError>>,
+    /// The response id, for the log.
+    pub tag: String,
+}
+
+/// An embedding job in the queue.
+struct Embedder {
+    job: Embedding,
+    reply: tokio::sync::oneshot::Sender<Result<Vec<Vec<f32>>, ApiError>>,
+    tag: String,
+    arrived: Instant,
 }
 
 /// What the engine thread reports about a submission.
@@ -100,12 +131,13 @@ pub(crate) fn run<B: InferenceBackend>(
 ) {
     let mut worker = Worker {
         routes: HashMap::new(),
+        embeds: VecDeque::new(),
         shared,
     };
     let mut deadline: Option<Instant> = None;
     loop {
         // Idle: sleep until something arrives. Busy: take what has arrived, then step.
-        let mut next = if engine.is_idle() {
+        let mut next = if engine.is_idle() && worker.embeds.is_empty() {
             if deadline.is_some() {
                 break;
             }
@@ -134,6 +166,10 @@ pub(crate) fn run<B: InferenceBackend>(
                     let _ = s.updates.send(Update::Rejected(ApiError::shutting_down()));
                 }
                 Command::Submit(s) => worker.submit(engine, s),
+                Command::Embed(job) if deadline.is_some() => {
+                    let _ = job.reply.send(Err(ApiError::shutting_down()));
+                }
+                Command::Embed(job) => worker.queue_embedding(job),
                 Command::Shutdown => {
                     deadline.get_or_insert_with(|| far_or(Instant::now(), grace));
                 }
@@ -155,6 +191,7 @@ pub(crate) fn run<B: InferenceBackend>(
                 }
             }
         }
+        worker.embed_step(engine);
         let (running, waiting) = engine.load();
         let usage = engine.cache().usage();
         shared.metrics.set_load(Load {
@@ -171,6 +208,8 @@ pub(crate) fn run<B: InferenceBackend>(
 
 struct Worker<'s, 'a> {
     routes: HashMap<RequestId, Route>,
+    /// Embedding jobs, oldest first; the first runs a step each turn.
+    embeds: VecDeque<Embedder>,
     shared: &'s Shared<'a>,
 }
 
@@ -189,11 +228,7 @@ impl Worker<'_, '_> {
                         engine.cancel(id);
                     }
                     self.shared.in_flight.fetch_sub(rows, Ordering::Relaxed);
-                    let error = match e {
-                        kiln_engine::EngineError::InvalidRequest(m) => ApiError::invalid(m),
-                        other => ApiError::internal(other.to_string()),
-                    };
-                    let _ = s.updates.send(Update::Rejected(error));
+                    let _ = s.updates.send(Update::Rejected(api_error(e)));
                     return;
                 }
             }
@@ -216,8 +251,56 @@ impl Worker<'_, '_> {
         let _ = s.updates.send(Update::Accepted);
     }
 
+    /// Queues an embedding job, or refuses it at once (no inputs, an empty one).
+    fn queue_embedding(&mut self, job: EmbedJob) {
+        match Embedding::new(job.inputs, job.pooling) {
+            Ok(embedding) => self.embeds.push_back(Embedder {
+                job: embedding,
+                reply: job.reply,
+                tag: job.tag,
+                arrived: Instant::now(),
+            }),
+            Err(e) => {
+                let _ = job.reply.send(Err(api_error(e)));
+            }
+        }
+    }
+
+    /// One step of the oldest embedding job; answers it when it is done or has failed.
+    fn embed_step<B: InferenceBackend>(&mut self, engine: &Engine<'_, B>) {
+        let Some(front) = self.embeds.front_mut() else {
+            return;
+        };
+        let outcome = front.job.step(engine.model());
+        if outcome.is_ok() && !front.job.is_done() {
+            return;
+        }
+        let Some(done) = self.embeds.pop_front() else {
+            return;
+        };
+        let tokens = done.job.tokens();
+        let answer = match outcome {
+            Ok(()) => {
+                tracing::info!(
+                    target: "kiln::serve",
+                    id = %done.tag,
+                    prompt_tokens = tokens,
+                    total_ms = (done.arrived.elapsed().as_secs_f64() * 1e3).round(),
+                    "embedded"
+                );
+                Ok(done.job.into_vectors())
+            }
+            Err(e) => {
+                tracing::warn!(target: "kiln::serve", id = %done.tag, error = %e, "embedding failed");
+                Err(api_error(e))
+            }
+        };
+        let _ = done.reply.send(answer);
+    }
+
     /// Cancels the requests whose client has gone (their receiver was dropped).
     fn cancel_abandoned<B: InferenceBackend>(&mut self, engine: &mut Engine<'_, B>) {
+        self.embeds.retain(|e| !e.reply.is_closed());
         let gone: Vec<RequestId> = self
             .routes
             .iter()
@@ -240,6 +323,9 @@ impl Worker<'_, '_> {
 
     /// Cancels every request in flight, telling each why.
     fn fail_all<B: InferenceBackend>(&mut self, engine: &mut Engine<'_, B>, why: &ApiError) {
+        for embedder in std::mem::take(&mut self.embeds) {
+            let _ = embedder.reply.send(Err(why.clone()));
+        }
         for (id, route) in std::mem::take(&mut self.routes) {
             engine.cancel(id);
             let _ = route.updates.send(Update::Failed(why.clone()));
@@ -305,6 +391,14 @@ impl Worker<'_, '_> {
                 }
             }
         }
+    }
+}
+
+/// The answer to an engine error: 400 for a request it cannot serve, else 500.
+fn api_error(e: EngineError) -> ApiError {
+    match e {
+        EngineError::InvalidRequest(m) => ApiError::invalid(m),
+        other => ApiError::internal(other.to_string()),
     }
 }
 
