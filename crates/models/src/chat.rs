@@ -1,15 +1,24 @@
 //! Chat templates: a conversation ([`ChatMessage`]s) rendered into prompt text by the model's
 //! own Jinja template ([`ChatTemplate`]), as transformers' `apply_chat_template` does: the same
 //! Jinja dialect (with Python string methods such as `.strip()`), `trim_blocks` and
-//! `lstrip_blocks`, and the variables `messages`, `add_generation_prompt`, `bos_token` and
-//! `eos_token`.
+//! `lstrip_blocks`, transformers' `tojson` (Python's `json.dumps`), and the variables
+//! `messages`, `add_generation_prompt`, `bos_token` and `eos_token`.
+//!
+//! Tool calling: messages carry an assistant's `tool_calls` and a tool's result
+//! ([`Role::Tool`], with `tool_call_id` and `name`) as transformers passes them to templates
+//! (each call `{"id", "type": "function", "function": {"name", "arguments"}}` with the
+//! arguments an object, not OpenAI's JSON string); the tools themselves are the template
+//! variable `tools` ([`ChatTemplate::render_with`]). JSON objects keep their keys' order.
 //!
 //! Meta's checkpoints carry no template; they use [`crate::loaders::LLAMA3_CHAT_TEMPLATE`].
 
-use minijinja::{Environment, Error as JinjaError, ErrorKind, context};
+mod template_json;
+
+use minijinja::{Environment, Error as JinjaError, ErrorKind, Value};
 use serde::Serialize;
 
 use crate::error::{ModelError, Result};
+use template_json::{ordered, to_template};
 
 /// Who said it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -21,6 +30,8 @@ pub enum Role {
     User,
     /// The model.
     Assistant,
+    /// A tool's result, answering one of the assistant's `tool_calls`.
+    Tool,
 }
 
 impl Role {
@@ -30,6 +41,7 @@ impl Role {
             Role::System => "system",
             Role::User => "user",
             Role::Assistant => "assistant",
+            Role::Tool => "tool",
         }
     }
 }
@@ -39,8 +51,30 @@ impl Role {
 pub struct ChatMessage {
     /// Who.
     pub role: Role,
-    /// What.
+    /// What. An assistant turn that only calls tools has none: the template sees `none` when
+    /// this is empty and `tool_calls` is not (OpenAI's `"content": null`).
     pub content: String,
+    /// The tools an assistant's turn calls; the template sees no `tool_calls` key when empty
+    /// (templates test `'tool_calls' in message`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A tool result's call id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool result's function name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+/// One function call of an assistant's turn.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ToolCall {
+    /// The call's id (`call_…`), which the tool's result names.
+    pub id: String,
+    /// The function's name.
+    pub name: String,
+    /// Its arguments, as JSON (an object; templates write it with `tojson` or walk its items).
+    pub arguments: serde_json::Value,
 }
 
 impl ChatMessage {
@@ -49,7 +83,69 @@ impl ChatMessage {
         Self {
             role,
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
         }
+    }
+
+    /// An assistant's turn calling `calls` (with `content`, often empty, before them).
+    pub fn tool_calls(content: impl Into<String>, calls: Vec<ToolCall>) -> Self {
+        Self {
+            tool_calls: calls,
+            ..Self::new(Role::Assistant, content)
+        }
+    }
+
+    /// A tool's result for the call `tool_call_id` of the function `name`.
+    pub fn tool_result(
+        tool_call_id: impl Into<String>,
+        name: Option<String>,
+        content: impl Into<String>,
+    ) -> Self {
+        Self {
+            tool_call_id: Some(tool_call_id.into()),
+            name,
+            ..Self::new(Role::Tool, content)
+        }
+    }
+
+    /// The message as transformers hands it to a template: `role`, `content`, and only the
+    /// tool keys it has.
+    fn to_template(&self) -> Value {
+        let content = if self.content.is_empty() && !self.tool_calls.is_empty() {
+            Value::from(())
+        } else {
+            Value::from(self.content.as_str())
+        };
+        let mut entries = vec![
+            ("role".to_string(), Value::from(self.role.name())),
+            ("content".to_string(), content),
+        ];
+        if !self.tool_calls.is_empty() {
+            let calls = self.tool_calls.iter().map(|call| {
+                let function = ordered(vec![
+                    ("name".to_string(), Value::from(call.name.as_str())),
+                    ("arguments".to_string(), to_template(&call.arguments)),
+                ]);
+                ordered(vec![
+                    ("id".to_string(), Value::from(call.id.as_str())),
+                    ("type".to_string(), Value::from("function")),
+                    ("function".to_string(), function),
+                ])
+            });
+            entries.push((
+                "tool_calls".to_string(),
+                Value::from(calls.collect::<Vec<_>>()),
+            ));
+        }
+        if let Some(id) = &self.tool_call_id {
+            entries.push(("tool_call_id".to_string(), Value::from(id.as_str())));
+        }
+        if let Some(name) = &self.name {
+            entries.push(("name".to_string(), Value::from(name.as_str())));
+        }
+        ordered(entries)
     }
 }
 
@@ -74,6 +170,8 @@ impl ChatTemplate {
         env.set_lstrip_blocks(true);
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // transformers' own: Python's json.dumps, keys in order, nothing HTML-escaped.
+        env.add_filter("tojson", template_json::tojson);
         env.add_function(
             "raise_exception",
             |message: String| -> std::result::Result<String, JinjaError> {
@@ -105,7 +203,8 @@ impl ChatTemplate {
 
     /// [`Self::render`] with more variables for the template (transformers'
     /// `apply_chat_template(**kwargs)`, vLLM's `chat_template_kwargs`): Qwen3's
-    /// `enable_thinking`, for one.
+    /// `enable_thinking`, for one, or `tools` (a list of OpenAI function tools,
+    /// `apply_chat_template(tools=...)`). Objects keep their keys' order.
     ///
     /// # Errors
     /// As [`Self::render`], and a variable named as one kiln sets (`messages`,
@@ -128,15 +227,24 @@ impl ChatTemplate {
             });
         }
         let template = self.env.get_template(NAME).map_err(template_error)?;
-        template
-            .render(context! {
-                messages => messages,
-                add_generation_prompt => add_generation_prompt,
-                bos_token => self.bos_token,
-                eos_token => self.eos_token,
-                ..minijinja::Value::from_serialize(variables),
-            })
-            .map_err(template_error)
+        let messages: Vec<Value> = messages.iter().map(ChatMessage::to_template).collect();
+        let mut context = vec![
+            ("messages".to_string(), Value::from(messages)),
+            (
+                "add_generation_prompt".to_string(),
+                Value::from(add_generation_prompt),
+            ),
+            (
+                "bos_token".to_string(),
+                Value::from(self.bos_token.as_str()),
+            ),
+            (
+                "eos_token".to_string(),
+                Value::from(self.eos_token.as_str()),
+            ),
+        ];
+        context.extend(variables.iter().map(|(k, v)| (k.clone(), to_template(v))));
+        template.render(ordered(context)).map_err(template_error)
     }
 }
 

@@ -11,3 +11,4 @@ mod loader_errors;
 mod precision;
 mod smollm2;
 mod tokenizers;
+mod tool_templates;

@@ -8,10 +8,11 @@
 //! tokens' text as control tokens: it tokenizes what it is given.
 
 use kiln_core::TokenId;
-use kiln_models::chat::{ChatMessage, ChatTemplate, Role};
+use kiln_models::chat::{ChatMessage, ChatTemplate};
 use kiln_models::tokenizer::SpecialsInContent;
 use kiln_models::{ModelError, TextTokenizer};
 
+#[cfg(test)]
 use crate::api::Message;
 use crate::error::ApiError;
 
@@ -75,9 +76,34 @@ impl Codec {
     /// # Errors
     /// 400 for an unknown role, a non-text part, no template, a template that fails, or one
     /// that hides where a message's special-token text lands.
+    #[cfg(test)]
     pub fn chat_prompt(
         &self,
         messages: &[Message],
+        variables: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Vec<TokenId>, ApiError> {
+        if self.template.is_none() {
+            return Err(ApiError::invalid(
+                "this model has no chat template: use /v1/completions",
+            ));
+        }
+        if messages.is_empty() {
+            return Err(ApiError::invalid_field("messages", "messages is empty"));
+        }
+        let turns = crate::tools::conversation(messages, None)?;
+        self.chat_prompt_turns(&turns, variables)
+    }
+
+    /// The prompt of a conversation already made [`ChatMessage`]s (tool turns included:
+    /// `crate::tools::conversation`): rendered with the generation prompt and `variables`,
+    /// tokenized as `chat_prompt` says.
+    ///
+    /// # Errors
+    /// 400 for no template, a template that fails, or one that hides where a message's
+    /// special-token text lands.
+    pub fn chat_prompt_turns(
+        &self,
+        turns: &[ChatMessage],
         variables: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<Vec<TokenId>, ApiError> {
         let Some(template) = &self.template else {
@@ -85,32 +111,8 @@ impl Codec {
                 "this model has no chat template: use /v1/completions",
             ));
         };
-        if messages.is_empty() {
-            return Err(ApiError::invalid_field("messages", "messages is empty"));
-        }
-        let mut turns = Vec::with_capacity(messages.len());
-        for (i, m) in messages.iter().enumerate() {
-            let role = match m.role.as_str() {
-                "system" | "developer" => Role::System,
-                "user" => Role::User,
-                "assistant" => Role::Assistant,
-                other => {
-                    return Err(ApiError::invalid_field(
-                        &format!("messages[{i}].role"),
-                        format!(
-                            "role {other:?} is not supported: use system, developer, user or assistant"
-                        ),
-                    ));
-                }
-            };
-            let content = match &m.content {
-                Some(c) => c.text()?,
-                None => String::new(),
-            };
-            turns.push(ChatMessage::new(role, content));
-        }
         self.tokenizer
-            .encode_chat(template, &turns, true, variables, self.specials_in_content)
+            .encode_chat(template, turns, true, variables, self.specials_in_content)
             .map_err(|e| match e {
                 ModelError::Tokenizer { .. } => {
                     ApiError::invalid(format!("tokenizing the prompt: {e}"))

@@ -268,19 +268,30 @@ mod tests {
         assert_eq!(count(&ids, eot), 1, "{ids:?}");
     }
 
-    /// A template that escapes the message (`tojson` writes `<` as `\u003c`) leaves no special
-    /// token's text to read: the prompt is tokenized as it is. One that looks for the token's
-    /// text renders otherwise for the stand-in, and the prompt is refused.
+    /// A template that escapes the message (`replace('<', '&lt;')`) leaves no special token's
+    /// text to read: the prompt is tokenized as it is. One that looks for the token's text
+    /// renders otherwise for the stand-in, and the prompt is refused. (`tojson` is
+    /// transformers' `json.dumps`, which escapes nothing of `<|eot_id|>`: the caller's token is
+    /// spelled in the prompt and stays text.)
     #[test]
     fn templates_that_treat_the_token_otherwise() {
         let tok = llama3();
         let eot = tok.token_id("<|eot_id|>").unwrap();
-        let escaping = "{% for m in messages %}{{ m.content | tojson }}<|eot_id|>{% endfor %}";
+        let escaping =
+            "{% for m in messages %}{{ m.content | replace('<', '&lt;') }}<|eot_id|>{% endfor %}";
         let ids = encode(&tok, escaping, &user("<|eot_id|>"), json!({})).unwrap();
         let template = ChatTemplate::new(escaping, "", "").unwrap();
         let rendered = template.render(&user("<|eot_id|>"), false).unwrap();
-        assert!(!rendered.starts_with("\"<|eot_id|>"), "{rendered}");
+        assert!(rendered.starts_with("&lt;|eot_id|>"), "{rendered}");
         assert_eq!(ids, tok.encode(&rendered, false).unwrap());
+        assert_eq!(count(&ids, eot), 1);
+        let json = "{% for m in messages %}{{ m.content | tojson }}<|eot_id|>{% endfor %}";
+        let ids = encode(&tok, json, &user("<|eot_id|>"), json!({})).unwrap();
+        let rendered = ChatTemplate::new(json, "", "")
+            .unwrap()
+            .render(&user("<|eot_id|>"), false)
+            .unwrap();
+        assert!(rendered.starts_with("\"<|eot_id|>\""), "{rendered}");
         assert_eq!(count(&ids, eot), 1);
 
         let looking = "{% for m in messages %}{% if '<|eot_id|>' in m.content %}!{% endif %}\
