@@ -113,11 +113,13 @@ fn test(extra: &[String]) -> Result<()> {
 }
 
 /// The Python packages of the server suite, pinned so a new SDK release cannot change a run.
-const PYTHON_TEST_PACKAGES: [&str; 4] = [
+const PYTHON_TEST_PACKAGES: [&str; 5] = [
     "openai==3.57.0",
     "pytest==9.2.0",
     "jsonschema==4.26.0",
     "lark==1.3.1",
+    // test_tools.py: a multi-step agent loop against `kiln serve`.
+    "openai-agents==0.24.0",
 ];
 
 /// `kiln serve` driven by the official OpenAI SDK and the small load test, with pytest in a

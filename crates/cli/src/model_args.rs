@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use indicatif::ProgressBar;
 use kiln_core::backend::BackendKind;
 use kiln_core::sampling::SamplingParams;
-use kiln_core::{CausalLm, Dtype, InferenceBackend};
+use kiln_core::{CausalLm, Dtype, InferenceBackend, TokenId};
 use kiln_engine::{
     BeamSearch, DraftSource, EarlyStopping, Grammar, GrammarCompiler, OutputConstraint, Speculation,
 };
@@ -208,6 +208,21 @@ pub struct SamplingArgs {
     /// Seed for sampling; same seed, same output.
     #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
+    /// Add BIAS (-100 to 100) to token ID's logit before the penalties and temperature, as
+    /// OpenAI's `logit_bias`: -100 all but bans the token, 100 all but forces it. Repeatable.
+    #[arg(long = "logit-bias", value_name = "ID=BIAS", value_parser = parse_logit_bias)]
+    pub logit_bias: Vec<(TokenId, f32)>,
+}
+
+/// One `--logit-bias ID=BIAS`: a token id and a number (its range is checked with the other
+/// sampling settings).
+fn parse_logit_bias(text: &str) -> Result<(TokenId, f32), String> {
+    let expected =
+        || format!("expected ID=BIAS, a token id and a number, as 198=-100; got `{text}`");
+    let (id, bias) = text.split_once('=').ok_or_else(expected)?;
+    let id = id.trim().parse::<u32>().map_err(|_| expected())?;
+    let bias = bias.trim().parse::<f32>().map_err(|_| expected())?;
+    Ok((TokenId(id), bias))
 }
 
 impl SamplingArgs {
@@ -222,6 +237,7 @@ impl SamplingArgs {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             seed: self.seed,
+            logit_bias: self.logit_bias.clone(),
         };
         params.validate()?;
         Ok(params)
@@ -483,6 +499,18 @@ impl StructuredArgs {
     /// [`UsageError`]: no tokenizer or end-of-sequence token, or a constraint that does not
     /// compile (named with the reason).
     pub fn compile<B: InferenceBackend>(&self, loaded: &LoadedModel<B>) -> Result<Option<Grammar>> {
+        self.compile_with(loaded, kiln_engine::JsonWhitespace::default())
+    }
+
+    /// [`StructuredArgs::compile`], with JSON output allowed `whitespace` between its tokens.
+    ///
+    /// # Errors
+    /// As [`StructuredArgs::compile`].
+    pub fn compile_with<B: InferenceBackend>(
+        &self,
+        loaded: &LoadedModel<B>,
+        whitespace: kiln_engine::JsonWhitespace,
+    ) -> Result<Option<Grammar>> {
         let Some(constraint) = self.constraint()? else {
             return Ok(None);
         };
@@ -496,7 +524,8 @@ impl StructuredArgs {
         };
         let vocab = loaded.model.shape().vocab;
         let compiler = GrammarCompiler::new(&tokenizer.token_texts(vocab), eos)
-            .map_err(|e| UsageError(e.to_string()))?;
+            .map_err(|e| UsageError(e.to_string()))?
+            .with_json_whitespace(whitespace);
         let grammar = compiler
             .compile(&constraint)
             .map_err(|e| UsageError(e.to_string()))?;

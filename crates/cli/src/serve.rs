@@ -38,6 +38,20 @@ pub struct Args {
     /// open a system one.
     #[arg(long, help_heading = "Server")]
     allow_special_in_content: bool,
+    /// How tool calls are read from the output: `auto` (from the chat template's markers),
+    /// `hermes`, `llama3`, `mistral`, `generic`, or `none` (tool calling off).
+    #[arg(long, default_value = "auto", help_heading = "Server")]
+    tool_parser: kiln_server::ToolParser,
+    /// Where a thinking model's `<think>…</think>` goes: `auto` (to `reasoning_content` when
+    /// the chat template speaks of `<think>`: Qwen3, QwQ, DeepSeek-R1 distills), `separate`
+    /// (always; `deepseek` is llama-server's name for it) or `none` (left in `content`).
+    #[arg(
+        long,
+        value_name = "FORMAT",
+        default_value = "auto",
+        help_heading = "Server"
+    )]
+    reasoning_format: kiln_server::ReasoningFormat,
     /// Most sequences waiting beyond the running batch (each of `n` choices and each beam
     /// counts); more get 503.
     #[arg(long, value_name = "N", default_value_t = 256, help_heading = "Server")]
@@ -84,6 +98,18 @@ pub struct Args {
         help_heading = "Server"
     )]
     max_connections: usize,
+    /// How /v1/embeddings pools an input's final hidden states into one vector, where the
+    /// model's files do not say (a sentence-transformers folder's 1_Pooling/config.json wins):
+    /// `last` (the last token's state, as Qwen3-Embedding and other decoder embedders) or `mean`
+    /// [default: last]
+    #[arg(long, value_name = "POOLING", value_parser = ["last", "mean"], help_heading = "Server")]
+    embedding_pooling: Option<String>,
+    /// Whitespace JSON output may have between its tokens (response_format, a grammar's
+    /// `%json`): `compact` (none), `bounded` (one space, or one or two newlines and up to 20
+    /// spaces of indentation, as llama.cpp), or `free` (any, as llguidance: a small model may
+    /// write blank lines until max_tokens).
+    #[arg(long, value_name = "MODE", default_value = "bounded", value_parser = ["compact", "bounded", "free"], help_heading = "Server")]
+    json_whitespace: String,
     /// The model's name in /v1/models and in responses (default: the file or folder name).
     #[arg(long, value_name = "NAME", help_heading = "Server")]
     served_model_name: Option<String>,
@@ -223,6 +249,18 @@ impl BackendTask for Task {
             ),
             max_connections: args.max_connections,
             special_tokens_in_content: args.allow_special_in_content,
+            json_whitespace: args
+                .json_whitespace
+                .parse()
+                .map_err(|e: kiln_engine::UnknownJsonWhitespace| UsageError(e.to_string()))?,
+            embedding_pooling: args
+                .embedding_pooling
+                .as_deref()
+                .map(str::parse)
+                .transpose()
+                .map_err(UsageError)?,
+            tool_parser: args.tool_parser,
+            reasoning_format: args.reasoning_format,
         };
         let server = Server::start(options).map_err(|e| UsageError(e.to_string()))?;
         tracing::info!(

@@ -13,6 +13,8 @@
 //! - [`bench`](mod@bench): one cell of the benchmark matrix (`kiln bench`): an [`Engine`]'s steps
 //!   timed, prefill and decode apart.
 //! - [`snapshot`]: a prefilled prompt's KV cache saved to a file and resumed later.
+//! - [`embed`](mod@embed): embeddings, each input's final hidden states pooled and normalised,
+//!   beside generation but outside its KV cache ([`Embedding`]).
 //! - [`structured`]: output constrained to a JSON schema, a regex or a grammar
 //!   ([`Request::constraint`]).
 //!
@@ -59,6 +61,7 @@ pub mod config;
 mod decode;
 pub mod detok;
 mod drafter;
+pub mod embed;
 pub mod engine;
 pub mod error;
 pub mod finish;
@@ -77,6 +80,7 @@ pub mod structured;
 pub use beam::{BeamHypothesis, BeamSearch, EarlyStopping, MAX_BEAMS};
 pub use cache::CacheSpec;
 pub use detok::Detokenizer;
+pub use embed::{Embedding, Pooling};
 pub use engine::{Engine, EngineConfig, PrefixStats, StepPolicy};
 pub use error::EngineError;
 pub use finish::FinishReason;
@@ -88,4 +92,7 @@ pub use session::Session;
 pub use snapshot::Snapshot;
 pub use spec::{EngineOptions, EngineSettings, EngineSpec, Run, SpecError, Workload};
 pub use speculate::{DraftSource, SpecCounts, Speculation};
-pub use structured::{Grammar, GrammarCompiler, GrammarMatcher, OutputConstraint, StructuredError};
+pub use structured::{
+    Grammar, GrammarCompiler, GrammarMatcher, JsonWhitespace, MAX_JSON_DIGITS, OutputConstraint,
+    StructuredError, UnknownJsonWhitespace,
+};

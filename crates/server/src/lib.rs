@@ -20,7 +20,8 @@
 //! typed response bodies; `worker.rs` the engine thread.
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-//! `GET /health`, `GET /metrics` (Prometheus), `POST /tokenize`, `POST /detokenize`.
+//! `POST /v1/embeddings`, `GET /health`, `GET /metrics` (Prometheus), `POST /tokenize`,
+//! `POST /detokenize`.
 //! `docs/serve.md` describes each, with transcripts.
 
 mod api;
@@ -29,7 +30,10 @@ mod codec;
 mod error;
 mod listener;
 mod metrics;
+mod pooling;
+mod reasoning;
 mod routes;
+mod tools;
 mod worker;
 
 // The fuzzer and counting allocator kiln-models' tests use (std only, shared by path): the
@@ -57,6 +61,8 @@ use kiln_models::LoadedModel;
 pub use codec::Codec;
 pub use error::ApiError;
 pub use metrics::Metrics;
+pub use reasoning::ReasoningFormat;
+pub use tools::{ToolFormat, ToolParser};
 pub use worker::rows_for_one_request;
 
 use crate::body::BodyLimits;
@@ -98,6 +104,17 @@ pub struct ServerOptions {
     /// Tokenize special-token text in chat messages as the control tokens it spells (the
     /// default, `false`, reads it as plain text, so a user cannot close their turn).
     pub special_tokens_in_content: bool,
+    /// Whitespace JSON output may have between its tokens (bounded by default).
+    pub json_whitespace: kiln_engine::JsonWhitespace,
+    /// How `/v1/embeddings` pools when the model's files do not say
+    /// (sentence-transformers' `1_Pooling/config.json`); `None`: the last token.
+    pub embedding_pooling: Option<kiln_engine::Pooling>,
+    /// How tool calls are read (`--tool-parser`): from the chat template (the default), a named
+    /// format, or off.
+    pub tool_parser: ToolParser,
+    /// Whether a thinking model's `<think>…</think>` goes to `reasoning_content`
+    /// (`--reasoning-format`).
+    pub reasoning_format: ReasoningFormat,
 }
 
 impl ServerOptions {
@@ -133,6 +150,10 @@ impl Default for ServerOptions {
             keep_alive_timeout: Duration::from_secs(5),
             max_connections: 1024,
             special_tokens_in_content: false,
+            json_whitespace: kiln_engine::JsonWhitespace::Bounded,
+            embedding_pooling: None,
+            tool_parser: ToolParser::Auto,
+            reasoning_format: ReasoningFormat::Auto,
         }
     }
 }
@@ -313,8 +334,17 @@ impl Server {
         let shape = kiln_core::CausalLm::shape(&loaded.model);
         // The token trie structured output needs, made once (tens of milliseconds).
         let grammars = loaded.generation.eos.first().and_then(|&eos| {
-            kiln_engine::GrammarCompiler::new(&tokenizer.token_texts(shape.vocab), eos).ok()
+            kiln_engine::GrammarCompiler::new(&tokenizer.token_texts(shape.vocab), eos)
+                .ok()
+                .map(|c| c.with_json_whitespace(self.state.options.json_whitespace))
         });
+        let (pooling, source, warning) =
+            pooling::resolve(&loaded.path, self.state.options.embedding_pooling);
+        if let Some(warning) = warning {
+            tracing::warn!(target: "kiln::serve", "{warning}; embeddings pool by the {} token(s) instead", pooling.name());
+        }
+        tracing::info!(target: "kiln::serve", "/v1/embeddings pools by the {} token(s) ({})", pooling.name(), source.describe());
+        let hidden_size = kiln_core::CausalLm::hidden_size(&loaded.model);
         let kv_tokens = model.cache.usage().capacity;
         let cache = cache_spec(&*model.cache, model.block_tokens, &shape, &model.config);
         let detok = move |ids: &[kiln_core::TokenId]| tokenizer.decode(ids, true).ok();
@@ -341,6 +371,18 @@ impl Server {
             cache,
             max_batch: model.config.max_batch,
             grammars,
+            hidden_size,
+            pooling,
+            tool_format: self
+                .state
+                .options
+                .tool_parser
+                .format(loaded.chat_template.as_deref()),
+            splits_reasoning: self
+                .state
+                .options
+                .reasoning_format
+                .splits(loaded.chat_template.as_deref()),
         }));
         let shared = worker::Shared {
             metrics: &self.state.metrics,

@@ -1,11 +1,15 @@
 //! The visitors of the fields that take several forms (`stop`, a message's `content`, a
-//! completions `prompt`), each read in one pass without buffering the value, and
-//! [`bounded_list`], which reads a list of one kind up to a limit.
+//! completions `prompt`), each read in one pass without buffering the value,
+//! [`bounded_list`], which reads a list of one kind up to a limit, and `logit_bias`'s map,
+//! read up to its limit the same way.
 
 use serde::Deserialize;
-use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::de::{self, Deserializer, MapAccess, SeqAccess, Visitor};
 
-use super::{Content, MAX_CHOICES, MAX_STOP_STRINGS, Prompt, Stop};
+use super::{
+    Content, LogitBiasMap, MAX_CHOICES, MAX_LOGIT_BIAS_TOKENS, MAX_STOP_STRINGS, Prompt, Stop,
+    TokenId,
+};
 
 impl<'de> Deserialize<'de> for Stop {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -27,6 +31,46 @@ impl<'de> Deserialize<'de> for Stop {
             }
         }
         deserializer.deserialize_any(StopVisitor)
+    }
+}
+
+impl<'de> Deserialize<'de> for LogitBiasMap {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct BiasVisitor;
+        impl<'de> Visitor<'de> for BiasVisitor {
+            type Value = LogitBiasMap;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                write!(
+                    f,
+                    "an object of at most {MAX_LOGIT_BIAS_TOKENS} token ids (as strings) to \
+                     biases"
+                )
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<LogitBiasMap, A::Error> {
+                let mut biases = Vec::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    if biases.len() == MAX_LOGIT_BIAS_TOKENS {
+                        return Err(de::Error::custom(format!(
+                            "more than {MAX_LOGIT_BIAS_TOKENS} tokens"
+                        )));
+                    }
+                    // Digits only: "+5", " 5" or "5.0" name no token id either.
+                    let token = Some(&*key)
+                        .filter(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()))
+                        .and_then(|k| k.parse::<u32>().ok())
+                        .ok_or_else(|| {
+                            de::Error::custom(format!(
+                                "key {key:?} is not a token id (a non-negative integer, as a \
+                                 string)"
+                            ))
+                        })?;
+                    let bias: f64 = map.next_value()?;
+                    biases.push((TokenId(token), bias as f32));
+                }
+                Ok(LogitBiasMap(biases))
+            }
+        }
+        deserializer.deserialize_map(BiasVisitor)
     }
 }
 

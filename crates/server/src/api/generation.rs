@@ -92,9 +92,17 @@ impl CommonFields {
             presence_penalty: self.presence_penalty.unwrap_or(defaults.presence_penalty),
             frequency_penalty: self.frequency_penalty.unwrap_or(defaults.frequency_penalty),
             seed: self.seed.map(|s| s as u64),
+            logit_bias: self
+                .logit_bias
+                .as_ref()
+                .map(|m| m.0.clone())
+                .unwrap_or_default(),
         };
         sampling.validate().map_err(|e| match &e {
-            SamplingError::Invalid { field, .. } => ApiError::invalid_field(field, e.to_string()),
+            SamplingError::Invalid { field, .. }
+            | SamplingError::TokenOutsideVocab { field, .. } => {
+                ApiError::invalid_field(field, e.to_string())
+            }
             SamplingError::VocabMismatch { .. } => ApiError::invalid(e.to_string()),
         })?;
         let stop = match &self.stop {
@@ -364,6 +372,11 @@ impl CompletionRequest {
                 "repetition_penalty",
                 common.repetition_penalty.is_some_and(|p| p != 1.0),
                 "a repetition penalty",
+            ),
+            (
+                "logit_bias",
+                !generation.sampling.logit_bias.is_empty(),
+                "a logit bias",
             ),
             (
                 generation.constraint.as_ref().map_or("", |c| c.0),

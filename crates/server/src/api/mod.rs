@@ -14,20 +14,25 @@
 //! - `mod.rs`: the request types, [`parse`] and [`RequestBody`];
 //! - `de.rs`: the visitors of the fields that take several forms, and the bounded lists;
 //! - `generation.rs`: validation, from a body to a [`Generation`];
+//! - `embeddings.rs`: `/v1/embeddings`' body ([`EmbeddingRequest`]);
 //! - `response.rs`: the bodies sent back, typed.
 
 mod de;
+mod embeddings;
 mod generation;
 pub mod response;
 #[cfg(test)]
 mod tests;
 
+use kiln_core::TokenId;
+use kiln_core::sampling::MAX_LOGIT_BIAS_TOKENS;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::error::ApiError;
 
-pub use generation::{Generation, PromptInput};
+pub use embeddings::{EmbeddingInput, EmbeddingRequest, EncodingFormat};
+pub use generation::{Generation, PromptInput, json_field};
 
 /// Most choices one request may ask for (`n`, times the prompts of a completions request).
 pub const MAX_CHOICES: usize = 16;
@@ -89,7 +94,15 @@ pub struct CommonFields {
     /// language of this Lark grammar (llguidance's dialect).
     #[serde(alias = "guided_grammar")]
     pub grammar: Option<String>,
+    /// OpenAI's `logit_bias`: `{"token id": bias}`, each bias added to that token's logit.
+    pub logit_bias: Option<LogitBiasMap>,
 }
+
+/// `logit_bias` as read: `(token, bias)` in the body's order, at most
+/// [`MAX_LOGIT_BIAS_TOKENS`] of them (`de.rs` stops reading past it); the ranges are checked
+/// with the other sampling settings (`SamplingParams::validate`).
+#[derive(Debug, Default)]
+pub struct LogitBiasMap(pub Vec<(TokenId, f32)>);
 
 /// `stop`: one string or several.
 #[derive(Debug)]
@@ -121,6 +134,14 @@ pub struct ChatRequest {
     /// More variables for the chat template (vLLM's field): `{"enable_thinking": false}`
     /// turns Qwen3's thinking off. As text; [`ChatRequest::template_variables`] parses it.
     pub chat_template_kwargs: Option<Box<RawValue>>,
+    /// Functions the model may call (`[{"type": "function", "function": {...}}]`), as text;
+    /// `crate::tools::ToolRequest` validates it.
+    pub tools: Option<Box<RawValue>>,
+    /// `"none"`, `"auto"`, `"required"` or `{"type": "function", "function": {"name"}}`, as
+    /// text.
+    pub tool_choice: Option<Box<RawValue>>,
+    /// Whether the model may call several tools in one turn (default true).
+    pub parallel_tool_calls: Option<bool>,
     /// The fields both endpoints share (read from the same body by [`RequestBody::parse`]).
     #[serde(skip)]
     pub common: CommonFields,
@@ -129,11 +150,40 @@ pub struct ChatRequest {
 /// One chat message.
 #[derive(Debug, Deserialize)]
 pub struct Message {
-    /// `system`, `developer`, `user` or `assistant`.
+    /// `system`, `developer`, `user`, `assistant` or `tool`.
     pub role: String,
     /// A string, an array of text parts, or null (an assistant turn with no text).
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant turn's calls.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<MessageToolCall>>,
+    /// A `tool` message's call id.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    /// A `tool` message's function name.
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// One of an assistant message's `tool_calls`.
+#[derive(Debug, Deserialize)]
+pub struct MessageToolCall {
+    /// The call's id.
+    #[serde(default)]
+    pub id: Option<String>,
+    /// The function called.
+    pub function: MessageFunctionCall,
+}
+
+/// A call's `function`.
+#[derive(Debug, Deserialize)]
+pub struct MessageFunctionCall {
+    /// Its name.
+    pub name: String,
+    /// Its arguments, a JSON string (OpenAI's form).
+    #[serde(default)]
+    pub arguments: Option<String>,
 }
 
 /// A message's content.

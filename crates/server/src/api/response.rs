@@ -25,6 +25,15 @@ pub fn finish_reason(reason: FinishReason) -> &'static str {
     }
 }
 
+/// The `finish_reason` of a chat choice that made `calls` tool calls: `tool_calls` when it
+/// ended by itself with calls, else as [`finish_reason`].
+pub fn chat_finish_reason(reason: FinishReason, calls: usize) -> &'static str {
+    match reason {
+        FinishReason::Eos | FinishReason::Stop if calls > 0 => "tool_calls",
+        other => finish_reason(other),
+    }
+}
+
 /// A whole answer (`chat.completion`, `text_completion`) or one chunk of a stream
 /// (`chat.completion.chunk`, `text_completion`), with choices of type `C`.
 #[derive(Debug, serde::Serialize)]
@@ -95,8 +104,63 @@ pub struct ChatChoice<'a> {
 pub struct ChatMessage<'a> {
     /// Always `assistant`.
     pub role: &'static str,
-    /// The text.
-    pub content: &'a str,
+    /// The text (`null` when the reply is only tool calls, or ended inside its reasoning).
+    pub content: Option<&'a str>,
+    /// A thinking model's reasoning (`<think>…</think>`), when it is split from the answer
+    /// (`--reasoning-format`); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<&'a str>,
+    /// The tools it calls; absent when none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallBody>>,
+}
+
+/// One tool call of a reply.
+#[derive(Debug, serde::Serialize)]
+pub struct ToolCallBody {
+    /// `call_…`.
+    pub id: String,
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The function and its arguments.
+    pub function: FunctionCallBody,
+}
+
+/// A call's function.
+#[derive(Debug, serde::Serialize)]
+pub struct FunctionCallBody {
+    /// The function's name.
+    pub name: String,
+    /// Its arguments, JSON text.
+    pub arguments: String,
+}
+
+/// A piece of one tool call in a stream chunk: the first carries `id`, `type` and the name
+/// (and empty arguments), the later ones pieces of the arguments.
+#[derive(Debug, serde::Serialize)]
+pub struct ToolCallDelta {
+    /// Which call of the choice.
+    pub index: usize,
+    /// `call_…`, on the call's first piece.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// `function`, on the call's first piece.
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    /// The name (first piece) or a piece of the arguments.
+    pub function: FunctionDelta,
+}
+
+/// What a [`ToolCallDelta`] adds to the call's function.
+#[derive(Debug, serde::Serialize)]
+pub struct FunctionDelta {
+    /// The name, on the call's first piece.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// A piece of the arguments' JSON text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<String>,
 }
 
 /// A choice of a chat stream chunk.
@@ -121,6 +185,12 @@ pub struct Delta<'a> {
     /// A piece of the text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<&'a str>,
+    /// A piece of the reasoning, when it is split from the answer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<&'a str>,
+    /// Pieces of tool calls.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 /// A choice of a completions answer, or of a completions stream chunk.
@@ -355,6 +425,49 @@ pub struct ErrorDetail<'a> {
     pub param: Option<&'a str>,
     /// A machine-readable code, or `null`.
     pub code: Option<&'static str>,
+}
+
+/// `/v1/embeddings`' answer: `{"object": "list", "data": [...], "model", "usage"}`.
+#[derive(Debug, serde::Serialize)]
+pub struct EmbeddingList<'a> {
+    /// Always `"list"`.
+    pub object: &'static str,
+    /// One entry per input, in input order.
+    pub data: Vec<EmbeddingData>,
+    /// The served model's name.
+    pub model: &'a str,
+    /// The tokens embedded.
+    pub usage: EmbeddingUsage,
+}
+
+/// One input's embedding.
+#[derive(Debug, serde::Serialize)]
+pub struct EmbeddingData {
+    /// Always `"embedding"`.
+    pub object: &'static str,
+    /// The input's place in the request's list.
+    pub index: usize,
+    /// The vector: a list of numbers, or its little-endian f32 bytes in base64.
+    pub embedding: EmbeddingVector,
+}
+
+/// An embedding as `encoding_format` asked.
+#[derive(Debug, serde::Serialize)]
+#[serde(untagged)]
+pub enum EmbeddingVector {
+    /// `"float"`.
+    Float(Vec<f32>),
+    /// `"base64"`.
+    Base64(String),
+}
+
+/// An embeddings answer's usage: every input's tokens (nothing is generated).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct EmbeddingUsage {
+    /// Tokens of every input together.
+    pub prompt_tokens: usize,
+    /// The same.
+    pub total_tokens: usize,
 }
 
 #[cfg(test)]

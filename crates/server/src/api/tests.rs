@@ -27,6 +27,10 @@ fn fuzz_request_bodies() {
             "completions",
             r#"{"prompt": [1, 2, 3], "grammar": "start: /[a-z]+/", "echo": false, "suffix": null}"#,
         ),
+        (
+            "chat",
+            r#"{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 100, "17": -100, "3": 2.5}, "temperature": 0}"#,
+        ),
     ];
     let seeds: Vec<Seed> = bodies
         .iter()
@@ -234,4 +238,80 @@ fn completion_prompts_take_every_openai_form() {
     }
     let request: CompletionRequest = RequestBody::parse(br#"{"prompt": []}"#).expect("parses");
     assert!(request.prompt.as_ref().is_some_and(|p| p.inputs().is_err()));
+}
+
+/// `logit_bias`: `{"token id": bias}` read into the sampling settings in the body's order;
+/// a key that is no token id, a bias out of [-100, 100], a duplicate or too many entries is a
+/// 400 naming the field (the key in the message), and a huge map is refused without being
+/// kept.
+#[test]
+fn logit_bias_is_read_bounded_and_checked() {
+    use kiln_core::TokenId;
+    use kiln_core::sampling::MAX_LOGIT_BIAS_TOKENS;
+
+    let generation =
+        |body: &str| CompletionRequest::parse(body.as_bytes()).and_then(|r| r.generation());
+    let ok =
+        generation(r#"{"prompt": "a", "logit_bias": {"5": 100, "7": -100, "3": 0.5}}"#).unwrap();
+    assert_eq!(
+        ok.sampling.logit_bias,
+        [(TokenId(5), 100.0), (TokenId(7), -100.0), (TokenId(3), 0.5)]
+    );
+    assert_eq!(ok.sampling_for(1).logit_bias, ok.sampling.logit_bias);
+    for body in [
+        r#"{"prompt": "a", "logit_bias": null}"#,
+        r#"{"prompt": "a", "logit_bias": {}}"#,
+    ] {
+        assert!(generation(body).unwrap().sampling.logit_bias.is_empty());
+    }
+    for (bias, says) in [
+        (r#"{"5": 101}"#, "101"),
+        (r#"{"5": -1e300}"#, "inf"),
+        (r#"{"abc": 1}"#, r#""abc""#),
+        (r#"{"-1": 1}"#, r#""-1""#),
+        (r#"{"+1": 1}"#, r#""+1""#),
+        (r#"{"4294967296": 1}"#, "4294967296"),
+        (r#"{"5": 1, "05": 2}"#, "twice"),
+        (r#"{"5": "ten"}"#, "ten"),
+        ("[1, 2]", "logit_bias"),
+    ] {
+        let err = generation(&format!(r#"{{"prompt": "a", "logit_bias": {bias}}}"#)).unwrap_err();
+        assert!(
+            err.param
+                .as_deref()
+                .is_some_and(|p| p.starts_with("logit_bias")),
+            "{bias}: {err:?}"
+        );
+        assert!(err.message.contains(says), "{bias}: {}", err.message);
+    }
+    let entries = |n: usize| {
+        (0..n)
+            .map(|i| format!(r#""{i}": 1"#))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let most = format!(
+        r#"{{"prompt": "a", "logit_bias": {{{}}}}}"#,
+        entries(MAX_LOGIT_BIAS_TOKENS)
+    );
+    assert_eq!(
+        generation(&most).unwrap().sampling.logit_bias.len(),
+        MAX_LOGIT_BIAS_TOKENS
+    );
+    let huge = format!(
+        r#"{{"prompt": "a", "logit_bias": {{{}}}}}"#,
+        entries(200_000)
+    );
+    let (result, peak) = peak_of(|| generation(&huge));
+    let err = result.unwrap_err();
+    assert_eq!(err.param.as_deref(), Some("logit_bias"));
+    assert!(err.message.contains("more than 1024"), "{}", err.message);
+    assert!(
+        peak < 256 << 10,
+        "{peak} bytes to refuse {} bytes",
+        huge.len()
+    );
+    // Beam search takes no bias.
+    let err = generation(r#"{"prompt": "a", "num_beams": 2, "logit_bias": {"5": 1}}"#).unwrap_err();
+    assert_eq!(err.param.as_deref(), Some("logit_bias"));
 }

@@ -7,10 +7,12 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::job::{Endpoint, Job};
 use crate::api::response::{
-    ChatChoice, ChatLogprobs, ChatMessage, CompletionBody, TextChoice, TextLogprobs, Usage,
-    finish_reason,
+    ChatChoice, ChatLogprobs, ChatMessage, CompletionBody, FunctionCallBody, TextChoice,
+    TextLogprobs, ToolCallBody, Usage, chat_finish_reason, finish_reason,
 };
 use crate::error::ApiError;
+use crate::reasoning;
+use crate::tools::{self, Parsed, ParsedCall};
 use crate::worker::Update;
 
 /// What one choice has produced so far.
@@ -81,15 +83,36 @@ pub(super) fn body(job: &Job, choices: &[ChoiceState]) -> Result<Vec<u8>, ApiErr
     let logprobs = job.generation.logprobs;
     match job.endpoint {
         Endpoint::Chat => {
-            let choices = choices.iter().enumerate().map(|(index, c)| ChatChoice {
-                index,
-                message: ChatMessage {
-                    role: "assistant",
-                    content: &c.text,
-                },
-                logprobs: logprobs.map(|_| ChatLogprobs::new(codec, &c.logprobs)),
-                finish_reason: c.finish.map(finish_reason),
-            });
+            // Reasoning first (its text may look like calls), then the calls in the answer.
+            let split: Vec<(Option<String>, Option<String>)> = choices
+                .iter()
+                .map(|c| match job.thinking {
+                    Some(starts_thinking) => reasoning::split(&c.text, starts_thinking),
+                    None => (None, Some(c.text.clone())),
+                })
+                .collect();
+            let parsed: Vec<Parsed> = split
+                .iter()
+                .map(|(_, answer)| match answer {
+                    Some(answer) => tools::parse(&job.tools, answer),
+                    None => Parsed::default(),
+                })
+                .collect();
+            let choices = choices
+                .iter()
+                .zip(parsed.iter().zip(&split))
+                .enumerate()
+                .map(|(index, (c, (p, (thought, _))))| ChatChoice {
+                    index,
+                    message: ChatMessage {
+                        role: "assistant",
+                        content: p.content.as_deref(),
+                        reasoning_content: thought.as_deref(),
+                        tool_calls: (!p.calls.is_empty()).then(|| tool_calls(job, index, &p.calls)),
+                    },
+                    logprobs: logprobs.map(|_| ChatLogprobs::new(codec, &c.logprobs)),
+                    finish_reason: c.finish.map(|f| chat_finish_reason(f, p.calls.len())),
+                });
             super::json_bytes(&answer(job, choices.collect(), usage))
         }
         Endpoint::Completions => {
@@ -102,6 +125,22 @@ pub(super) fn body(job: &Job, choices: &[ChoiceState]) -> Result<Vec<u8>, ApiErr
             super::json_bytes(&answer(job, choices.collect(), usage))
         }
     }
+}
+
+/// Choice `choice`'s calls as the body writes them, each with its id.
+fn tool_calls(job: &Job, choice: usize, calls: &[ParsedCall]) -> Vec<ToolCallBody> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(k, call)| ToolCallBody {
+            id: tools::call_id(job.tools.format, &job.id, choice, k),
+            kind: "function",
+            function: FunctionCallBody {
+                name: call.name.clone(),
+                arguments: call.arguments.clone(),
+            },
+        })
+        .collect()
 }
 
 /// A whole answer with `choices`.

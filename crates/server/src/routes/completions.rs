@@ -13,6 +13,9 @@ use super::job::{Endpoint, Job, submit};
 use super::{AppState, Arrived, JsonBody, Loaded, Ready, blocking, collect, stream};
 use crate::api::{self, ChatRequest, CompletionRequest, PromptInput};
 use crate::error::ApiError;
+use crate::reasoning;
+use crate::tools::{self, ToolFormat, ToolRequest};
+use kiln_core::TokenId;
 
 /// What [`AppState::check_text_fits`] says a prompt must fit in.
 const KV_CACHE: &str = "the server's KV cache (or the model's context, if smaller)";
@@ -50,28 +53,62 @@ pub(super) async fn completions(
 }
 
 /// A chat's job: its messages through the chat template (a text too long to fit refused
-/// first).
+/// first), with the tools the request offers ([`tools::plan`]: the template's `tools`, the
+/// generic format's system text, a grammar when a call is forced, how the output is read).
 fn chat_job(
     state: &AppState,
     ready: Arc<Ready>,
     body: ChatRequest,
     arrived: Instant,
 ) -> Result<Job, ApiError> {
-    let generation = body.generation()?;
+    let mut generation = body.generation()?;
     let text_bytes = body.messages.iter().map(api::Message::text_bytes).sum();
     let limit = ready.sequence_tokens();
     state.check_text_fits(&ready, text_bytes, limit, "messages", KV_CACHE)?;
-    let prompt = ready
-        .codec
-        .chat_prompt(&body.messages, &body.template_variables()?)?;
-    Job::new(
+    if body.messages.is_empty() {
+        return Err(ApiError::invalid_field("messages", "messages is empty"));
+    }
+    let tool_request = ToolRequest::new(
+        body.tools.as_deref(),
+        body.tool_choice.as_deref(),
+        body.parallel_tool_calls,
+    )?;
+    let mut variables = body.template_variables()?;
+    let plan = tools::plan(
+        tool_request.as_ref(),
+        ready.tool_format,
+        &mut variables,
+        &mut generation.constraint,
+    )?;
+    let generic_text = match (&tool_request, plan.format) {
+        (Some(request), Some(ToolFormat::Generic)) => Some(tools::generic_system_text(request)),
+        _ => None,
+    };
+    let turns = tools::conversation(&body.messages, generic_text.as_deref())?;
+    let prompt = ready.codec.chat_prompt_turns(&turns, &variables)?;
+    let mut job = Job::new(
         state,
         ready,
         Endpoint::Chat,
         vec![prompt],
         generation,
         arrived,
-    )
+    )?;
+    job.tools = plan;
+    if job.ready.splits_reasoning {
+        job.thinking = Some(prompt_opens_thinking(&job.ready.codec, &job.prompts[0]));
+    }
+    Ok(job)
+}
+
+/// Whether a chat prompt leaves the model inside `<think>` (DeepSeek-R1 distills' and QwQ's
+/// templates open it): read from the prompt's last tokens, where the generation prompt is.
+fn prompt_opens_thinking(codec: &crate::Codec, prompt: &[TokenId]) -> bool {
+    const TAIL_TOKENS: usize = 16;
+    let tail = &prompt[prompt.len().saturating_sub(TAIL_TOKENS)..];
+    codec
+        .decode_all(tail)
+        .is_ok_and(|text| reasoning::prompt_opens_thinking(&text))
 }
 
 /// A completions request's job: its prompts tokenized (texts too long to fit refused first).

@@ -14,6 +14,7 @@ use super::{AppState, Ready, unix_time};
 use crate::api::Generation;
 use crate::api::response::Usage;
 use crate::error::ApiError;
+use crate::tools::ToolPlan;
 use crate::worker::{Command, Submission, Update};
 
 /// Which endpoint a job answers, for the shape of its bodies.
@@ -59,6 +60,11 @@ pub(super) struct Job {
     pub prompts: Vec<Vec<TokenId>>,
     pub generation: Generation,
     pub arrived: Instant,
+    /// How a chat's output is read for tool calls (off: all text is content).
+    pub tools: ToolPlan,
+    /// For a chat whose reasoning is split ([`crate::reasoning`]): whether its output starts
+    /// inside `<think>` (the prompt opened it). `None`: no split.
+    pub thinking: Option<bool>,
     /// The engine requests, one per choice (a beam search: one per prompt); taken when
     /// submitted.
     requests: Vec<Request>,
@@ -86,6 +92,8 @@ impl Job {
             prompts,
             generation,
             arrived,
+            tools: ToolPlan::off(),
+            thinking: None,
             requests: Vec::new(),
         };
         job.requests = job.requests()?;
@@ -167,6 +175,10 @@ impl Job {
                 )
             }
         };
+        // The vocabulary is known here, not where the body was validated.
+        g.sampling
+            .check_vocab(ready.shape.vocab)
+            .map_err(|e| ApiError::invalid_field("logit_bias", e.to_string()))?;
         let limit = ready.sequence_tokens();
         let param = self.endpoint.prompt_field();
         let mut requests = Vec::with_capacity(self.choices());

@@ -5,7 +5,7 @@
 //! ([`crate::api::response`]).
 //!
 //! One file per endpoint family: [`completions`] (chat and completions, with [`job`]),
-//! [`models`], [`tokenize`] (and detokenize), [`health`] (and metrics). What every request
+//! [`models`], [`embeddings`], [`tokenize`] (and detokenize), [`health`] (and metrics). What every request
 //! passes through on its way in (the browser guard, the API key, CORS) is [`middleware`].
 //!
 //! The handlers speak in requests and tokens: what a request may generate in the cache is the
@@ -13,6 +13,7 @@
 
 mod collect;
 mod completions;
+mod embeddings;
 mod health;
 mod job;
 mod middleware;
@@ -77,6 +78,15 @@ pub(crate) struct Ready {
     /// Compiles structured-output constraints (`None`: the model names no end-of-sequence
     /// token, so none can be enforced).
     pub grammars: Option<GrammarCompiler>,
+    /// The width of the model's hidden states (`None`: it gives none, so no embeddings).
+    pub hidden_size: Option<usize>,
+    /// How `/v1/embeddings` pools an input's states into one vector.
+    pub pooling: kiln_engine::Pooling,
+    /// How this model's tool calls are written and read (`None`: tool calling off).
+    pub tool_format: Option<crate::tools::ToolFormat>,
+    /// Whether chat answers are split into `reasoning_content` and `content`
+    /// ([`crate::reasoning`]).
+    pub splits_reasoning: bool,
 }
 
 impl Ready {
@@ -205,6 +215,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(completions::chat_completions))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(models::models))
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route_layer(axum::middleware::from_fn_with_state(

@@ -15,10 +15,12 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::job::{Endpoint, Job};
 use crate::api::response::{
-    ChatChunkChoice, ChatLogprob, ChatLogprobs, CompletionBody, Delta, TextChoice, TextLogprobs,
-    finish_reason,
+    ChatChunkChoice, ChatLogprob, ChatLogprobs, CompletionBody, Delta, FunctionDelta, TextChoice,
+    TextLogprobs, ToolCallDelta, chat_finish_reason, finish_reason,
 };
 use crate::error::ApiError;
+use crate::reasoning::ReasoningSplitter;
+use crate::tools::{self, Parsed, StreamSplitter};
 use crate::worker::Update;
 
 /// The events of `job`'s answer, as `updates` bring them.
@@ -26,7 +28,21 @@ pub(super) fn stream(
     job: Job,
     updates: UnboundedReceiver<Update>,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
+    let splitters = match job.tools.format {
+        Some(_) => (0..job.choices())
+            .map(|_| Some(StreamSplitter::new(&job.tools)))
+            .collect(),
+        None => Vec::new(),
+    };
+    let reasoners = match job.thinking {
+        Some(starts_thinking) => (0..job.choices())
+            .map(|_| ReasoningSplitter::new(starts_thinking))
+            .collect(),
+        None => Vec::new(),
+    };
     let streamer = Streamer {
+        splitters,
+        reasoners,
         open: job.choices(),
         completion_tokens: 0,
         cached_tokens: vec![0; job.choices()],
@@ -59,7 +75,16 @@ struct Streamer {
     text_offsets: HashMap<usize, usize>,
     started: bool,
     done: bool,
+    /// Per chat choice, when the request offers tools: what of its text is content now and
+    /// what is held for the calls.
+    splitters: Vec<Option<StreamSplitter>>,
+    /// Per chat choice, when the model's reasoning is split: what of its text is reasoning
+    /// (empty when not split).
+    reasoners: Vec<ReasoningSplitter>,
 }
+
+/// Bytes of a call's arguments per chunk: they stream in pieces, as OpenAI streams them.
+const ARGUMENT_PIECE_BYTES: usize = 24;
 
 /// One data event of `value`'s JSON.
 fn data<T: Serialize>(value: &T) -> SseEvent {
@@ -99,23 +124,40 @@ impl Streamer {
         index: usize,
         text: &str,
         logprobs: Option<(TokenId, &TokenLogprobs)>,
-    ) -> SseEvent {
+    ) -> Option<SseEvent> {
         let codec = &self.job.ready.codec;
         match self.job.endpoint {
             Endpoint::Chat => {
+                // A thinking model's reasoning first, then (with tools) only the answer's
+                // text that is surely content goes out now.
+                let (thought, answer) = match self.reasoners.get_mut(index) {
+                    Some(reasoner) => {
+                        let split = reasoner.push(text);
+                        (split.reasoning, split.content)
+                    }
+                    None => (String::new(), text.to_string()),
+                };
+                let content = match self.splitters.get_mut(index).and_then(Option::as_mut) {
+                    Some(splitter) => splitter.push(&answer),
+                    None => answer,
+                };
+                if content.is_empty() && thought.is_empty() && logprobs.is_none() {
+                    return None;
+                }
                 let logprobs = logprobs.map(|(t, lp)| ChatLogprobs {
                     content: vec![ChatLogprob::with_alternatives(codec, t, lp)],
                     refusal: None,
                 });
-                self.chunk(ChatChunkChoice {
+                Some(self.chunk(ChatChunkChoice {
                     index,
                     delta: Delta {
-                        role: None,
-                        content: Some(text),
+                        content: (!content.is_empty() || thought.is_empty()).then_some(&content),
+                        reasoning_content: (!thought.is_empty()).then_some(&thought),
+                        ..Delta::default()
                     },
                     logprobs,
                     finish_reason: None,
-                })
+                }))
             }
             Endpoint::Completions => {
                 let offset = self.text_offsets.entry(index).or_insert(0);
@@ -128,14 +170,68 @@ impl Streamer {
                     )
                 });
                 *offset += text.len();
-                self.chunk(TextChoice {
+                Some(self.chunk(TextChoice {
                     index,
                     text,
                     logprobs,
                     finish_reason: None,
-                })
+                }))
             }
         }
+    }
+
+    /// What a chat choice held back, sent when it ends: the rest of its content, then each
+    /// call (its id, type and name first, then its arguments in pieces).
+    fn held_events(&self, index: usize, held: Parsed) -> Vec<SseEvent> {
+        let mut events = Vec::new();
+        let delta_chunk = |delta: Delta<'_>| {
+            self.chunk(ChatChunkChoice {
+                index,
+                delta,
+                logprobs: None,
+                finish_reason: None,
+            })
+        };
+        if let Some(content) = held.content.as_deref().filter(|c| !c.is_empty()) {
+            events.push(delta_chunk(Delta {
+                content: Some(content),
+                ..Delta::default()
+            }));
+        }
+        for (k, call) in held.calls.iter().enumerate() {
+            events.push(delta_chunk(Delta {
+                tool_calls: Some(vec![ToolCallDelta {
+                    index: k,
+                    id: Some(tools::call_id(
+                        self.job.tools.format,
+                        &self.job.id,
+                        index,
+                        k,
+                    )),
+                    kind: Some("function"),
+                    function: FunctionDelta {
+                        name: Some(call.name.clone()),
+                        arguments: Some(String::new()),
+                    },
+                }]),
+                ..Delta::default()
+            }));
+            for piece in pieces(&call.arguments, ARGUMENT_PIECE_BYTES) {
+                events.push(delta_chunk(Delta {
+                    tool_calls: Some(vec![ToolCallDelta {
+                        index: k,
+                        id: None,
+                        kind: None,
+                        function: FunctionDelta {
+                            name: None,
+                            arguments: Some(piece.to_string()),
+                        },
+                    }]),
+                    ..Delta::default()
+                }));
+            }
+        }
+        events
     }
 
     /// The events for the next update (the role chunks first, for chat).
@@ -150,6 +246,8 @@ impl Streamer {
                         delta: Delta {
                             role: Some("assistant"),
                             content: Some(""),
+                            reasoning_content: None,
+                            tool_calls: None,
                         },
                         logprobs: None,
                         finish_reason: None,
@@ -182,7 +280,7 @@ impl Streamer {
                 logprobs,
             }) => {
                 if !text.is_empty() || logprobs.is_some() {
-                    events.push(self.text_chunk(
+                    events.extend(self.text_chunk(
                         choice,
                         &text,
                         logprobs.as_ref().map(|lp| (token, lp)),
@@ -191,14 +289,51 @@ impl Streamer {
             }
             Some(Update::Text { choice, text }) => {
                 if !text.is_empty() {
-                    events.push(self.text_chunk(choice, &text, None));
+                    events.extend(self.text_chunk(choice, &text, None));
                 }
             }
             Some(Update::Finished { choice, completion }) => {
                 self.open -= 1;
                 self.completion_tokens += completion.tokens.len();
                 self.cached_tokens[choice] = completion.cached_tokens;
-                let reason = Some(finish_reason(completion.finish_reason));
+                // What the reasoning splitter held back goes out as the text it turned out
+                // to be (through the tools' splitter, for the answer's part).
+                if let Some(tail) = self
+                    .reasoners
+                    .get_mut(choice)
+                    .map(ReasoningSplitter::finish)
+                    && tail.has_text()
+                {
+                    let answer = match self.splitters.get_mut(choice).and_then(Option::as_mut) {
+                        Some(splitter) => splitter.push(&tail.content),
+                        None => tail.content,
+                    };
+                    if !answer.is_empty() || !tail.reasoning.is_empty() {
+                        events.push(self.chunk(ChatChunkChoice {
+                            index: choice,
+                            delta: Delta {
+                                content: (!answer.is_empty()).then_some(&answer),
+                                reasoning_content:
+                                    (!tail.reasoning.is_empty()).then_some(&tail.reasoning),
+                                ..Delta::default()
+                            },
+                            logprobs: None,
+                            finish_reason: None,
+                        }));
+                    }
+                }
+                let held = self
+                    .splitters
+                    .get_mut(choice)
+                    .and_then(Option::take)
+                    .map(StreamSplitter::finish)
+                    .unwrap_or_default();
+                let calls = held.calls.len();
+                events.extend(self.held_events(choice, held));
+                let reason = Some(match self.job.endpoint {
+                    Endpoint::Chat => chat_finish_reason(completion.finish_reason, calls),
+                    Endpoint::Completions => finish_reason(completion.finish_reason),
+                });
                 events.push(match self.job.endpoint {
                     Endpoint::Chat => self.chunk(ChatChunkChoice {
                         index: choice,
@@ -228,4 +363,19 @@ impl Streamer {
         }
         events
     }
+}
+
+/// `text` in pieces of about `bytes` bytes, cut at character boundaries.
+fn pieces(text: &str, bytes: usize) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while !rest.is_empty() {
+        let mut cut = bytes.min(rest.len());
+        while !rest.is_char_boundary(cut) {
+            cut += 1;
+        }
+        out.push(&rest[..cut]);
+        rest = &rest[cut..];
+    }
+    out
 }
