@@ -99,6 +99,19 @@ impl ApiError {
         }
     }
 
+    /// 503: more embedding jobs are waiting than `--max-queue` allows.
+    pub fn embedding_queue_full(max_queue: usize) -> Self {
+        Self {
+            code: Some("queue_full"),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "the server is busy: {max_queue} embedding requests (--max-queue) are waiting; retry later"
+                ),
+            )
+        }
+    }
+
     /// 503: the server is stopping and takes no new work.
     pub fn shutting_down() -> Self {
         Self {

@@ -4,7 +4,7 @@
 //! `dimensions` and normalised again where asked.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::extract::State;
 use axum::response::Response;
@@ -35,6 +35,7 @@ pub(super) async fn embeddings(
     if state.shutting_down.load(Ordering::SeqCst) {
         return Err(ApiError::shutting_down());
     }
+    let _place = QueuePlace::take(&state.embeddings_waiting, state.options.max_queue)?;
     let tokens: usize = inputs.iter().map(Vec::len).sum();
     let tag = state.response_id("embd");
     let (reply, answer) = tokio::sync::oneshot::channel();
@@ -169,9 +170,36 @@ fn base64_f32(values: &[f32]) -> String {
     out
 }
 
+/// A place in the engine thread's embedding queue, given back when the request is answered
+/// or its client goes away (the worker drops a job whose reply channel has closed).
+#[derive(Debug)]
+struct QueuePlace<'a>(&'a AtomicUsize);
+
+impl<'a> QueuePlace<'a> {
+    /// One of the `limit` places of `waiting`.
+    ///
+    /// # Errors
+    /// 503 `queue_full` when all are taken.
+    fn take(waiting: &'a AtomicUsize, limit: usize) -> Result<Self, ApiError> {
+        if waiting.fetch_add(1, Ordering::SeqCst) >= limit.max(1) {
+            waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(ApiError::embedding_queue_full(limit));
+        }
+        Ok(Self(waiting))
+    }
+}
+
+impl Drop for QueuePlace<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::base64_f32;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::{QueuePlace, base64_f32};
 
     #[test]
     fn base64_is_the_little_endian_bytes() {
@@ -180,5 +208,19 @@ mod tests {
         assert_eq!(base64_f32(&[1.0, -2.5]), "AACAPwAAIMA=");
         assert_eq!(base64_f32(&[1.0, -2.5, 0.0]), "AACAPwAAIMAAAAAA");
         assert_eq!(base64_f32(&[]), "");
+    }
+
+    #[test]
+    fn the_queue_gives_its_places_back() {
+        let waiting = AtomicUsize::new(0);
+        let first = QueuePlace::take(&waiting, 2).unwrap();
+        let second = QueuePlace::take(&waiting, 2).unwrap();
+        let refused = QueuePlace::take(&waiting, 2).unwrap_err();
+        assert_eq!(refused.status.as_u16(), 503);
+        assert_eq!(waiting.load(Ordering::SeqCst), 2);
+        drop(first);
+        assert!(QueuePlace::take(&waiting, 2).is_ok());
+        drop(second);
+        assert_eq!(waiting.load(Ordering::SeqCst), 0);
     }
 }

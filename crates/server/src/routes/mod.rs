@@ -51,6 +51,9 @@ pub(crate) struct AppState {
     pub commands: Sender<Command>,
     pub metrics: Arc<Metrics>,
     pub in_flight: Arc<AtomicUsize>,
+    /// Embedding requests handed to the engine thread and not answered yet (at most
+    /// `--max-queue`).
+    pub embeddings_waiting: AtomicUsize,
     pub shutting_down: AtomicBool,
     next_id: AtomicU64,
     id_prefix: u64,
@@ -109,6 +112,7 @@ impl AppState {
             commands,
             metrics,
             in_flight,
+            embeddings_waiting: AtomicUsize::new(0),
             shutting_down: AtomicBool::new(false),
             next_id: AtomicU64::new(0),
             id_prefix: unix_time_nanos(),
