@@ -4,6 +4,7 @@ The binary is $KILN_BIN (default: target/release/kiln of this checkout); the mod
 embedded default (SmolLM2-135M-Instruct), fetched into kiln's cache on first use.
 """
 
+import json
 import os
 import pathlib
 import re
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -108,6 +110,33 @@ class KilnServer:
             return self.proc.wait()
 
 
+def post(server, path, body, headers=None, timeout=120):
+    """(status, parsed JSON body) of a POST of `body` (bytes, or a value sent as JSON)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(server.url + path, data=data, method="POST")
+    request.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        request.add_header(k, v)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def sdk_client(server, strict=True):
+    """The official SDK's client for `server` (with the suite's key), validating strictly."""
+    from openai import OpenAI
+
+    return OpenAI(
+        base_url=server.url + "/v1",
+        api_key=API_KEY,
+        max_retries=0,
+        timeout=120,
+        _strict_response_validation=strict,
+    )
+
+
 @pytest.fixture(scope="session")
 def server():
     """The shared server: an API key, CORS on, a 1 MB body limit."""
@@ -119,15 +148,7 @@ def server():
 
 @pytest.fixture(scope="session")
 def client(server):
-    from openai import OpenAI
-
-    return OpenAI(
-        base_url=server.url + "/v1",
-        api_key=API_KEY,
-        max_retries=0,
-        timeout=120,
-        _strict_response_validation=True,
-    )
+    return sdk_client(server)
 
 
 @pytest.fixture(scope="session")

@@ -9,31 +9,21 @@ naming the field, and generation running beside embeddings.
 
 import base64
 import concurrent.futures
-import json
 import math
 import struct
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 
 from conftest import API_KEY
+from conftest import post as post_json
 
 D_MODEL = 576  # SmolLM2-135M's hidden size
 AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 
 
 def post(server, path, body):
-    """(status, parsed JSON) of a plain POST."""
-    request = urllib.request.Request(
-        server.url + path, data=json.dumps(body).encode(), method="POST", headers=AUTH
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(server, path, body, headers=AUTH)
 
 
 def tokens(server, text):

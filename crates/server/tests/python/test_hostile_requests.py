@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from conftest import KilnServer
+from conftest import KilnServer, post
 
 # A victim's latency under attack may be this many times its latency alone (the issue's bar),
 # with this much added for the scheduler's granularity (one step of the batch it joins).
@@ -31,20 +31,6 @@ def server():
     s = KilnServer("--max-batch", "8")
     yield s
     assert s.stop() == 0, "".join(s.log)
-
-
-def post(server, path, body, headers=None, timeout=120):
-    """(status, parsed JSON body) of a POST."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(server.url + path, data=data, method="POST")
-    request.add_header("Content-Type", "application/json")
-    for k, v in (headers or {}).items():
-        request.add_header(k, v)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def victim(server):

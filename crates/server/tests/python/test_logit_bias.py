@@ -6,14 +6,12 @@ expected outputs come from the unbiased runs: a forced token repeats; with the g
 banned, the greedy pick becomes the unbiased run's second most likely token.
 """
 
-import json
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 
 from conftest import API_KEY
+from conftest import post as post_json
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "The capital of France is"
@@ -21,17 +19,7 @@ QUESTION = "What is the capital of France?"
 
 
 def post(server, path, body):
-    request = urllib.request.Request(
-        server.url + path, data=json.dumps(body).encode(), method="POST"
-    )
-    request.add_header("Content-Type", "application/json")
-    for k, v in AUTH.items():
-        request.add_header(k, v)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(server, path, body, headers=AUTH)
 
 
 def token_id(server, text):

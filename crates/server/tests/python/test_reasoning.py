@@ -10,9 +10,8 @@ whitespace dropped) is the answer.
 import re
 
 import pytest
-from openai import OpenAI
 
-from conftest import API_KEY, KilnServer
+from conftest import API_KEY, KilnServer, sdk_client
 
 THINKING = r"<think>\n[a-z]{2,8}( [a-z]{2,8}){1,5}\n</think>\n\n[A-Z][a-z]{2,8}( [a-z]{2,8}){1,4}\."
 SHAPE = re.compile(r"<think>\n(?P<reasoning>[^\n]*)\n</think>\n\n(?P<answer>.*)", re.S)
@@ -26,16 +25,6 @@ def servers():
     yield separate, plain
     separate.stop()
     plain.stop()
-
-
-def client_of(server, strict=True):
-    return OpenAI(
-        base_url=server.url + "/v1",
-        api_key=API_KEY,
-        max_retries=0,
-        timeout=120,
-        _strict_response_validation=strict,
-    )
 
 
 def ask(client, **kwargs):
@@ -52,12 +41,12 @@ def ask(client, **kwargs):
 def test_reasoning_is_split_from_the_answer(servers, seed):
     separate, plain = servers
     sampling = {"temperature": 1.0, "seed": seed} if seed is not None else {"temperature": 0}
-    whole = ask(client_of(plain), **sampling).choices[0].message
+    whole = ask(sdk_client(plain), **sampling).choices[0].message
     # Without the split the tags stay in the content, and no reasoning field is sent.
     m = SHAPE.fullmatch(whole.content)
     assert m, whole.content
     assert getattr(whole, "reasoning_content", None) is None
-    split = ask(client_of(separate), **sampling).choices[0]
+    split = ask(sdk_client(separate), **sampling).choices[0]
     assert split.finish_reason == "stop"
     assert split.message.reasoning_content == m["reasoning"].strip()
     assert split.message.content == m["answer"]
@@ -65,9 +54,9 @@ def test_reasoning_is_split_from_the_answer(servers, seed):
 
 def test_streamed_reasoning_arrives_in_its_own_deltas(servers):
     separate, _ = servers
-    whole = ask(client_of(separate), temperature=0).choices[0].message
+    whole = ask(sdk_client(separate), temperature=0).choices[0].message
     reasoning, content = "", ""
-    for chunk in ask(client_of(separate, strict=False), temperature=0, stream=True):
+    for chunk in ask(sdk_client(separate, strict=False), temperature=0, stream=True):
         for choice in chunk.choices:
             delta = choice.delta
             reasoning += getattr(delta, "reasoning_content", None) or ""
@@ -81,7 +70,7 @@ def test_streamed_reasoning_arrives_in_its_own_deltas(servers):
 
 def test_an_answer_cut_inside_its_reasoning_has_no_content(servers):
     separate, _ = servers
-    choice = client_of(separate).chat.completions.create(
+    choice = sdk_client(separate).chat.completions.create(
         model="default",
         messages=MESSAGES,
         max_tokens=14,
