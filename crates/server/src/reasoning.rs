@@ -91,12 +91,6 @@ pub struct Split {
     pub content: String,
 }
 
-impl Split {
-    fn is_empty(&self) -> bool {
-        self.reasoning.is_empty() && self.content.is_empty()
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     /// Nothing but whitespace yet: the output may still open with `<think>`.
@@ -250,11 +244,6 @@ impl Split {
         self.reasoning.push_str(&other.reasoning);
         self.content.push_str(&other.content);
         self
-    }
-
-    /// Whether there is anything to send.
-    pub fn has_text(&self) -> bool {
-        !self.is_empty()
     }
 }
 

@@ -19,7 +19,7 @@ use crate::api::response::{
     TextLogprobs, ToolCallDelta, chat_finish_reason, finish_reason,
 };
 use crate::error::ApiError;
-use crate::reasoning::ReasoningSplitter;
+use crate::reasoning::{ReasoningSplitter, Split};
 use crate::tools::{self, Parsed, StreamSplitter};
 use crate::worker::Update;
 
@@ -128,36 +128,15 @@ impl Streamer {
         let codec = &self.job.ready.codec;
         match self.job.endpoint {
             Endpoint::Chat => {
-                // A thinking model's reasoning first, then (with tools) only the answer's
-                // text that is surely content goes out now.
-                let (thought, answer) = match self.reasoners.get_mut(index) {
-                    Some(reasoner) => {
-                        let split = reasoner.push(text);
-                        (split.reasoning, split.content)
-                    }
-                    None => (String::new(), text.to_string()),
-                };
-                let content = match self.splitters.get_mut(index).and_then(Option::as_mut) {
-                    Some(splitter) => splitter.push(&answer),
-                    None => answer,
-                };
-                if content.is_empty() && thought.is_empty() && logprobs.is_none() {
-                    return None;
-                }
-                let logprobs = logprobs.map(|(t, lp)| ChatLogprobs {
-                    content: vec![ChatLogprob::with_alternatives(codec, t, lp)],
-                    refusal: None,
-                });
-                Some(self.chunk(ChatChunkChoice {
-                    index,
-                    delta: Delta {
-                        content: (!content.is_empty() || thought.is_empty()).then_some(&content),
-                        reasoning_content: (!thought.is_empty()).then_some(&thought),
-                        ..Delta::default()
+                // A thinking model's reasoning first; the answer's part goes on to `chat_piece`.
+                let split = match self.reasoners.get_mut(index) {
+                    Some(reasoner) => reasoner.push(text),
+                    None => Split {
+                        reasoning: String::new(),
+                        content: text.to_string(),
                     },
-                    logprobs,
-                    finish_reason: None,
-                }))
+                };
+                self.chat_piece(index, split, logprobs)
             }
             Endpoint::Completions => {
                 let offset = self.text_offsets.entry(index).or_insert(0);
@@ -178,6 +157,40 @@ impl Streamer {
                 }))
             }
         }
+    }
+
+    /// A chat choice's next reasoning and answer text (and a token's log-probabilities) as one
+    /// chunk: with tools, only the answer's text that is surely content goes out now. `None`
+    /// when there is nothing to send.
+    fn chat_piece(
+        &mut self,
+        index: usize,
+        split: Split,
+        logprobs: Option<(TokenId, &TokenLogprobs)>,
+    ) -> Option<SseEvent> {
+        let thought = split.reasoning;
+        let content = match self.splitters.get_mut(index).and_then(Option::as_mut) {
+            Some(splitter) => splitter.push(&split.content),
+            None => split.content,
+        };
+        if content.is_empty() && thought.is_empty() && logprobs.is_none() {
+            return None;
+        }
+        let codec = &self.job.ready.codec;
+        let logprobs = logprobs.map(|(t, lp)| ChatLogprobs {
+            content: vec![ChatLogprob::with_alternatives(codec, t, lp)],
+            refusal: None,
+        });
+        Some(self.chunk(ChatChunkChoice {
+            index,
+            delta: Delta {
+                content: (!content.is_empty() || thought.is_empty()).then_some(&content),
+                reasoning_content: (!thought.is_empty()).then_some(&thought),
+                ..Delta::default()
+            },
+            logprobs,
+            finish_reason: None,
+        }))
     }
 
     /// What a chat choice held back, sent when it ends: the rest of its content, then each
@@ -297,30 +310,13 @@ impl Streamer {
                 self.completion_tokens += completion.tokens.len();
                 self.cached_tokens[choice] = completion.cached_tokens;
                 // What the reasoning splitter held back goes out as the text it turned out
-                // to be (through the tools' splitter, for the answer's part).
+                // to be.
                 if let Some(tail) = self
                     .reasoners
                     .get_mut(choice)
                     .map(ReasoningSplitter::finish)
-                    && tail.has_text()
                 {
-                    let answer = match self.splitters.get_mut(choice).and_then(Option::as_mut) {
-                        Some(splitter) => splitter.push(&tail.content),
-                        None => tail.content,
-                    };
-                    if !answer.is_empty() || !tail.reasoning.is_empty() {
-                        events.push(self.chunk(ChatChunkChoice {
-                            index: choice,
-                            delta: Delta {
-                                content: (!answer.is_empty()).then_some(&answer),
-                                reasoning_content:
-                                    (!tail.reasoning.is_empty()).then_some(&tail.reasoning),
-                                ..Delta::default()
-                            },
-                            logprobs: None,
-                            finish_reason: None,
-                        }));
-                    }
+                    events.extend(self.chat_piece(choice, tail, None));
                 }
                 let held = self
                     .splitters
