@@ -15,6 +15,14 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// The stderr of `kiln args`, which must exit with code 2 (a usage error).
+fn usage_error(args: &[&str]) -> String {
+    let out = kiln(args);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+    stderr
+}
+
 #[test]
 fn backends_lists_every_kind_and_cpu_is_available() {
     let out = kiln(&["backends"]);
@@ -91,9 +99,7 @@ fn threads_are_one_count_from_the_flag_or_the_environment_and_zero_is_refused() 
     let _ = std::fs::remove_dir_all(&dir);
 
     for command in ["backends", "selftest", "generate", "chat", "serve", "bench"] {
-        let out = kiln(&[command, "--threads", "0"]);
-        let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{command}: {stderr}");
+        let stderr = usage_error(&[command, "--threads", "0"]);
         assert!(stderr.contains("'--threads <N>'"), "{command}: {stderr}");
     }
 }
@@ -144,9 +150,8 @@ fn cuda_passes_its_selftest_or_is_a_one_line_error_with_exit_code_2() {
 
 #[test]
 fn an_unknown_backend_is_a_usage_error() {
-    let out = kiln(&["selftest", "--backend", "tpu"]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(text(&out.stderr).contains("unknown backend `tpu`"));
+    let stderr = usage_error(&["selftest", "--backend", "tpu"]);
+    assert!(stderr.contains("unknown backend `tpu`"));
 }
 
 fn fixture(name: &str) -> String {
@@ -447,9 +452,7 @@ fn structured_output_flags_constrain_and_refuse_bad_input() {
         vec!["generate", "x", "--json-schema", not_json.to_str().unwrap()],
         vec!["generate", "x", "--json-schema", "/nonexistent/schema.json"],
     ] {
-        let out = kiln(&args);
-        let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        let stderr = usage_error(&args);
         assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
     }
     // Flags that exclude each other: clap's usage error.
@@ -457,9 +460,7 @@ fn structured_output_flags_constrain_and_refuse_bad_input() {
         vec!["chat", "x", "--json-object", "--regex", "a"],
         vec!["generate", "x", "--json-object", "--num-beams", "2"],
     ] {
-        let out = kiln(&args);
-        let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        let stderr = usage_error(&args);
         assert!(stderr.contains("cannot be used with"), "{args:?}: {stderr}");
     }
     let out = kiln(&["generate", "x", "--json-schema", not_json.to_str().unwrap()]);
@@ -949,9 +950,7 @@ fn sizes_that_cannot_be_allocated_are_usage_errors() {
         ),
     ];
     for (args, expected) in cases {
-        let out = kiln(args);
-        let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        let stderr = usage_error(args);
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
@@ -998,9 +997,7 @@ fn the_engine_flags_are_one_block_checked_alike_on_every_command() {
         ),
     ];
     for (args, expected) in cases {
-        let out = kiln(args);
-        let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        let stderr = usage_error(args);
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
 }
@@ -1043,9 +1040,7 @@ fn connection_limits_out_of_range_are_usage_errors() {
         ),
     ];
     for (args, expected) in cases {
-        let out = kiln(args);
-        let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        let stderr = usage_error(args);
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
 }
@@ -1119,9 +1114,7 @@ fn logit_bias_forces_and_bans_tokens_and_refuses_bad_values() {
         ("x=1", "ID=BIAS"),
         ("49152=1", "outside the vocabulary"),
     ] {
-        let out = kiln(&["generate", prompt, "-n", "2", "--logit-bias", bias]);
-        let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{bias}: {stderr}");
+        let stderr = usage_error(&["generate", prompt, "-n", "2", "--logit-bias", bias]);
         assert!(stderr.contains(says), "{bias}: {stderr}");
     }
 }
