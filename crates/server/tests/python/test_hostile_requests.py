@@ -132,8 +132,8 @@ def test_stop_strings_beyond_their_byte_budget_are_refused(server):
 
 def test_huge_texts_are_refused_before_tokenizing_and_others_do_not_wait(server):
     huge = "lorem ipsum dolor sit amet " * 300_000  # 8.1 MB
-    limit = server.rss_bytes()
     alone = victim_alone(server)
+    before = server.rss_bytes()
 
     # Encoded once: the client's own JSON work would otherwise take the cores the server's
     # victim needs (2 here), and measure the test rather than the server.
@@ -157,8 +157,11 @@ def test_huge_texts_are_refused_before_tokenizing_and_others_do_not_wait(server)
                 assert status == 400, body
                 assert "bytes of text" in body["error"]["message"], body
     assert_victim_holds(alone, statistics.median(times), "8 MB texts to tokenize")
-    # Refused before tokenizing: the server did not take 600 MB for 1.7 M tokens.
-    assert server.rss_bytes() - limit < 100 << 20
+    # Refused before tokenizing: the server did not take 600 MB for 1.7 M tokens. The bound
+    # leaves room for what the allocator keeps of the 8 MB bodies it freed (glibc raises its
+    # mmap threshold after a free, so later bodies come from, and stay in, per-thread arenas);
+    # a CI run grew 106 MB with every body refused.
+    assert server.rss_bytes() - before < 250 << 20
 
 
 def test_detokenize_is_capped_at_the_context(server):
