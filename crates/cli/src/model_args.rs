@@ -25,9 +25,10 @@ use crate::progress;
 pub struct ModelArgs {
     /// Model: a GGUF file, a Hugging Face folder (config.json + safetensors) or a Meta folder
     /// (params.json). Default: SmolLM2-135M-Instruct, fetched once into $KILN_HOME/models
-    /// (~/.cache/kiln/models).
-    #[arg(long, short, value_name = "PATH")]
-    pub model: Option<PathBuf>,
+    /// (~/.cache/kiln/models). `kiln serve` takes it more than once, each as ALIAS=PATH or
+    /// PATH (named by its file); `default` is the embedded default.
+    #[arg(long, short, value_name = "PATH", action = clap::ArgAction::Append)]
+    pub model: Vec<ModelChoice>,
     /// Backend: cuda, wgpu, cpu or ndarray.
     #[arg(long, short, value_name = "KIND", default_value = "cpu")]
     pub backend: BackendKind,
@@ -55,10 +56,82 @@ pub struct ModelArgs {
     pub context: Option<usize>,
 }
 
+/// One `--model`: a path, or `ALIAS=PATH` (the name `kiln serve` serves it under).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelChoice {
+    /// The name it is served under, when given.
+    pub alias: Option<String>,
+    /// Its file or folder.
+    pub path: PathBuf,
+}
+
+impl std::str::FromStr for ModelChoice {
+    type Err = std::convert::Infallible;
+
+    /// `ALIAS=PATH` when the text before the first `=` has no `/` and the whole text is not an
+    /// existing path (a file named `a=b.gguf` stays a path); else a path.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if !Path::new(text).exists()
+            && let Some((alias, path)) = text.split_once('=')
+            && !alias.is_empty()
+            && !alias.contains(['/', '\\'])
+        {
+            return Ok(Self {
+                alias: Some(alias.to_string()),
+                path: PathBuf::from(path),
+            });
+        }
+        Ok(Self {
+            alias: None,
+            path: PathBuf::from(text),
+        })
+    }
+}
+
+/// The name a model is served under by default: its file's name without the extension, or
+/// its folder's name.
+pub fn default_alias(path: &Path) -> String {
+    let stem = if path.is_dir() {
+        path.file_name()
+    } else {
+        path.file_stem()
+    };
+    stem.map_or_else(
+        || path.display().to_string(),
+        |s| s.to_string_lossy().into_owned(),
+    )
+}
+
 impl ModelArgs {
     /// The model's path: `--model`, or the cached default, fetched first if need be.
+    ///
+    /// # Errors
+    /// `--model` given more than once (only `kiln serve` serves several), or the default
+    /// cannot be fetched.
     pub fn path(&self) -> Result<PathBuf> {
-        model_path(self.model.as_deref())
+        match self.model.as_slice() {
+            [] => model_path(None),
+            [one] => model_path(Some(&one.path)),
+            several => Err(UsageError(format!(
+                "--model is given {} times; only `kiln serve` serves several models",
+                several.len()
+            ))
+            .into()),
+        }
+    }
+
+    /// These flags for the one model `choice` (a path, or `None` for the default).
+    pub fn for_model(&self, choice: Option<&Path>) -> Self {
+        Self {
+            model: choice
+                .map(|path| ModelChoice {
+                    alias: None,
+                    path: path.to_path_buf(),
+                })
+                .into_iter()
+                .collect(),
+            ..self.clone()
+        }
     }
 
     /// The precision asked for (f32 unless named).
@@ -336,7 +409,13 @@ impl SpeculationArgs {
             return Ok(None);
         };
         let args = ModelArgs {
-            model: (path.as_os_str() != "default").then(|| path.clone()),
+            model: (path.as_os_str() != "default")
+                .then(|| ModelChoice {
+                    alias: None,
+                    path: path.clone(),
+                })
+                .into_iter()
+                .collect(),
             backend,
             dtype: self.draft_dtype,
             kv_dtype: None,
@@ -551,6 +630,34 @@ mod tests {
             .speculation()
             .expect("valid settings")
             .expect("speculation on")
+    }
+
+    #[test]
+    fn a_model_choice_is_alias_and_path_unless_the_text_is_a_path() {
+        let parse = |t: &str| t.parse::<ModelChoice>().expect("infallible");
+        let named = parse("smol=models/smol.gguf");
+        assert_eq!(named.alias.as_deref(), Some("smol"));
+        assert_eq!(named.path, PathBuf::from("models/smol.gguf"));
+        assert_eq!(parse("models/smol.gguf").alias, None);
+        // A `/` before the `=` makes it a path; so does an existing file with `=` in its name.
+        assert_eq!(parse("dir/a=b.gguf").alias, None);
+        let dir = std::env::temp_dir().join(format!("kiln-choice-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let file = dir.join("x=y.gguf");
+        std::fs::write(&file, b"").expect("temp file");
+        let text = file.to_str().expect("utf-8 temp path");
+        assert_eq!(
+            parse(text),
+            ModelChoice {
+                alias: None,
+                path: file.clone()
+            }
+        );
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+        assert_eq!(
+            default_alias(Path::new("a/SmolLM2.Q4_1.gguf")),
+            "SmolLM2.Q4_1"
+        );
     }
 
     #[test]

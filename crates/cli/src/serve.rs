@@ -3,6 +3,8 @@
 //! KV cache by a memory budget, logs one line per request, and exits 0 after SIGINT / SIGTERM
 //! (130 when a second one cuts the grace period short).
 
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -10,11 +12,13 @@ use kiln_core::InferenceBackend;
 use kiln_core::backend::BackendTask;
 use kiln_core::kv_cache::CacheKind;
 use kiln_engine::EngineSettings;
-use kiln_server::{ServedDraft, ServedModel, Server, ServerOptions, Stopped};
+use kiln_server::{
+    FleetLimits, ModelEntry, ModelLoader, ServedDraft, ServedModel, Server, ServerOptions, Stopped,
+};
 
 use crate::engine_args::{self, EngineArgs, SERVE};
 use crate::exit::UsageError;
-use crate::model_args::{ModelArgs, SpeculationArgs};
+use crate::model_args::{ModelArgs, SpeculationArgs, default_alias};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
@@ -40,7 +44,12 @@ pub struct Args {
     allow_special_in_content: bool,
     /// How tool calls are read from the output: `auto` (from the chat template's markers),
     /// `hermes`, `llama3`, `mistral`, `generic`, or `none` (tool calling off).
-    #[arg(long, default_value = "auto", help_heading = "Server")]
+    #[arg(
+        long,
+        value_name = "PARSER",
+        default_value = "auto",
+        help_heading = "Server"
+    )]
     tool_parser: kiln_server::ToolParser,
     /// Where a thinking model's `<think>…</think>` goes: `auto` (to `reasoning_content` when
     /// the chat template speaks of `<think>`: Qwen3, QwQ, DeepSeek-R1 distills), `separate`
@@ -111,8 +120,23 @@ pub struct Args {
     #[arg(long, value_name = "MODE", default_value = "bounded", value_parser = ["compact", "bounded", "free"], help_heading = "Server")]
     json_whitespace: String,
     /// The model's name in /v1/models and in responses (default: the file or folder name).
+    /// With several models, name each with --model ALIAS=PATH instead.
     #[arg(long, value_name = "NAME", help_heading = "Server")]
     served_model_name: Option<String>,
+    /// Serve every model in this folder too: each GGUF file and each model folder (with a
+    /// config.json or params.json), named by its file or folder name. The first --model (or,
+    /// without one, the folder's first model by name) loads at start; the others on first use.
+    #[arg(long, value_name = "DIR", help_heading = "Models")]
+    models_dir: Option<PathBuf>,
+    /// Most MiB the loaded models may hold together (weights and KV caches): loading one more
+    /// first unloads the least recently used models no request is running on [default: no
+    /// limit]
+    #[arg(long, value_name = "MB", help_heading = "Models")]
+    models_memory_mb: Option<u64>,
+    /// Most models loaded at once (llama-server's --models-max); the least recently used idle
+    /// one is unloaded to load another [default: no limit]
+    #[arg(long, value_name = "N", help_heading = "Models")]
+    models_max: Option<usize>,
     /// Log lines as text or as JSON objects (one per line).
     #[arg(long, value_name = "FORMAT", default_value = "text", value_parser = ["text", "json"], help_heading = "Server")]
     log_format: String,
@@ -233,7 +257,6 @@ impl BackendTask for Task {
 
     fn run<B: InferenceBackend>(self, device: B::Device) -> Result<()> {
         let Task(args, settings) = self;
-        let backend = args.model.backend;
         let options = ServerOptions {
             host: args.host.clone(),
             port: args.port,
@@ -262,43 +285,230 @@ impl BackendTask for Task {
             tool_parser: args.tool_parser,
             reasoning_format: args.reasoning_format,
         };
-        let server = Server::start(options).map_err(|e| UsageError(e.to_string()))?;
+        let models = served_models(&args)?;
+        let limits = FleetLimits {
+            memory_bytes: args.models_memory_mb.map(|mb| mb << 20),
+            max_loaded: args.models_max,
+        };
+        let entries: Vec<ModelEntry> = models
+            .iter()
+            .map(|(alias, path)| ModelEntry {
+                alias: alias.clone(),
+                source: path.as_ref().map_or_else(
+                    || "the default model (fetched once)".into(),
+                    |p| p.display().to_string(),
+                ),
+                // Its files, and the KV cache when its size is given.
+                estimated_bytes: path.as_deref().map_or(0, files_bytes)
+                    + args.engine.kv_cache_mb.map_or(0, |mb| (mb as u64) << 20),
+            })
+            .collect();
+        if let Some(budget) = limits.memory_bytes
+            && let Some(big) = entries.iter().find(|e| e.estimated_bytes > budget)
+        {
+            return Err(UsageError(format!(
+                "{} alone needs about {:.1} MiB (its files and KV cache), more than --models-memory-mb {}",
+                big.alias,
+                big.estimated_bytes as f64 / f64::from(1 << 20),
+                budget >> 20
+            ))
+            .into());
+        }
+        if limits.max_loaded == Some(0) {
+            return Err(UsageError("--models-max must be at least 1".into()).into());
+        }
+        let server =
+            Server::start(options, entries, limits).map_err(|e| UsageError(e.to_string()))?;
         tracing::info!(
             "listening on http://{} (loading the model)",
             server.local_addr()
         );
-        let loaded = args.model.load::<B>(&device)?;
-        let path = &loaded.path;
-        let name = args.served_model_name.clone().unwrap_or_else(|| {
-            let stem = if path.is_file() {
-                path.file_stem()
-            } else {
-                path.file_name()
-            };
-            stem.map_or_else(
-                || path.display().to_string(),
-                |s| s.to_string_lossy().into_owned(),
+        if models.len() > 1 {
+            let names: Vec<&str> = models.iter().map(|(alias, _)| alias.as_str()).collect();
+            tracing::info!(
+                "serving {} models: {} ({} loads now, the others on first use)",
+                models.len(),
+                names.join(", "),
+                names[0]
+            );
+        }
+        let failure = Arc::new(Mutex::new(None));
+        let loader = Loader::<B> {
+            args,
+            settings,
+            device,
+            models,
+            failure: failure.clone(),
+        };
+        let stopped = server.serve(loader).map_err(|e| match e {
+            // The loader's own error, so that a usage error (flags that size a cache beyond
+            // memory) still exits 2.
+            kiln_server::ServerError::Load(why) => failure
+                .lock()
+                .ok()
+                .and_then(|mut f| f.take())
+                .unwrap_or_else(|| anyhow::anyhow!("{why}")),
+            other => UsageError(other.to_string()).into(),
+        })?;
+        tracing::info!("stopped");
+        if stopped == Stopped::Forced {
+            // 128 + SIGINT, as a shell reports a program Ctrl-C ended. The server has stopped
+            // and returned; `main`'s exit codes are 0, 1 and 2, so exit here.
+            std::process::exit(130);
+        }
+        Ok(())
+    }
+}
+
+/// The models to serve, each with its alias and path (`None`: the embedded default): every
+/// `--model`, then `--models-dir`'s models.
+///
+/// # Errors
+/// A usage error for an unreadable `--models-dir`, one with no model, `--served-model-name`
+/// with several models, or a draft model with several.
+fn served_models(args: &Args) -> Result<Vec<(String, Option<PathBuf>)>> {
+    let mut choices = args.model.model.clone();
+    if let Some(dir) = &args.models_dir {
+        let found = models_in(dir)?;
+        if found.is_empty() {
+            return Err(UsageError(format!(
+                "--models-dir {}: no GGUF file or model folder (config.json or params.json) in it",
+                dir.display()
+            ))
+            .into());
+        }
+        choices.extend(found);
+    }
+    if choices.len() > 1 {
+        if args.served_model_name.is_some() {
+            return Err(UsageError(
+                "--served-model-name names one model; with several, name each with --model ALIAS=PATH"
+                    .into(),
             )
-        });
-        let dtype = args.model.kv_dtype(&loaded.model)?;
+            .into());
+        }
+        if args.speculation.draft_model.is_some() {
+            return Err(UsageError(
+                "--draft-model drafts for one model; it cannot serve several (prompt lookup can)"
+                    .into(),
+            )
+            .into());
+        }
+    }
+    let default = kiln_models::default_model::SMOLLM2_135M_INSTRUCT.file_name();
+    if choices.is_empty() {
+        let alias = args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| default_alias(Path::new(default)));
+        return Ok(vec![(alias, None)]);
+    }
+    let single = choices.len() == 1;
+    Ok(choices
+        .into_iter()
+        .map(|c| {
+            // `default` is the embedded default model (as for --draft-model).
+            let path = (c.path.as_os_str() != "default").then_some(c.path);
+            let file = path.as_deref().unwrap_or(Path::new(default));
+            let alias = c
+                .alias
+                .or_else(|| args.served_model_name.clone().filter(|_| single))
+                .unwrap_or_else(|| default_alias(file));
+            (alias, path)
+        })
+        .collect())
+}
+
+/// The models in `dir`, by name: GGUF files and folders with a config.json or params.json.
+fn models_in(dir: &Path) -> Result<Vec<crate::model_args::ModelChoice>> {
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| UsageError(format!("--models-dir {}: {e}", dir.display())))?;
+    let mut found: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            if p.is_dir() {
+                p.join("config.json").is_file() || p.join("params.json").is_file()
+            } else {
+                p.extension()
+                    .is_some_and(|x| x.eq_ignore_ascii_case("gguf"))
+            }
+        })
+        .collect();
+    found.sort();
+    Ok(found
+        .into_iter()
+        .map(|path| crate::model_args::ModelChoice { alias: None, path })
+        .collect())
+}
+
+/// Bytes of a model's files (a file, or a folder's files, one level deep): what it is expected
+/// to hold before it has loaded once.
+fn files_bytes(path: &Path) -> u64 {
+    let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
+    match std::fs::read_dir(path) {
+        Ok(entries) => entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file())
+            .map(|p| size(&p))
+            .sum(),
+        Err(_) => size(path),
+    }
+}
+
+/// Loads a served model on its engine thread: the flags of `kiln serve`, for one model.
+struct Loader<B: InferenceBackend> {
+    args: Args,
+    settings: EngineSettings,
+    device: B::Device,
+    models: Vec<(String, Option<PathBuf>)>,
+    /// The last load's error, whole (the server keeps its text).
+    failure: Arc<Mutex<Option<anyhow::Error>>>,
+}
+
+impl<B: InferenceBackend> ModelLoader<B> for Loader<B> {
+    fn load(&self, alias: &str) -> Result<ServedModel<B>, String> {
+        let (_, path) = self
+            .models
+            .iter()
+            .find(|(a, _)| a == alias)
+            .ok_or_else(|| format!("no model is named {alias}"))?;
+        self.load_model(alias, path.as_deref()).map_err(|e| {
+            let text = format!("{e:#}");
+            if let Ok(mut failure) = self.failure.lock() {
+                *failure = Some(e);
+            }
+            text
+        })
+    }
+}
+
+impl<B: InferenceBackend> Loader<B> {
+    fn load_model(&self, name: &str, path: Option<&Path>) -> Result<ServedModel<B>> {
+        let args = &self.args;
+        let device = &self.device;
+        let model_args = args.model.for_model(path);
+        let backend = model_args.backend;
+        let loaded = model_args.load::<B>(device)?;
+        let dtype = model_args.kv_dtype(&loaded.model)?;
         // Requests arrive over time, each up to the full context.
         let run = engine_args::run_for(&loaded.model, dtype, backend);
-        let mut spec = engine_args::spec(&settings, &run, &SERVE)?;
+        let mut spec = engine_args::spec(&self.settings, &run, &SERVE)?;
         spec.config.speculation = args.speculation.speculation()?;
         spec.config.max_group_rows = Some(kiln_server::rows_for_one_request(spec.config.max_batch));
         let per_token = run.layout.bytes_per_token(dtype);
         let bytes = spec.cache_bytes;
         let cache = spec
-            .cache::<B>(run.layout, dtype, &device)
+            .cache::<B>(run.layout, dtype, device)
             .context("allocating the KV cache")?;
-        let draft = args.speculation.load_draft(backend, &loaded, &device)?;
+        let draft = args.speculation.load_draft(backend, &loaded, device)?;
         // The draft model's cache holds as many tokens as the model's.
-        let draft_cache = match &draft {
+        let draft = match draft {
             Some(d) => {
                 let layout = kiln_core::CausalLm::shape(&d.model).kv_layout();
                 let dtype = kiln_core::CausalLm::dtype(&d.model);
-                let cache = spec.cache::<B>(layout, dtype, &device);
-                Some(cache.context("allocating the draft model's KV cache")?)
+                let cache = spec.cache::<B>(layout, dtype, device);
+                let cache = cache.context("allocating the draft model's KV cache")?;
+                Some(ServedDraft { loaded: d, cache })
             }
             None => None,
         };
@@ -322,7 +532,7 @@ impl BackendTask for Task {
             match (&config.speculation, &draft) {
                 (Some(s), Some(draft)) => format!(
                     "draft model {} ({} drafts)",
-                    draft.path.display(),
+                    draft.loaded.path.display(),
                     s.draft_tokens
                 ),
                 (Some(s), None) => format!(
@@ -338,27 +548,21 @@ impl BackendTask for Task {
         } else {
             1
         };
-        let stopped = server
-            .serve(ServedModel {
-                loaded: &loaded,
-                name,
-                cache,
-                block_tokens,
-                cache_bytes: bytes,
-                config,
-                draft: draft
-                    .as_ref()
-                    .zip(draft_cache)
-                    .map(|(loaded, cache)| ServedDraft { loaded, cache }),
-            })
-            .map_err(|e| UsageError(e.to_string()))?;
-        tracing::info!("stopped");
-        if stopped == Stopped::Forced {
-            // 128 + SIGINT, as a shell reports a program Ctrl-C ended. The server has stopped
-            // and returned; `main`'s exit codes are 0, 1 and 2, so exit here.
-            std::process::exit(130);
-        }
-        Ok(())
+        // The draft's cache is sized as the model's.
+        let memory_bytes = loaded.model.held_weight_bytes() as u64
+            + bytes
+            + draft
+                .as_ref()
+                .map_or(0, |d| d.loaded.model.held_weight_bytes() as u64 + bytes);
+        Ok(ServedModel {
+            loaded,
+            cache,
+            block_tokens,
+            cache_bytes: bytes,
+            memory_bytes,
+            config,
+            draft,
+        })
     }
 }
 

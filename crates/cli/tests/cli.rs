@@ -956,6 +956,76 @@ fn sizes_that_cannot_be_allocated_are_usage_errors() {
     }
 }
 
+/// Several models are `kiln serve`'s alone, each under its own valid name, each within
+/// `--models-memory-mb`: anything else is a usage error naming the problem, before anything
+/// loads.
+#[test]
+fn several_models_are_served_only_under_distinct_names_within_the_budget() {
+    let llama = fixture("llama-tiny");
+    let qwen = fixture("qwen3-tiny");
+    let (a, b) = (format!("a={llama}"), format!("b={qwen}"));
+    let (x1, x2) = (format!("x={llama}"), format!("x={qwen}"));
+    let spaced = format!("a b={llama}");
+    let cases: [(Vec<&str>, &str); 6] = [
+        (
+            vec![
+                "generate",
+                "--model",
+                &llama,
+                "--model",
+                &qwen,
+                "--token-ids",
+                "1,2",
+            ],
+            "--model is given 2 times; only `kiln serve` serves several models",
+        ),
+        (
+            vec!["serve", "--port", "0", "--model", &x1, "--model", &x2],
+            "two models are named \"x\"",
+        ),
+        (
+            vec!["serve", "--port", "0", "--model", &spaced],
+            "\"a b\" cannot name a model",
+        ),
+        (
+            vec![
+                "serve",
+                "--port",
+                "0",
+                "--model",
+                &llama,
+                "--model",
+                &qwen,
+                "--served-model-name",
+                "m",
+            ],
+            "--served-model-name names one model",
+        ),
+        (
+            vec![
+                "serve",
+                "--port",
+                "0",
+                "--model",
+                &a,
+                "--model",
+                &b,
+                "--models-memory-mb",
+                "0",
+            ],
+            "a alone needs about",
+        ),
+        (
+            vec!["serve", "--port", "0", "--models-dir", "/no/such/folder"],
+            "--models-dir /no/such/folder",
+        ),
+    ];
+    for (args, expected) in cases {
+        let stderr = usage_error(&args);
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+}
+
 /// generate, chat, serve and bench take one block of engine flags: a zero size is a usage
 /// error naming the flag on each, and so is a flag a command decides itself (chat's one
 /// conversation, bench's per-cell batch) or a cache kind it cannot run on; all before anything

@@ -169,6 +169,19 @@ impl<B: InferenceBackend> Transformer<B> {
         self.weight_summary().iter().map(|(_, _, b)| b).sum()
     }
 
+    /// Bytes the weights hold as loaded: every linear layer's and the token table's (once
+    /// when the head is tied to it). Norms and biases, a few kilobytes, are left out. What a
+    /// server counts against its memory budget.
+    pub fn held_weight_bytes(&self) -> usize {
+        let table = match &self.embed {
+            Embedding::Dense(t) => t.dims().iter().product::<usize>() * self.dtype.size_bytes(),
+            Embedding::Quantized(m) => m.bytes(),
+        };
+        // A tied head is the table itself, already counted among the linear layers.
+        let table = if self.config.tied_head { 0 } else { table };
+        self.linear_weight_bytes() + table
+    }
+
     fn check_input(&self, batch: &Batch) -> kiln_core::Result<()> {
         if batch.is_empty() {
             return Err(CoreError::InvalidBatch("no tokens".into()));

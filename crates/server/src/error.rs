@@ -75,6 +75,32 @@ impl ApiError {
         )
     }
 
+    /// 404: no served model has this name (OpenAI's `model_not_found`).
+    pub fn model_not_found(name: &str, known: &[&str]) -> Self {
+        Self {
+            code: Some("model_not_found"),
+            param: Some("model".into()),
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "the model {name:?} is not served here; this server serves {}",
+                    known.join(", ")
+                ),
+            )
+        }
+    }
+
+    /// 503: the model could not be loaded.
+    pub fn model_unavailable(alias: &str, why: &str) -> Self {
+        Self {
+            code: Some("model_unavailable"),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("loading the model {alias} failed: {why}"),
+            )
+        }
+    }
+
     /// 503: the model is still loading.
     pub fn loading() -> Self {
         Self {

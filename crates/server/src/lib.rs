@@ -1,16 +1,20 @@
 //! # kiln-server
 //!
-//! `kiln serve`: an OpenAI-compatible HTTP server over kiln's [`Engine`]. One thread (the
-//! caller's) owns the model, the KV cache and the engine, and steps while there is work; a
-//! small tokio runtime runs axum's handlers, which validate, tokenize and hand requests to the
-//! engine thread over a channel, each with its own channel back for its tokens. Requests that
-//! arrive while others run join the running batch at the next step; a client that goes away
-//! cancels its request and frees its cache before the next step.
+//! `kiln serve`: an OpenAI-compatible HTTP server over kiln's [`kiln_engine::Engine`]. Each
+//! served model has one engine thread that owns it, its KV cache and its engine, and steps
+//! while there is work (`engine_thread.rs`, `worker.rs`); a small tokio runtime runs axum's
+//! handlers, which validate, tokenize and hand requests to the model's engine thread over a
+//! channel, each with its own channel back for its tokens. Requests that arrive while others
+//! run join the running batch at the next step; a client that goes away cancels its request
+//! and frees its cache before the next step. With several models (`fleet.rs`) a request names
+//! one; it is loaded on first use, and the least recently used idle one is unloaded when a
+//! memory budget would be exceeded.
 //!
-//! - [`Server::start`] binds and answers at once (`/health` is 503 while the model loads);
-//! - [`Server::serve`] takes the loaded model and runs the engine until SIGINT or SIGTERM,
-//!   then stops accepting, lets running requests finish within the grace period, cancels the
-//!   rest, and returns; a second signal cancels everything at once.
+//! - [`Server::start`] binds and answers at once (`/health` is 503 while the first model
+//!   loads);
+//! - [`Server::serve`] loads the first model through a [`ModelLoader`] and serves until SIGINT
+//!   or SIGTERM, then stops accepting, lets running requests finish within the grace period,
+//!   cancels the rest, and returns; a second signal cancels everything at once.
 //!
 //! Connections are accepted and served by `listener.rs` (hyper's HTTP/1 with deadlines for
 //! request heads, an idle timeout and a cap on open connections), and request bodies read by
@@ -27,7 +31,9 @@
 mod api;
 mod body;
 mod codec;
+mod engine_thread;
 mod error;
+mod fleet;
 mod listener;
 mod metrics;
 mod pooling;
@@ -49,26 +55,26 @@ static GUARD: harness::Guard = harness::Guard;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kiln_core::InferenceBackend;
 use kiln_core::kv_cache::KvCache;
-use kiln_engine::{CacheSpec, Engine, EngineConfig};
+use kiln_engine::{CacheSpec, EngineConfig};
 use kiln_models::LoadedModel;
 
 pub use codec::Codec;
 pub use error::ApiError;
+pub use fleet::{FleetLimits, ModelEntry};
 pub use metrics::Metrics;
 pub use reasoning::ReasoningFormat;
 pub use tools::{ToolFormat, ToolParser};
 pub use worker::rows_for_one_request;
 
 use crate::body::BodyLimits;
+use crate::fleet::Fleet;
 use crate::listener::{ConnectionLimits, Phase};
-use crate::routes::{AppState, Ready};
-use crate::worker::Command;
+use crate::routes::AppState;
 
 /// How the server listens and what it allows.
 #[derive(Debug, Clone)]
@@ -183,46 +189,61 @@ pub enum ServerError {
     /// The async runtime could not start.
     #[error("starting the HTTP runtime: {0}")]
     Runtime(std::io::Error),
-    /// The model cannot be served (no tokenizer, a broken chat template).
+    /// The models cannot be served (none, an alias twice, no tokenizer, a broken chat
+    /// template).
     #[error("{0}")]
     Model(String),
+    /// The first model failed to load.
+    #[error("loading the model: {0}")]
+    Load(String),
     /// The engine refused its configuration.
     #[error(transparent)]
     Engine(#[from] kiln_engine::EngineError),
 }
 
-/// A model to serve, with its engine's cache and limits.
-pub struct ServedModel<'a, B: InferenceBackend> {
+/// A model to serve, with its engine's cache and limits, as a [`ModelLoader`] gives it.
+pub struct ServedModel<B: InferenceBackend> {
     /// The loaded model.
-    pub loaded: &'a LoadedModel<B>,
-    /// The name `/v1/models` lists.
-    pub name: String,
+    pub loaded: LoadedModel<B>,
     /// The KV cache (empty).
     pub cache: Box<dyn KvCache<B>>,
     /// Tokens per cache block (for `/metrics`; 1 for caches without blocks).
     pub block_tokens: usize,
     /// Bytes of the cache pool (for `/metrics`).
     pub cache_bytes: u64,
+    /// Bytes it holds in all: weights as held, the KV cache, a draft model and its cache
+    /// (what `--models-memory-mb` counts).
+    pub memory_bytes: u64,
     /// The engine's limits.
     pub config: EngineConfig,
     /// The draft model of speculative decoding, when [`EngineConfig::speculation`] drafts
     /// with a model.
-    pub draft: Option<ServedDraft<'a, B>>,
+    pub draft: Option<ServedDraft<B>>,
 }
 
 /// A draft model and its cache (empty).
-pub struct ServedDraft<'a, B: InferenceBackend> {
+pub struct ServedDraft<B: InferenceBackend> {
     /// The loaded draft model.
-    pub loaded: &'a LoadedModel<B>,
+    pub loaded: LoadedModel<B>,
     /// Its KV cache.
     pub cache: Box<dyn KvCache<B>>,
+}
+
+/// Loads the served models when the server needs them: the first at start-up, the others on
+/// first use and again after an unload. Called on the model's own engine thread, which the
+/// model never leaves.
+pub trait ModelLoader<B: InferenceBackend>: Send + Sync + 'static {
+    /// Loads the model named `alias` ([`ModelEntry::alias`]), with its cache.
+    ///
+    /// # Errors
+    /// Why it cannot load, for the log and the requests waiting on it.
+    fn load(&self, alias: &str) -> Result<ServedModel<B>, String>;
 }
 
 /// A listening server whose engine has not started yet.
 pub struct Server {
     runtime: tokio::runtime::Runtime,
     state: Arc<AppState>,
-    commands: Receiver<Command>,
     serving: tokio::task::JoinHandle<()>,
     stop: Arc<Stop>,
     local_addr: SocketAddr,
@@ -243,13 +264,36 @@ struct Stop {
 const FLUSH: Duration = Duration::from_millis(500);
 
 impl Server {
-    /// Binds the address and starts answering: `/health` says 503 and the API endpoints 503
-    /// until [`Server::serve`] has the model. SIGINT and SIGTERM start a graceful stop from
-    /// now on.
+    /// Binds the address and starts answering for `models` (at least one; the first is the
+    /// default, loaded by [`Server::serve`], the others on first use within `limits`):
+    /// `/health` says 503 and the API endpoints 503 until the first has loaded. SIGINT and
+    /// SIGTERM start a graceful stop from now on.
     ///
     /// # Errors
-    /// The runtime cannot start, or the address cannot be bound.
-    pub fn start(options: ServerOptions) -> Result<Self, ServerError> {
+    /// No model, an alias given twice or not a valid name, the runtime cannot start, or the
+    /// address cannot be bound.
+    pub fn start(
+        options: ServerOptions,
+        models: Vec<ModelEntry>,
+        limits: FleetLimits,
+    ) -> Result<Self, ServerError> {
+        if models.is_empty() {
+            return Err(ServerError::Model("no model to serve".into()));
+        }
+        for (i, model) in models.iter().enumerate() {
+            if !fleet::valid_alias(&model.alias) {
+                return Err(ServerError::Model(format!(
+                    "{:?} cannot name a model: use 1 to 64 letters, digits and ._:-",
+                    model.alias
+                )));
+            }
+            if models[..i].iter().any(|m| m.alias == model.alias) {
+                return Err(ServerError::Model(format!(
+                    "two models are named {:?}: give each its own (ALIAS=PATH)",
+                    model.alias
+                )));
+            }
+        }
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("kiln-http")
@@ -266,27 +310,21 @@ impl Server {
         let local_addr = listener
             .local_addr()
             .map_err(|source| ServerError::Bind { addr, source })?;
-        let (tx, commands) = channel();
-        let state = Arc::new(AppState::new(
-            options,
-            tx.clone(),
-            Arc::new(Metrics::default()),
-            Arc::new(AtomicUsize::new(0)),
-        ));
+        let fleet = Arc::new(Fleet::new(models, limits));
+        let state = Arc::new(AppState::new(options, fleet, Arc::new(Metrics::default())));
         let (phase, watching) = tokio::sync::watch::channel(Phase::Serving);
         let stop = Arc::new(Stop {
             phase,
             since: OnceLock::new(),
             forced: AtomicBool::new(false),
         });
-        runtime.spawn(on_signal(state.clone(), tx, stop.clone()));
+        runtime.spawn(on_signal(state.clone(), stop.clone()));
         let app = routes::router(state.clone());
         let limits = state.options.connection_limits();
         let serving = runtime.spawn(listener::serve(listener, app, limits, watching));
         Ok(Self {
             runtime,
             state,
-            commands,
             serving,
             stop,
             local_addr,
@@ -303,110 +341,44 @@ impl Server {
         &self.state.metrics
     }
 
-    /// Serves `model` on this thread until SIGINT or SIGTERM, then stops gracefully: no new
-    /// connections or requests, running ones finish within the grace period (counted from the
-    /// signal) and the rest are cancelled (their clients get an error), open connections
-    /// close. A second signal during the grace period cancels everything at once
+    /// Serves the models until SIGINT or SIGTERM: loads the first now (each model on an engine
+    /// thread of its own, with `loader`), the others when a request names them. Then stops
+    /// gracefully: no new connections or requests, running ones finish within the grace period
+    /// (counted from the signal) and the rest are cancelled (their clients get an error), open
+    /// connections close. A second signal during the grace period cancels everything at once
     /// ([`Stopped::Forced`]).
     ///
     /// # Errors
-    /// A model without a tokenizer, a chat template that does not compile, or an engine
-    /// configuration out of range.
+    /// The first model cannot load: the loader failed, it has no tokenizer, its chat template
+    /// does not compile, or its engine configuration is out of range.
     pub fn serve<B: InferenceBackend>(
         self,
-        model: ServedModel<'_, B>,
+        loader: impl ModelLoader<B>,
     ) -> Result<Stopped, ServerError> {
-        let loaded = model.loaded;
-        let tokenizer = loaded.tokenizer.clone().ok_or_else(|| {
-            ServerError::Model(format!(
-                "{} has no tokenizer; the server needs one",
-                loaded.path.display()
-            ))
-        })?;
-        let codec = Codec::new(
-            tokenizer.clone(),
-            loaded.chat_template.as_deref(),
-            loaded.generation.bos,
-            loaded.generation.eos.first().copied(),
-        )
-        .map_err(|e| ServerError::Model(e.to_string()))?
-        .with_special_tokens_in_content(self.state.options.special_tokens_in_content);
-        let shape = kiln_core::CausalLm::shape(&loaded.model);
-        // The token trie structured output needs, made once (tens of milliseconds).
-        let grammars = loaded.generation.eos.first().and_then(|&eos| {
-            kiln_engine::GrammarCompiler::new(&tokenizer.token_texts(shape.vocab), eos)
-                .ok()
-                .map(|c| c.with_json_whitespace(self.state.options.json_whitespace))
-        });
-        let (pooling, source, warning) =
-            pooling::resolve(&loaded.path, self.state.options.embedding_pooling);
-        if let Some(warning) = warning {
-            tracing::warn!(target: "kiln::serve", "{warning}; embeddings pool by the {} token(s) instead", pooling.name());
-        }
-        tracing::info!(target: "kiln::serve", "/v1/embeddings pools by the {} token(s) ({})", pooling.name(), source.describe());
-        let hidden_size = kiln_core::CausalLm::hidden_size(&loaded.model);
-        let kv_tokens = model.cache.usage().capacity;
-        let cache = cache_spec(&*model.cache, model.block_tokens, &shape, &model.config);
-        let detok = move |ids: &[kiln_core::TokenId]| tokenizer.decode(ids, true).ok();
-        let mut engine =
-            Engine::new(&loaded.model, model.cache, model.config)?.with_detokenizer(&detok);
-        if let Some(draft) = model.draft {
-            engine = engine.with_draft_model(&draft.loaded.model, draft.cache)?;
-        }
-        self.state.metrics.set_capacity(
-            model.config.max_batch,
-            kv_tokens / model.block_tokens.max(1),
-            model.block_tokens,
-            model.cache_bytes,
-        );
-        let _ = self.state.ready.set(Arc::new(Ready {
-            model: model.name,
-            created: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-            codec,
-            eos: loaded.generation.eos.clone(),
-            shape,
-            kv_tokens,
-            cache,
-            max_batch: model.config.max_batch,
-            grammars,
-            hidden_size,
-            pooling,
-            tool_format: self
-                .state
-                .options
-                .tool_parser
-                .format(loaded.chat_template.as_deref()),
-            splits_reasoning: self
-                .state
-                .options
-                .reasoning_format
-                .splits(loaded.chat_template.as_deref()),
+        let loader = Arc::new(loader);
+        // Weak: the fleet keeps the spawner, and the state keeps the fleet.
+        let state = Arc::downgrade(&self.state);
+        self.state.fleet.set_spawner(Box::new(move |index| {
+            let (loader, state) = (loader.clone(), state.clone());
+            std::thread::Builder::new()
+                .name(format!("kiln-engine-{index}"))
+                .spawn(move || engine_thread::run(&state, &*loader, index))
+                .map(drop)
         }));
-        let shared = worker::Shared {
-            metrics: &self.state.metrics,
-            in_flight: &self.state.in_flight,
-        };
-        worker::run(
-            &mut engine,
-            &self.commands,
-            &shared,
-            self.state.options.shutdown_grace,
-        );
-        // Submissions still queued are dropped with the channel: their handlers answer 503.
+        self.state
+            .fleet
+            .load_blocking(0)
+            .map_err(ServerError::Load)?;
+        // Until a signal has stopped every engine thread.
+        self.state.fleet.wait_stopped();
         let Self {
             runtime,
             state,
-            commands,
             mut serving,
             stop,
             ..
         } = self;
         state.shutting_down.store(true, Ordering::SeqCst);
-        drop(commands);
-        // The engine thread stops after a signal (it may also stop because every sender is
-        // gone, with no signal: then the grace counts from now).
         let since = *stop.since.get_or_init(Instant::now);
         stop.phase.send_if_modified(|phase| {
             let serving = *phase == Phase::Serving;
@@ -439,7 +411,7 @@ impl Server {
 /// The served cache as the engine describes it, from what [`ServedModel`] says of it: its kind,
 /// rows and window from the cache, its token slots as blocks of `block_tokens`. The handlers
 /// ask it what a request may generate ([`CacheSpec::room_per_sequence`]).
-fn cache_spec<B: InferenceBackend>(
+pub(crate) fn cache_spec<B: InferenceBackend>(
     cache: &dyn KvCache<B>,
     block_tokens: usize,
     shape: &kiln_core::ModelShape,
@@ -472,7 +444,7 @@ fn later(at: Instant, span: Duration) -> Instant {
 /// engine thread; a second signal drops every connection, which cancels what still runs (the
 /// engine thread sees its clients gone before its next step), so [`Server::serve`] returns at
 /// once.
-async fn on_signal(state: Arc<AppState>, commands: Sender<Command>, stop: Arc<Stop>) {
+async fn on_signal(state: Arc<AppState>, stop: Arc<Stop>) {
     let mut signals = Signals::new();
     signals.next().await;
     let _ = stop.since.set(Instant::now());
@@ -482,7 +454,7 @@ async fn on_signal(state: Arc<AppState>, commands: Sender<Command>, stop: Arc<St
         state.options.shutdown_grace.as_secs_f64()
     );
     state.shutting_down.store(true, Ordering::SeqCst);
-    let _ = commands.send(Command::Shutdown);
+    state.fleet.shutdown();
     stop.phase.send_replace(Phase::Draining);
     signals.next().await;
     tracing::warn!(target: "kiln::serve", "second signal: stopping now, cancelling the requests still running");

@@ -1,7 +1,9 @@
-//! `/metrics`: what the engine is doing, in Prometheus' text format (version 0.0.4). The
-//! engine thread writes the gauges after every step and the counters and histograms as tokens
-//! and requests finish; scrapes only read.
+//! `/metrics`: what the engines are doing, in Prometheus' text format (version 0.0.4). Each
+//! loaded model's engine thread writes its gauges after every step, and the counters and
+//! histograms as tokens and requests finish; a scrape adds the engines up (the fleet's lines
+//! per model, loads and memory, follow: [`crate::fleet`]).
 
+use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -49,20 +51,10 @@ impl Histogram {
 /// The server's numbers.
 #[derive(Debug, Default)]
 pub struct Metrics {
-    running: AtomicU64,
-    waiting: AtomicU64,
-    kv_blocks_used: AtomicU64,
-    kv_blocks_cached: AtomicU64,
-    kv_blocks_total: AtomicU64,
-    prefix_queries: AtomicU64,
-    prefix_hits: AtomicU64,
-    spec_drafted: AtomicU64,
-    spec_accepted: AtomicU64,
-    spec_forwards: AtomicU64,
-    spec_tokens: AtomicU64,
-    kv_block_tokens: AtomicU64,
-    kv_cache_bytes: AtomicU64,
-    max_batch: AtomicU64,
+    /// Each loaded model's engine, by its name: `/metrics` sums them.
+    engines: Mutex<BTreeMap<String, EngineGauges>>,
+    /// The counts of engines since unloaded, so that the counters never go back.
+    retired: Mutex<(PrefixStats, SpecCounts)>,
     prompt_tokens: AtomicU64,
     generation_tokens: AtomicU64,
     finished_stop: AtomicU64,
@@ -73,6 +65,26 @@ pub struct Metrics {
     preemptions: AtomicU64,
     time_to_first_token: Mutex<Histogram>,
     inter_token_latency: Mutex<Histogram>,
+}
+
+/// One engine's fixed sizes and its state after its last step.
+#[derive(Debug, Clone, Copy, Default)]
+struct EngineGauges {
+    capacity: Capacity,
+    load: Load,
+}
+
+/// An engine's fixed sizes, as [`Metrics::set_capacity`] publishes them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Capacity {
+    /// Most sequences at once.
+    pub max_batch: usize,
+    /// The KV pool, in blocks.
+    pub blocks: usize,
+    /// Tokens per block (1 for a cache without blocks).
+    pub block_tokens: usize,
+    /// Bytes of the KV pool.
+    pub bytes: u64,
 }
 
 /// The engine's state after a step, as [`Metrics::set_load`] publishes it.
@@ -92,6 +104,32 @@ pub struct Load {
     pub speculation: SpecCounts,
 }
 
+/// Every engine's gauges added up, and their counts with those of engines since unloaded.
+#[derive(Debug, Default)]
+struct Totals {
+    running: u64,
+    waiting: u64,
+    max_batch: u64,
+    blocks_used: u64,
+    blocks_cached: u64,
+    blocks_total: u64,
+    block_tokens: u64,
+    cache_bytes: u64,
+    prefix: PrefixStats,
+    spec: SpecCounts,
+}
+
+impl Totals {
+    fn add_counts(&mut self, prefix: PrefixStats, spec: SpecCounts) {
+        self.prefix.queried += prefix.queried;
+        self.prefix.hits += prefix.hits;
+        self.spec.drafted += spec.drafted;
+        self.spec.accepted += spec.accepted;
+        self.spec.forwards += spec.forwards;
+        self.spec.tokens += spec.tokens;
+    }
+}
+
 /// How a request left the engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -106,45 +144,59 @@ pub enum Outcome {
 }
 
 impl Metrics {
-    /// The fixed sizes: most sequences at once, the KV pool in blocks, tokens per block and
-    /// bytes.
-    pub fn set_capacity(&self, max_batch: usize, blocks: usize, block_tokens: usize, bytes: u64) {
-        self.max_batch.store(max_batch as u64, Ordering::Relaxed);
-        self.kv_blocks_total.store(blocks as u64, Ordering::Relaxed);
-        self.kv_block_tokens
-            .store(block_tokens as u64, Ordering::Relaxed);
-        self.kv_cache_bytes.store(bytes, Ordering::Relaxed);
+    /// The fixed sizes of `model`'s engine.
+    pub fn set_capacity(&self, model: &str, capacity: Capacity) {
+        lock(&self.engines)
+            .entry(model.to_string())
+            .or_default()
+            .capacity = capacity;
     }
 
-    /// Whole KV blocks in `tokens` slots of the cache (slots, for a cache without blocks).
-    pub(crate) fn blocks(&self, tokens: usize) -> usize {
-        tokens / (self.kv_block_tokens.load(Ordering::Relaxed).max(1) as usize)
+    /// `model`'s engine's state after a step.
+    pub fn set_load(&self, model: &str, load: Load) {
+        lock(&self.engines)
+            .entry(model.to_string())
+            .or_default()
+            .load = load;
     }
 
-    /// The engine's state after a step.
-    pub fn set_load(&self, load: Load) {
-        self.running.store(load.running as u64, Ordering::Relaxed);
-        self.waiting.store(load.waiting as u64, Ordering::Relaxed);
-        self.kv_blocks_used
-            .store(load.kv_blocks_used as u64, Ordering::Relaxed);
-        self.kv_blocks_cached
-            .store(load.kv_blocks_cached as u64, Ordering::Relaxed);
-        self.prefix_queries
-            .store(load.prefix.queried, Ordering::Relaxed);
-        self.prefix_hits.store(load.prefix.hits, Ordering::Relaxed);
-        let spec = load.speculation;
-        self.spec_drafted.store(spec.drafted, Ordering::Relaxed);
-        self.spec_accepted.store(spec.accepted, Ordering::Relaxed);
-        self.spec_forwards.store(spec.forwards, Ordering::Relaxed);
-        self.spec_tokens.store(spec.tokens, Ordering::Relaxed);
+    /// `model`'s engine has stopped (its model unloaded): its gauges go, its counts stay.
+    pub fn retire(&self, model: &str) {
+        if let Some(gone) = lock(&self.engines).remove(model) {
+            let mut retired = lock(&self.retired);
+            let (prefix, spec) = &mut *retired;
+            let mut totals = Totals {
+                prefix: *prefix,
+                spec: *spec,
+                ..Totals::default()
+            };
+            totals.add_counts(gone.load.prefix, gone.load.speculation);
+            *retired = (totals.prefix, totals.spec);
+        }
     }
 
-    /// Sequences running and waiting, as last published.
+    fn totals(&self) -> Totals {
+        let (prefix, spec) = *lock(&self.retired);
+        let mut t = Totals::default();
+        t.add_counts(prefix, spec);
+        for e in lock(&self.engines).values() {
+            t.running += e.load.running as u64;
+            t.waiting += e.load.waiting as u64;
+            t.blocks_used += e.load.kv_blocks_used as u64;
+            t.blocks_cached += e.load.kv_blocks_cached as u64;
+            t.max_batch += e.capacity.max_batch as u64;
+            t.blocks_total += e.capacity.blocks as u64;
+            t.block_tokens = t.block_tokens.max(e.capacity.block_tokens as u64);
+            t.cache_bytes += e.capacity.bytes;
+            t.add_counts(e.load.prefix, e.load.speculation);
+        }
+        t
+    }
+
+    /// Sequences running and waiting, as last published, over every engine.
     pub fn load(&self) -> (u64, u64) {
-        (
-            self.running.load(Ordering::Relaxed),
-            self.waiting.load(Ordering::Relaxed),
-        )
+        let t = self.totals();
+        (t.running, t.waiting)
     }
 
     /// A generated token; `since_previous` is the time since the sequence's previous token,
@@ -184,52 +236,53 @@ impl Metrics {
     pub fn render(&self) -> String {
         let mut out = String::new();
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let t = self.totals();
         let gauges = [
             (
                 "kiln_requests_running",
                 "Requests decoding or prefilling now.",
-                get(&self.running),
+                t.running,
             ),
             (
                 "kiln_requests_waiting",
                 "Requests queued for a free row or KV space.",
-                get(&self.waiting),
+                t.waiting,
             ),
             (
                 "kiln_max_batch",
-                "Most requests run at once (--max-batch).",
-                get(&self.max_batch),
+                "Most requests run at once (--max-batch; summed over the loaded models).",
+                t.max_batch,
             ),
             (
                 "kiln_kv_cache_blocks_used",
                 "KV cache blocks holding tokens.",
-                get(&self.kv_blocks_used),
+                t.blocks_used,
             ),
             (
                 "kiln_kv_cache_blocks_free",
                 "KV cache blocks holding nothing.",
-                get(&self.kv_blocks_total)
-                    .saturating_sub(get(&self.kv_blocks_used) + get(&self.kv_blocks_cached)),
+                t.blocks_total
+                    .saturating_sub(t.blocks_used + t.blocks_cached),
             ),
             (
                 "kiln_kv_cache_blocks_cached",
                 "KV cache blocks no request holds that keep a prefix for later requests (evicted least recently used when room is needed).",
-                get(&self.kv_blocks_cached),
+                t.blocks_cached,
             ),
             (
                 "kiln_kv_cache_blocks_total",
-                "KV cache blocks in the pool.",
-                get(&self.kv_blocks_total),
+                "KV cache blocks in the pool (the loaded models' pools together).",
+                t.blocks_total,
             ),
             (
                 "kiln_kv_cache_block_tokens",
                 "Tokens per KV cache block.",
-                get(&self.kv_block_tokens),
+                t.block_tokens,
             ),
             (
                 "kiln_kv_cache_bytes",
-                "Bytes of the KV cache pool (--kv-cache-mb).",
-                get(&self.kv_cache_bytes),
+                "Bytes of the KV cache pool (--kv-cache-mb; the loaded models' pools together).",
+                t.cache_bytes,
             ),
         ];
         for (name, help, value) in gauges {
@@ -238,13 +291,8 @@ impl Metrics {
                 "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
             );
         }
-        let (queries, hits) = (get(&self.prefix_queries), get(&self.prefix_hits));
-        let spec = SpecCounts {
-            drafted: get(&self.spec_drafted),
-            accepted: get(&self.spec_accepted),
-            forwards: get(&self.spec_forwards),
-            tokens: get(&self.spec_tokens),
-        };
+        let (queries, hits) = (t.prefix.queried, t.prefix.hits);
+        let spec = t.spec;
         for (name, help, value) in [
             (
                 "kiln_prefix_cache_hit_rate",
@@ -290,12 +338,12 @@ impl Metrics {
             (
                 "kiln_prefix_cache_queries_total",
                 "Prompt tokens looked up in the prefix cache.",
-                get(&self.prefix_queries),
+                queries,
             ),
             (
                 "kiln_prefix_cache_hits_total",
                 "Prompt tokens found in the prefix cache (not computed).",
-                get(&self.prefix_hits),
+                hits,
             ),
             (
                 "kiln_generation_tokens_total",
@@ -346,8 +394,8 @@ impl Metrics {
     }
 }
 
-/// The histogram, even if a thread panicked holding it (the numbers are still numbers).
-fn lock(m: &Mutex<Histogram>) -> std::sync::MutexGuard<'_, Histogram> {
+/// The value, even if a thread panicked holding it (the numbers are still numbers).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
@@ -375,23 +423,34 @@ mod tests {
     #[test]
     fn blocks_the_prefix_cache_and_speculation_are_reported() {
         let m = Metrics::default();
-        m.set_capacity(4, 10, 16, 1 << 20);
-        m.set_load(Load {
-            running: 1,
-            waiting: 0,
-            kv_blocks_used: 3,
-            kv_blocks_cached: 5,
-            prefix: PrefixStats {
-                queried: 400,
-                hits: 100,
+        m.set_capacity(
+            "a",
+            Capacity {
+                max_batch: 4,
+                blocks: 10,
+                block_tokens: 16,
+                bytes: 1 << 20,
             },
-            speculation: SpecCounts {
-                drafted: 40,
-                accepted: 30,
-                forwards: 20,
-                tokens: 50,
+        );
+        m.set_load(
+            "a",
+            Load {
+                running: 1,
+                waiting: 0,
+                kv_blocks_used: 3,
+                kv_blocks_cached: 5,
+                prefix: PrefixStats {
+                    queried: 400,
+                    hits: 100,
+                },
+                speculation: SpecCounts {
+                    drafted: 40,
+                    accepted: 30,
+                    forwards: 20,
+                    tokens: 50,
+                },
             },
-        });
+        );
         let text = m.render();
         for line in [
             "kiln_spec_decode_draft_tokens_total 40\n",

@@ -1,4 +1,5 @@
-//! The engine thread: the one owner of the model and the KV cache. It takes submissions from
+//! A model's engine thread: the one owner of the model and its KV cache (started, and the model
+//! loaded, by [`crate::engine_thread`]). It takes submissions from
 //! the HTTP handlers over a channel, steps the engine while there is work (requests that
 //! arrive meanwhile join the running batch at the next step), and sends each request's tokens
 //! back over the request's own channel. A request whose channel has closed (its client went
@@ -117,12 +118,16 @@ struct Route {
 /// Shared counters the engine thread keeps up to date.
 pub(crate) struct Shared<'a> {
     pub metrics: &'a Metrics,
+    /// The model's name, which its gauges are published under.
+    pub model: &'a str,
+    /// Tokens per KV cache block (1 for a cache without blocks).
+    pub block_tokens: usize,
     /// Rows of engine requests accepted and not yet ended (the queue limit counts them).
     pub in_flight: &'a AtomicUsize,
 }
 
-/// Serves submissions until a shutdown has drained (or the grace period ran out) or every
-/// sender is gone.
+/// Serves submissions until a shutdown (the server stopping, or the model unloading) has
+/// drained (or the grace period ran out) or every sender is gone.
 pub(crate) fn run<B: InferenceBackend>(
     engine: &mut Engine<'_, B>,
     commands: &Receiver<Command>,
@@ -194,14 +199,18 @@ pub(crate) fn run<B: InferenceBackend>(
         worker.embed_step(engine);
         let (running, waiting) = engine.load();
         let usage = engine.cache().usage();
-        shared.metrics.set_load(Load {
-            running,
-            waiting,
-            kv_blocks_used: shared.metrics.blocks(usage.used),
-            kv_blocks_cached: shared.metrics.blocks(usage.cached),
-            prefix: engine.prefix_stats(),
-            speculation: engine.speculation_stats(),
-        });
+        let blocks = |tokens: usize| tokens / shared.block_tokens.max(1);
+        shared.metrics.set_load(
+            shared.model,
+            Load {
+                running,
+                waiting,
+                kv_blocks_used: blocks(usage.used),
+                kv_blocks_cached: blocks(usage.cached),
+                prefix: engine.prefix_stats(),
+                speculation: engine.speculation_stats(),
+            },
+        );
     }
     worker.fail_all(engine, &ApiError::cut_off());
 }

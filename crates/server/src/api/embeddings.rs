@@ -17,7 +17,8 @@ pub const MAX_EMBEDDING_INPUTS: usize = 256;
 pub struct EmbeddingRequest {
     /// What to embed.
     pub input: Option<EmbeddingInput>,
-    /// The model's name; any name is served by the one model loaded.
+    /// The model to run: one of the served models' names (any name, when one model is
+    /// served; none: the first).
     pub model: Option<String>,
     /// `"float"` (the default) or `"base64"` (little-endian f32, base64).
     pub encoding_format: Option<String>,
@@ -30,6 +31,9 @@ pub struct EmbeddingRequest {
 impl RequestBody for EmbeddingRequest {
     fn parse(body: &[u8]) -> Result<Self, ApiError> {
         parse(body)
+    }
+    fn model(&self) -> Option<&str> {
+        self.model.as_deref()
     }
 }
 

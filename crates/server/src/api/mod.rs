@@ -50,7 +50,8 @@ pub const MAX_COMPLETION_LOGPROBS: usize = 5;
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
 pub struct CommonFields {
-    /// The model's name; any name is served by the one model loaded.
+    /// The model to run: one of the served models' names (any name, when one model is
+    /// served; none: the first).
     pub model: Option<String>,
     /// Most new tokens per choice (the old name).
     pub max_tokens: Option<u64>,
@@ -267,6 +268,8 @@ pub struct TokenizeRequest {
     pub add_special: Option<bool>,
     /// The same, vLLM's name.
     pub add_special_tokens: Option<bool>,
+    /// Whose tokenizer (a served model's name; none: the first).
+    pub model: Option<String>,
 }
 
 /// `POST /detokenize`.
@@ -275,6 +278,8 @@ pub struct TokenizeRequest {
 pub struct DetokenizeRequest {
     /// The ids.
     pub tokens: Vec<u32>,
+    /// Whose tokenizer (a served model's name; none: the first).
+    pub model: Option<String>,
 }
 
 /// Parses a JSON body into `T`, naming the field at fault when a value has the wrong type.
@@ -303,6 +308,9 @@ pub trait RequestBody: Sized {
     /// # Errors
     /// A 400 naming the field at fault.
     fn parse(body: &[u8]) -> Result<Self, ApiError>;
+
+    /// The model it names (`model`), if it names one.
+    fn model(&self) -> Option<&str>;
 }
 
 impl RequestBody for ChatRequest {
@@ -310,6 +318,9 @@ impl RequestBody for ChatRequest {
         let mut request: Self = parse(body)?;
         request.common = parse(body)?;
         Ok(request)
+    }
+    fn model(&self) -> Option<&str> {
+        self.common.model.as_deref()
     }
 }
 
@@ -319,16 +330,25 @@ impl RequestBody for CompletionRequest {
         request.common = parse(body)?;
         Ok(request)
     }
+    fn model(&self) -> Option<&str> {
+        self.common.model.as_deref()
+    }
 }
 
 impl RequestBody for TokenizeRequest {
     fn parse(body: &[u8]) -> Result<Self, ApiError> {
         parse(body)
     }
+    fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
 }
 
 impl RequestBody for DetokenizeRequest {
     fn parse(body: &[u8]) -> Result<Self, ApiError> {
         parse(body)
+    }
+    fn model(&self) -> Option<&str> {
+        self.model.as_deref()
     }
 }

@@ -360,23 +360,26 @@ pub fn finite(logprob: f32) -> f64 {
 pub struct ModelList<'a> {
     /// Always `list`.
     pub object: &'static str,
-    /// The one model.
-    pub data: [Model<'a>; 1],
+    /// Every served model.
+    pub data: Vec<Model<'a>>,
 }
 
-/// The served model.
+/// A served model.
 #[derive(Debug, serde::Serialize)]
 pub struct Model<'a> {
     /// Its served name.
     pub id: &'a str,
     /// Always `model`.
     pub object: &'static str,
-    /// When it was loaded (Unix seconds).
+    /// When it last finished loading (Unix seconds; 0 before its first load).
     pub created: u64,
     /// Always `kiln`.
     pub owned_by: &'static str,
-    /// Its context, in tokens (vLLM's field).
-    pub max_model_len: usize,
+    /// Its context, in tokens (vLLM's field), once it has loaded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_model_len: Option<usize>,
+    /// `loaded`, `loading`, `unloading` or `unloaded` (a model loads on first use).
+    pub status: &'static str,
 }
 
 /// `GET /health`.

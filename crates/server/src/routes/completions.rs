@@ -10,25 +10,25 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 
 use super::job::{Endpoint, Job, submit};
-use super::{AppState, Arrived, JsonBody, Loaded, Ready, blocking, collect, stream};
+use super::{AppState, Arrived, ModelBody, blocking, collect, stream};
 use crate::api::{self, ChatRequest, CompletionRequest, PromptInput};
 use crate::error::ApiError;
+use crate::fleet::Lease;
 use crate::reasoning;
 use crate::tools::{self, ToolFormat, ToolRequest};
 use kiln_core::TokenId;
 
-/// What [`AppState::check_text_fits`] says a prompt must fit in.
+/// What [`super::Ready::check_text_fits`] says a prompt must fit in.
 const KV_CACHE: &str = "the server's KV cache (or the model's context, if smaller)";
 
 pub(super) async fn chat_completions(
     Arrived(arrived): Arrived,
     State(state): State<Arc<AppState>>,
-    Loaded(ready): Loaded,
-    JsonBody(body): JsonBody<ChatRequest>,
+    ModelBody { lease, body }: ModelBody<ChatRequest>,
 ) -> Response {
     let job = {
         let state = state.clone();
-        blocking(move || chat_job(&state, ready, body, arrived)).await
+        blocking(move || chat_job(&state, lease, body, arrived)).await
     };
     match job {
         Ok(job) => run(state, job).await,
@@ -39,12 +39,11 @@ pub(super) async fn chat_completions(
 pub(super) async fn completions(
     Arrived(arrived): Arrived,
     State(state): State<Arc<AppState>>,
-    Loaded(ready): Loaded,
-    JsonBody(body): JsonBody<CompletionRequest>,
+    ModelBody { lease, body }: ModelBody<CompletionRequest>,
 ) -> Response {
     let job = {
         let state = state.clone();
-        blocking(move || completion_job(&state, ready, body, arrived)).await
+        blocking(move || completion_job(&state, lease, body, arrived)).await
     };
     match job {
         Ok(job) => run(state, job).await,
@@ -57,14 +56,15 @@ pub(super) async fn completions(
 /// generic format's system text, a grammar when a call is forced, how the output is read).
 fn chat_job(
     state: &AppState,
-    ready: Arc<Ready>,
+    lease: Lease,
     body: ChatRequest,
     arrived: Instant,
 ) -> Result<Job, ApiError> {
+    let ready = lease.ready().clone();
     let mut generation = body.generation()?;
     let text_bytes = body.messages.iter().map(api::Message::text_bytes).sum();
     let limit = ready.sequence_tokens();
-    state.check_text_fits(&ready, text_bytes, limit, "messages", KV_CACHE)?;
+    ready.check_text_fits(text_bytes, limit, "messages", KV_CACHE)?;
     if body.messages.is_empty() {
         return Err(ApiError::invalid_field("messages", "messages is empty"));
     }
@@ -88,7 +88,7 @@ fn chat_job(
     let prompt = ready.codec.chat_prompt_turns(&turns, &variables)?;
     let mut job = Job::new(
         state,
-        ready,
+        lease,
         Endpoint::Chat,
         vec![prompt],
         generation,
@@ -114,10 +114,11 @@ fn prompt_opens_thinking(codec: &crate::Codec, prompt: &[TokenId]) -> bool {
 /// A completions request's job: its prompts tokenized (texts too long to fit refused first).
 fn completion_job(
     state: &AppState,
-    ready: Arc<Ready>,
+    lease: Lease,
     body: CompletionRequest,
     arrived: Instant,
 ) -> Result<Job, ApiError> {
+    let ready = lease.ready().clone();
     let generation = body.generation()?;
     let Some(prompt) = &body.prompt else {
         return Err(ApiError::invalid_field("prompt", "prompt is required"));
@@ -139,7 +140,7 @@ fn completion_job(
     for input in inputs {
         prompts.push(match input {
             PromptInput::Text(text) => {
-                state.check_text_fits(&ready, text.len(), limit, "prompt", KV_CACHE)?;
+                ready.check_text_fits(text.len(), limit, "prompt", KV_CACHE)?;
                 ready.codec.encode(&text, true)?
             }
             PromptInput::Tokens(ids) => ids,
@@ -147,7 +148,7 @@ fn completion_job(
     }
     Job::new(
         state,
-        ready,
+        lease,
         Endpoint::Completions,
         prompts,
         generation,

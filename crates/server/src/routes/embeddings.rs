@@ -10,7 +10,7 @@ use axum::extract::State;
 use axum::response::Response;
 use kiln_core::TokenId;
 
-use super::{AppState, JsonBody, Loaded, Ready, blocking, json_bytes, json_response};
+use super::{AppState, ModelBody, Ready, blocking, json_bytes, json_response};
 use crate::api::response::{EmbeddingData, EmbeddingList, EmbeddingUsage, EmbeddingVector};
 use crate::api::{EmbeddingInput, EmbeddingRequest, EncodingFormat};
 use crate::error::ApiError;
@@ -18,24 +18,20 @@ use crate::worker::{Command, EmbedJob};
 
 pub(super) async fn embeddings(
     State(state): State<Arc<AppState>>,
-    Loaded(ready): Loaded,
-    JsonBody(body): JsonBody<EmbeddingRequest>,
+    ModelBody { lease, body }: ModelBody<EmbeddingRequest>,
 ) -> Result<Response, ApiError> {
+    let ready = lease.ready().clone();
     let d_model = ready.hidden_size.ok_or_else(|| {
         ApiError::invalid_field("model", "this model gives no hidden states to embed")
     })?;
     let format = body.encoding_format()?;
     let dimensions = body.dimensions(d_model)?;
-    let tokenizing = (state.clone(), ready.clone());
-    let inputs = blocking(move || {
-        let (state, ready) = tokenizing;
-        tokenize(&state, &ready, body.input)
-    })
-    .await?;
+    let tokenizing = ready.clone();
+    let inputs = blocking(move || tokenize(&tokenizing, body.input)).await?;
     if state.shutting_down.load(Ordering::SeqCst) {
         return Err(ApiError::shutting_down());
     }
-    let _place = QueuePlace::take(&state.embeddings_waiting, state.options.max_queue)?;
+    let _place = QueuePlace::take(&ready.embeddings_waiting, state.options.max_queue)?;
     let tokens: usize = inputs.iter().map(Vec::len).sum();
     let tag = state.response_id("embd");
     let (reply, answer) = tokio::sync::oneshot::channel();
@@ -45,10 +41,11 @@ pub(super) async fn embeddings(
         reply,
         tag,
     };
-    if state.commands.send(Command::Embed(job)).is_err() {
+    if ready.commands.send(Command::Embed(job)).is_err() {
         return Err(ApiError::shutting_down());
     }
     let vectors = answer.await.map_err(|_| ApiError::shutting_down())??;
+    let name = ready.model.clone();
     let bytes = blocking(move || {
         let data = vectors
             .into_iter()
@@ -71,7 +68,7 @@ pub(super) async fn embeddings(
         json_bytes(&EmbeddingList {
             object: "list",
             data,
-            model: &ready.model,
+            model: &name,
             usage: EmbeddingUsage {
                 prompt_tokens: tokens,
                 total_tokens: tokens,
@@ -88,11 +85,7 @@ pub(super) async fn embeddings(
 ///
 /// # Errors
 /// A 400 naming `input`.
-fn tokenize(
-    state: &AppState,
-    ready: &Ready,
-    input: Option<EmbeddingInput>,
-) -> Result<Vec<Vec<TokenId>>, ApiError> {
+fn tokenize(ready: &Ready, input: Option<EmbeddingInput>) -> Result<Vec<Vec<TokenId>>, ApiError> {
     let context = ready.shape.max_positions;
     let vocab = ready.shape.vocab;
     let bad = |message: String| ApiError::invalid_field("input", message);
@@ -100,7 +93,7 @@ fn tokenize(
         if text.is_empty() {
             return Err(bad(format!("input {i} is an empty string")));
         }
-        state.check_text_fits(ready, text.len(), context, "input", "the model's context")?;
+        ready.check_text_fits(text.len(), context, "input", "the model's context")?;
         ready
             .codec
             .encode(text, true)

@@ -14,6 +14,7 @@ use super::{AppState, Ready, unix_time};
 use crate::api::Generation;
 use crate::api::response::Usage;
 use crate::error::ApiError;
+use crate::fleet::Lease;
 use crate::tools::ToolPlan;
 use crate::worker::{Command, Submission, Update};
 
@@ -57,6 +58,9 @@ pub(super) struct Job {
     pub created: u64,
     /// The model it runs on.
     pub ready: Arc<Ready>,
+    /// Its hold on the model: not unloaded while the job lives (until its answer is sent, or
+    /// its client leaves).
+    _lease: Lease,
     pub prompts: Vec<Vec<TokenId>>,
     pub generation: Generation,
     pub arrived: Instant,
@@ -74,7 +78,7 @@ impl Job {
     /// A job of `prompts` with its engine requests, or why they cannot run.
     pub fn new(
         state: &AppState,
-        ready: Arc<Ready>,
+        lease: Lease,
         endpoint: Endpoint,
         prompts: Vec<Vec<TokenId>>,
         generation: Generation,
@@ -88,7 +92,8 @@ impl Job {
             endpoint,
             id: state.response_id(prefix),
             created: unix_time(),
-            ready,
+            ready: lease.ready().clone(),
+            _lease: lease,
             prompts,
             generation,
             arrived,
@@ -270,9 +275,10 @@ pub(super) async fn submit(
     // Rows, not requests: a beam search of 8 beams queues as 8.
     let n: usize = requests.iter().map(Request::rows).sum();
     let limit = job.ready.max_batch + state.options.max_queue;
-    let before = state.in_flight.fetch_add(n, Ordering::SeqCst);
+    let in_flight = &job.ready.in_flight;
+    let before = in_flight.fetch_add(n, Ordering::SeqCst);
     if before + n > limit {
-        state.in_flight.fetch_sub(n, Ordering::SeqCst);
+        in_flight.fetch_sub(n, Ordering::SeqCst);
         state.metrics.rejected();
         return Err(ApiError::queue_full(state.options.max_queue));
     }
@@ -283,8 +289,13 @@ pub(super) async fn submit(
         arrived: job.arrived,
         tag: job.id.clone(),
     };
-    if state.commands.send(Command::Submit(submission)).is_err() {
-        state.in_flight.fetch_sub(n, Ordering::SeqCst);
+    if job
+        .ready
+        .commands
+        .send(Command::Submit(submission))
+        .is_err()
+    {
+        in_flight.fetch_sub(n, Ordering::SeqCst);
         return Err(ApiError::shutting_down());
     }
     match rx.recv().await {

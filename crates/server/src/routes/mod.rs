@@ -40,34 +40,25 @@ use crate::ServerOptions;
 use crate::api::RequestBody;
 use crate::codec::Codec;
 use crate::error::ApiError;
+use crate::fleet::{Fleet, Lease};
 use crate::metrics::Metrics;
 use crate::worker::Command;
 
 /// What the handlers share.
 pub(crate) struct AppState {
     pub options: ServerOptions,
-    /// Set once the model is loaded; `/health` answers 503 until then.
-    pub ready: OnceLock<Arc<Ready>>,
-    pub commands: Sender<Command>,
+    /// The models: which are loaded, and the leases requests hold on them.
+    pub fleet: Arc<Fleet>,
     pub metrics: Arc<Metrics>,
-    pub in_flight: Arc<AtomicUsize>,
-    /// Embedding requests handed to the engine thread and not answered yet (at most
-    /// `--max-queue`).
-    pub embeddings_waiting: AtomicUsize,
     pub shutting_down: AtomicBool,
     next_id: AtomicU64,
     id_prefix: u64,
-    /// Bytes of the tokenizer's longest token text, found at the first request: a text of
-    /// more than `tokens × longest` bytes cannot be `tokens` tokens.
-    longest_token: OnceLock<usize>,
 }
 
 /// The loaded model, as the handlers need it.
 pub(crate) struct Ready {
     /// The name `/v1/models` lists and responses carry.
     pub model: String,
-    /// When it was loaded (Unix seconds).
-    pub created: u64,
     pub codec: Codec,
     /// End-of-sequence tokens.
     pub eos: Vec<TokenId>,
@@ -90,6 +81,16 @@ pub(crate) struct Ready {
     /// Whether chat answers are split into `reasoning_content` and `content`
     /// ([`crate::reasoning`]).
     pub splits_reasoning: bool,
+    /// The model's engine thread.
+    pub commands: Sender<Command>,
+    /// Rows of engine requests accepted and not yet ended (the queue limit counts them).
+    pub in_flight: Arc<AtomicUsize>,
+    /// Embedding requests handed to the engine thread and not answered yet (at most
+    /// `--max-queue`).
+    pub embeddings_waiting: AtomicUsize,
+    /// Bytes of the tokenizer's longest token text, found at the first request: a text of
+    /// more than `tokens × longest` bytes cannot be `tokens` tokens.
+    pub longest_token: OnceLock<usize>,
 }
 
 impl Ready {
@@ -97,34 +98,12 @@ impl Ready {
     pub fn sequence_tokens(&self) -> usize {
         self.shape.max_positions.min(self.kv_tokens)
     }
-}
-
-impl AppState {
-    pub fn new(
-        options: ServerOptions,
-        commands: Sender<Command>,
-        metrics: Arc<Metrics>,
-        in_flight: Arc<AtomicUsize>,
-    ) -> Self {
-        Self {
-            options,
-            ready: OnceLock::new(),
-            commands,
-            metrics,
-            in_flight,
-            embeddings_waiting: AtomicUsize::new(0),
-            shutting_down: AtomicBool::new(false),
-            next_id: AtomicU64::new(0),
-            id_prefix: unix_time_nanos(),
-            longest_token: OnceLock::new(),
-        }
-    }
 
     /// Bytes of the longest token's text (at least 1).
-    fn longest_token(&self, ready: &Ready) -> usize {
+    fn longest_token(&self) -> usize {
         *self.longest_token.get_or_init(|| {
-            (0..ready.shape.vocab)
-                .map(|id| ready.codec.token_text(TokenId(id as u32)).len())
+            (0..self.shape.vocab)
+                .map(|id| self.codec.token_text(TokenId(id as u32)).len())
                 .max()
                 .unwrap_or(1)
                 .max(1)
@@ -136,13 +115,12 @@ impl AppState {
     /// allowed, for normalizers that shorten text).
     fn check_text_fits(
         &self,
-        ready: &Ready,
         bytes: usize,
         tokens: usize,
         param: &str,
         what: &str,
     ) -> Result<(), ApiError> {
-        let longest = self.longest_token(ready);
+        let longest = self.longest_token();
         let most = tokens.saturating_mul(longest).saturating_mul(2);
         if bytes > most {
             return Err(ApiError::invalid_field(
@@ -156,9 +134,18 @@ impl AppState {
         }
         Ok(())
     }
+}
 
-    fn ready(&self) -> Result<Arc<Ready>, ApiError> {
-        self.ready.get().cloned().ok_or_else(ApiError::loading)
+impl AppState {
+    pub fn new(options: ServerOptions, fleet: Arc<Fleet>, metrics: Arc<Metrics>) -> Self {
+        Self {
+            options,
+            fleet,
+            metrics,
+            shutting_down: AtomicBool::new(false),
+            next_id: AtomicU64::new(0),
+            id_prefix: unix_time_nanos(),
+        }
     }
 
     /// The next number of this process's sequence (response ids, request groups).
@@ -258,17 +245,25 @@ async fn method_not_allowed() -> ApiError {
     ApiError::method_not_allowed()
 }
 
-/// The loaded model: a handler that takes it answers 503 `model_loading` until it is.
-pub(crate) struct Loaded(pub Arc<Ready>);
+/// The JSON body as `T` ([`JsonBody`]) and a lease on the model its `model` names
+/// ([`Fleet::acquire`]: loaded first if need be; 503 `model_loading` before the server is up,
+/// 404 for a name it does not serve).
+pub(crate) struct ModelBody<T> {
+    pub lease: Lease,
+    pub body: T,
+}
 
-impl FromRequestParts<Arc<AppState>> for Loaded {
+impl<T: RequestBody + Send + 'static> FromRequest<Arc<AppState>> for ModelBody<T> {
     type Rejection = ApiError;
 
-    async fn from_request_parts(
-        _parts: &mut Parts,
-        state: &Arc<AppState>,
-    ) -> Result<Self, ApiError> {
-        state.ready().map(Loaded)
+    async fn from_request(request: Request, state: &Arc<AppState>) -> Result<Self, ApiError> {
+        // Not loaded yet at start-up: refused before the body is read.
+        if !state.fleet.started() {
+            return Err(ApiError::loading());
+        }
+        let JsonBody(body) = JsonBody::<T>::from_request(request, state).await?;
+        let lease = state.fleet.acquire(body.model()).await?;
+        Ok(Self { lease, body })
     }
 }
 

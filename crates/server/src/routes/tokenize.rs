@@ -2,22 +2,18 @@
 //! bounded by the model's context: a text that cannot be that many tokens is refused before
 //! it is tokenized, and no more ids than that are decoded.
 
-use std::sync::Arc;
-
-use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use kiln_core::TokenId;
 
-use super::{AppState, JsonBody, Loaded, blocking};
+use super::{ModelBody, blocking};
 use crate::api::response::{Text, Tokens};
 use crate::api::{DetokenizeRequest, TokenizeRequest};
 use crate::error::ApiError;
 
 pub(super) async fn tokenize(
-    State(state): State<Arc<AppState>>,
-    Loaded(ready): Loaded,
-    JsonBody(body): JsonBody<TokenizeRequest>,
+    ModelBody { lease, body }: ModelBody<TokenizeRequest>,
 ) -> Result<Response, ApiError> {
+    let ready = lease.ready().clone();
     let tokens = blocking(move || {
         let (param, text) = match (body.content, body.prompt) {
             (Some(text), _) => ("content", text),
@@ -30,7 +26,7 @@ pub(super) async fn tokenize(
             }
         };
         let context = ready.shape.max_positions;
-        state.check_text_fits(&ready, text.len(), context, param, "the model's context")?;
+        ready.check_text_fits(text.len(), context, param, "the model's context")?;
         let add_special = body.add_special.or(body.add_special_tokens).unwrap_or(true);
         let tokens = ready.codec.encode(&text, add_special)?;
         Ok(Tokens {
@@ -44,9 +40,9 @@ pub(super) async fn tokenize(
 }
 
 pub(super) async fn detokenize(
-    Loaded(ready): Loaded,
-    JsonBody(body): JsonBody<DetokenizeRequest>,
+    ModelBody { lease, body }: ModelBody<DetokenizeRequest>,
 ) -> Result<Response, ApiError> {
+    let ready = lease.ready().clone();
     let context = ready.shape.max_positions;
     // No sequence of the model is longer than its context; the cap bounds the answer at
     // `context × longest token` bytes.

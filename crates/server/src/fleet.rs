@@ -1,0 +1,629 @@
+//! The models one server serves: their aliases, which are loaded, and the memory they hold.
+//!
+//! Each loaded model runs on its own engine thread ([`crate::engine_thread`]): its model, KV
+//! cache and engine live there, so two models answer at once. A request names a model
+//! (`model`), and its handler takes a [`Lease`] on it ([`Fleet::acquire`]) for as long as the
+//! request runs. A model not loaded yet is loaded on first use, the request waiting meanwhile
+//! (Ollama's and llama-server's router mode's behaviour); when loading it would exceed the
+//! memory budget (`--models-memory-mb`) or the count (`--models-max`), the least recently used
+//! models that no request holds are unloaded first. A model some request holds is never
+//! unloaded: the load waits until enough leases end, so no request is lost to an unload.
+//!
+//! A server of one model answers to any `model` name (as it always has); with several, a
+//! missing `model` means the first, and an unknown one is 404 `model_not_found`.
+//!
+//! What a model holds is counted as its weights as held plus its KV cache pool, measured when it
+//! has loaded; before its first load, the size of its files stands in.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::error::ApiError;
+use crate::routes::Ready;
+use crate::worker::Command;
+
+/// A model the server may serve.
+#[derive(Debug, Clone)]
+pub struct ModelEntry {
+    /// The name requests use (`model`) and `/v1/models` lists: letters, digits and `._:-`.
+    pub alias: String,
+    /// Where it comes from (a path), for the log.
+    pub source: String,
+    /// Bytes it is expected to hold before it has loaded once (its files' size).
+    pub estimated_bytes: u64,
+}
+
+/// How much the loaded models may hold together.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FleetLimits {
+    /// Most bytes of weights and KV caches loaded at once (`None`: no limit).
+    pub memory_bytes: Option<u64>,
+    /// Most models loaded at once (`None`: no limit).
+    pub max_loaded: Option<usize>,
+}
+
+/// What a model's entry is doing.
+enum State {
+    Unloaded,
+    /// Its engine thread is loading it.
+    Loading,
+    Loaded(Arc<Ready>),
+    /// Its engine thread was told to stop and has not finished freeing it.
+    Unloading,
+}
+
+impl State {
+    fn name(&self) -> &'static str {
+        match self {
+            State::Unloaded => "unloaded",
+            State::Loading => "loading",
+            State::Loaded(_) => "loaded",
+            State::Unloading => "unloading",
+        }
+    }
+
+    /// Whether it holds (or is about to hold) memory.
+    fn holds_memory(&self) -> bool {
+        !matches!(self, State::Unloaded)
+    }
+}
+
+struct Slot {
+    entry: ModelEntry,
+    state: State,
+    /// Requests holding it.
+    leases: usize,
+    last_used: Instant,
+    /// Bytes it holds when loaded: measured at its last load, else the estimate.
+    bytes: u64,
+    /// Load attempts so far; a request waiting on attempt `n` learns of its failure here.
+    attempt: u64,
+    failure: Option<(u64, String)>,
+    loads: u64,
+    unloads: u64,
+    /// How long its last load took.
+    load_time: Duration,
+    /// When it last finished loading (Unix seconds), for `/v1/models`.
+    created: u64,
+}
+
+struct Inner {
+    slots: Vec<Slot>,
+    shutting_down: bool,
+}
+
+/// Starts the engine thread of the model at an index.
+pub(crate) type Spawner = Box<dyn Fn(usize) -> std::io::Result<()> + Send + Sync>;
+
+/// The models, their state and their leases.
+pub(crate) struct Fleet {
+    inner: Mutex<Inner>,
+    /// Wakes requests waiting for a model to load or for room to load it.
+    changed: tokio::sync::Notify,
+    /// Wakes [`Fleet::wait_stopped`] when an engine thread ends.
+    stopped: Condvar,
+    limits: FleetLimits,
+    spawn: OnceLock<Spawner>,
+    /// The first model has loaded once: the server is up (`/health` says 200 from then on).
+    started: AtomicBool,
+}
+
+/// A model as `/v1/models` lists it.
+pub(crate) struct Listed {
+    pub alias: String,
+    pub state: &'static str,
+    pub created: u64,
+    /// Its context, once it has loaded.
+    pub max_model_len: Option<usize>,
+}
+
+/// A request's hold on a loaded model: it is not unloaded while this lives.
+pub(crate) struct Lease {
+    fleet: Arc<Fleet>,
+    index: usize,
+    ready: Arc<Ready>,
+}
+
+impl Lease {
+    /// The model, as the handlers need it.
+    pub fn ready(&self) -> &Arc<Ready> {
+        &self.ready
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.fleet.release(self.index);
+    }
+}
+
+impl Fleet {
+    /// A fleet of `entries` (at least one), none loaded.
+    pub fn new(entries: Vec<ModelEntry>, limits: FleetLimits) -> Self {
+        let now = Instant::now();
+        let slots = entries
+            .into_iter()
+            .map(|entry| Slot {
+                bytes: entry.estimated_bytes,
+                entry,
+                state: State::Unloaded,
+                leases: 0,
+                last_used: now,
+                attempt: 0,
+                failure: None,
+                loads: 0,
+                unloads: 0,
+                load_time: Duration::ZERO,
+                created: 0,
+            })
+            .collect();
+        Self {
+            inner: Mutex::new(Inner {
+                slots,
+                shutting_down: false,
+            }),
+            changed: tokio::sync::Notify::new(),
+            stopped: Condvar::new(),
+            limits,
+            spawn: OnceLock::new(),
+            started: AtomicBool::new(false),
+        }
+    }
+
+    /// How engine threads are started (set once, by [`crate::Server::serve`]).
+    pub fn set_spawner(&self, spawn: Spawner) {
+        let _ = self.spawn.set(spawn);
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves plain data behind: go on with it.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the first model has loaded (the server is up).
+    pub fn started(&self) -> bool {
+        self.started.load(Ordering::SeqCst)
+    }
+
+    /// The alias of the model at `index`.
+    pub fn alias(&self, index: usize) -> String {
+        self.lock().slots[index].entry.alias.clone()
+    }
+
+    /// The slot `name` picks: any name (or none) in a one-model server; none means the first.
+    fn find(inner: &Inner, name: Option<&str>) -> Result<usize, ApiError> {
+        match name {
+            _ if inner.slots.len() == 1 => Ok(0),
+            None => Ok(0),
+            Some(name) => inner
+                .slots
+                .iter()
+                .position(|s| s.entry.alias == name)
+                .ok_or_else(|| {
+                    let known: Vec<&str> =
+                        inner.slots.iter().map(|s| s.entry.alias.as_str()).collect();
+                    ApiError::model_not_found(name, &known)
+                }),
+        }
+    }
+
+    /// A lease on the model `name` picks, loading it first (after unloading idle models to
+    /// make room) when it is not loaded; waits while it loads or while every model that would
+    /// have to make room is busy.
+    ///
+    /// # Errors
+    /// 404 for an unknown name; 503 before the server is up, while it stops, or when loading
+    /// the model failed.
+    pub async fn acquire(self: &Arc<Self>, name: Option<&str>) -> Result<Lease, ApiError> {
+        if !self.started() {
+            return Err(ApiError::loading());
+        }
+        let mut waiting_on: Option<u64> = None;
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            {
+                let mut inner = self.lock();
+                if inner.shutting_down {
+                    return Err(ApiError::shutting_down());
+                }
+                let index = Self::find(&inner, name)?;
+                if let State::Loaded(ready) = &inner.slots[index].state {
+                    let ready = ready.clone();
+                    let slot = &mut inner.slots[index];
+                    slot.leases += 1;
+                    slot.last_used = Instant::now();
+                    return Ok(Lease {
+                        fleet: self.clone(),
+                        index,
+                        ready,
+                    });
+                }
+                if matches!(inner.slots[index].state, State::Unloaded) {
+                    if let Some(why) = Self::failed(&inner.slots[index], waiting_on) {
+                        return Err(why);
+                    }
+                    if self.make_room(&mut inner, index) {
+                        self.start_loading(&mut inner, index);
+                        let slot = &inner.slots[index];
+                        if let Some(why) = Self::failed(slot, Some(slot.attempt)) {
+                            return Err(why);
+                        }
+                    }
+                }
+                if matches!(inner.slots[index].state, State::Loading) {
+                    waiting_on = Some(inner.slots[index].attempt);
+                }
+                // Registered before the lock is let go: a change made after it wakes us.
+                notified.as_mut().enable();
+            }
+            notified.await;
+        }
+    }
+
+    /// The 503 for a request that waited on load attempt `waited` of `slot`, if that attempt
+    /// failed.
+    fn failed(slot: &Slot, waited: Option<u64>) -> Option<ApiError> {
+        match (waited, &slot.failure) {
+            (Some(waited), Some((attempt, why))) if waited == *attempt => {
+                Some(ApiError::model_unavailable(&slot.entry.alias, why))
+            }
+            _ => None,
+        }
+    }
+
+    /// Loads the model at `index` and waits until it has loaded; the server is up once it
+    /// has. For the first model, at start-up.
+    ///
+    /// # Errors
+    /// Why it could not load.
+    pub fn load_blocking(self: &Arc<Self>, index: usize) -> Result<(), String> {
+        let mut inner = self.lock();
+        self.start_loading(&mut inner, index);
+        loop {
+            let slot = &inner.slots[index];
+            match (&slot.state, &slot.failure) {
+                (State::Loaded(_), _) => {
+                    self.started.store(true, Ordering::SeqCst);
+                    return Ok(());
+                }
+                (State::Unloaded, Some((_, why))) => return Err(why.clone()),
+                (State::Unloading, _) | (State::Unloaded, None) => {
+                    return Err("the server stopped while the model loaded".into());
+                }
+                (State::Loading, _) => {}
+            }
+            inner = self.stopped.wait(inner).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Whether the model at `index` may start loading now. When loading it would exceed the
+    /// limits, unloads the least recently used idle models that make it fit (none, if even
+    /// all of them would not) and says no: the caller waits for them to finish unloading, or
+    /// for leases to end.
+    fn make_room(&self, inner: &mut Inner, index: usize) -> bool {
+        let need = inner.slots[index].bytes;
+        let held: u64 = inner
+            .slots
+            .iter()
+            .filter(|s| s.state.holds_memory())
+            .map(|s| s.bytes)
+            .sum();
+        let count = inner
+            .slots
+            .iter()
+            .filter(|s| s.state.holds_memory())
+            .count();
+        let fits = |held: u64, count: usize| {
+            self.limits.memory_bytes.is_none_or(|b| held + need <= b)
+                && self.limits.max_loaded.is_none_or(|m| count < m)
+        };
+        if fits(held, count) {
+            return true;
+        }
+        // Alone, it is over the budget (the start-up check judged by an estimate): load it
+        // once nothing else holds memory.
+        if count == 0 {
+            return true;
+        }
+        let mut idle: Vec<usize> = (0..inner.slots.len())
+            .filter(|&i| {
+                i != index
+                    && inner.slots[i].leases == 0
+                    && matches!(inner.slots[i].state, State::Loaded(_))
+            })
+            .collect();
+        idle.sort_by_key(|&i| inner.slots[i].last_used);
+        let (mut freed, mut victims) = (0u64, Vec::new());
+        for i in idle {
+            if fits(held - freed, count - victims.len()) {
+                break;
+            }
+            freed += inner.slots[i].bytes;
+            victims.push(i);
+        }
+        let alone = count == victims.len();
+        if !(fits(held - freed, count - victims.len()) || alone) {
+            return false;
+        }
+        let wanted = inner.slots[index].entry.alias.clone();
+        for i in victims {
+            Self::begin_unload(
+                &mut inner.slots[i],
+                Some(&format!("to make room for {wanted}")),
+            );
+        }
+        false
+    }
+
+    /// Tells the engine thread of a loaded model to stop; `why` an idle one is unloaded, for
+    /// the log (`None`: the server is stopping).
+    fn begin_unload(slot: &mut Slot, why: Option<&str>) {
+        if let State::Loaded(ready) = std::mem::replace(&mut slot.state, State::Unloading) {
+            let Some(why) = why else {
+                let _ = ready.commands.send(Command::Shutdown);
+                return;
+            };
+            tracing::info!(
+                target: "kiln::serve",
+                model = %slot.entry.alias,
+                mib = slot.bytes >> 20,
+                "unloading {} (least recently used, no request running) {why}",
+                slot.entry.alias
+            );
+            let _ = ready.commands.send(Command::Shutdown);
+        }
+    }
+
+    fn start_loading(&self, inner: &mut Inner, index: usize) {
+        let slot = &mut inner.slots[index];
+        slot.state = State::Loading;
+        slot.attempt += 1;
+        slot.failure = None;
+        tracing::info!(target: "kiln::serve", model = %slot.entry.alias, "loading {} from {}", slot.entry.alias, slot.entry.source);
+        let started = self
+            .spawn
+            .get()
+            .ok_or_else(|| "the server is not serving yet".to_string())
+            .and_then(|spawn| spawn(index).map_err(|e| format!("starting its thread: {e}")));
+        if let Err(why) = started {
+            slot.state = State::Unloaded;
+            slot.failure = Some((slot.attempt, why));
+        }
+    }
+
+    /// Its engine thread has loaded the model at `index` in `took`, holding `bytes`.
+    pub fn loaded(&self, index: usize, ready: Arc<Ready>, bytes: u64, took: Duration) {
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        let slot = &mut inner.slots[index];
+        slot.bytes = bytes;
+        slot.loads += 1;
+        slot.load_time = took;
+        slot.last_used = Instant::now();
+        slot.created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        tracing::info!(
+            target: "kiln::serve",
+            model = %slot.entry.alias,
+            mib = bytes >> 20,
+            load_ms = took.as_millis() as u64,
+            "loaded {} in {:.1} s ({} MiB of weights and KV cache)",
+            slot.entry.alias,
+            took.as_secs_f64(),
+            bytes >> 20
+        );
+        if inner.shutting_down {
+            let _ = ready.commands.send(Command::Shutdown);
+            slot.state = State::Unloading;
+        } else {
+            slot.state = State::Loaded(ready);
+            // The estimate may have been short: trim what is over the limits now.
+            self.trim(inner, Some(index));
+        }
+        drop(guard);
+        self.changed.notify_waiters();
+        self.stopped.notify_all();
+    }
+
+    /// Unloads idle models, least recently used first, while the loaded ones exceed the
+    /// limits (never `keep`).
+    fn trim(&self, inner: &mut Inner, keep: Option<usize>) {
+        loop {
+            let held: u64 = inner
+                .slots
+                .iter()
+                .filter(|s| s.state.holds_memory())
+                .map(|s| s.bytes)
+                .sum();
+            let count = inner
+                .slots
+                .iter()
+                .filter(|s| s.state.holds_memory())
+                .count();
+            // One model alone over the budget stays: unloading it would only load it again.
+            let over = count > 1
+                && (self.limits.memory_bytes.is_some_and(|b| held > b)
+                    || self.limits.max_loaded.is_some_and(|m| count > m));
+            let victim = (0..inner.slots.len())
+                .filter(|&i| {
+                    Some(i) != keep
+                        && inner.slots[i].leases == 0
+                        && matches!(inner.slots[i].state, State::Loaded(_))
+                })
+                .min_by_key(|&i| inner.slots[i].last_used);
+            match victim {
+                Some(i) if over => {
+                    Self::begin_unload(&mut inner.slots[i], Some("to stay within the limits"));
+                }
+                _ => return,
+            }
+        }
+    }
+
+    /// Loading the model at `index` failed.
+    pub fn load_failed(&self, index: usize, why: String) {
+        let mut inner = self.lock();
+        let slot = &mut inner.slots[index];
+        tracing::error!(target: "kiln::serve", model = %slot.entry.alias, error = %why, "loading {} failed", slot.entry.alias);
+        slot.state = State::Unloaded;
+        slot.failure = Some((slot.attempt, why));
+        drop(inner);
+        self.changed.notify_waiters();
+        self.stopped.notify_all();
+    }
+
+    /// The engine thread of the model at `index` has stopped and freed it.
+    pub fn unloaded(&self, index: usize) {
+        let mut inner = self.lock();
+        let slot = &mut inner.slots[index];
+        slot.state = State::Unloaded;
+        slot.unloads += 1;
+        tracing::info!(target: "kiln::serve", model = %slot.entry.alias, "unloaded {}", slot.entry.alias);
+        drop(inner);
+        self.changed.notify_waiters();
+        self.stopped.notify_all();
+    }
+
+    /// A lease on the model at `index` ended.
+    fn release(&self, index: usize) {
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        let slot = &mut inner.slots[index];
+        slot.leases = slot.leases.saturating_sub(1);
+        slot.last_used = Instant::now();
+        // Over the limits (a model turned out larger than its estimate while others were
+        // busy): an idle one goes now.
+        if !inner.shutting_down {
+            self.trim(inner, None);
+        }
+        drop(guard);
+        // A load waiting for this model to become idle may go on.
+        self.changed.notify_waiters();
+    }
+
+    /// Stops taking requests and tells every loaded model's engine thread to finish what runs
+    /// (within the grace period) and stop.
+    pub fn shutdown(&self) {
+        let mut inner = self.lock();
+        inner.shutting_down = true;
+        // A model still loading is stopped by `loaded` when it is done.
+        for slot in &mut inner.slots {
+            if matches!(slot.state, State::Loaded(_)) {
+                Self::begin_unload(slot, None);
+            }
+        }
+        drop(inner);
+        self.changed.notify_waiters();
+    }
+
+    /// Blocks until [`Fleet::shutdown`] was called and every engine thread has stopped.
+    pub fn wait_stopped(&self) {
+        let mut inner = self.lock();
+        while !(inner.shutting_down && inner.slots.iter().all(|s| !s.state.holds_memory())) {
+            inner = self.stopped.wait(inner).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Every model, in the order given.
+    pub fn list(&self) -> Vec<Listed> {
+        self.lock()
+            .slots
+            .iter()
+            .map(|s| Listed {
+                alias: s.entry.alias.clone(),
+                state: s.state.name(),
+                created: s.created,
+                max_model_len: match &s.state {
+                    State::Loaded(ready) => Some(ready.shape.max_positions),
+                    _ => None,
+                },
+            })
+            .collect()
+    }
+
+    /// The fleet's Prometheus lines: each model's state, loads, unloads, last load time and
+    /// memory, and the budget.
+    pub fn render_metrics(&self, out: &mut String) {
+        let inner = self.lock();
+        type Value = fn(&Slot) -> f64;
+        let families: [(&str, &str, &str, Value); 5] = [
+            (
+                "kiln_model_loaded",
+                "gauge",
+                "1 while the model is loaded.",
+                |s| f64::from(u8::from(matches!(s.state, State::Loaded(_)))),
+            ),
+            (
+                "kiln_model_loads_total",
+                "counter",
+                "Times the model was loaded.",
+                |s| s.loads as f64,
+            ),
+            (
+                "kiln_model_unloads_total",
+                "counter",
+                "Times the model was unloaded (to make room, or at shutdown).",
+                |s| s.unloads as f64,
+            ),
+            (
+                "kiln_model_load_seconds",
+                "gauge",
+                "How long the model's last load took.",
+                |s| s.load_time.as_secs_f64(),
+            ),
+            (
+                "kiln_model_memory_bytes",
+                "gauge",
+                "Bytes the model holds when loaded (weights and KV cache; the files' size before its first load).",
+                |s| s.bytes as f64,
+            ),
+        ];
+        for (name, kind, help, value) in families {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for slot in &inner.slots {
+                let _ = writeln!(
+                    out,
+                    "{name}{{model=\"{}\"}} {}",
+                    slot.entry.alias,
+                    value(slot)
+                );
+            }
+        }
+        if let Some(budget) = self.limits.memory_bytes {
+            let name = "kiln_models_memory_budget_bytes";
+            let _ = writeln!(
+                out,
+                "# HELP {name} Most bytes the loaded models may hold together (--models-memory-mb).\n# TYPE {name} gauge\n{name} {budget}"
+            );
+        }
+    }
+}
+
+/// Whether `alias` may name a model: 1-64 letters, digits and `._:-` (safe in a URL, a log
+/// field and a Prometheus label).
+pub fn valid_alias(alias: &str) -> bool {
+    (1..=64).contains(&alias.len())
+        && alias
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aliases_are_short_plain_names() {
+        for good in ["smol", "qwen3:8b", "llama-3.1_8B.Q4_K_M"] {
+            assert!(valid_alias(good), "{good}");
+        }
+        let long = "x".repeat(65);
+        for bad in ["", "a b", "a/b", "a\"b", "é", long.as_str()] {
+            assert!(!valid_alias(bad), "{bad}");
+        }
+    }
+}
