@@ -137,6 +137,15 @@ pub struct Args {
     /// one is unloaded to load another [default: no limit]
     #[arg(long, value_name = "N", help_heading = "Models")]
     models_max: Option<usize>,
+    /// Seconds a request waits for room to load its model, while the models that would have
+    /// to unload are running requests; then it gets 503 `model_busy`
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 300.0,
+        help_heading = "Models"
+    )]
+    models_room_wait: f64,
     /// Log lines as text or as JSON objects (one per line).
     #[arg(long, value_name = "FORMAT", default_value = "text", value_parser = ["text", "json"], help_heading = "Server")]
     log_format: String,
@@ -177,6 +186,7 @@ pub fn run(mut args: Args) -> Result<()> {
     for (name, value) in [
         ("--header-timeout", args.header_timeout),
         ("--body-timeout", args.body_timeout),
+        ("--models-room-wait", args.models_room_wait),
         (
             "--keep-alive-timeout",
             args.keep_alive_timeout.unwrap_or(1.0),
@@ -287,8 +297,9 @@ impl BackendTask for Task {
         };
         let models = served_models(&args)?;
         let limits = FleetLimits {
-            memory_bytes: args.models_memory_mb.map(|mb| mb << 20),
+            memory_bytes: args.models_memory_mb.map(|mb| mb.saturating_mul(1 << 20)),
             max_loaded: args.models_max,
+            room_wait: Duration::from_secs_f64(args.models_room_wait),
         };
         let entries: Vec<ModelEntry> = models
             .iter()
@@ -299,8 +310,11 @@ impl BackendTask for Task {
                     |p| p.display().to_string(),
                 ),
                 // Its files, and the KV cache when its size is given.
-                estimated_bytes: path.as_deref().map_or(0, files_bytes)
-                    + args.engine.kv_cache_mb.map_or(0, |mb| (mb as u64) << 20),
+                estimated_bytes: path.as_deref().map_or(0, files_bytes).saturating_add(
+                    args.engine
+                        .kv_cache_mb
+                        .map_or(0, |mb| (mb as u64).saturating_mul(1 << 20)),
+                ),
             })
             .collect();
         if let Some(budget) = limits.memory_bytes

@@ -101,6 +101,22 @@ impl ApiError {
         }
     }
 
+    /// 503: no room was made to load the model in time (the models that would have to unload
+    /// stayed busy).
+    pub fn no_room_for_model(alias: &str, waited: std::time::Duration) -> Self {
+        Self {
+            code: Some("model_busy"),
+            ..Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "loading the model {alias} needs room that the models running requests \
+                     did not give within {} s (--models-room-wait); retry later",
+                    waited.as_secs_f64()
+                ),
+            )
+        }
+    }
+
     /// 503: the model is still loading.
     pub fn loading() -> Self {
         Self {

@@ -35,13 +35,27 @@ pub struct ModelEntry {
     pub estimated_bytes: u64,
 }
 
-/// How much the loaded models may hold together.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// How much the loaded models may hold together, and how long a load waits for room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FleetLimits {
     /// Most bytes of weights and KV caches loaded at once (`None`: no limit).
     pub memory_bytes: Option<u64>,
     /// Most models loaded at once (`None`: no limit).
     pub max_loaded: Option<usize>,
+    /// How long a request waits for room to load its model (for the models that would have to
+    /// unload to become idle) before it gets 503 `model_busy`.
+    pub room_wait: Duration,
+}
+
+impl Default for FleetLimits {
+    /// No limits; a wait of five minutes (Ollama's default load timeout).
+    fn default() -> Self {
+        Self {
+            memory_bytes: None,
+            max_loaded: None,
+            room_wait: Duration::from_secs(300),
+        }
+    }
 }
 
 /// What a model's entry is doing.
@@ -92,6 +106,18 @@ struct Slot {
 struct Inner {
     slots: Vec<Slot>,
     shutting_down: bool,
+}
+
+impl Inner {
+    /// Bytes the models that are loaded, loading or unloading hold, and how many they are.
+    fn held(&self) -> (u64, usize) {
+        self.slots
+            .iter()
+            .filter(|s| s.state.holds_memory())
+            .fold((0u64, 0), |(bytes, count), s| {
+                (bytes.saturating_add(s.bytes), count + 1)
+            })
+    }
 }
 
 /// Starts the engine thread of the model at an index.
@@ -214,14 +240,18 @@ impl Fleet {
     /// have to make room is busy.
     ///
     /// # Errors
-    /// 404 for an unknown name; 503 before the server is up, while it stops, or when loading
-    /// the model failed.
+    /// 404 for an unknown name; 503 before the server is up, while it stops, when loading
+    /// the model failed, or when no room was made for it within
+    /// [`FleetLimits::room_wait`] (the models that would have to unload stayed busy).
     pub async fn acquire(self: &Arc<Self>, name: Option<&str>) -> Result<Lease, ApiError> {
         if !self.started() {
             return Err(ApiError::loading());
         }
         let mut waiting_on: Option<u64> = None;
+        // Waiting for room ends here; waiting for a load in progress does not.
+        let room_deadline = tokio::time::Instant::now() + self.limits.room_wait;
         loop {
+            let mut waiting_for_room = None;
             let notified = self.changed.notified();
             tokio::pin!(notified);
             {
@@ -253,13 +283,24 @@ impl Fleet {
                         }
                     }
                 }
-                if matches!(inner.slots[index].state, State::Loading) {
-                    waiting_on = Some(inner.slots[index].attempt);
+                match inner.slots[index].state {
+                    State::Loading => waiting_on = Some(inner.slots[index].attempt),
+                    _ => waiting_for_room = Some(inner.slots[index].entry.alias.clone()),
                 }
                 // Registered before the lock is let go: a change made after it wakes us.
                 notified.as_mut().enable();
             }
-            notified.await;
+            match waiting_for_room {
+                Some(alias) => {
+                    if tokio::time::timeout_at(room_deadline, notified)
+                        .await
+                        .is_err()
+                    {
+                        return Err(ApiError::no_room_for_model(&alias, self.limits.room_wait));
+                    }
+                }
+                None => notified.await,
+            }
         }
     }
 
@@ -305,19 +346,11 @@ impl Fleet {
     /// for leases to end.
     fn make_room(&self, inner: &mut Inner, index: usize) -> bool {
         let need = inner.slots[index].bytes;
-        let held: u64 = inner
-            .slots
-            .iter()
-            .filter(|s| s.state.holds_memory())
-            .map(|s| s.bytes)
-            .sum();
-        let count = inner
-            .slots
-            .iter()
-            .filter(|s| s.state.holds_memory())
-            .count();
+        let (held, count) = inner.held();
         let fits = |held: u64, count: usize| {
-            self.limits.memory_bytes.is_none_or(|b| held + need <= b)
+            self.limits
+                .memory_bytes
+                .is_none_or(|b| held.saturating_add(need) <= b)
                 && self.limits.max_loaded.is_none_or(|m| count < m)
         };
         if fits(held, count) {
@@ -338,14 +371,14 @@ impl Fleet {
         idle.sort_by_key(|&i| inner.slots[i].last_used);
         let (mut freed, mut victims) = (0u64, Vec::new());
         for i in idle {
-            if fits(held - freed, count - victims.len()) {
+            if fits(held.saturating_sub(freed), count - victims.len()) {
                 break;
             }
-            freed += inner.slots[i].bytes;
+            freed = freed.saturating_add(inner.slots[i].bytes);
             victims.push(i);
         }
         let alone = count == victims.len();
-        if !(fits(held - freed, count - victims.len()) || alone) {
+        if !(fits(held.saturating_sub(freed), count - victims.len()) || alone) {
             return false;
         }
         let wanted = inner.slots[index].entry.alias.clone();
@@ -433,17 +466,7 @@ impl Fleet {
     /// limits (never `keep`).
     fn trim(&self, inner: &mut Inner, keep: Option<usize>) {
         loop {
-            let held: u64 = inner
-                .slots
-                .iter()
-                .filter(|s| s.state.holds_memory())
-                .map(|s| s.bytes)
-                .sum();
-            let count = inner
-                .slots
-                .iter()
-                .filter(|s| s.state.holds_memory())
-                .count();
+            let (held, count) = inner.held();
             // One model alone over the budget stays: unloading it would only load it again.
             let over = count > 1
                 && (self.limits.memory_bytes.is_some_and(|b| held > b)

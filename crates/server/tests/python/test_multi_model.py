@@ -205,3 +205,33 @@ def test_unloading_under_a_tight_budget_loses_no_request():
         assert "to make room for" in "".join(s.log)
     finally:
         assert s.stop() == 0, "".join(s.log)
+
+
+def test_a_model_running_a_request_is_not_unloaded_and_a_load_that_cannot_wait_is_503():
+    """Room for one model: while the default model streams a long answer, a request for a tiny
+    model waits `--models-room-wait` (1 s) for room, then gets 503 `model_busy`; the stream goes
+    on to its end, whole. Once the default model is idle, the tiny one loads in its place."""
+    s = KilnServer("--model", "smol=default", "--model", f"qwen={TINY['qwen']}", "--kv-cache-mb", "4",
+                   "--models-memory-mb", "100", "--models-room-wait", "1")
+    try:
+        ask = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 150, "temperature": 0,
+               "ignore_eos": True}
+        status, alone = post(s, "/v1/completions", ask)
+        assert status == 200, alone
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(post, s, "/v1/completions", ask)
+            time.sleep(0.3)
+            started = time.monotonic()
+            status, body = post(s, "/v1/completions", {"model": "qwen", "prompt": [1, 2], "max_tokens": 2})
+            waited = time.monotonic() - started
+            assert status == 503, body
+            assert body["error"]["code"] == "model_busy", body
+            assert 0.9 < waited < 10, waited
+            status, answer = running.result()
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == alone["choices"][0]["text"]
+        prompt, want = expected(s, "qwen")
+        assert greedy(s, "qwen", prompt, len(want)) == want
+        assert listed(s)["smol"]["status"] == "unloaded"
+    finally:
+        assert s.stop() == 0, "".join(s.log)
