@@ -83,7 +83,9 @@ impl ApiError {
             ..Self::new(
                 StatusCode::NOT_FOUND,
                 format!(
-                    "the model {name:?} is not served here; this server serves {}",
+                    "the model {:?} is not served here; this server serves {}",
+                    // A name is at most 64 bytes; a longer one is not echoed whole.
+                    name.chars().take(80).collect::<String>(),
                     known.join(", ")
                 ),
             )

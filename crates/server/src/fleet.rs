@@ -511,6 +511,19 @@ impl Fleet {
         self.stopped.notify_all();
     }
 
+    /// The engine thread of the model at `index` panicked (while loading or serving it): it
+    /// is unloaded, and the requests waiting on its load get 503.
+    pub fn crashed(&self, index: usize) {
+        let mut inner = self.lock();
+        let slot = &mut inner.slots[index];
+        tracing::error!(target: "kiln::serve", model = %slot.entry.alias, "the engine thread of {} panicked; the model is unloaded", slot.entry.alias);
+        slot.state = State::Unloaded;
+        slot.failure = Some((slot.attempt, "its engine thread panicked".into()));
+        drop(inner);
+        self.changed.notify_waiters();
+        self.stopped.notify_all();
+    }
+
     /// A lease on the model at `index` ended.
     fn release(&self, index: usize) {
         let mut guard = self.lock();
@@ -637,7 +650,46 @@ pub fn valid_alias(alias: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
+
     use super::*;
+
+    fn fleet_whose_threads(then: fn(&Fleet, usize)) -> Arc<Fleet> {
+        let entry = |alias: &str| ModelEntry {
+            alias: alias.into(),
+            source: "nowhere".into(),
+            estimated_bytes: 1,
+        };
+        let fleet = Arc::new(Fleet::new(
+            vec![entry("a"), entry("b")],
+            FleetLimits::default(),
+        ));
+        let weak = Arc::downgrade(&fleet);
+        fleet.set_spawner(Box::new(move |index| {
+            let fleet = weak.upgrade().unwrap();
+            std::thread::spawn(move || then(&fleet, index));
+            Ok(())
+        }));
+        fleet
+    }
+
+    #[test]
+    fn a_load_that_fails_or_panics_is_an_error_and_leaves_the_model_unloaded() {
+        let failing = fleet_whose_threads(|f, i| f.load_failed(i, "corrupt file".into()));
+        assert_eq!(failing.load_blocking(0), Err("corrupt file".to_string()));
+        let crashing = fleet_whose_threads(Fleet::crashed);
+        assert_eq!(
+            crashing.load_blocking(1),
+            Err("its engine thread panicked".to_string())
+        );
+        for fleet in [failing, crashing] {
+            assert!(!fleet.started());
+            assert!(fleet.list().iter().all(|m| m.state == "unloaded"));
+            // Nothing holds memory: a stop does not wait.
+            fleet.shutdown();
+            fleet.wait_stopped();
+        }
+    }
 
     #[test]
     fn aliases_are_short_plain_names() {

@@ -362,7 +362,19 @@ impl Server {
             let (loader, state) = (loader.clone(), state.clone());
             std::thread::Builder::new()
                 .name(format!("kiln-engine-{index}"))
-                .spawn(move || engine_thread::run(&state, &*loader, index))
+                .spawn(move || {
+                    let run = std::panic::AssertUnwindSafe(|| {
+                        engine_thread::run(&state, &*loader, index);
+                    });
+                    // A panic must not leave the model "loading" or "loaded" for ever: requests
+                    // and the shutdown wait on its state.
+                    if std::panic::catch_unwind(run).is_err()
+                        && let Some(state) = state.upgrade()
+                    {
+                        state.metrics.retire(&state.fleet.alias(index));
+                        state.fleet.crashed(index);
+                    }
+                })
                 .map(drop)
         }));
         self.state

@@ -63,6 +63,9 @@ pub struct Metrics {
     failed: AtomicU64,
     rejected: AtomicU64,
     preemptions: AtomicU64,
+    embedding_requests: AtomicU64,
+    embedding_inputs: AtomicU64,
+    embedding_tokens: AtomicU64,
     time_to_first_token: Mutex<Histogram>,
     inter_token_latency: Mutex<Histogram>,
 }
@@ -102,6 +105,8 @@ pub struct Load {
     pub prefix: PrefixStats,
     /// Speculative decoding's counts over finished requests.
     pub speculation: SpecCounts,
+    /// Embedding requests queued or running on the engine thread.
+    pub embedding_jobs: usize,
 }
 
 /// Every engine's gauges added up, and their counts with those of engines since unloaded.
@@ -115,6 +120,7 @@ struct Totals {
     blocks_total: u64,
     block_tokens: u64,
     cache_bytes: u64,
+    embedding_jobs: u64,
     prefix: PrefixStats,
     spec: SpecCounts,
 }
@@ -188,6 +194,7 @@ impl Metrics {
             t.blocks_total += e.capacity.blocks as u64;
             t.block_tokens = t.block_tokens.max(e.capacity.block_tokens as u64);
             t.cache_bytes += e.capacity.bytes;
+            t.embedding_jobs += e.load.embedding_jobs as u64;
             t.add_counts(e.load.prefix, e.load.speculation);
         }
         t
@@ -230,6 +237,15 @@ impl Metrics {
     /// A request refused before it reached the engine because the queue was full.
     pub fn rejected(&self) {
         self.rejected.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An embedding request answered: `inputs` vectors from `tokens` tokens.
+    pub fn embedded(&self, inputs: usize, tokens: usize) {
+        self.embedding_requests.fetch_add(1, Ordering::Relaxed);
+        self.embedding_inputs
+            .fetch_add(inputs as u64, Ordering::Relaxed);
+        self.embedding_tokens
+            .fetch_add(tokens as u64, Ordering::Relaxed);
     }
 
     /// The text format.
@@ -278,6 +294,11 @@ impl Metrics {
                 "kiln_kv_cache_block_tokens",
                 "Tokens per KV cache block.",
                 t.block_tokens,
+            ),
+            (
+                "kiln_embedding_requests_waiting",
+                "Embedding requests queued or running on the engine threads.",
+                t.embedding_jobs,
             ),
             (
                 "kiln_kv_cache_bytes",
@@ -359,6 +380,21 @@ impl Metrics {
                 "kiln_requests_rejected_total",
                 "Requests refused because the queue was full.",
                 get(&self.rejected),
+            ),
+            (
+                "kiln_embedding_requests_total",
+                "Embedding requests answered.",
+                get(&self.embedding_requests),
+            ),
+            (
+                "kiln_embedding_inputs_total",
+                "Inputs embedded (one vector each).",
+                get(&self.embedding_inputs),
+            ),
+            (
+                "kiln_embedding_tokens_total",
+                "Tokens of embedded inputs.",
+                get(&self.embedding_tokens),
             ),
         ];
         for (name, help, value) in counters {
@@ -449,6 +485,7 @@ mod tests {
                     forwards: 20,
                     tokens: 50,
                 },
+                embedding_jobs: 2,
             },
         );
         let text = m.render();
@@ -463,6 +500,46 @@ mod tests {
             "kiln_prefix_cache_queries_total 400\n",
             "kiln_prefix_cache_hits_total 100\n",
             "kiln_prefix_cache_hit_rate 0.25\n",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+    }
+
+    #[test]
+    fn engines_add_up_and_an_unloaded_one_keeps_its_counts() {
+        let m = Metrics::default();
+        let capacity = Capacity {
+            max_batch: 4,
+            blocks: 10,
+            block_tokens: 16,
+            bytes: 100,
+        };
+        let load = |running, hits| Load {
+            running,
+            prefix: PrefixStats { queried: 10, hits },
+            ..Load::default()
+        };
+        m.set_capacity("a", capacity);
+        m.set_capacity("b", capacity);
+        m.set_load("a", load(1, 3));
+        m.set_load("b", load(2, 4));
+        let text = m.render();
+        for line in [
+            "kiln_requests_running 3\n",
+            "kiln_max_batch 8\n",
+            "kiln_kv_cache_blocks_total 20\n",
+            "kiln_kv_cache_bytes 200\n",
+            "kiln_prefix_cache_hits_total 7\n",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+        m.retire("a");
+        let text = m.render();
+        for line in [
+            "kiln_requests_running 2\n",
+            "kiln_max_batch 4\n",
+            "kiln_prefix_cache_hits_total 7\n",
+            "kiln_prefix_cache_queries_total 20\n",
         ] {
             assert!(text.contains(line), "{line} missing from\n{text}");
         }

@@ -209,6 +209,7 @@ pub(crate) fn run<B: InferenceBackend>(
                 kv_blocks_cached: blocks(usage.cached),
                 prefix: engine.prefix_stats(),
                 speculation: engine.speculation_stats(),
+                embedding_jobs: worker.embeds.len(),
             },
         );
     }
@@ -290,6 +291,8 @@ impl Worker<'_, '_> {
         let tokens = done.job.tokens();
         let answer = match outcome {
             Ok(()) => {
+                let vectors = done.job.into_vectors();
+                self.shared.metrics.embedded(vectors.len(), tokens);
                 tracing::info!(
                     target: "kiln::serve",
                     id = %done.tag,
@@ -297,7 +300,7 @@ impl Worker<'_, '_> {
                     total_ms = (done.arrived.elapsed().as_secs_f64() * 1e3).round(),
                     "embedded"
                 );
-                Ok(done.job.into_vectors())
+                Ok(vectors)
             }
             Err(e) => {
                 tracing::warn!(target: "kiln::serve", id = %done.tag, error = %e, "embedding failed");

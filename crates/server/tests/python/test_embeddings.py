@@ -88,9 +88,17 @@ def test_dimensions_truncate_and_renormalise(client):
         assert max_diff(cut, [x / scale for x in full[:n]]) < 1e-6
 
 
-def test_a_list_gives_one_embedding_per_input_in_order(client):
+def test_a_list_gives_one_embedding_per_input_in_order(client, server):
     texts = ["one", "a longer sentence about the weather in Paris", "two words", "x"]
+    before = server.metrics()
     batched = embed(client, texts, encoding_format="float")
+    after = server.metrics()
+    # /metrics counts the request, its inputs and their tokens (usage's count).
+    assert after["kiln_embedding_requests_total"] - before["kiln_embedding_requests_total"] == 1
+    assert after["kiln_embedding_inputs_total"] - before["kiln_embedding_inputs_total"] == 4
+    assert after["kiln_embedding_tokens_total"] - before["kiln_embedding_tokens_total"] \
+        == batched.usage.prompt_tokens
+    assert after["kiln_embedding_requests_waiting"] == 0
     assert [d.index for d in batched.data] == [0, 1, 2, 3]
     for text, item in zip(texts, batched.data):
         alone = embed(client, text, encoding_format="float").data[0].embedding

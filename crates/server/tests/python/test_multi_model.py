@@ -112,6 +112,10 @@ def test_an_unknown_model_is_404_and_no_model_means_the_first(trio):
     status, body = post(trio, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
     assert status == 200, body
     assert body["model"] == "smol"
+    # A huge name is not echoed whole.
+    status, body = post(trio, "/v1/embeddings", {"model": "m" * 100_000, "input": "Hi"})
+    assert status == 404, body
+    assert len(body["error"]["message"]) < 300
 
 
 def test_two_models_answer_correctly_and_in_parallel(trio, server):
