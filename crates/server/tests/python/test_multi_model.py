@@ -215,13 +215,17 @@ def test_a_model_running_a_request_is_not_unloaded_and_a_load_that_cannot_wait_i
     """Room for one model: while the default model streams a long answer, a request for a tiny
     model waits `--models-room-wait` (1 s) for room, then gets 503 `model_busy`; the stream goes
     on to its end, whole. Once the default model is idle, the tiny one loads in its place."""
-    s = KilnServer("--model", "smol=default", "--model", f"qwen={TINY['qwen']}", "--kv-cache-mb", "4",
-                   "--models-memory-mb", "100", "--models-room-wait", "1")
+    # 16 MiB of KV cache each (room for a 500-token answer of the default model): the default
+    # model holds ~109 MiB, the tiny one ~17 MiB.
+    s = KilnServer("--model", "smol=default", "--model", f"qwen={TINY['qwen']}", "--kv-cache-mb", "16",
+                   "--models-memory-mb", "115", "--models-room-wait", "1")
     try:
-        ask = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 150, "temperature": 0,
+        # Long enough (several seconds on 2 cores) to outlast the 1 s wait with room to spare.
+        ask = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 500, "temperature": 0,
                "ignore_eos": True}
         status, alone = post(s, "/v1/completions", ask)
         assert status == 200, alone
+        assert alone["usage"]["completion_tokens"] == 500  # not cut short by the cache
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             running = pool.submit(post, s, "/v1/completions", ask)
             time.sleep(0.3)
@@ -231,6 +235,8 @@ def test_a_model_running_a_request_is_not_unloaded_and_a_load_that_cannot_wait_i
             assert status == 503, body
             assert body["error"]["code"] == "model_busy", body
             assert 0.9 < waited < 10, waited
+            # The default model was still running when the tiny one gave up waiting.
+            assert not running.done()
             status, answer = running.result()
         assert status == 200, answer
         assert answer["choices"][0]["text"] == alone["choices"][0]["text"]
