@@ -1,8 +1,8 @@
 //! One served model's thread: loads it with the [`ModelLoader`], makes what the handlers need
 //! of it ([`Ready`]: its codec, grammars, limits and the channel to this thread), runs its
 //! engine ([`crate::worker`]) until it is told to stop (the model unloading, or the server
-//! stopping), then frees it and tells the [`crate::fleet::Fleet`]. The model, its KV cache and
-//! its engine never leave this thread.
+//! stopping), then frees it and tells the [`crate::fleet::Fleet`], also when it panicked. The
+//! model, its KV cache and its engine never leave this thread.
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::mpsc::channel;
@@ -29,14 +29,20 @@ pub(crate) fn run<B: InferenceBackend>(
     let fleet = state.fleet.clone();
     let alias = fleet.alias(index);
     let started = Instant::now();
-    let served = match loader.load(&alias) {
-        Ok(served) => served,
-        Err(why) => return fleet.load_failed(index, why),
-    };
-    match serve(&state, index, &alias, served, started) {
+    let loaded_and_served = std::panic::AssertUnwindSafe(|| {
+        let served = loader.load(&alias)?;
+        serve(&state, index, &alias, served, started)
+    });
+    match std::panic::catch_unwind(loaded_and_served) {
         // Everything the model held is dropped by now.
-        Ok(()) => fleet.unloaded(index),
-        Err(why) => fleet.load_failed(index, why),
+        Ok(Ok(())) => fleet.unloaded(index),
+        Ok(Err(why)) => fleet.load_failed(index, why),
+        // A panic must not leave the model "loading" or "loaded" for ever: requests and the
+        // shutdown wait on its state.
+        Err(_) => {
+            state.metrics.retire(&alias);
+            fleet.crashed(index);
+        }
     }
 }
 

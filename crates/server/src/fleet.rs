@@ -109,6 +109,19 @@ struct Inner {
 }
 
 impl Inner {
+    /// The loaded models no request holds (but `except`), least recently used first.
+    fn idle(&self, except: Option<usize>) -> Vec<usize> {
+        let mut idle: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| {
+                Some(i) != except
+                    && self.slots[i].leases == 0
+                    && matches!(self.slots[i].state, State::Loaded(_))
+            })
+            .collect();
+        idle.sort_by_key(|&i| self.slots[i].last_used);
+        idle
+    }
+
     /// Bytes the models that are loaded, loading or unloading hold, and how many they are.
     fn held(&self) -> (u64, usize) {
         self.slots
@@ -166,8 +179,28 @@ impl Drop for Lease {
 }
 
 impl Fleet {
-    /// A fleet of `entries` (at least one), none loaded.
-    pub fn new(entries: Vec<ModelEntry>, limits: FleetLimits) -> Self {
+    /// A fleet of `entries`, none loaded.
+    ///
+    /// # Errors
+    /// No entry, an alias that is not a valid name ([`valid_alias`]), or one given twice.
+    pub fn new(entries: Vec<ModelEntry>, limits: FleetLimits) -> Result<Self, String> {
+        if entries.is_empty() {
+            return Err("no model to serve".into());
+        }
+        for (i, entry) in entries.iter().enumerate() {
+            if !valid_alias(&entry.alias) {
+                return Err(format!(
+                    "{:?} cannot name a model: use 1 to 64 letters, digits and ._:-",
+                    entry.alias
+                ));
+            }
+            if entries[..i].iter().any(|e| e.alias == entry.alias) {
+                return Err(format!(
+                    "two models are named {:?}: give each its own (ALIAS=PATH)",
+                    entry.alias
+                ));
+            }
+        }
         let now = Instant::now();
         let slots = entries
             .into_iter()
@@ -185,7 +218,7 @@ impl Fleet {
                 created: 0,
             })
             .collect();
-        Self {
+        Ok(Self {
             inner: Mutex::new(Inner {
                 slots,
                 shutting_down: false,
@@ -195,7 +228,7 @@ impl Fleet {
             limits,
             spawn: OnceLock::new(),
             started: AtomicBool::new(false),
-        }
+        })
     }
 
     /// How engine threads are started (set once, by [`crate::Server::serve`]).
@@ -340,6 +373,12 @@ impl Fleet {
         }
     }
 
+    /// Whether `count` models holding `held` bytes are within the limits.
+    fn within(&self, held: u64, count: usize) -> bool {
+        self.limits.memory_bytes.is_none_or(|b| held <= b)
+            && self.limits.max_loaded.is_none_or(|m| count <= m)
+    }
+
     /// Whether the model at `index` may start loading now. When loading it would exceed the
     /// limits, unloads the least recently used idle models that make it fit (none, if even
     /// all of them would not) and says no: the caller waits for them to finish unloading, or
@@ -347,12 +386,8 @@ impl Fleet {
     fn make_room(&self, inner: &mut Inner, index: usize) -> bool {
         let need = inner.slots[index].bytes;
         let (held, count) = inner.held();
-        let fits = |held: u64, count: usize| {
-            self.limits
-                .memory_bytes
-                .is_none_or(|b| held.saturating_add(need) <= b)
-                && self.limits.max_loaded.is_none_or(|m| count < m)
-        };
+        // Whether `count` models holding `held` bytes leave room for this one.
+        let fits = |held: u64, count: usize| self.within(held.saturating_add(need), count + 1);
         if fits(held, count) {
             return true;
         }
@@ -361,16 +396,8 @@ impl Fleet {
         if count == 0 {
             return true;
         }
-        let mut idle: Vec<usize> = (0..inner.slots.len())
-            .filter(|&i| {
-                i != index
-                    && inner.slots[i].leases == 0
-                    && matches!(inner.slots[i].state, State::Loaded(_))
-            })
-            .collect();
-        idle.sort_by_key(|&i| inner.slots[i].last_used);
         let (mut freed, mut victims) = (0u64, Vec::new());
-        for i in idle {
+        for i in inner.idle(Some(index)) {
             if fits(held.saturating_sub(freed), count - victims.len()) {
                 break;
             }
@@ -395,17 +422,15 @@ impl Fleet {
     /// the log (`None`: the server is stopping).
     fn begin_unload(slot: &mut Slot, why: Option<&str>) {
         if let State::Loaded(ready) = std::mem::replace(&mut slot.state, State::Unloading) {
-            let Some(why) = why else {
-                let _ = ready.commands.send(Command::Shutdown);
-                return;
-            };
-            tracing::info!(
-                target: "kiln::serve",
-                model = %slot.entry.alias,
-                mib = slot.bytes >> 20,
-                "unloading {} (least recently used, no request running) {why}",
-                slot.entry.alias
-            );
+            if let Some(why) = why {
+                tracing::info!(
+                    target: "kiln::serve",
+                    model = %slot.entry.alias,
+                    mib = slot.bytes >> 20,
+                    "unloading {} (least recently used, no request running) {why}",
+                    slot.entry.alias
+                );
+            }
             let _ = ready.commands.send(Command::Shutdown);
         }
     }
@@ -468,17 +493,8 @@ impl Fleet {
         loop {
             let (held, count) = inner.held();
             // One model alone over the budget stays: unloading it would only load it again.
-            let over = count > 1
-                && (self.limits.memory_bytes.is_some_and(|b| held > b)
-                    || self.limits.max_loaded.is_some_and(|m| count > m));
-            let victim = (0..inner.slots.len())
-                .filter(|&i| {
-                    Some(i) != keep
-                        && inner.slots[i].leases == 0
-                        && matches!(inner.slots[i].state, State::Loaded(_))
-                })
-                .min_by_key(|&i| inner.slots[i].last_used);
-            match victim {
+            let over = count > 1 && !self.within(held, count);
+            match inner.idle(keep).first().copied() {
                 Some(i) if over => {
                     Self::begin_unload(&mut inner.slots[i], Some("to stay within the limits"));
                 }
@@ -489,36 +505,36 @@ impl Fleet {
 
     /// Loading the model at `index` failed.
     pub fn load_failed(&self, index: usize, why: String) {
-        let mut inner = self.lock();
-        let slot = &mut inner.slots[index];
-        tracing::error!(target: "kiln::serve", model = %slot.entry.alias, error = %why, "loading {} failed", slot.entry.alias);
-        slot.state = State::Unloaded;
-        slot.failure = Some((slot.attempt, why));
-        drop(inner);
-        self.changed.notify_waiters();
-        self.stopped.notify_all();
+        self.ended(index, |slot| {
+            tracing::error!(target: "kiln::serve", model = %slot.entry.alias, error = %why, "loading {} failed", slot.entry.alias);
+            slot.failure = Some((slot.attempt, why));
+        });
     }
 
     /// The engine thread of the model at `index` has stopped and freed it.
     pub fn unloaded(&self, index: usize) {
-        let mut inner = self.lock();
-        let slot = &mut inner.slots[index];
-        slot.state = State::Unloaded;
-        slot.unloads += 1;
-        tracing::info!(target: "kiln::serve", model = %slot.entry.alias, "unloaded {}", slot.entry.alias);
-        drop(inner);
-        self.changed.notify_waiters();
-        self.stopped.notify_all();
+        self.ended(index, |slot| {
+            tracing::info!(target: "kiln::serve", model = %slot.entry.alias, "unloaded {}", slot.entry.alias);
+            slot.unloads += 1;
+        });
     }
 
     /// The engine thread of the model at `index` panicked (while loading or serving it): it
     /// is unloaded, and the requests waiting on its load get 503.
     pub fn crashed(&self, index: usize) {
+        self.ended(index, |slot| {
+            tracing::error!(target: "kiln::serve", model = %slot.entry.alias, "the engine thread of {} panicked; the model is unloaded", slot.entry.alias);
+            slot.failure = Some((slot.attempt, "its engine thread panicked".into()));
+        });
+    }
+
+    /// The engine thread of the model at `index` has ended: the model is unloaded, `record`
+    /// says how, and whoever waits on a model's state is woken.
+    fn ended(&self, index: usize, record: impl FnOnce(&mut Slot)) {
         let mut inner = self.lock();
         let slot = &mut inner.slots[index];
-        tracing::error!(target: "kiln::serve", model = %slot.entry.alias, "the engine thread of {} panicked; the model is unloaded", slot.entry.alias);
         slot.state = State::Unloaded;
-        slot.failure = Some((slot.attempt, "its engine thread panicked".into()));
+        record(slot);
         drop(inner);
         self.changed.notify_waiters();
         self.stopped.notify_all();
@@ -554,6 +570,11 @@ impl Fleet {
         }
         drop(inner);
         self.changed.notify_waiters();
+    }
+
+    /// Whether the server is stopping ([`Fleet::shutdown`] was called): no new work.
+    pub fn stopping(&self) -> bool {
+        self.lock().shutting_down
     }
 
     /// Blocks until [`Fleet::shutdown`] was called and every engine thread has stopped.
@@ -641,7 +662,7 @@ impl Fleet {
 
 /// Whether `alias` may name a model: 1-64 letters, digits and `._:-` (safe in a URL, a log
 /// field and a Prometheus label).
-pub fn valid_alias(alias: &str) -> bool {
+fn valid_alias(alias: &str) -> bool {
     (1..=64).contains(&alias.len())
         && alias
             .bytes()
@@ -660,10 +681,8 @@ mod tests {
             source: "nowhere".into(),
             estimated_bytes: 1,
         };
-        let fleet = Arc::new(Fleet::new(
-            vec![entry("a"), entry("b")],
-            FleetLimits::default(),
-        ));
+        let fleet =
+            Arc::new(Fleet::new(vec![entry("a"), entry("b")], FleetLimits::default()).unwrap());
         let weak = Arc::downgrade(&fleet);
         fleet.set_spawner(Box::new(move |index| {
             let fleet = weak.upgrade().unwrap();

@@ -196,9 +196,6 @@ pub enum ServerError {
     /// The first model failed to load.
     #[error("loading the model: {0}")]
     Load(String),
-    /// The engine refused its configuration.
-    #[error(transparent)]
-    Engine(#[from] kiln_engine::EngineError),
 }
 
 /// A model to serve, with its engine's cache and limits, as a [`ModelLoader`] gives it.
@@ -277,23 +274,7 @@ impl Server {
         models: Vec<ModelEntry>,
         limits: FleetLimits,
     ) -> Result<Self, ServerError> {
-        if models.is_empty() {
-            return Err(ServerError::Model("no model to serve".into()));
-        }
-        for (i, model) in models.iter().enumerate() {
-            if !fleet::valid_alias(&model.alias) {
-                return Err(ServerError::Model(format!(
-                    "{:?} cannot name a model: use 1 to 64 letters, digits and ._:-",
-                    model.alias
-                )));
-            }
-            if models[..i].iter().any(|m| m.alias == model.alias) {
-                return Err(ServerError::Model(format!(
-                    "two models are named {:?}: give each its own (ALIAS=PATH)",
-                    model.alias
-                )));
-            }
-        }
+        let fleet = Arc::new(Fleet::new(models, limits).map_err(ServerError::Model)?);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("kiln-http")
@@ -310,7 +291,6 @@ impl Server {
         let local_addr = listener
             .local_addr()
             .map_err(|source| ServerError::Bind { addr, source })?;
-        let fleet = Arc::new(Fleet::new(models, limits));
         let state = Arc::new(AppState::new(options, fleet, Arc::new(Metrics::default())));
         let (phase, watching) = tokio::sync::watch::channel(Phase::Serving);
         let stop = Arc::new(Stop {
@@ -362,19 +342,7 @@ impl Server {
             let (loader, state) = (loader.clone(), state.clone());
             std::thread::Builder::new()
                 .name(format!("kiln-engine-{index}"))
-                .spawn(move || {
-                    let run = std::panic::AssertUnwindSafe(|| {
-                        engine_thread::run(&state, &*loader, index);
-                    });
-                    // A panic must not leave the model "loading" or "loaded" for ever: requests
-                    // and the shutdown wait on its state.
-                    if std::panic::catch_unwind(run).is_err()
-                        && let Some(state) = state.upgrade()
-                    {
-                        state.metrics.retire(&state.fleet.alias(index));
-                        state.fleet.crashed(index);
-                    }
-                })
+                .spawn(move || engine_thread::run(&state, &*loader, index))
                 .map(drop)
         }));
         self.state
@@ -390,7 +358,6 @@ impl Server {
             stop,
             ..
         } = self;
-        state.shutting_down.store(true, Ordering::SeqCst);
         let since = *stop.since.get_or_init(Instant::now);
         stop.phase.send_if_modified(|phase| {
             let serving = *phase == Phase::Serving;
@@ -465,7 +432,6 @@ async fn on_signal(state: Arc<AppState>, stop: Arc<Stop>) {
         "shutting down: no new requests; running ones may finish within {} s (--shutdown-grace); a second SIGINT or SIGTERM stops at once",
         state.options.shutdown_grace.as_secs_f64()
     );
-    state.shutting_down.store(true, Ordering::SeqCst);
     state.fleet.shutdown();
     stop.phase.send_replace(Phase::Draining);
     signals.next().await;

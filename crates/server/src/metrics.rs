@@ -54,7 +54,7 @@ pub struct Metrics {
     /// Each loaded model's engine, by its name: `/metrics` sums them.
     engines: Mutex<BTreeMap<String, EngineGauges>>,
     /// The counts of engines since unloaded, so that the counters never go back.
-    retired: Mutex<(PrefixStats, SpecCounts)>,
+    retired: Mutex<Counts>,
     prompt_tokens: AtomicU64,
     generation_tokens: AtomicU64,
     finished_stop: AtomicU64,
@@ -121,18 +121,25 @@ struct Totals {
     block_tokens: u64,
     cache_bytes: u64,
     embedding_jobs: u64,
+    counts: Counts,
+}
+
+/// The engines' counts since the start: the prefix cache's and speculative decoding's.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counts {
     prefix: PrefixStats,
     spec: SpecCounts,
 }
 
-impl Totals {
-    fn add_counts(&mut self, prefix: PrefixStats, spec: SpecCounts) {
-        self.prefix.queried += prefix.queried;
-        self.prefix.hits += prefix.hits;
-        self.spec.drafted += spec.drafted;
-        self.spec.accepted += spec.accepted;
-        self.spec.forwards += spec.forwards;
-        self.spec.tokens += spec.tokens;
+impl Counts {
+    /// Adds an engine's counts, as its last [`Load`] gave them.
+    fn add(&mut self, load: &Load) {
+        self.prefix.queried += load.prefix.queried;
+        self.prefix.hits += load.prefix.hits;
+        self.spec.drafted += load.speculation.drafted;
+        self.spec.accepted += load.speculation.accepted;
+        self.spec.forwards += load.speculation.forwards;
+        self.spec.tokens += load.speculation.tokens;
     }
 }
 
@@ -169,22 +176,15 @@ impl Metrics {
     /// `model`'s engine has stopped (its model unloaded): its gauges go, its counts stay.
     pub fn retire(&self, model: &str) {
         if let Some(gone) = lock(&self.engines).remove(model) {
-            let mut retired = lock(&self.retired);
-            let (prefix, spec) = &mut *retired;
-            let mut totals = Totals {
-                prefix: *prefix,
-                spec: *spec,
-                ..Totals::default()
-            };
-            totals.add_counts(gone.load.prefix, gone.load.speculation);
-            *retired = (totals.prefix, totals.spec);
+            lock(&self.retired).add(&gone.load);
         }
     }
 
     fn totals(&self) -> Totals {
-        let (prefix, spec) = *lock(&self.retired);
-        let mut t = Totals::default();
-        t.add_counts(prefix, spec);
+        let mut t = Totals {
+            counts: *lock(&self.retired),
+            ..Totals::default()
+        };
         for e in lock(&self.engines).values() {
             t.running += e.load.running as u64;
             t.waiting += e.load.waiting as u64;
@@ -195,7 +195,7 @@ impl Metrics {
             t.block_tokens = t.block_tokens.max(e.capacity.block_tokens as u64);
             t.cache_bytes += e.capacity.bytes;
             t.embedding_jobs += e.load.embedding_jobs as u64;
-            t.add_counts(e.load.prefix, e.load.speculation);
+            t.counts.add(&e.load);
         }
         t
     }
@@ -312,8 +312,8 @@ impl Metrics {
                 "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
             );
         }
-        let (queries, hits) = (t.prefix.queried, t.prefix.hits);
-        let spec = t.spec;
+        let (queries, hits) = (t.counts.prefix.queried, t.counts.prefix.hits);
+        let spec = t.counts.spec;
         for (name, help, value) in [
             (
                 "kiln_prefix_cache_hit_rate",

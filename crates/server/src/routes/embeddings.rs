@@ -28,7 +28,7 @@ pub(super) async fn embeddings(
     let dimensions = body.dimensions(d_model)?;
     let tokenizing = ready.clone();
     let inputs = blocking(move || tokenize(&tokenizing, body.input)).await?;
-    if state.shutting_down.load(Ordering::SeqCst) {
+    if state.fleet.stopping() {
         return Err(ApiError::shutting_down());
     }
     let _place = QueuePlace::take(&ready.embeddings_waiting, state.options.max_queue)?;

@@ -269,7 +269,7 @@ pub(super) async fn submit(
     job: &mut Job,
 ) -> Result<UnboundedReceiver<Update>, ApiError> {
     let requests = std::mem::take(&mut job.requests);
-    if state.shutting_down.load(Ordering::SeqCst) {
+    if state.fleet.stopping() {
         return Err(ApiError::shutting_down());
     }
     // Rows, not requests: a beam search of 8 beams queues as 8.

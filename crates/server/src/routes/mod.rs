@@ -21,7 +21,7 @@ mod models;
 mod stream;
 mod tokenize;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, OnceLock};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -50,7 +50,6 @@ pub(crate) struct AppState {
     /// The models: which are loaded, and the leases requests hold on them.
     pub fleet: Arc<Fleet>,
     pub metrics: Arc<Metrics>,
-    pub shutting_down: AtomicBool,
     next_id: AtomicU64,
     id_prefix: u64,
 }
@@ -142,7 +141,6 @@ impl AppState {
             options,
             fleet,
             metrics,
-            shutting_down: AtomicBool::new(false),
             next_id: AtomicU64::new(0),
             id_prefix: unix_time_nanos(),
         }
