@@ -16,8 +16,8 @@
 //!
 //! The work splits into tasks of (batch row, KV head, a run of query rows[, a partition]);
 //! each KV head's keys are read once per task for all the query heads sharing it
-//! (grouped-query attention). Keys and values may be f32, f16 or bf16 ([`KvElement`]): the
-//! kernels widen them as they load them.
+//! (grouped-query attention). Keys and values may be f32, f16, bf16 or Q8_0 blocks
+//! ([`KvElement`]): the kernels widen or dequantize them as they load them.
 
 mod element;
 #[cfg(target_arch = "x86_64")]
@@ -25,7 +25,10 @@ mod tile;
 
 use std::ops::Range;
 
-pub use element::KvElement;
+pub use element::{
+    KvElement, Q8_0_VALUES, Q8_0_WORDS, Q8_0Block, dequantize_q8_0, q8_0_blocks, q8_0_blocks_mut,
+    quantize_q8_0,
+};
 
 use crate::SharedOut;
 use crate::error::KernelError;
@@ -124,8 +127,15 @@ impl AttentionShape {
                 return shape_error(format!("{name} has {got} values, expected {expected}"));
             }
         }
+        if !self.head_dim.is_multiple_of(T::VALUES) {
+            return shape_error(format!(
+                "heads of {} values are not whole units of {}",
+                self.head_dim,
+                T::VALUES
+            ));
+        }
         let heads = self.batch * self.n_kv_heads;
-        let block_len = kv.block_keys * self.head_dim;
+        let block_len = kv.block_keys * self.head_dim / T::VALUES;
         if heads == 0 || block_len == 0 {
             return Ok(());
         }
@@ -141,7 +151,7 @@ impl AttentionShape {
         let blocks = kv.k.len() / block_len;
         if kv.k.len() != blocks * block_len {
             return shape_error(format!(
-                "k has {} values, not whole blocks of {block_len}",
+                "k has {} units, not whole blocks of {block_len}",
                 kv.k.len()
             ));
         }
@@ -154,12 +164,13 @@ impl AttentionShape {
 
 /// Keys and values stored in blocks of `block_keys` rows of `head_dim`, and which blocks each
 /// (batch row, KV head) reads: a paged KV cache read where it lies, without gathering it
-/// into one tensor first. The values are f32, f16 or bf16 ([`KvElement`]).
+/// into one tensor first. The values are f32, f16, bf16 or Q8_0 blocks ([`KvElement`]), a row
+/// of `head_dim` values being `head_dim / T::VALUES` units.
 #[derive(Debug, Clone, Copy)]
 pub struct KvBlocks<'a, T = f32> {
-    /// `[blocks, block_keys, head_dim]`
+    /// `[blocks, block_keys, head_dim / T::VALUES]`
     pub k: &'a [T],
-    /// `[blocks, block_keys, head_dim]`
+    /// `[blocks, block_keys, head_dim / T::VALUES]`
     pub v: &'a [T],
     /// `[batch, n_kv_heads, blocks_per_head]`: the blocks holding a head's keys, in key order
     /// (key `j` is row `j % block_keys` of block `j / block_keys`); may cover more keys than
@@ -174,11 +185,34 @@ struct HeadKv<'a, T> {
     kv: KvBlocks<'a, T>,
     blocks: &'a [usize],
     head_dim: usize,
+    /// Units per key row: `head_dim / T::VALUES`.
+    row_units: usize,
 }
 
-impl<T> HeadKv<'_, T> {
-    /// The offsets (into `k` and `v`) of keys `span`, in key order: walked block by block, so
-    /// the inner loop pays no division per key.
+impl<'a, T: KvElement> HeadKv<'a, T> {
+    fn new(kv: KvBlocks<'a, T>, blocks: &'a [usize], head_dim: usize) -> Self {
+        Self {
+            kv,
+            blocks,
+            head_dim,
+            row_units: head_dim / T::VALUES,
+        }
+    }
+
+    /// The key row at unit offset `at`.
+    #[inline]
+    fn key(&self, at: usize) -> &'a [T] {
+        &self.kv.k[at..at + self.row_units]
+    }
+
+    /// The value row at unit offset `at`.
+    #[inline]
+    fn value(&self, at: usize) -> &'a [T] {
+        &self.kv.v[at..at + self.row_units]
+    }
+
+    /// The unit offsets (into `k` and `v`) of keys `span`, in key order: walked block by
+    /// block, so the inner loop pays no division per key.
     fn offsets(&self, span: std::ops::Range<usize>) -> impl Iterator<Item = usize> + '_ {
         let block_keys = self.kv.block_keys;
         let first = span.start / block_keys;
@@ -187,7 +221,7 @@ impl<T> HeadKv<'_, T> {
             let base = self.blocks[b] * block_keys;
             let rows = span.start.max(b * block_keys) - b * block_keys
                 ..span.end.min((b + 1) * block_keys) - b * block_keys;
-            rows.map(move |r| (base + r) * self.head_dim)
+            rows.map(move |r| (base + r) * self.row_units)
         })
     }
 }
@@ -448,11 +482,11 @@ impl<T: KvElement> Job<'_, T> {
         let q_rows = self.shape.q_rows();
         let (block, rows) = self.rows(task);
         let b = block / n_kv_heads;
-        let head = HeadKv {
-            kv: self.kv,
-            blocks: &self.kv.table[block * self.per_head..(block + 1) * self.per_head],
+        let head = HeadKv::new(
+            self.kv,
+            &self.kv.table[block * self.per_head..(block + 1) * self.per_head],
             head_dim,
-        };
+        );
         let rows = rows.map(|(i, row)| {
             let mask_at = (b * q_len + i) * keys;
             let visible = visible_span(&self.mask[mask_at..mask_at + keys]);
@@ -608,7 +642,7 @@ fn attend_row<T: KvElement>(
         .zip(&mask[span])
         .filter(|(_, masked)| !**masked)
     {
-        let s = scorer.score(dot(q, &kv.kv.k[at..at + head_dim]));
+        let s = scorer.score(dot(q, kv.key(at)));
         max = max.max(s);
         scores.push((at, s));
     }
@@ -623,8 +657,9 @@ fn attend_row<T: KvElement>(
     for &(at, s) in scores.iter() {
         let p = (s - max).exp();
         sum += p;
-        for (a, &x) in acc.iter_mut().zip(&kv.kv.v[at..at + head_dim]) {
-            *a += p * x.to_f32();
+        let row = kv.value(at);
+        for (d, a) in acc.iter_mut().enumerate() {
+            *a += p * T::value(row, d);
         }
     }
     let inv = 1.0 / sum;
@@ -663,21 +698,20 @@ fn visible_span(mask: &[bool]) -> std::ops::Range<usize> {
     start..end
 }
 
-/// `a · b` in eight interleaved partial sums (one vector register), a fixed order on every
-/// machine.
+/// `a · b` (`b` a row of `a.len()` values) in eight interleaved partial sums (one vector
+/// register), a fixed order on every machine.
 #[inline]
 fn dot<T: KvElement>(a: &[f32], b: &[T]) -> f32 {
     let mut lanes = [0f32; 8];
-    let (a8, a_rest) = a.split_at(a.len() / 8 * 8);
-    let (b8, b_rest) = b.split_at(a8.len());
-    for (x, y) in a8.chunks_exact(8).zip(b8.chunks_exact(8)) {
-        for l in 0..8 {
-            lanes[l] += x[l] * y[l].to_f32();
+    let whole = a.len() / 8 * 8;
+    for (i, x) in a[..whole].chunks_exact(8).enumerate() {
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            *lane += x[l] * T::value(b, 8 * i + l);
         }
     }
     let mut tail = 0f32;
-    for (x, y) in a_rest.iter().zip(b_rest) {
-        tail += x * y.to_f32();
+    for (d, x) in a.iter().enumerate().skip(whole) {
+        tail += x * T::value(b, d);
     }
     ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
         + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
@@ -735,7 +769,7 @@ mod x86 {
             .zip(&mask[span])
             .filter(|(_, masked)| !**masked)
         {
-            let s = scorer.score(dot(q, &kv.kv.k[at..at + head_dim]));
+            let s = scorer.score(dot(q, kv.key(at)));
             max = max.max(s);
             scores.push((at, s));
         }
@@ -767,17 +801,16 @@ mod x86 {
         let inv = 1.0 / sum;
         tail[1] = sum;
         // acc = Σ_j p_j v_j, 64 columns at a time in eight registers, then 8, then one.
-        let v = kv.kv.v;
         let mut c = 0;
         while c + 64 <= head_dim {
             let mut lanes = [_mm256_setzero_ps(); 8];
             for (&(at, _), &p) in scores.iter().zip(probs.iter()) {
                 let p = _mm256_set1_ps(p);
-                let row = &v[at + c..at + c + 64];
+                let row = kv.value(at);
                 for (u, lane) in lanes.iter_mut().enumerate() {
-                    // SAFETY: eight values inside `row`; the CPU has F16C (this function's
-                    // contract).
-                    let x = unsafe { T::load8(row.as_ptr().add(8 * u)) };
+                    // SAFETY: values `c + 8u..c + 8u + 8` of a row of `head_dim`; the CPU has
+                    // F16C (this function's contract).
+                    let x = unsafe { T::load8(row.as_ptr(), c + 8 * u) };
                     *lane = _mm256_fmadd_ps(p, x, *lane);
                 }
             }
@@ -791,8 +824,8 @@ mod x86 {
         while c + 8 <= head_dim {
             let mut lane = _mm256_setzero_ps();
             for (&(at, _), &p) in scores.iter().zip(probs.iter()) {
-                // SAFETY: eight values inside the value row.
-                let x = unsafe { T::load8(v[at + c..at + c + 8].as_ptr()) };
+                // SAFETY: values `c..c + 8` of a row of `head_dim`.
+                let x = unsafe { T::load8(kv.value(at).as_ptr(), c) };
                 lane = _mm256_fmadd_ps(_mm256_set1_ps(p), x, lane);
             }
             let out = _mm256_mul_ps(lane, _mm256_set1_ps(inv));
@@ -805,7 +838,7 @@ mod x86 {
                 .iter()
                 .zip(probs.iter())
                 .fold(0.0, |sum, (&(at, _), &p)| {
-                    p.mul_add(v[at + d].to_f32(), sum)
+                    p.mul_add(T::value(kv.value(at), d), sum)
                 });
             *a = sum * inv;
         }
@@ -820,30 +853,31 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
     }
 
-    /// `a · b`: sixteen lanes in two accumulators, then eight, then the rest one by one.
+    /// `a · b` (`b` a row of `a.len()` values): sixteen lanes in two accumulators, then
+    /// eight, then the rest one by one.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn dot<T: KvElement>(a: &[f32], b: &[T]) -> f32 {
-        let n = a.len().min(b.len());
+        let n = a.len().min(b.len() * T::VALUES);
         let (pa, pb) = (a.as_ptr(), b.as_ptr());
         let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         let mut i = 0;
-        // SAFETY: every load reads eight values below `n`, the length of the shorter slice;
-        // F16C, which `load8` of f16 needs, is one of this function's features.
+        // SAFETY: every load reads eight values below `n`, which both rows hold; F16C, which
+        // `load8` of f16 needs, is one of this function's features.
         unsafe {
             while i + 16 <= n {
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), T::load8(pb.add(i)), s0);
-                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), T::load8(pb.add(i + 8)), s1);
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), T::load8(pb, i), s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), T::load8(pb, i + 8), s1);
                 i += 16;
             }
             if i + 8 <= n {
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), T::load8(pb.add(i)), s0);
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), T::load8(pb, i), s0);
                 i += 8;
             }
         }
         let mut sum = hsum(_mm256_add_ps(s0, s1));
         for j in i..n {
-            sum = a[j].mul_add(b[j].to_f32(), sum);
+            sum = a[j].mul_add(T::value(b, j), sum);
         }
         sum
     }

@@ -3,8 +3,8 @@
 
 use half::{bf16, f16};
 use kiln_kernels::attention::{
-    AttentionShape, KvBlocks, KvElement, Scoring, attention, attention_blocks,
-    attention_blocks_with, attention_partitioned,
+    AttentionShape, KvBlocks, KvElement, Q8_0Block, Scoring, attention, attention_blocks,
+    attention_blocks_with, attention_partitioned, dequantize_q8_0, quantize_q8_0,
 };
 use kiln_kernels::{ThreadPool, Tier};
 use proptest::prelude::*;
@@ -266,6 +266,38 @@ proptest! {
                     prop_assert!((*got as f64 - want).abs() < 1e-5, "{tier} {name}: {got} vs {want}");
                 }
             }
+        }
+    }
+
+    /// Q8_0 keys and values (ggml's blocks of 32, dequantized as they load) in partitions of
+    /// any size: the f64 reference over the dequantized values, on every tier, and the same
+    /// bits whether a row's partitions run together or apart.
+    #[test]
+    fn q8_0_kv_matches_the_f64_reference_over_its_values(
+        (shape, seed) in shapes(),
+        width in 1usize..5,
+        partition_keys in 1usize..12,
+        threads in 1usize..4,
+    ) {
+        let shape = AttentionShape { head_dim: 32 * width, ..shape };
+        let (q, k, v, mask) = operands(shape, seed);
+        let quantize = |x: &[f32]| {
+            let mut blocks = vec![Q8_0Block::ZERO; x.len() / 32];
+            quantize_q8_0(x, &mut blocks);
+            let mut values = vec![0f32; x.len()];
+            dequantize_q8_0(&blocks, &mut values);
+            (blocks, values)
+        };
+        let ((kq, kx), (vq, vx)) = (quantize(&k), quantize(&v));
+        let expected = reference(shape, &q, &kx, &vx, &mask);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for tier in Tier::supported() {
+            let out = partitioned_on(tier, shape, partition_keys, &q, &kq, &vq, &mask, &ThreadPool::new(threads));
+            for (got, want) in out.iter().zip(&expected) {
+                prop_assert!((*got as f64 - want).abs() < 1e-5, "{tier}: {got} vs {want}");
+            }
+            let one = partitioned_on(tier, shape, partition_keys, &q, &kq, &vq, &mask, &ThreadPool::new(1));
+            prop_assert_eq!(bits(&out), bits(&one), "{}", tier);
         }
     }
 

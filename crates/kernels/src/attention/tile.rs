@@ -202,25 +202,21 @@ fn transpose_keys<T: KvElement>(kv: &HeadKv<'_, T>, span: Range<usize>, kt: &mut
         kt.resize(chunks * head_dim * LANES, 0.0);
     }
     // A missing key (past the span's end) reads zeros.
-    let zeros = vec![T::ZERO; head_dim];
-    let k = kv.kv.k;
+    let zeros = vec![T::ZERO; kv.row_units];
     let mut offsets = kv.offsets(span);
     for chunk in kt[..chunks * head_dim * LANES].chunks_exact_mut(head_dim * LANES) {
         // Each key's row, found once per chunk: the loads below are then plain loads the core
         // can overlap (a lookup per load, through a call, serialized the cache misses).
-        let keys: [&[T]; LANES] = std::array::from_fn(|_| {
-            offsets
-                .next()
-                .map_or(&zeros[..], |at| &k[at..at + head_dim])
-        });
+        let keys: [&[T]; LANES] =
+            std::array::from_fn(|_| offsets.next().map_or(&zeros[..], |at| kv.key(at)));
         for key in &keys {
-            prefetch_ahead(key, KEYS_AHEAD * head_dim);
+            prefetch_ahead(key, KEYS_AHEAD * kv.row_units);
         }
         for d0 in (0..head_dim).step_by(LANES) {
             let mut rows = [_mm512_setzero_ps(); LANES];
             for (row, key) in rows.iter_mut().zip(&keys) {
-                // SAFETY: `d0 + 16 <= head_dim`, the length of every slice in `keys`.
-                *row = unsafe { T::load16(key.as_ptr().add(d0)) };
+                // SAFETY: `d0 + 16 <= head_dim`, the values of every row in `keys`.
+                *row = unsafe { T::load16(key.as_ptr(), d0) };
             }
             for (dd, column) in transpose16(rows).into_iter().enumerate() {
                 let at = (d0 + dd) * LANES;
@@ -447,18 +443,17 @@ unsafe fn columns<const R: usize, const W: usize, T: KvElement>(
     out: &SharedOut<f32>,
 ) -> usize {
     let stride = span.len().div_ceil(LANES) * LANES;
-    let v = kv.kv.v;
     let mut acc = [[_mm512_setzero_ps(); W]; R];
     for (i, at) in kv.offsets(span).enumerate() {
         // A key no row of the tile sees adds nothing (and its values may be stale).
         if (0..R).all(|r| probs[r * stride + i] == 0.0) {
             continue;
         }
-        let row = &v[at + column..at + column + W * LANES];
+        let row = kv.value(at);
         let mut values = [_mm512_setzero_ps(); W];
         for (w, x) in values.iter_mut().enumerate() {
-            // SAFETY: 16 values inside `row`.
-            *x = unsafe { T::load16(row.as_ptr().add(w * LANES)) };
+            // SAFETY: `column + (w + 1) 16 <= head_dim`, the row's values.
+            *x = unsafe { T::load16(row.as_ptr(), column + w * LANES) };
         }
         for (r, acc) in acc.iter_mut().enumerate() {
             let p = _mm512_set1_ps(probs[r * stride + i]);
