@@ -151,7 +151,7 @@ impl EngineArgs {
 /// `kv_dtype`; the caller fills in the requests, rows and lengths.
 pub fn run_for<B: InferenceBackend>(
     model: &dyn CausalLm<B>,
-    kv_dtype: kiln_core::Dtype,
+    kv_dtype: kiln_core::KvDtype,
     backend: BackendKind,
 ) -> Run {
     let shape = model.shape();

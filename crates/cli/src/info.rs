@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use kiln_core::Dtype;
+use kiln_core::KvDtype;
 use kiln_models::config::{PositionKind, RopeScaling, TransformerConfig};
 use kiln_models::{LoadOptions, ModelInfo};
 use serde_json::json;
@@ -236,26 +236,32 @@ fn cpu_path(info: &ModelInfo) -> String {
 }
 
 /// Bytes the KV cache holds per token (K and V of every layer) in `dtype`.
-fn kv_bytes_per_token(c: &TransformerConfig, dtype: Dtype) -> usize {
-    2 * c.n_layers * c.n_kv_heads * c.head_dim * dtype.size_bytes()
+fn kv_bytes_per_token(c: &TransformerConfig, dtype: KvDtype) -> usize {
+    2 * c.n_layers * c.n_kv_heads * dtype.row_bytes(c.head_dim)
 }
 
-/// The KV cache's memory per token in the cpu default (f16) and the exact path's f32, and
-/// for a full context.
+/// The KV cache's memory per token in the cpu default (f16), q8_0 where the heads allow it and
+/// the exact path's f32, and for a full context.
 fn kv_cache(c: &TransformerConfig) -> String {
     let kib = |d| kv_bytes_per_token(c, d) as f64 / 1024.0;
+    let q8_0 = if KvDtype::Q8_0.holds_rows_of(c.head_dim) {
+        format!(", {:.1} KiB in q8_0", kib(KvDtype::Q8_0))
+    } else {
+        String::new()
+    };
     format!(
-        "{:.1} KiB per token in f16 (cpu default, --kv-dtype), {:.1} KiB in f32; full context: {:.0} MB in f16",
-        kib(Dtype::F16),
-        kib(Dtype::F32),
-        (kv_bytes_per_token(c, Dtype::F16) * c.max_positions) as f64 / 1e6
+        "{:.1} KiB per token in f16 (cpu default, --kv-dtype){q8_0}, {:.1} KiB in f32; full context: {:.0} MB in f16",
+        kib(KvDtype::F16),
+        kib(KvDtype::F32),
+        (kv_bytes_per_token(c, KvDtype::F16) * c.max_positions) as f64 / 1e6
     )
 }
 
 fn report_json(info: &ModelInfo) -> serde_json::Value {
     let c = &info.config;
-    let kv_bytes: serde_json::Map<String, serde_json::Value> = Dtype::ALL
+    let kv_bytes: serde_json::Map<String, serde_json::Value> = KvDtype::ALL
         .iter()
+        .filter(|d| d.holds_rows_of(c.head_dim))
         .map(|d| (d.name().to_string(), kv_bytes_per_token(c, *d).into()))
         .collect();
     json!({

@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use indicatif::ProgressBar;
 use kiln_core::backend::BackendKind;
 use kiln_core::sampling::SamplingParams;
-use kiln_core::{CausalLm, Dtype, InferenceBackend, TokenId};
+use kiln_core::{CausalLm, Dtype, InferenceBackend, KvDtype, TokenId};
 use kiln_engine::{
     BeamSearch, DraftSource, EarlyStopping, Grammar, GrammarCompiler, OutputConstraint, Speculation,
 };
@@ -38,12 +38,13 @@ pub struct ModelArgs {
     /// the dtype. Default: f32, with a quantized GGUF's weights kept quantized.
     #[arg(long)]
     pub dtype: Option<Dtype>,
-    /// Precision of the KV cache: f32, f16 or bf16. Default: f16 on the cpu backend when the
-    /// model's weights stay quantized (the fast path; its accuracy against f32 K/V is in
-    /// docs/benchmarks.md), else the model's dtype (the exact path stays exact).
+    /// Precision of the KV cache: f32, f16, bf16 or q8_0 (ggml's 8-bit blocks: 8.5 bits a
+    /// value, half of f16's bytes; cpu backends only). Default: f16 on the cpu backend when
+    /// the model's weights stay quantized (the fast path; its accuracy against f32 K/V, and
+    /// q8_0's, is in docs/benchmarks.md), else the model's dtype (the exact path stays exact).
     /// cuda and wgpu hold the cache in the model's dtype; a draft model's cache holds its own.
     #[arg(long, value_name = "DTYPE")]
-    pub kv_dtype: Option<Dtype>,
+    pub kv_dtype: Option<KvDtype>,
     /// Meta folders: the llama3 RoPE scaling factor when params.json lacks it (8 for Llama
     /// 3.1, 32 for 3.2 1B/3B).
     #[arg(long, value_name = "FACTOR")]
@@ -144,11 +145,26 @@ impl ModelArgs {
     ///
     /// # Errors
     /// A [`UsageError`] for a cache precision other than the model's on cuda or wgpu, whose
-    /// attention kernels read the cache in the model's dtype.
-    pub fn kv_dtype<B: InferenceBackend>(&self, model: &Transformer<B>) -> Result<Dtype> {
+    /// attention kernels read the cache in the model's dtype, or q8_0 for heads that are not
+    /// whole blocks of 32 values.
+    pub fn kv_dtype<B: InferenceBackend>(&self, model: &Transformer<B>) -> Result<KvDtype> {
         let dtype = self.dtype();
+        let head_dim = model.shape().kv_layout().head_dim;
         match (self.kv_dtype, self.backend) {
-            (Some(kv), BackendKind::Cuda | BackendKind::Wgpu) if kv != dtype => {
+            (Some(KvDtype::Q8_0), BackendKind::Cuda | BackendKind::Wgpu) => {
+                Err(UsageError(format!(
+                    "--kv-dtype q8_0 is read by the cpu backends' attention only: on {} the KV \
+                 cache holds the model's dtype ({dtype})",
+                    self.backend
+                ))
+                .into())
+            }
+            (Some(kv), _) if !kv.holds_rows_of(head_dim) => Err(UsageError(format!(
+                "--kv-dtype {kv} stores whole blocks of 32 values, and this model's heads have \
+                 {head_dim}: use f16"
+            ))
+            .into()),
+            (Some(kv), BackendKind::Cuda | BackendKind::Wgpu) if kv != dtype.into() => {
                 Err(UsageError(format!(
                     "--kv-dtype {kv} differs from the model's dtype ({dtype}): on {} the KV \
                      cache holds the model's dtype (pass --dtype {kv} to run both in it)",
@@ -157,8 +173,8 @@ impl ModelArgs {
                 .into())
             }
             (Some(kv), _) => Ok(kv),
-            (None, BackendKind::Cpu) if model.holds_quantized_weights() => Ok(Dtype::F16),
-            (None, _) => Ok(dtype),
+            (None, BackendKind::Cpu) if model.holds_quantized_weights() => Ok(KvDtype::F16),
+            (None, _) => Ok(dtype.into()),
         }
     }
 

@@ -621,8 +621,14 @@ fn info_describes_the_default_model() {
         .product::<u64>();
     assert_eq!(info["kv_bytes_per_token"]["f16"].as_u64(), Some(2 * values));
     assert_eq!(info["kv_bytes_per_token"]["f32"].as_u64(), Some(4 * values));
+    // q8_0: 34 bytes per 32 values (SmolLM2's heads are 64 wide: two blocks).
+    assert_eq!(
+        info["kv_bytes_per_token"]["q8_0"].as_u64(),
+        Some(values / 32 * 34)
+    );
     let table = text(&kiln(&["info"]).stdout);
     assert!(table.contains("chat template yes"), "{table}");
+    assert!(table.contains("KiB in q8_0"), "{table}");
 
     let missing = kiln(&["info", "--model", "no-such-model.gguf"]);
     assert_eq!(missing.status.code(), Some(2), "{}", text(&missing.stderr));

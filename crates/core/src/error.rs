@@ -28,6 +28,9 @@ pub enum CoreError {
     /// A dtype name that kiln does not know.
     #[error("unknown dtype `{0}` (expected one of: f32, f16, bf16)")]
     UnknownDtype(String),
+    /// A KV cache precision that kiln does not know.
+    #[error("unknown KV cache dtype `{0}` (expected one of: f32, f16, bf16, q8_0)")]
+    UnknownKvDtype(String),
     /// The backend cannot compute in this dtype.
     #[error("backend `{kind}` does not support dtype {dtype}{}", hint_for(*.kind, *.dtype))]
     UnsupportedDtype {

@@ -41,7 +41,7 @@ pub mod testing;
 
 pub use backend::{BackendKind, DeviceMemory, InferenceBackend};
 pub use batch::{Batch, SeqSpan};
-pub use dtype::Dtype;
+pub use dtype::{Dtype, KvDtype};
 pub use error::{CoreError, Result};
 pub use ids::{BlockId, Position, SeqId, TokenId};
 pub use kv_cache::{CacheError, CacheKind, KvCache, KvLayout};

@@ -18,9 +18,10 @@ use kiln_core::attention::{
     AttentionPlan, HostStepIndex, Scoring, StepIndex, attend, step_attention_reference,
 };
 use kiln_core::batch::Batch;
-use kiln_core::dtype::Dtype;
+use kiln_core::dtype::{Dtype, KvDtype};
 use kiln_core::ids::{Position, SeqId, TokenId};
 use kiln_core::kv_cache::*;
+use kiln_kernels::attention::{KvElement, Q8_0Block, dequantize_q8_0, quantize_q8_0};
 
 const LAYOUT: KvLayout = KvLayout {
     n_layers: 2,
@@ -122,15 +123,22 @@ fn attend_host(q: &[f32], keys: &[(&[f32], &[f32])], scoring: Scoring) -> Vec<f3
 
 /// Runs the scenario through `cache` and checks every attention output against the host (which
 /// takes the K/V rounded to the cache's precision, as attention reads them).
-/// `values` rounded to `dtype`'s precision (and back to f32).
-fn round_to(dtype: Dtype, values: Vec<f32>) -> Vec<f32> {
+/// `values` (rows of 32 or more) rounded to `dtype`'s precision (and back to f32).
+fn round_to(dtype: KvDtype, values: Vec<f32>) -> Vec<f32> {
     match dtype {
-        Dtype::F32 => values,
-        Dtype::F16 => values
+        KvDtype::F32 => values,
+        KvDtype::Q8_0 => {
+            let mut blocks = vec![Q8_0Block::ZERO; values.len() / 32];
+            quantize_q8_0(&values, &mut blocks);
+            let mut out = vec![0f32; values.len()];
+            dequantize_q8_0(&blocks, &mut out);
+            out
+        }
+        KvDtype::F16 => values
             .into_iter()
             .map(|x| burn::tensor::f16::from_f32(x).to_f32())
             .collect(),
-        Dtype::Bf16 => values
+        KvDtype::Bf16 => values
             .into_iter()
             .map(|x| burn::tensor::bf16::from_f32(x).to_f32())
             .collect(),
@@ -154,7 +162,8 @@ fn run_conformance_in_window<B: InferenceBackend>(
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     };
-    let (hkv, d) = (LAYOUT.n_kv_heads, LAYOUT.head_dim);
+    let layout = cache.layout();
+    let (hkv, d) = (layout.n_kv_heads, layout.head_dim);
     let n_rep = N_HEADS / hkv;
     let mut rand = Rand(ChaCha8Rng::seed_from_u64(3));
     let mut reference = Reference::default();
@@ -220,7 +229,7 @@ fn run_conformance_in_window<B: InferenceBackend>(
             }) => gathered_rows = true,
             _ => {}
         }
-        for layer in 0..LAYOUT.n_layers {
+        for layer in 0..layout.n_layers {
             let q = rand.values(t * N_HEADS * d);
             let k = round_to(cache.dtype(), rand.values(t * hkv * d));
             let v = round_to(cache.dtype(), rand.values(t * hkv * d));
@@ -234,43 +243,47 @@ fn run_conformance_in_window<B: InferenceBackend>(
             );
             let out: Vec<f32> = out.into_data().iter::<f32>().collect();
 
-            // The step's attention in burn's operations from a step index (the default of
-            // `InferenceBackend::step_attention`) reads the same K/V the same way.
-            let index = StepIndex::<B>::upload(
-                HostStepIndex::new(&batch, plan.step(), hkv),
-                plan.step().window,
-                device,
-            );
-            let (k_store, v_store) = cache.storage(layer);
-            let by_index: Vec<f32> = step_attention_reference(
-                tensor3::<B>(q.clone(), [t, N_HEADS, d], device),
-                tensor3::<B>(k.clone(), [t, hkv, d], device),
-                tensor3::<B>(v.clone(), [t, hkv, d], device),
-                k_store,
-                v_store,
-                &index,
-                scoring,
-            )
-            .into_data()
-            .iter::<f32>()
-            .collect();
-            let diff = out
-                .iter()
-                .zip(&by_index)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            assert!(
-                diff < 1e-5,
-                "{} cache, step {step_index}, layer {layer}: attend and the step-index reference differ by {diff}",
-                cache.kind()
-            );
+            // The step index serves the GPU backends, which refuse a Q8_0 cache (its reference
+            // reads the storage as values).
+            if cache.dtype() != KvDtype::Q8_0 {
+                // The step's attention in burn's operations from a step index (the default of
+                // `InferenceBackend::step_attention`) reads the same K/V the same way.
+                let index = StepIndex::<B>::upload(
+                    HostStepIndex::new(&batch, plan.step(), hkv),
+                    plan.step().window,
+                    device,
+                );
+                let (k_store, v_store) = cache.storage(layer);
+                let by_index: Vec<f32> = step_attention_reference(
+                    tensor3::<B>(q.clone(), [t, N_HEADS, d], device),
+                    tensor3::<B>(k.clone(), [t, hkv, d], device),
+                    tensor3::<B>(v.clone(), [t, hkv, d], device),
+                    k_store,
+                    v_store,
+                    &index,
+                    scoring,
+                )
+                .into_data()
+                .iter::<f32>()
+                .collect();
+                let diff = out
+                    .iter()
+                    .zip(&by_index)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(
+                    diff < 1e-5,
+                    "{} cache, step {step_index}, layer {layer}: attend and the step-index reference differ by {diff}",
+                    cache.kind()
+                );
+            }
 
             // Record the new K/V, then check every token's output.
             for (seq, range) in batch.ranges() {
                 let entry = reference
                     .history
                     .entry(seq.0)
-                    .or_insert_with(|| vec![Vec::new(); LAYOUT.n_layers]);
+                    .or_insert_with(|| vec![Vec::new(); layout.n_layers]);
                 for i in range {
                     let pos = batch.positions()[i].0;
                     entry[layer].push((
@@ -323,24 +336,28 @@ fn run_conformance_in_window<B: InferenceBackend>(
 }
 
 fn all_kinds<B: InferenceBackend>(device: &B::Device) -> Vec<Box<dyn KvCache<B>>> {
-    all_kinds_in::<B>(Dtype::F32, device)
+    all_kinds_in::<B>(LAYOUT, KvDtype::F32, device)
 }
 
-/// Every kind, holding its K/V in `dtype`.
-fn all_kinds_in<B: InferenceBackend>(dtype: Dtype, device: &B::Device) -> Vec<Box<dyn KvCache<B>>> {
+/// Every kind, of `layout`, holding its K/V in `dtype`.
+fn all_kinds_in<B: InferenceBackend>(
+    layout: KvLayout,
+    dtype: KvDtype,
+    device: &B::Device,
+) -> Vec<Box<dyn KvCache<B>>> {
     vec![
-        Box::new(StaticKvCache::new(LAYOUT, 4, 32, dtype, device).unwrap()),
-        Box::new(DynamicKvCache::new(LAYOUT, dtype, device)),
+        Box::new(StaticKvCache::new(layout, 4, 32, dtype, device).unwrap()),
+        Box::new(DynamicKvCache::new(layout, dtype, device)),
         // A window longer than any sequence: must equal the others.
-        Box::new(SlidingKvCache::new(LAYOUT, 4, 64, 8, dtype, device).unwrap()),
+        Box::new(SlidingKvCache::new(layout, 4, 64, 8, dtype, device).unwrap()),
         // A window shorter than the sequences: the ring wraps, old keys drop out.
-        Box::new(SlidingKvCache::new(LAYOUT, 4, 3, 2, dtype, device).unwrap()),
-        Box::new(PagedKvCache::new(LAYOUT, 16, 4, dtype, device).unwrap()),
-        Box::new(PagedKvCache::new(LAYOUT, 64, 1, dtype, device).unwrap()),
+        Box::new(SlidingKvCache::new(layout, 4, 3, 2, dtype, device).unwrap()),
+        Box::new(PagedKvCache::new(layout, 16, 4, dtype, device).unwrap()),
+        Box::new(PagedKvCache::new(layout, 64, 1, dtype, device).unwrap()),
         // Prefix caching registers full blocks as they fill and unregisters them on a
         // truncation into them; attention must not change.
         Box::new(with_prefix_cache(
-            PagedKvCache::new(LAYOUT, 16, 4, dtype, device).unwrap(),
+            PagedKvCache::new(layout, 16, 4, dtype, device).unwrap(),
         )),
     ]
 }
@@ -696,13 +713,21 @@ fn window_frees_blocks_on<B: InferenceBackend>(device: &B::Device) {
     );
 }
 
-/// Every kind holding f16 and bf16 K/V (the cpu backend's kernel reads them in place), the
-/// scenario's K/V drawn as values those types hold exactly: the host's attention over them.
+/// Every kind holding f16, bf16 and Q8_0 K/V (the cpu backend's kernel reads them in place),
+/// the scenario's K/V drawn as values those types hold exactly: the host's attention over
+/// them. Q8_0 needs heads of whole 32-value blocks.
 fn narrow_conformance_on<B: InferenceBackend>(device: &B::Device) {
-    for dtype in [Dtype::F16, Dtype::Bf16] {
-        for mut cache in all_kinds_in::<B>(dtype, device) {
+    for dtype in [KvDtype::F16, KvDtype::Bf16] {
+        for mut cache in all_kinds_in::<B>(LAYOUT, dtype, device) {
             run_conformance(cache.as_mut(), device);
         }
+    }
+    let wide = KvLayout {
+        head_dim: 64,
+        ..LAYOUT
+    };
+    for mut cache in all_kinds_in::<B>(wide, KvDtype::Q8_0, device) {
+        run_conformance(cache.as_mut(), device);
     }
 }
 

@@ -4,7 +4,7 @@ use kiln_core::kv_cache::{
     CacheError, CacheKind, DEFAULT_BLOCK_SIZE, DynamicKvCache, KvCache, KvLayout, PagedKvCache,
     SlidingKvCache, StaticKvCache,
 };
-use kiln_core::{Dtype, InferenceBackend};
+use kiln_core::{InferenceBackend, KvDtype};
 
 /// Which cache and how big.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,7 +63,7 @@ impl CacheSpec {
 
     /// Bytes the cache allocates when built for `layout` in `dtype` ([`Self::slots`] of
     /// [`KvLayout::bytes_per_token`]); `None` if the count overflows.
-    pub fn bytes(&self, layout: KvLayout, dtype: Dtype) -> Option<u64> {
+    pub fn bytes(&self, layout: KvLayout, dtype: impl Into<KvDtype>) -> Option<u64> {
         self.slots()?
             .checked_mul(layout.bytes_per_token(dtype) as u64)
     }
@@ -108,14 +108,30 @@ impl CacheSpec {
     /// Builds the cache.
     ///
     /// # Errors
-    /// [`CacheError::InvalidConfig`] for zero sizes, or sizes whose bytes do not fit in an
-    /// address space (checked before anything is allocated).
+    /// [`CacheError::InvalidConfig`] for zero sizes, sizes whose bytes do not fit in an
+    /// address space (checked before anything is allocated), or a Q8_0 cache on a backend
+    /// whose attention cannot read it (the GPU backends) or for heads that are not whole
+    /// blocks of 32.
     pub fn build<B: InferenceBackend>(
         &self,
         layout: KvLayout,
-        dtype: Dtype,
+        dtype: impl Into<KvDtype>,
         device: &B::Device,
     ) -> Result<Box<dyn KvCache<B>>, CacheError> {
+        let dtype = dtype.into();
+        if dtype == KvDtype::Q8_0 && B::STEP_ATTENTION {
+            return Err(CacheError::InvalidConfig(
+                "a q8_0 KV cache is read by the cpu backends' attention only: use f16 on a GPU"
+                    .into(),
+            ));
+        }
+        if !dtype.holds_rows_of(layout.head_dim) {
+            return Err(CacheError::InvalidConfig(format!(
+                "a {dtype} KV cache holds heads of whole 32-value blocks, and this model's heads \
+                 have {} values",
+                layout.head_dim
+            )));
+        }
         if self
             .bytes(layout, dtype)
             .is_none_or(|b| b > isize::MAX as u64)

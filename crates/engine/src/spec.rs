@@ -21,7 +21,7 @@
 use std::fmt;
 
 use kiln_core::kv_cache::{CacheError, CacheKind, KvCache, KvLayout};
-use kiln_core::{CausalLm, Dtype, InferenceBackend};
+use kiln_core::{CausalLm, InferenceBackend, KvDtype};
 
 pub use kiln_core::kv_cache::DEFAULT_BLOCK_SIZE;
 
@@ -329,7 +329,7 @@ pub struct Run {
     /// The K/V layout of the model.
     pub layout: KvLayout,
     /// The cache's precision.
-    pub dtype: Dtype,
+    pub dtype: KvDtype,
     /// The host memory available now, where known: a quarter of it caps
     /// [`DefaultBudget::Capped`] (1 GiB when unknown).
     pub available_memory: Option<u64>,
@@ -445,7 +445,7 @@ impl EngineSpec {
     pub fn cache<B: InferenceBackend>(
         &self,
         layout: KvLayout,
-        dtype: Dtype,
+        dtype: impl Into<KvDtype>,
         device: &B::Device,
     ) -> Result<Box<dyn KvCache<B>>, CacheError> {
         self.cache.build(layout, dtype, device)
@@ -460,7 +460,7 @@ impl EngineSpec {
     pub fn engine<'a, B: InferenceBackend>(
         &self,
         model: &'a dyn CausalLm<B>,
-        kv_dtype: Dtype,
+        kv_dtype: impl Into<KvDtype>,
         draft: Option<&'a dyn CausalLm<B>>,
     ) -> Result<Engine<'a, B>, EngineError> {
         let device = model.device();
@@ -484,7 +484,7 @@ impl EngineSpec {
     pub fn session<'a, B: InferenceBackend>(
         &self,
         model: &'a dyn CausalLm<B>,
-        kv_dtype: Dtype,
+        kv_dtype: impl Into<KvDtype>,
     ) -> Result<Session<'a, B>, EngineError> {
         let cache = self.cache(model.shape().kv_layout(), kv_dtype, &model.device());
         Session::new(
@@ -513,7 +513,7 @@ mod tests {
             max_len,
             longest_prompt: 0,
             layout: LAYOUT,
-            dtype: Dtype::F32,
+            dtype: KvDtype::F32,
             available_memory: Some(1 << 30),
             cache_in_host_memory: true,
         }

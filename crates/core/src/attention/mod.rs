@@ -38,7 +38,9 @@ use crate::backend::InferenceBackend;
 use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData};
 
 use crate::batch::Batch;
+use crate::dtype::Dtype;
 use crate::ids::Position;
+use crate::kv_cache::encoding;
 use crate::kv_cache::{CachedKv, KvCache, ReadIndex, StepPlan};
 use crate::tensor::int_tensor;
 
@@ -253,18 +255,21 @@ pub fn attend<B: InferenceBackend>(
     debug_assert_eq!(n_heads, plan.n_heads);
     debug_assert_eq!(k.dims()[1], plan.n_kv_heads);
     // A step's fresh K/V are attended as they are, a history's as the cache stores them: a
-    // cache narrower than the activations (f16 K/V) gets them rounded to its precision first,
-    // so that a prompt attends over the same values whether its prefix was computed in this
-    // step or found in the cache. The rounded copy is also what the cache stores.
-    let (k, v, k_stored, v_stored) = if cache.dtype().burn() == k.dtype() {
+    // cache narrower than the activations (f16 or Q8_0 K/V) gets them rounded to its precision
+    // first, so that a prompt attends over the same values whether its prefix was computed in
+    // this step or found in the cache. The rounded copy is also what the cache stores.
+    let dtype = cache.dtype();
+    let (k, v, k_stored, v_stored) = if dtype.float().map(Dtype::burn) == Some(k.dtype()) {
         (k.clone(), v.clone(), k, v)
     } else {
         let computed = FloatDType::from(k.dtype());
-        let stored = cache.dtype().burn_float();
-        let (k_stored, v_stored) = (k.cast(stored), v.cast(stored));
+        let (k_stored, v_stored) = (
+            encoding::encode(dtype, k, head_dim),
+            encoding::encode(dtype, v, head_dim),
+        );
         let (k, v) = (
-            k_stored.clone().cast(computed),
-            v_stored.clone().cast(computed),
+            encoding::decode(dtype, k_stored.clone(), head_dim, computed),
+            encoding::decode(dtype, v_stored.clone(), head_dim, computed),
         );
         (k, v, k_stored, v_stored)
     };

@@ -151,14 +151,16 @@ mod flex_buffers {
 mod flex_attention {
     use burn::backend::Flex;
     use burn::backend::flex::FlexTensor;
-    use burn::tensor::DType;
     use burn::tensor::{Bool, Tensor};
+    use burn::tensor::{DType, FloatDType};
     use burn::tensor::{bf16, f16};
     use kiln_kernels::ThreadPool;
     use kiln_kernels::attention::{
-        AttentionShape, KvBlocks, KvElement, Scoring, attention, attention_blocks,
+        AttentionShape, KvBlocks, KvElement, Q8_0Block, Scoring, attention, attention_blocks,
+        q8_0_blocks,
     };
 
+    use crate::dtype::KvDtype;
     use crate::kv_cache::CachedKv;
 
     use super::flex_buffers::{all_f32, f32_slice, host, values, wrap};
@@ -248,9 +250,9 @@ mod flex_attention {
         out
     }
 
-    /// Attention over the cache's K/V where they lie (no gather per layer), f32, f16 or bf16
-    /// read in place by the kernel, the token-major queries of each row regrouped head-major
-    /// and back by row copies.
+    /// Attention over the cache's K/V where they lie (no gather per layer), f32, f16, bf16 or
+    /// Q8_0 blocks read in place by the kernel, the token-major queries of each row regrouped
+    /// head-major and back by row copies.
     pub(super) fn cached(
         q: Tensor<Flex, 4>,
         kv: CachedKv<'_, Flex>,
@@ -259,6 +261,11 @@ mod flex_attention {
     ) -> Tensor<Flex, 4> {
         let kv_dtype = kv.k.dtype();
         let readable = matches!(kv_dtype, DType::F32 | DType::F16 | DType::BF16);
+        if q.dtype() != DType::F32 && kv.dtype == KvDtype::Q8_0 {
+            // The kernel takes f32 queries; the reference path would dequantize the cache.
+            let computed = FloatDType::from(q.dtype());
+            return cached(q.cast(FloatDType::F32), kv, mask, scoring).cast(computed);
+        }
         if q.dtype() != DType::F32 || kv.v.dtype() != kv_dtype || !readable {
             return crate::attention::sdpa_cached(q, kv, mask, scoring);
         }
@@ -279,12 +286,16 @@ mod flex_attention {
         let mut out = vec![0f32; q.len()];
         with_mask(mask, |mask| {
             let pool = ThreadPool::global();
-            match kv_dtype {
-                DType::F16 => {
+            match (kv.dtype, kv_dtype) {
+                (KvDtype::Q8_0, _) => {
+                    let blocks = q8_0_blocks_of(&k, &v, &table, slots);
+                    attention_blocks(shape, scoring, &q, blocks, mask, &mut out, pool)
+                }
+                (_, DType::F16) => {
                     let blocks = blocks_of::<f16>(&k, &v, &table, slots);
                     attention_blocks(shape, scoring, &q, blocks, mask, &mut out, pool)
                 }
-                DType::BF16 => {
+                (_, DType::BF16) => {
                     let blocks = blocks_of::<bf16>(&k, &v, &table, slots);
                     attention_blocks(shape, scoring, &q, blocks, mask, &mut out, pool)
                 }
@@ -308,6 +319,24 @@ mod flex_attention {
         KvBlocks {
             k: values(k),
             v: values(v),
+            table,
+            block_keys,
+        }
+    }
+
+    /// The kernel's view of a Q8_0 cache's storage: its f16 words as blocks.
+    fn q8_0_blocks_of<'a>(
+        k: &'a FlexTensor,
+        v: &'a FlexTensor,
+        table: &'a [usize],
+        block_keys: usize,
+    ) -> KvBlocks<'a, Q8_0Block> {
+        let blocks = |t: &'a FlexTensor| {
+            q8_0_blocks(values::<f16>(t)).expect("a Q8_0 cache stores whole blocks")
+        };
+        KvBlocks {
+            k: blocks(k),
+            v: blocks(v),
             table,
             block_keys,
         }

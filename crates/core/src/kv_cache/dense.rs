@@ -11,7 +11,7 @@ use super::plan::{FreshSpan, HistorySpan, Incoming, ReadPlan, StepPlan, WriteRun
 use super::storage::{CachedKv, ReadIndex, SlotStorage};
 use super::{CacheError, CacheKind, CacheUsage, HostKv, KvLayout};
 use crate::batch::Batch;
-use crate::dtype::Dtype;
+use crate::dtype::KvDtype;
 use crate::ids::{Position, SeqId};
 
 /// How a dense cache sizes itself.
@@ -50,7 +50,7 @@ impl<B: InferenceBackend> DenseCache<B> {
         layout: KvLayout,
         rows: usize,
         slots: usize,
-        dtype: Dtype,
+        dtype: impl Into<KvDtype>,
         device: &B::Device,
     ) -> Self {
         Self {
@@ -74,7 +74,7 @@ impl<B: InferenceBackend> DenseCache<B> {
     }
 
     /// The precision stored.
-    pub fn dtype(&self) -> Dtype {
+    pub fn dtype(&self) -> KvDtype {
         self.storage.dtype()
     }
 
@@ -458,7 +458,7 @@ macro_rules! delegate_dense_cache {
         }
 
         impl<B: InferenceBackend> $crate::kv_cache::KvCache<B> for $name<B> {
-            fn dtype(&self) -> $crate::dtype::Dtype {
+            fn dtype(&self) -> $crate::dtype::KvDtype {
                 self.inner.dtype()
             }
             fn plan(

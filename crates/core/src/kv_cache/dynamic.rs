@@ -4,7 +4,7 @@ use crate::backend::InferenceBackend;
 
 use super::KvLayout;
 use super::dense::{DenseCache, Policy, delegate_dense_cache};
-use crate::dtype::Dtype;
+use crate::dtype::KvDtype;
 
 /// Starts small and doubles its rows or its length whenever a step needs more, copying what it
 /// holds (amortised O(1) per token, like `Vec`). It never refuses a step; its memory is bounded
@@ -21,7 +21,7 @@ impl<B: InferenceBackend> DynamicKvCache<B> {
     pub const INITIAL_SLOTS: usize = 16;
 
     /// An empty cache with room for one sequence of 16 tokens.
-    pub fn new(layout: KvLayout, dtype: Dtype, device: &B::Device) -> Self {
+    pub fn new(layout: KvLayout, dtype: impl Into<KvDtype>, device: &B::Device) -> Self {
         let inner = DenseCache::new(
             Policy::Dynamic,
             layout,

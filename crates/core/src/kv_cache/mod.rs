@@ -23,6 +23,7 @@
 
 mod dense;
 mod dynamic;
+pub mod encoding;
 mod paged;
 mod plan;
 mod sliding;
@@ -45,7 +46,7 @@ pub use static_::StaticKvCache;
 pub use storage::{CachedKv, ReadIndex, RowPick};
 
 use crate::batch::Batch;
-use crate::dtype::Dtype;
+use crate::dtype::KvDtype;
 use crate::ids::{Position, SeqId, TokenId};
 
 /// K/V copied to the host: per layer `(k, v)`, each `[tokens, n_kv_heads, head_dim]` as f32.
@@ -64,8 +65,8 @@ pub struct KvLayout {
 
 impl KvLayout {
     /// Bytes that one token's K and V take across all layers.
-    pub fn bytes_per_token(&self, dtype: Dtype) -> usize {
-        2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype.size_bytes()
+    pub fn bytes_per_token(&self, dtype: impl Into<KvDtype>) -> usize {
+        2 * self.n_layers * self.n_kv_heads * dtype.into().row_bytes(self.head_dim)
     }
 }
 
@@ -381,7 +382,7 @@ pub trait KvCache<B: InferenceBackend>: CacheBook {
     fn plan(&mut self, batch: &Batch) -> Result<StepPlan, CacheError>;
 
     /// The precision the K/V are stored in (each write is cast to it).
-    fn dtype(&self) -> Dtype;
+    fn dtype(&self) -> KvDtype;
 
     /// Writes one layer's new K/V where the plan says, in place.
     ///

@@ -4,7 +4,7 @@ use crate::backend::InferenceBackend;
 
 use super::dense::{DenseCache, Policy, delegate_dense_cache};
 use super::{CacheError, KvLayout};
-use crate::dtype::Dtype;
+use crate::dtype::KvDtype;
 
 /// Each sequence owns a ring of `window + max_step - 1` slots: token `i` goes to slot
 /// `i mod ring`. Positions keep counting past the window; attention masks every key more than
@@ -32,7 +32,7 @@ impl<B: InferenceBackend> SlidingKvCache<B> {
         max_sequences: usize,
         window: usize,
         max_step: usize,
-        dtype: Dtype,
+        dtype: impl Into<KvDtype>,
         device: &B::Device,
     ) -> Result<Self, CacheError> {
         if max_sequences == 0 || window == 0 || max_step == 0 {

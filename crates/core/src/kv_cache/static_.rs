@@ -4,7 +4,7 @@ use crate::backend::InferenceBackend;
 
 use super::dense::{DenseCache, Policy, delegate_dense_cache};
 use super::{CacheError, KvLayout};
-use crate::dtype::Dtype;
+use crate::dtype::KvDtype;
 
 /// `max_sequences` rows of `max_len` slots per layer, allocated once. A token at index `i` of
 /// its sequence goes to slot `i` of the sequence's row; nothing is ever copied or moved.
@@ -22,7 +22,7 @@ impl<B: InferenceBackend> StaticKvCache<B> {
         layout: KvLayout,
         max_sequences: usize,
         max_len: usize,
-        dtype: Dtype,
+        dtype: impl Into<KvDtype>,
         device: &B::Device,
     ) -> Result<Self, CacheError> {
         if max_sequences == 0 || max_len == 0 {

@@ -5,15 +5,18 @@ use std::ops::Range;
 use burn::tensor::backend::Backend;
 
 use crate::backend::InferenceBackend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{FloatDType, Int, Tensor};
 
 use crate::tensor::int_tensor;
 
+use super::encoding;
 use super::plan::{ReadPlan, WriteRun};
 use super::{HostKv, KvLayout};
-use crate::dtype::Dtype;
+use crate::dtype::KvDtype;
 
-/// Per layer one K and one V tensor of shape `[targets, n_kv_heads, slots, head_dim]`.
+/// Per layer one K and one V tensor of shape `[targets, n_kv_heads, slots, width]`, `width`
+/// being `head_dim` for the float precisions and the rows' Q8_0 blocks as f16 words for Q8_0
+/// ([`KvDtype::stored_width`], [`super::encoding`]).
 ///
 /// A *target* is a sequence's row (dense caches) or a block (paged cache); a *slot* is a
 /// token's place in it. Head-major, like attention's operands: a read is one gather of whole
@@ -23,7 +26,7 @@ use crate::dtype::Dtype;
 #[derive(Debug)]
 pub(crate) struct SlotStorage<B: InferenceBackend> {
     layout: KvLayout,
-    dtype: Dtype,
+    dtype: KvDtype,
     device: B::Device,
     targets: usize,
     slots: usize,
@@ -119,13 +122,23 @@ impl<B: InferenceBackend> ReadIndex<B> {
 
 impl<B: InferenceBackend> SlotStorage<B> {
     /// Zero-filled storage for `targets` targets of `slots` slots each.
+    ///
+    /// # Panics
+    /// If `dtype` cannot hold rows of the layout's width (Q8_0 needs whole blocks of 32: the
+    /// engine and the command line check first).
     pub fn new(
         layout: KvLayout,
         targets: usize,
         slots: usize,
-        dtype: Dtype,
+        dtype: impl Into<KvDtype>,
         device: &B::Device,
     ) -> Self {
+        let dtype = dtype.into();
+        assert!(
+            dtype.holds_rows_of(layout.head_dim),
+            "a {dtype} KV cache cannot hold heads of {} values",
+            layout.head_dim
+        );
         let make = || {
             (0..layout.n_layers)
                 .map(|_| Self::zeros(layout, targets, slots, dtype, device))
@@ -146,13 +159,24 @@ impl<B: InferenceBackend> SlotStorage<B> {
         layout: KvLayout,
         targets: usize,
         slots: usize,
-        dtype: Dtype,
+        dtype: KvDtype,
         device: &B::Device,
     ) -> Tensor<B, 4> {
+        // Zero words are Q8_0 blocks of zeros too.
         Tensor::zeros(
-            [targets, layout.n_kv_heads, slots, layout.head_dim],
-            (device, dtype.burn()),
+            [
+                targets,
+                layout.n_kv_heads,
+                slots,
+                dtype.stored_width(layout.head_dim),
+            ],
+            (device, dtype.storage().burn()),
         )
+    }
+
+    /// Elements of a stored row.
+    fn width(&self) -> usize {
+        self.dtype.stored_width(self.layout.head_dim)
     }
 
     /// The layout stored.
@@ -161,7 +185,7 @@ impl<B: InferenceBackend> SlotStorage<B> {
     }
 
     /// The precision stored.
-    pub fn dtype(&self) -> Dtype {
+    pub fn dtype(&self) -> KvDtype {
         self.dtype
     }
 
@@ -185,15 +209,11 @@ impl<B: InferenceBackend> SlotStorage<B> {
         }
         let (old_targets, old_slots) = (self.targets, self.slots);
         let (layout, dtype, device) = (self.layout, self.dtype, self.device.clone());
+        let width = self.width();
         for tensor in self.k.iter_mut().chain(self.v.iter_mut()) {
             let bigger = Self::zeros(layout, targets, slots, dtype, &device);
             let old = std::mem::replace(tensor, bigger);
-            let ranges = [
-                0..old_targets,
-                0..layout.n_kv_heads,
-                0..old_slots,
-                0..layout.head_dim,
-            ];
+            let ranges = [0..old_targets, 0..layout.n_kv_heads, 0..old_slots, 0..width];
             B::write_in_place(tensor, ranges, old);
         }
         self.targets = targets;
@@ -203,11 +223,12 @@ impl<B: InferenceBackend> SlotStorage<B> {
     /// Writes the runs of one layer's new K/V, in place.
     ///
     /// # Shapes
-    /// - `k`, `v`: `[n_tokens, n_kv_heads, head_dim]`
+    /// - `k`, `v`: `[n_tokens, n_kv_heads, head_dim]`, or already in the stored form
+    ///   ([`encoding::encode`])
     pub fn write(&mut self, layer: usize, runs: &[WriteRun], k: Tensor<B, 3>, v: Tensor<B, 3>) {
-        let (heads, dim) = (self.layout.n_kv_heads, self.layout.head_dim);
+        let (heads, dim, width) = (self.layout.n_kv_heads, self.layout.head_dim, self.width());
         for (store, new) in [(&mut self.k[layer], k), (&mut self.v[layer], v)] {
-            let new = new.cast(self.dtype.burn_float());
+            let new = encoding::encode(self.dtype, new, dim);
             for run in runs {
                 // Unsqueezed before the swap, so both stay views: reshaping the swapped view
                 // would make burn-flex copy it value by value (`write_in_place` copies it once).
@@ -219,7 +240,7 @@ impl<B: InferenceBackend> SlotStorage<B> {
                 let slots: Range<usize> = run.slot..run.slot + run.tokens.len();
                 B::write_in_place(
                     store,
-                    [run.target..run.target + 1, 0..heads, slots, 0..dim],
+                    [run.target..run.target + 1, 0..heads, slots, 0..width],
                     values,
                 );
             }
@@ -229,7 +250,7 @@ impl<B: InferenceBackend> SlotStorage<B> {
     /// Writes one layer's new K/V at the places of `index`, in place.
     ///
     /// # Shapes
-    /// - `k`, `v`: `[n_tokens, n_kv_heads, head_dim]`
+    /// - `k`, `v`: `[n_tokens, n_kv_heads, head_dim]`, or already in the stored form
     pub fn write_places(
         &mut self,
         layer: usize,
@@ -237,6 +258,11 @@ impl<B: InferenceBackend> SlotStorage<B> {
         k: Tensor<B, 3>,
         v: Tensor<B, 3>,
     ) {
+        let dim = self.layout.head_dim;
+        let (k, v) = (
+            encoding::encode(self.dtype, k, dim),
+            encoding::encode(self.dtype, v, dim),
+        );
         B::write_kv_places(&mut self.k[layer], &mut self.v[layer], index, k, v);
     }
 
@@ -251,6 +277,8 @@ impl<B: InferenceBackend> SlotStorage<B> {
         CachedKv {
             k: self.k[layer].clone(),
             v: self.v[layer].clone(),
+            dtype: self.dtype,
+            head_dim: self.layout.head_dim,
             index,
         }
     }
@@ -266,14 +294,14 @@ impl<B: InferenceBackend> SlotStorage<B> {
         if slots.is_empty() || src == dst {
             return;
         }
-        let (heads, dim) = (self.layout.n_kv_heads, self.layout.head_dim);
+        let (heads, width) = (self.layout.n_kv_heads, self.width());
         for tensor in self.k.iter_mut().chain(self.v.iter_mut()) {
             let values = tensor
                 .clone()
-                .slice([src..src + 1, 0..heads, slots.clone(), 0..dim]);
+                .slice([src..src + 1, 0..heads, slots.clone(), 0..width]);
             B::write_in_place(
                 tensor,
-                [dst..dst + 1, 0..heads, slots.clone(), 0..dim],
+                [dst..dst + 1, 0..heads, slots.clone(), 0..width],
                 values,
             );
         }
@@ -292,12 +320,12 @@ impl<B: InferenceBackend> SlotStorage<B> {
         let (heads, slots, dim) = (self.layout.n_kv_heads, self.slots, self.layout.head_dim);
         let host = |t: &Tensor<B, 4>| -> Vec<f32> {
             // [targets, heads, slots, dim] on the host, read token by token.
-            let all: Vec<f32> = t
-                .clone()
-                .cast(burn::tensor::FloatDType::F32)
-                .into_data()
-                .iter::<f32>()
-                .collect();
+            let all: Vec<f32> = crate::tensor::host_f32(encoding::decode(
+                self.dtype,
+                t.clone(),
+                dim,
+                burn::tensor::FloatDType::F32,
+            ));
             let mut out = Vec::with_capacity(places.len() * heads * dim);
             for &(target, slot) in places {
                 for h in 0..heads {
@@ -315,16 +343,21 @@ impl<B: InferenceBackend> SlotStorage<B> {
     }
 }
 
-/// One layer's K/V where the cache keeps them (`[targets, n_kv_heads, slots, head_dim]`) and
-/// the read index of a step's history rows: what [`InferenceBackend::cached_attention`]
-/// attends over, gathered into one tensor ([`gather`](Self::gather)) or read in place through
-/// the block table ([`table`](Self::table)).
+/// One layer's K/V where the cache keeps them (`[targets, n_kv_heads, slots, width]`, in the
+/// cache's [`KvDtype`]) and the read index of a step's history rows: what
+/// [`InferenceBackend::cached_attention`] attends over, gathered into one tensor of values
+/// ([`gather`](Self::gather)) or read in place through the block table
+/// ([`table`](Self::table)).
 #[derive(Debug, Clone)]
 pub struct CachedKv<'a, B: InferenceBackend> {
-    /// The layer's keys. `[targets, n_kv_heads, slots, head_dim]`
+    /// The layer's keys as stored. `[targets, n_kv_heads, slots, width]`
     pub k: Tensor<B, 4>,
-    /// The layer's values. `[targets, n_kv_heads, slots, head_dim]`
+    /// The layer's values as stored. `[targets, n_kv_heads, slots, width]`
     pub v: Tensor<B, 4>,
+    /// How `k` and `v` hold their values (`width` is `dtype.stored_width(head_dim)`).
+    pub dtype: KvDtype,
+    /// Values per head row.
+    pub head_dim: usize,
     index: &'a ReadIndex<B>,
 }
 
@@ -339,7 +372,8 @@ impl<B: InferenceBackend> CachedKv<'_, B> {
         }
     }
 
-    /// The K/V the rows read, copied into one tensor each.
+    /// The K/V the rows read, copied into one tensor each, as values (a Q8_0 cache's blocks
+    /// dequantized to f32; a float cache's in its own precision).
     ///
     /// # Shapes
     /// - returns `k`, `v`: `[rows, n_kv_heads, keys, head_dim]`
@@ -370,6 +404,10 @@ impl<B: InferenceBackend> CachedKv<'_, B> {
                     .reshape([*rows, heads, *blocks_per_row * slots, dim]),
             }
         };
-        (read_one(self.k), read_one(self.v))
+        let values = |stored: Tensor<B, 4>| match self.dtype {
+            KvDtype::Q8_0 => encoding::decode(self.dtype, stored, self.head_dim, FloatDType::F32),
+            _ => stored,
+        };
+        (values(read_one(self.k)), values(read_one(self.v)))
     }
 }

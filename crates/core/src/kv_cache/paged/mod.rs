@@ -17,7 +17,7 @@ use super::plan::{FreshSpan, HistorySpan, ReadPlan, StepPlan, WriteRun, incoming
 use super::storage::{CachedKv, ReadIndex, SlotStorage};
 use super::{CacheBook, CacheError, CacheKind, CacheUsage, HostKv, KvCache, KvLayout};
 use crate::batch::Batch;
-use crate::dtype::Dtype;
+use crate::dtype::KvDtype;
 use crate::ids::{BlockId, Position, SeqId, TokenId};
 
 /// The default number of tokens per block.
@@ -80,7 +80,7 @@ impl<B: InferenceBackend> PagedKvCache<B> {
         layout: KvLayout,
         n_blocks: usize,
         block_size: usize,
-        dtype: Dtype,
+        dtype: impl Into<KvDtype>,
         device: &B::Device,
     ) -> Result<Self, CacheError> {
         if n_blocks == 0 || block_size == 0 {
@@ -451,7 +451,7 @@ impl<B: InferenceBackend> PagedKvCache<B> {
 }
 
 impl<B: InferenceBackend> KvCache<B> for PagedKvCache<B> {
-    fn dtype(&self) -> Dtype {
+    fn dtype(&self) -> KvDtype {
         self.storage.dtype()
     }
 
