@@ -657,6 +657,45 @@ fn a_kv_dtype_other_than_the_models_is_refused_on_wgpu() {
     );
 }
 
+/// q8_0 K/V: refused on wgpu (its attention reads float storage) and for heads that are not
+/// whole 32-value blocks (llama-tiny's are 16 wide), with one line each; on the cpu backend the
+/// default model generates through it, and `--kv-dtype` names it back in the bench header.
+#[test]
+fn a_q8_0_kv_cache_runs_on_the_cpu_and_is_refused_where_it_cannot() {
+    let tiny = fixture("llama-tiny");
+    for (args, says) in [
+        (
+            vec!["--model", &tiny, "--backend", "wgpu"],
+            "--kv-dtype q8_0 is read by the cpu backends' attention only",
+        ),
+        (
+            vec!["--model", &tiny],
+            "stores whole blocks of 32 values, and this model's heads have 16",
+        ),
+    ] {
+        let mut all = vec!["generate", "hi", "--kv-dtype", "q8_0"];
+        all.extend(args);
+        let out = kiln(&all);
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+        assert!(text(&out.stderr).contains(says), "{}", text(&out.stderr));
+    }
+    let answer = generate_json(&[
+        "The capital of France is",
+        "--kv-dtype",
+        "q8_0",
+        "--max-tokens",
+        "8",
+    ]);
+    assert_eq!(
+        answer["tokens"].as_array().map(Vec::len),
+        Some(8),
+        "{answer}"
+    );
+    assert_eq!(answer["finish_reason"], "length", "{answer}");
+    let unknown = usage_error(&["generate", "hi", "--kv-dtype", "q4"]);
+    assert!(unknown.contains("q8_0"), "{unknown}");
+}
+
 /// Without Python on PATH and an empty cache, the default model cannot be fetched: one line
 /// saying so and how to get the file by hand, exit code 1.
 #[test]

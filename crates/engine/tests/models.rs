@@ -11,7 +11,9 @@ use std::sync::OnceLock;
 
 use kiln_core::kv_cache::{CacheKind, DynamicKvCache, SlidingKvCache};
 use kiln_core::sampling::{Sampler, SamplingParams, TokenHistory};
-use kiln_core::{Batch, CausalLm, Dtype, InferenceBackend, LogitsFor, Position, SeqId, TokenId};
+use kiln_core::{
+    Batch, CausalLm, Dtype, InferenceBackend, KvDtype, LogitsFor, Position, SeqId, TokenId,
+};
 use kiln_engine::bench::{Cell, Sampling, run_cell, synthetic_prompts};
 use kiln_engine::{
     BeamSearch, CacheSpec, DraftSource, EarlyStopping, Engine, EngineConfig, EngineError,
@@ -139,7 +141,7 @@ fn alone_with<B: InferenceBackend>(
 /// [`alone_with`] over a cache that holds its K/V in `kv_dtype`.
 fn alone_in<B: InferenceBackend>(
     model: &dyn CausalLm<B>,
-    kv_dtype: Dtype,
+    kv_dtype: impl Into<KvDtype>,
     prompt: &[TokenId],
     n: usize,
     mut sampler: Sampler,
@@ -377,7 +379,7 @@ fn logit_bias_matches_alone<B: InferenceBackend>() {
 fn prefix_cache_matches_alone<B: InferenceBackend>(
     path: &std::path::Path,
     weights: WeightStorage,
-    kv_dtype: Dtype,
+    kv_dtype: KvDtype,
 ) {
     let loaded = load_with::<B>(path, Dtype::F32, weights);
     let model = &loaded.model;
@@ -1371,7 +1373,7 @@ mod cpu {
         super::prefix_cache_matches_alone::<B>(
             &super::smollm2(),
             super::WeightStorage::Dequantized,
-            super::Dtype::F32,
+            super::KvDtype::F32,
         );
     }
 
@@ -1437,7 +1439,18 @@ mod cpu_quantized {
         super::prefix_cache_matches_alone::<B>(
             &super::smollm2(),
             WeightStorage::Quantized,
-            super::Dtype::F16,
+            super::KvDtype::F16,
+        );
+    }
+
+    /// The same with a q8_0 cache: a prefix read from the cache's blocks equals one computed in
+    /// the step (attention rounds fresh K/V through the same blocks).
+    #[test]
+    fn prefix_cache_matches_alone_with_a_q8_0_cache() {
+        super::prefix_cache_matches_alone::<B>(
+            &super::smollm2(),
+            WeightStorage::Quantized,
+            super::KvDtype::Q8_0,
         );
     }
 
@@ -1502,7 +1515,7 @@ mod wgpu {
         super::prefix_cache_matches_alone::<B>(
             &path,
             super::WeightStorage::Dequantized,
-            super::Dtype::F32,
+            super::KvDtype::F32,
         );
     }
 

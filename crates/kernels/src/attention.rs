@@ -876,8 +876,8 @@ mod x86 {
             }
         }
         let mut sum = hsum(_mm256_add_ps(s0, s1));
-        for j in i..n {
-            sum = a[j].mul_add(T::value(b, j), sum);
+        for (j, x) in a.iter().enumerate().take(n).skip(i) {
+            sum = x.mul_add(T::value(b, j), sum);
         }
         sum
     }
