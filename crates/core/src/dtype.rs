@@ -80,7 +80,7 @@ impl KvDtype {
     pub const ALL: [KvDtype; 4] = [KvDtype::F32, KvDtype::F16, KvDtype::Bf16, KvDtype::Q8_0];
 
     /// Values in one Q8_0 block (a row's width must be a multiple of it).
-    pub const Q8_0_BLOCK: usize = 32;
+    pub const Q8_0_BLOCK: usize = kiln_kernels::attention::Q8_0_VALUES;
 
     /// The name used on the command line.
     pub fn name(self) -> &'static str {
@@ -108,7 +108,7 @@ impl KvDtype {
     /// Elements of the storage tensor per row of `head_dim` values.
     pub fn stored_width(self, head_dim: usize) -> usize {
         match self {
-            KvDtype::Q8_0 => head_dim / Self::Q8_0_BLOCK * 17,
+            KvDtype::Q8_0 => head_dim / Self::Q8_0_BLOCK * kiln_kernels::attention::Q8_0_WORDS,
             _ => head_dim,
         }
     }
