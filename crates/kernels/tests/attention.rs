@@ -291,10 +291,13 @@ proptest! {
         let ((kq, kx), (vq, vx)) = (quantize(&k), quantize(&v));
         let expected = reference(shape, &q, &kx, &vx, &mask);
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        // f32's rounding over heads of up to 128 values and up to 40 one-key partitions reached
+        // 1.02e-5; a wrong block (a scale or byte off) errs by 1e-3 or more.
+        let tolerance = 3e-5;
         for tier in Tier::supported() {
             let out = partitioned_on(tier, shape, partition_keys, &q, &kq, &vq, &mask, &ThreadPool::new(threads));
             for (got, want) in out.iter().zip(&expected) {
-                prop_assert!((*got as f64 - want).abs() < 1e-5, "{tier}: {got} vs {want}");
+                prop_assert!((*got as f64 - want).abs() < tolerance, "{tier}: {got} vs {want}");
             }
             let one = partitioned_on(tier, shape, partition_keys, &q, &kq, &vq, &mask, &ThreadPool::new(1));
             prop_assert_eq!(bits(&out), bits(&one), "{}", tier);
