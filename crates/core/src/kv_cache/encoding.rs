@@ -5,7 +5,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor, TensorData, f16};
-use kiln_kernels::attention::{Q8_0Block, dequantize_q8_0, q8_0_blocks, q8_0_blocks_mut};
+use kiln_kernels::attention::{dequantize_q8_0, q8_0_blocks, q8_0_blocks_mut, quantize_q8_0};
 
 use crate::dtype::KvDtype;
 
@@ -60,15 +60,11 @@ fn encode_q8_0<B: Backend, const D: usize>(values: Tensor<B, D>, head_dim: usize
     let width = KvDtype::Q8_0.stored_width(head_dim);
     let rows = host.len() / head_dim.max(1);
     let mut words = vec![f16::ZERO; rows * width];
-    let blocks = q8_0_blocks_mut(&mut words).expect("whole blocks by construction");
-    for (row, out) in host
-        .chunks_exact(head_dim)
-        .zip(blocks.chunks_exact_mut(head_dim / KvDtype::Q8_0_BLOCK))
-    {
-        for (chunk, block) in row.chunks_exact(KvDtype::Q8_0_BLOCK).zip(out) {
-            *block = Q8_0Block::quantize(chunk);
-        }
-    }
+    // Rows of whole blocks lie end to end: the values quantize as one run of blocks.
+    quantize_q8_0(
+        &host,
+        q8_0_blocks_mut(&mut words).expect("whole blocks by construction"),
+    );
     dims[D - 1] = width;
     Tensor::from_data(TensorData::new(words, dims), (&device, DType::F16))
 }
