@@ -52,6 +52,10 @@ use crate::ggml::{
 };
 use crate::tier::Tier;
 
+mod wide;
+
+pub(crate) use wide::{WIDE_ROWS, WIDE_TILE, WideKernels};
+
 /// Rows per group.
 pub const GROUP: usize = 8;
 

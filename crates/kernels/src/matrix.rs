@@ -11,7 +11,10 @@ use std::borrow::Cow;
 use crate::act::{ACT_BLOCK, ActBlock, quantize_split_row};
 use crate::error::KernelError;
 use crate::ggml::{GgmlType, dequantize};
-use crate::interleaved::{GROUP, TILE, TileKernels, group_block_bytes, pack, unpack_row};
+use crate::interleaved::{
+    GROUP, TILE, TileKernels, WIDE_ROWS, WIDE_TILE, WideKernels, group_block_bytes, pack,
+    unpack_row,
+};
 use crate::pool::ThreadPool;
 use crate::quant::{DotKernel, has_kernel};
 use crate::tier::Tier;
@@ -244,8 +247,14 @@ impl QuantMatrix {
         if self.interleaved {
             let tiles =
                 TileKernels::new(self.ty, tier).expect("interleaved types have tile kernels");
+            // Prefill-sized products (more rows than a narrow tile takes) multiply two groups
+            // at once where the type has wide tiles; their outputs are the narrow tiles' bits.
+            let wide = WideKernels::new(self.ty, tier).filter(|_| m > TILE);
             let group_bytes = self.group_bytes();
-            let groups_per_task = chunk.div_ceil(GROUP);
+            let mut groups_per_task = chunk.div_ceil(GROUP);
+            if wide.is_some() {
+                groups_per_task = groups_per_task.next_multiple_of(2);
+            }
             let groups = self.rows / GROUP;
             pool.run(groups.div_ceil(groups_per_task), &|task| {
                 let task_groups =
@@ -255,7 +264,29 @@ impl QuantMatrix {
                 // would not).
                 for pass in (0..m).step_by(ACT_ROWS_PER_PASS) {
                     let pass = pass..(pass + ACT_ROWS_PER_PASS).min(m);
-                    for g in task_groups.clone() {
+                    let mut g = task_groups.start;
+                    while g < task_groups.end {
+                        if let Some(wide) = wide.filter(|_| g + 1 < task_groups.end) {
+                            let w = &self.data[g * group_bytes..(g + 2) * group_bytes];
+                            for start in pass.clone().step_by(wide.tile()) {
+                                let n = (pass.end - start).min(wide.tile());
+                                let tile: [_; WIDE_TILE] =
+                                    std::array::from_fn(|i| acts(start + i.min(n - 1)));
+                                let write = |i: usize, y: [f32; WIDE_ROWS]| {
+                                    // SAFETY: every (t, row) is written by exactly one task.
+                                    unsafe {
+                                        out.slice((start + i) * self.rows + g * GROUP, WIDE_ROWS)
+                                            .copy_from_slice(&y)
+                                    };
+                                };
+                                // SAFETY: the tier was checked above (wide tiles exist only
+                                // for it); `w` is groups `g` and `g + 1`, each of `cols / 32`
+                                // blocks' columns, each row of `hi` and `lo` as many blocks.
+                                unsafe { wide.run(w, &tile[..n], write) };
+                            }
+                            g += 2;
+                            continue;
+                        }
                         let w = &self.data[g * group_bytes..(g + 1) * group_bytes];
                         for start in pass.clone().step_by(TILE) {
                             let n = (pass.end - start).min(TILE);
@@ -276,6 +307,7 @@ impl QuantMatrix {
                             // blocks.
                             unsafe { tiles.run(w, &tile[..n], write) };
                         }
+                        g += 1;
                     }
                 }
             });

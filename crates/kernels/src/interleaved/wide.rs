@@ -1,0 +1,550 @@
+//! Prefill's tiles on AVX-512 VNNI: two neighbouring groups (16 weight rows) times up to
+//! [`WIDE_TILE`] activation rows, in 512-bit registers.
+//!
+//! The groups keep their layout ([`super`]); a 512-bit register holds chunk `j` of the first
+//! group in its low half and of the second in its high half, so one `vpdpbusd` with four
+//! broadcast activation bytes advances sixteen rows where the 256-bit tiles advance eight, and
+//! each chunk, unpacked once, serves up to eight activation rows in both passes. These are
+//! the K-quants' tiles (Q4_K, Q5_K, Q6_K, Q3_K: the bulk of the Q4_K_M, Q5_K_M, Q6_K and
+//! Q3_K_M files), which prefill spends its time in.
+//!
+//! Each lane goes through the 256-bit VNNI tile's float steps in the same order (a float
+//! step per sub-block and row, the same `cvtdq2ps`, multiplies and FMAs), and the integer
+//! sums are exact in any order, so every output is the same bits as the narrow tile's: a
+//! row's products do not depend on whether prefill (wide) or decoding (narrow) computed them.
+
+use crate::act::ActBlock;
+use crate::ggml::GgmlType;
+use crate::tier::Tier;
+
+use super::GROUP;
+
+/// Weight rows a wide tile multiplies: two groups.
+pub const WIDE_ROWS: usize = 2 * GROUP;
+
+/// Activation rows a wide tile multiplies at most at once.
+pub const WIDE_TILE: usize = 8;
+
+/// Sixteen rows' products (two neighbouring groups, `w` their bytes end to end) with `N`
+/// activation rows, each given in two passes (`hi[i]`, `lo[i]`).
+///
+/// # Safety
+/// The CPU must support AVX-512 VNNI; `w` must be two groups of the function's type, each
+/// holding exactly the block columns that `hi[i].len()` activation blocks cover (one per
+/// eight blocks) for every `i`, and `lo[i].len() == hi[i].len()`.
+pub(crate) type WideFn<const N: usize> =
+    unsafe fn(&[u8], [&[ActBlock]; N], [&[ActBlock]; N]) -> [[f32; WIDE_ROWS]; N];
+
+/// The wide tiles of one weight type, for one to [`WIDE_TILE`] activation rows.
+#[derive(Clone, Copy)]
+pub(crate) struct WideKernels {
+    /// The most activation rows a call takes: [`WIDE_TILE`], or four for the types whose
+    /// two scales per sub-block need four sums per row and pass (eight rows' would not fit
+    /// the 32 registers).
+    tile: usize,
+    one: WideFn<1>,
+    two: WideFn<2>,
+    three: WideFn<3>,
+    four: WideFn<4>,
+    five: WideFn<5>,
+    six: WideFn<6>,
+    seven: WideFn<7>,
+    eight: WideFn<8>,
+}
+
+/// [`WideKernels`] from one kernel generic over its row count.
+#[cfg(target_arch = "x86_64")]
+macro_rules! wide_kernels {
+    ($tile:expr, $($f:ident)::+) => {
+        WideKernels {
+            tile: $tile,
+            one: $($f)::+::<1>,
+            two: $($f)::+::<2>,
+            three: $($f)::+::<3>,
+            four: $($f)::+::<4>,
+            five: $($f)::+::<5>,
+            six: $($f)::+::<6>,
+            seven: $($f)::+::<7>,
+            eight: $($f)::+::<8>,
+        }
+    };
+}
+
+impl WideKernels {
+    /// The wide tiles of `ty` at `tier`, if it has them: the K-quants on AVX-512 VNNI.
+    pub(crate) fn new(ty: GgmlType, tier: Tier) -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        if tier == Tier::Avx512Vnni {
+            return match ty {
+                GgmlType::Q4K => Some(wide_kernels!(WIDE_TILE, x86::q4_k_wide)),
+                GgmlType::Q5K => Some(wide_kernels!(WIDE_TILE, x86::q5_k_wide)),
+                GgmlType::Q6K => Some(wide_kernels!(4, x86::q6_k_wide)),
+                GgmlType::Q3K => Some(wide_kernels!(4, x86::q3_k_wide)),
+                _ => None,
+            };
+        }
+        let _ = (ty, tier);
+        None
+    }
+
+    /// The most activation rows [`Self::run`] takes at once.
+    pub(crate) fn tile(&self) -> usize {
+        self.tile
+    }
+
+    /// The products of the two groups `w` with `rows` (one to [`Self::tile`] activation rows,
+    /// each as its `(hi, lo)` passes), handed to `out` as (index in `rows`, sixteen outputs).
+    ///
+    /// # Safety
+    /// As [`WideFn`] for every row.
+    ///
+    /// # Panics
+    /// If `rows` is empty or longer than [`Self::tile`].
+    #[inline]
+    pub(crate) unsafe fn run(
+        &self,
+        w: &[u8],
+        rows: &[(&[ActBlock], &[ActBlock])],
+        mut out: impl FnMut(usize, [f32; WIDE_ROWS]),
+    ) {
+        /// One kernel call on `rows` (exactly `N` of them).
+        ///
+        /// # Safety
+        /// As [`WideFn`] for every row.
+        #[inline]
+        unsafe fn call<const N: usize>(
+            f: WideFn<N>,
+            w: &[u8],
+            rows: &[(&[ActBlock], &[ActBlock])],
+            out: &mut impl FnMut(usize, [f32; WIDE_ROWS]),
+        ) {
+            let hi = std::array::from_fn(|i| rows[i].0);
+            let lo = std::array::from_fn(|i| rows[i].1);
+            // SAFETY: `f`'s `WideFn` contract is this function's, and `hi`/`lo` are the rows
+            // it covers.
+            let y = unsafe { f(w, hi, lo) };
+            for (i, y) in y.into_iter().enumerate() {
+                out(i, y);
+            }
+        }
+        // SAFETY: each arm calls the kernel for exactly `rows.len()` rows, under the `WideFn`
+        // contract this function's caller vouches for every row.
+        assert!(
+            rows.len() <= self.tile,
+            "a wide tile of {} rows: at most {}",
+            rows.len(),
+            self.tile
+        );
+        unsafe {
+            match rows.len() {
+                1 => call(self.one, w, rows, &mut out),
+                2 => call(self.two, w, rows, &mut out),
+                3 => call(self.three, w, rows, &mut out),
+                4 => call(self.four, w, rows, &mut out),
+                5 => call(self.five, w, rows, &mut out),
+                6 => call(self.six, w, rows, &mut out),
+                7 => call(self.seven, w, rows, &mut out),
+                8 => call(self.eight, w, rows, &mut out),
+                n => panic!("a wide tile of {n} rows: 1 to {WIDE_TILE} expected"),
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{WIDE_ROWS, WIDE_TILE};
+    use crate::act::ActBlock;
+    use crate::interleaved::{K_QUANTS, Q6_K_QUANTS, half_scaled_sizes, k_sizes};
+
+    /// Four activation bytes `4j..4j + 4` of `a` in every lane.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn broadcast(a: &ActBlock, j: usize) -> __m512i {
+        let word = i32::from_le_bytes([
+            a.qs[4 * j] as u8,
+            a.qs[4 * j + 1] as u8,
+            a.qs[4 * j + 2] as u8,
+            a.qs[4 * j + 3] as u8,
+        ]);
+        _mm512_set1_epi32(word)
+    }
+
+    /// 32 bytes at `p` in the low half, 32 at `q` in the high half.
+    ///
+    /// # Safety
+    /// 32 bytes at `p` and at `q` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn pair(p: *const u8, q: *const u8) -> __m512i {
+        // SAFETY: the caller's contract: 32 readable bytes at each, the loads' width.
+        unsafe {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(p.cast())),
+                _mm256_loadu_si256(q.cast()),
+            )
+        }
+    }
+
+    /// Eight f16 at `p`, then eight at `q`, as f32.
+    ///
+    /// # Safety
+    /// 16 bytes at `p` and at `q` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    unsafe fn halves(p: *const u8, q: *const u8) -> __m512 {
+        // SAFETY: the caller's contract: 16 readable bytes at each, the loads' width.
+        let (a, b) = unsafe { (_mm_loadu_si128(p.cast()), _mm_loadu_si128(q.cast())) };
+        _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(a), b))
+    }
+
+    /// Eight bytes at `p`, then eight at `q`, as f32 (`SIGNED`: as `i8`, else as `u8`).
+    ///
+    /// # Safety
+    /// Eight bytes at `p` and at `q` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn byte_lanes<const SIGNED: bool>(p: *const u8, q: *const u8) -> __m512 {
+        // SAFETY: the caller's contract: eight readable bytes at each, what `vmovq` loads.
+        let bytes =
+            unsafe { _mm_unpacklo_epi64(_mm_loadl_epi64(p.cast()), _mm_loadl_epi64(q.cast())) };
+        if SIGNED {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))
+        } else {
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes))
+        }
+    }
+
+    /// `acc + d_w × (d_hi × sum_h + d_lo × sum_l)` per row lane: the 256-bit tiles'
+    /// `add_sums`, operation for operation.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn add_sums(
+        acc: __m512,
+        d: __m512,
+        sum_h: __m512i,
+        sum_l: __m512i,
+        h: &ActBlock,
+        l: &ActBlock,
+    ) -> __m512 {
+        let scaled = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(sum_h),
+            _mm512_set1_ps(h.d),
+            _mm512_mul_ps(_mm512_cvtepi32_ps(sum_l), _mm512_set1_ps(l.d)),
+        );
+        _mm512_fmadd_ps(d, scaled, acc)
+    }
+
+    /// The sixteen lanes of `v`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn store(v: __m512) -> [f32; WIDE_ROWS] {
+        let mut out = [0f32; WIDE_ROWS];
+        // SAFETY: `out` is sixteen f32, the unaligned store's width.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v) };
+        out
+    }
+
+    /// The partial sums per activation row and pass: `vpdpbusd` takes four cycles, so a
+    /// tile needs eight or so independent sums in flight; with five or more rows one per
+    /// row and pass is enough (and more would not fit the 32 registers).
+    const fn parts(n: usize) -> usize {
+        match n {
+            1 => 4,
+            2..=4 => 2,
+            _ => 1,
+        }
+    }
+
+    /// Block `b` of each of the rows, unchecked.
+    ///
+    /// # Safety
+    /// `b` must be below every row's length.
+    #[inline(always)]
+    unsafe fn blocks_at<const N: usize>(rows: [&[ActBlock]; N], b: usize) -> [&ActBlock; N] {
+        // SAFETY: `b` is below every row's length (the caller's contract).
+        std::array::from_fn(|i| unsafe { rows[i].get_unchecked(b) })
+    }
+
+    /// The fifth bits of chunk `j` moved to bit 4 (the 256-bit tiles' `fifth_bits_at_4`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn fifth_bits_at_4(bits: __m512i, j: usize) -> (__m512i, __m512i) {
+        let (first, second) = match j {
+            0 => (_mm512_slli_epi16(bits, 4), _mm512_slli_epi16(bits, 3)),
+            1 => (_mm512_slli_epi16(bits, 2), _mm512_slli_epi16(bits, 1)),
+            2 => (bits, _mm512_srli_epi16(bits, 1)),
+            _ => (_mm512_srli_epi16(bits, 2), _mm512_srli_epi16(bits, 3)),
+        };
+        let bit = _mm512_set1_epi8(0x10);
+        (_mm512_and_si512(first, bit), _mm512_and_si512(second, bit))
+    }
+
+    // The kernels below run under the `WideFn` contract: `w` is two groups of `w.len() / 2`
+    // bytes, each holding exactly the block columns that `blocks = hi[0].len()` activation
+    // blocks cover, so column `c < blocks / 8` of either group starts `bytes × c` into it and
+    // ends inside it.
+
+    /// Sixteen Q4_K rows × `N` two-pass activation rows ([`super::WideFn`]).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn q4_k_wide<const N: usize>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        // SAFETY: this function's `WideFn` contract is `k_wide`'s for Q4_K.
+        unsafe { k_wide::<N, false>(w, hi, lo) }
+    }
+
+    /// Sixteen Q5_K rows × `N` two-pass activation rows ([`super::WideFn`]).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn q5_k_wide<const N: usize>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        // SAFETY: this function's `WideFn` contract is `k_wide`'s for Q5_K.
+        unsafe { k_wide::<N, true>(w, hi, lo) }
+    }
+
+    /// Sixteen Q4_K (`FIFTH` false) or Q5_K rows × `N` two-pass activation rows: the
+    /// 256-bit tile's `k_tile` on both groups at once.
+    ///
+    /// # Safety
+    /// As [`super::WideFn`], for the type the parameters name.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn k_wide<const N: usize, const FIFTH: bool>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        const { assert!(N >= 1 && N <= WIDE_TILE) };
+        let (column_bytes, sub_bytes) = k_sizes(FIFTH);
+        let group_bytes = w.len() / 2;
+        let blocks = hi[0].len();
+        debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+        debug_assert_eq!(group_bytes, blocks / 8 * column_bytes);
+        let parts = parts(N);
+        let mask = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut mins = [_mm512_setzero_ps(); N];
+        for c in 0..blocks / 8 {
+            // SAFETY: column `c < blocks / 8` lies in each group; its first 32 bytes are the
+            // eight f16 `d`, then the eight `dmin`.
+            let (p, q, d, dmin) = unsafe {
+                let p = w.as_ptr().add(column_bytes * c);
+                let q = p.add(group_bytes);
+                (p, q, halves(p, q), halves(p.add(16), q.add(16)))
+            };
+            for s in 0..8 {
+                let b = 8 * c + s;
+                // SAFETY: `b = 8 c + s < blocks`, every row's length (the `WideFn` contract).
+                let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+                // SAFETY: `s < 8`: sub-block `s` (`sub_bytes`: 128 of nibbles, with `FIFTH`
+                // 32 of fifth bits) at `K_QUANTS + sub_bytes s` ends by the column's end in
+                // each group; the eight scales at `32 + 8 s` and minimums at `96 + 8 s` lie
+                // before `K_QUANTS` (32 + 64 + 64).
+                let (sp, sq) = unsafe {
+                    (
+                        p.add(K_QUANTS + sub_bytes * s),
+                        q.add(K_QUANTS + sub_bytes * s),
+                    )
+                };
+                let fifth_bits = if FIFTH {
+                    // SAFETY: with `FIFTH` a sub-block's last 32 bytes (of 160) are its bits.
+                    unsafe { pair(sp.add(128), sq.add(128)) }
+                } else {
+                    _mm512_setzero_si512()
+                };
+                let mut sh = [[_mm512_setzero_si512(); 4]; N];
+                let mut sl = [[_mm512_setzero_si512(); 4]; N];
+                for j in 0..4 {
+                    // SAFETY: `j < 4`: chunk `j` is bytes `32 j .. 32 j + 32` of each
+                    // sub-block's 128 bytes of nibbles.
+                    let raw = unsafe { pair(sp.add(32 * j), sq.add(32 * j)) };
+                    let mut low = _mm512_and_si512(raw, mask);
+                    let mut high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+                    if FIFTH {
+                        let (first, second) = fifth_bits_at_4(fifth_bits, j);
+                        low = _mm512_or_si512(low, first);
+                        high = _mm512_or_si512(high, second);
+                    }
+                    let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
+                    for i in 0..N {
+                        sh[i][k_low] = _mm512_dpbusd_epi32(sh[i][k_low], low, broadcast(h[i], j));
+                        sh[i][k_high] =
+                            _mm512_dpbusd_epi32(sh[i][k_high], high, broadcast(h[i], 4 + j));
+                        sl[i][k_low] = _mm512_dpbusd_epi32(sl[i][k_low], low, broadcast(l[i], j));
+                        sl[i][k_high] =
+                            _mm512_dpbusd_epi32(sl[i][k_high], high, broadcast(l[i], 4 + j));
+                    }
+                }
+                // SAFETY: as above: the scales and minimums lie in each group's column header.
+                let (scales, mins_s) = unsafe {
+                    (
+                        byte_lanes::<false>(p.add(32 + 8 * s), q.add(32 + 8 * s)),
+                        byte_lanes::<false>(p.add(96 + 8 * s), q.add(96 + 8 * s)),
+                    )
+                };
+                let scale = _mm512_mul_ps(d, scales);
+                let min = _mm512_mul_ps(dmin, mins_s);
+                for i in 0..N {
+                    acc[i] = add_sums(acc[i], scale, total(sh[i]), total(sl[i]), h[i], l[i]);
+                    mins[i] =
+                        _mm512_fmadd_ps(min, _mm512_set1_ps(h[i].d_sum + l[i].d_sum), mins[i]);
+                }
+            }
+        }
+        let mut out = [[0f32; WIDE_ROWS]; N];
+        for ((out, acc), mins) in out.iter_mut().zip(acc).zip(mins) {
+            *out = store(_mm512_sub_ps(acc, mins));
+        }
+        out
+    }
+
+    /// The sum of a row's partial sums (the unused ones are zero, and vanish when compiled).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn total([a, b, c, d]: [__m512i; 4]) -> __m512i {
+        _mm512_add_epi32(_mm512_add_epi32(a, b), _mm512_add_epi32(c, d))
+    }
+
+    /// Sixteen Q6_K rows × `N` two-pass activation rows ([`super::WideFn`]).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn q6_k_wide<const N: usize>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        // SAFETY: this function's `WideFn` contract is `half_scaled_wide`'s for Q6_K.
+        unsafe { half_scaled_wide::<N, false>(w, hi, lo) }
+    }
+
+    /// Sixteen Q3_K rows × `N` two-pass activation rows ([`super::WideFn`]).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn q3_k_wide<const N: usize>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        // SAFETY: this function's `WideFn` contract is `half_scaled_wide`'s for Q3_K.
+        unsafe { half_scaled_wide::<N, true>(w, hi, lo) }
+    }
+
+    /// Sixteen Q6_K (`Q3` false) or Q3_K rows × `N` two-pass activation rows: the 256-bit
+    /// tile's `half_scaled_tile` on both groups at once. Each half's sums start at
+    /// `−offset × Σ a` over the half instead of having it taken off after (integers: the
+    /// same sums).
+    ///
+    /// # Safety
+    /// As [`super::WideFn`], for the type the parameters name.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn half_scaled_wide<const N: usize, const Q3: bool>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        const { assert!(N >= 1 && N <= WIDE_TILE) };
+        let (column_bytes, sub_bytes, offset) = half_scaled_sizes(Q3);
+        let group_bytes = w.len() / 2;
+        let blocks = hi[0].len();
+        debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+        debug_assert_eq!(group_bytes, blocks / 8 * column_bytes);
+        let mask = _mm512_set1_epi8(0x0F);
+        let top = _mm512_set1_epi8(0x30);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for c in 0..blocks / 8 {
+            // SAFETY: column `c < blocks / 8` lies in each group; its first 16 bytes are the
+            // eight f16 `d`.
+            let (p, q, d) = unsafe {
+                let p = w.as_ptr().add(column_bytes * c);
+                let q = p.add(group_bytes);
+                (p, q, halves(p, q))
+            };
+            for s in 0..8 {
+                let b = 8 * c + s;
+                // SAFETY: `b = 8 c + s < blocks`, every row's length (the `WideFn` contract).
+                let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+                // SAFETY: `s < 8`: sub-block `s` (`sub_bytes`) at `Q6_K_QUANTS + sub_bytes s`
+                // ends by the column's end in each group.
+                let (sp, sq) = unsafe {
+                    (
+                        p.add(Q6_K_QUANTS + sub_bytes * s),
+                        q.add(Q6_K_QUANTS + sub_bytes * s),
+                    )
+                };
+                let start =
+                    |a: &ActBlock, half: usize| _mm512_set1_epi32(-offset * a.half_sum(half));
+                // Per row: [first half, second half] of the hi pass, then the lo's.
+                let mut sums: [[__m512i; 4]; N] = std::array::from_fn(|i| {
+                    [
+                        start(h[i], 0),
+                        start(h[i], 1),
+                        start(l[i], 0),
+                        start(l[i], 1),
+                    ]
+                });
+                for j in 0..4 {
+                    // SAFETY: `j < 4`: the chunk `32 j ..` lies in each sub-block's first 128
+                    // bytes, its nibbles.
+                    let raw = unsafe { pair(sp.add(32 * j), sq.add(32 * j)) };
+                    let mut first = _mm512_and_si512(raw, mask);
+                    let mut second = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+                    if !Q3 {
+                        // SAFETY: Q6_K's sub-block is 192 bytes; with `j < 4` the high bits
+                        // `128 + 32 (j / 2) ..` end by its byte 191, in each group.
+                        let bits =
+                            unsafe { pair(sp.add(128 + 32 * (j / 2)), sq.add(128 + 32 * (j / 2))) };
+                        // Bits 4k and 4k + 2 of `bits` (k = j % 2) moved to bit 4.
+                        let (high_first, high_second) = if j % 2 == 0 {
+                            (_mm512_slli_epi16(bits, 4), _mm512_slli_epi16(bits, 2))
+                        } else {
+                            (bits, _mm512_srli_epi16(bits, 2))
+                        };
+                        first = _mm512_or_si512(first, _mm512_and_si512(high_first, top));
+                        second = _mm512_or_si512(second, _mm512_and_si512(high_second, top));
+                    }
+                    for i in 0..N {
+                        let [f_h, s_h, f_l, s_l] = &mut sums[i];
+                        *f_h = _mm512_dpbusd_epi32(*f_h, first, broadcast(h[i], j));
+                        *s_h = _mm512_dpbusd_epi32(*s_h, second, broadcast(h[i], 4 + j));
+                        *f_l = _mm512_dpbusd_epi32(*f_l, first, broadcast(l[i], j));
+                        *s_l = _mm512_dpbusd_epi32(*s_l, second, broadcast(l[i], 4 + j));
+                    }
+                }
+                // SAFETY: `s < 8`: the scales of halves `2 s` and `2 s + 1` (eight bytes each
+                // at `16 + 8 (2 s + half)`) lie in bytes 16-143 of each group's column, before
+                // `Q6_K_QUANTS`.
+                let scales = unsafe {
+                    [
+                        _mm512_mul_ps(
+                            d,
+                            byte_lanes::<true>(p.add(16 + 8 * (2 * s)), q.add(16 + 8 * (2 * s))),
+                        ),
+                        _mm512_mul_ps(
+                            d,
+                            byte_lanes::<true>(
+                                p.add(16 + 8 * (2 * s + 1)),
+                                q.add(16 + 8 * (2 * s + 1)),
+                            ),
+                        ),
+                    ]
+                };
+                for i in 0..N {
+                    let [f_h, s_h, f_l, s_l] = sums[i];
+                    acc[i] = add_sums(acc[i], scales[0], f_h, f_l, h[i], l[i]);
+                    acc[i] = add_sums(acc[i], scales[1], s_h, s_l, h[i], l[i]);
+                }
+            }
+        }
+        let mut out = [[0f32; WIDE_ROWS]; N];
+        for (out, acc) in out.iter_mut().zip(acc) {
+            *out = store(acc);
+        }
+        out
+    }
+}
