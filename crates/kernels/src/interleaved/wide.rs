@@ -4,9 +4,10 @@
 //! The groups keep their layout ([`super`]); a 512-bit register holds chunk `j` of the first
 //! group in its low half and of the second in its high half, so one `vpdpbusd` with four
 //! broadcast activation bytes advances sixteen rows where the 256-bit tiles advance eight, and
-//! each chunk, unpacked once, serves up to eight activation rows in both passes. These are
-//! the K-quants' tiles (Q4_K, Q5_K, Q6_K, Q3_K: the bulk of the Q4_K_M, Q5_K_M, Q6_K and
-//! Q3_K_M files), which prefill spends its time in.
+//! each chunk, unpacked once, serves up to eight activation rows in both passes. Prefill
+//! spends its time in them: the K-quants (Q4_K, Q5_K, Q6_K, Q3_K: the bulk of the Q4_K_M,
+//! Q5_K_M, Q6_K and Q3_K_M files), Q8_0, and Q4_0, Q4_1, Q5_0 and Q5_1 (the default model's
+//! Q4_1, and the fallbacks llama-quantize writes where a width is not a multiple of 256).
 //!
 //! Each lane goes through the 256-bit VNNI tile's float steps in the same order (a float
 //! step per sub-block and row, the same `cvtdq2ps`, multiplies and FMAs), and the integer
@@ -71,11 +72,17 @@ macro_rules! wide_kernels {
 }
 
 impl WideKernels {
-    /// The wide tiles of `ty` at `tier`, if it has them: the K-quants on AVX-512 VNNI.
+    /// The wide tiles of `ty` at `tier`, if it has them: on AVX-512 VNNI, the K-quants but
+    /// IQ4's and Q2_K, Q8_0, and Q4_0, Q4_1, Q5_0, Q5_1.
     pub(crate) fn new(ty: GgmlType, tier: Tier) -> Option<Self> {
         #[cfg(target_arch = "x86_64")]
         if tier == Tier::Avx512Vnni {
             return match ty {
+                GgmlType::Q4_0 => Some(wide_kernels!(WIDE_TILE, x86::q4_0_wide)),
+                GgmlType::Q4_1 => Some(wide_kernels!(WIDE_TILE, x86::q4_1_wide)),
+                GgmlType::Q5_0 => Some(wide_kernels!(WIDE_TILE, x86::q5_0_wide)),
+                GgmlType::Q5_1 => Some(wide_kernels!(WIDE_TILE, x86::q5_1_wide)),
+                GgmlType::Q8_0 => Some(wide_kernels!(WIDE_TILE, x86::q8_0_wide)),
                 GgmlType::Q4K => Some(wide_kernels!(WIDE_TILE, x86::q4_k_wide)),
                 GgmlType::Q5K => Some(wide_kernels!(WIDE_TILE, x86::q5_k_wide)),
                 GgmlType::Q6K => Some(wide_kernels!(4, x86::q6_k_wide)),
@@ -157,7 +164,9 @@ mod x86 {
 
     use super::{WIDE_ROWS, WIDE_TILE};
     use crate::act::ActBlock;
-    use crate::interleaved::{K_QUANTS, Q6_K_QUANTS, half_scaled_sizes, k_sizes};
+    use crate::interleaved::{
+        K_QUANTS, Q6_K_QUANTS, half_scaled_sizes, k_sizes, q_offset, q4_sizes,
+    };
 
     /// Four activation bytes `4j..4j + 4` of `a` in every lane.
     #[inline]
@@ -287,6 +296,209 @@ mod x86 {
     // blocks cover, so column `c < blocks / 8` of either group starts `bytes × c` into it and
     // ends inside it.
 
+    /// The integer sums of `N` two-pass activation rows with a Q4_1-ordered block of nibbles
+    /// of each group (at `p` and `q`: four chunks of 32 bytes), with `FIFTH` the fifth bits
+    /// after them: per row, the `hi` and the `lo` pass's, sixteen lanes. Each chunk pair is
+    /// unpacked once for all the rows.
+    ///
+    /// # Safety
+    /// 128 bytes at `p` and at `q` must be readable, 160 with `FIFTH`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn nibble_sums<const N: usize, const FIFTH: bool>(
+        p: *const u8,
+        q: *const u8,
+        h: [&ActBlock; N],
+        l: [&ActBlock; N],
+    ) -> [(__m512i, __m512i); N] {
+        let parts = parts(N);
+        let mask = _mm512_set1_epi8(0x0F);
+        let fifth_bits = if FIFTH {
+            // SAFETY: with `FIFTH` the caller vouches for 160 bytes: the fifth bits are the
+            // last 32.
+            unsafe { pair(p.add(128), q.add(128)) }
+        } else {
+            _mm512_setzero_si512()
+        };
+        let mut sh = [[_mm512_setzero_si512(); 4]; N];
+        let mut sl = [[_mm512_setzero_si512(); 4]; N];
+        for j in 0..4 {
+            // SAFETY: `j < 4`: chunk `j` is bytes `32 j .. 32 j + 32` of the 128 at each.
+            let raw = unsafe { pair(p.add(32 * j), q.add(32 * j)) };
+            let mut low = _mm512_and_si512(raw, mask);
+            let mut high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+            if FIFTH {
+                let (first, second) = fifth_bits_at_4(fifth_bits, j);
+                low = _mm512_or_si512(low, first);
+                high = _mm512_or_si512(high, second);
+            }
+            let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
+            for i in 0..N {
+                sh[i][k_low] = _mm512_dpbusd_epi32(sh[i][k_low], low, broadcast(h[i], j));
+                sh[i][k_high] = _mm512_dpbusd_epi32(sh[i][k_high], high, broadcast(h[i], 4 + j));
+                sl[i][k_low] = _mm512_dpbusd_epi32(sl[i][k_low], low, broadcast(l[i], j));
+                sl[i][k_high] = _mm512_dpbusd_epi32(sl[i][k_high], high, broadcast(l[i], 4 + j));
+            }
+        }
+        std::array::from_fn(|i| (total(sh[i]), total(sl[i])))
+    }
+
+    /// Sixteen Q4_0 rows × `N` two-pass activation rows ([`super::WideFn`]).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn q4_0_wide<const N: usize>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        // SAFETY: this function's `WideFn` contract is `q4_wide`'s for Q4_0.
+        unsafe { q4_wide::<N, false, false>(w, hi, lo) }
+    }
+
+    /// Sixteen Q4_1 rows × `N` two-pass activation rows ([`super::WideFn`]).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn q4_1_wide<const N: usize>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        // SAFETY: this function's `WideFn` contract is `q4_wide`'s for Q4_1.
+        unsafe { q4_wide::<N, true, false>(w, hi, lo) }
+    }
+
+    /// Sixteen Q5_0 rows × `N` two-pass activation rows ([`super::WideFn`]).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn q5_0_wide<const N: usize>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        // SAFETY: this function's `WideFn` contract is `q4_wide`'s for Q5_0.
+        unsafe { q4_wide::<N, false, true>(w, hi, lo) }
+    }
+
+    /// Sixteen Q5_1 rows × `N` two-pass activation rows ([`super::WideFn`]).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn q5_1_wide<const N: usize>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        // SAFETY: this function's `WideFn` contract is `q4_wide`'s for Q5_1.
+        unsafe { q4_wide::<N, true, true>(w, hi, lo) }
+    }
+
+    /// Sixteen Q4_0 (`MIN` false: the minimum is `-8 d`), Q4_1, Q5_0 (`FIFTH`, minimum
+    /// `-16 d`) or Q5_1 rows × `N` two-pass activation rows: the 256-bit tile's `q4_tile` on
+    /// both groups at once.
+    ///
+    /// # Safety
+    /// As [`super::WideFn`], for the type the parameters name.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q4_wide<const N: usize, const MIN: bool, const FIFTH: bool>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        const { assert!(N >= 1 && N <= WIDE_TILE) };
+        let (bytes, quants) = q4_sizes(MIN, FIFTH);
+        let group_bytes = w.len() / 2;
+        let blocks = hi[0].len();
+        debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+        debug_assert_eq!(group_bytes, blocks * bytes);
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut mins = [_mm512_setzero_ps(); N];
+        for b in 0..blocks {
+            // SAFETY: column `b < blocks` of `bytes` lies in each group.
+            let (p, q) = unsafe {
+                let p = w.as_ptr().add(bytes * b);
+                (p, p.add(group_bytes))
+            };
+            // SAFETY: `b < blocks`, every row's length (the `WideFn` contract).
+            let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+            // SAFETY: from `quants` to its end each column holds the 128 bytes of nibbles
+            // (and with `FIFTH` the 32 of fifth bits) `nibble_sums` reads.
+            let sums = unsafe { nibble_sums::<N, FIFTH>(p.add(quants), q.add(quants), h, l) };
+            // SAFETY: each column's first 16 bytes are the eight f16 `d`.
+            let d = unsafe { halves(p, q) };
+            let m = if MIN {
+                // SAFETY: with `MIN` bytes 16-31 of each column are the minimums.
+                unsafe { halves(p.add(16), q.add(16)) }
+            } else {
+                _mm512_mul_ps(d, _mm512_set1_ps(-q_offset(FIFTH)))
+            };
+            for i in 0..N {
+                let (sum_h, sum_l) = sums[i];
+                acc[i] = add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]);
+                mins[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(h[i].d_sum + l[i].d_sum), mins[i]);
+            }
+        }
+        let mut out = [[0f32; WIDE_ROWS]; N];
+        for ((out, acc), mins) in out.iter_mut().zip(acc).zip(mins) {
+            *out = store(_mm512_add_ps(acc, mins));
+        }
+        out
+    }
+
+    /// Sixteen Q8_0 rows × `N` two-pass activation rows ([`super::WideFn`]): the 256-bit
+    /// VNNI tile on both groups at once. The stored quants are `q + 128`; each row's sums
+    /// start at `−128 × Σ a` instead of having it taken off after (integers: the same sums).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn q8_0_wide<const N: usize>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        const { assert!(N >= 1 && N <= WIDE_TILE) };
+        const BYTES: usize = 2 * 8 + 256;
+        let parts = parts(N);
+        let group_bytes = w.len() / 2;
+        let blocks = hi[0].len();
+        debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+        debug_assert_eq!(group_bytes, blocks * BYTES);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for b in 0..blocks {
+            // SAFETY: column `b < blocks` (272 bytes: eight f16 `d`, eight chunks of 32
+            // quants) lies in each group.
+            let (p, q) = unsafe {
+                let p = w.as_ptr().add(BYTES * b);
+                (p, p.add(group_bytes))
+            };
+            // SAFETY: `b < blocks`, every row's length (the `WideFn` contract).
+            let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+            let start = |a: &ActBlock| _mm512_set1_epi32(-(a.sum << 7));
+            let mut sh: [[__m512i; 4]; N] = std::array::from_fn(|i| {
+                let mut s = [_mm512_setzero_si512(); 4];
+                s[0] = start(h[i]);
+                s
+            });
+            let mut sl: [[__m512i; 4]; N] = std::array::from_fn(|i| {
+                let mut s = [_mm512_setzero_si512(); 4];
+                s[0] = start(l[i]);
+                s
+            });
+            for j in 0..8 {
+                // SAFETY: `j < 8`: chunk `16 + 32 j ..` ends by byte 271 of each column.
+                let quants = unsafe { pair(p.add(16 + 32 * j), q.add(16 + 32 * j)) };
+                let k = j % parts;
+                for i in 0..N {
+                    sh[i][k] = _mm512_dpbusd_epi32(sh[i][k], quants, broadcast(h[i], j));
+                    sl[i][k] = _mm512_dpbusd_epi32(sl[i][k], quants, broadcast(l[i], j));
+                }
+            }
+            // SAFETY: each column's first 16 bytes are the eight f16 `d`.
+            let d = unsafe { halves(p, q) };
+            for i in 0..N {
+                acc[i] = add_sums(acc[i], d, total(sh[i]), total(sl[i]), h[i], l[i]);
+            }
+        }
+        let mut out = [[0f32; WIDE_ROWS]; N];
+        for (out, acc) in out.iter_mut().zip(acc) {
+            *out = store(acc);
+        }
+        out
+    }
+
     /// Sixteen Q4_K rows × `N` two-pass activation rows ([`super::WideFn`]).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn q4_k_wide<const N: usize>(
@@ -327,8 +539,6 @@ mod x86 {
         let blocks = hi[0].len();
         debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
         debug_assert_eq!(group_bytes, blocks / 8 * column_bytes);
-        let parts = parts(N);
-        let mask = _mm512_set1_epi8(0x0F);
         let mut acc = [_mm512_setzero_ps(); N];
         let mut mins = [_mm512_setzero_ps(); N];
         for c in 0..blocks / 8 {
@@ -353,35 +563,9 @@ mod x86 {
                         q.add(K_QUANTS + sub_bytes * s),
                     )
                 };
-                let fifth_bits = if FIFTH {
-                    // SAFETY: with `FIFTH` a sub-block's last 32 bytes (of 160) are its bits.
-                    unsafe { pair(sp.add(128), sq.add(128)) }
-                } else {
-                    _mm512_setzero_si512()
-                };
-                let mut sh = [[_mm512_setzero_si512(); 4]; N];
-                let mut sl = [[_mm512_setzero_si512(); 4]; N];
-                for j in 0..4 {
-                    // SAFETY: `j < 4`: chunk `j` is bytes `32 j .. 32 j + 32` of each
-                    // sub-block's 128 bytes of nibbles.
-                    let raw = unsafe { pair(sp.add(32 * j), sq.add(32 * j)) };
-                    let mut low = _mm512_and_si512(raw, mask);
-                    let mut high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-                    if FIFTH {
-                        let (first, second) = fifth_bits_at_4(fifth_bits, j);
-                        low = _mm512_or_si512(low, first);
-                        high = _mm512_or_si512(high, second);
-                    }
-                    let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
-                    for i in 0..N {
-                        sh[i][k_low] = _mm512_dpbusd_epi32(sh[i][k_low], low, broadcast(h[i], j));
-                        sh[i][k_high] =
-                            _mm512_dpbusd_epi32(sh[i][k_high], high, broadcast(h[i], 4 + j));
-                        sl[i][k_low] = _mm512_dpbusd_epi32(sl[i][k_low], low, broadcast(l[i], j));
-                        sl[i][k_high] =
-                            _mm512_dpbusd_epi32(sl[i][k_high], high, broadcast(l[i], 4 + j));
-                    }
-                }
+                // SAFETY: each group's sub-block holds the 128 bytes of nibbles (and with
+                // `FIFTH` the 32 of fifth bits) `nibble_sums` reads.
+                let sums = unsafe { nibble_sums::<N, FIFTH>(sp, sq, h, l) };
                 // SAFETY: as above: the scales and minimums lie in each group's column header.
                 let (scales, mins_s) = unsafe {
                     (
@@ -392,7 +576,8 @@ mod x86 {
                 let scale = _mm512_mul_ps(d, scales);
                 let min = _mm512_mul_ps(dmin, mins_s);
                 for i in 0..N {
-                    acc[i] = add_sums(acc[i], scale, total(sh[i]), total(sl[i]), h[i], l[i]);
+                    let (sum_h, sum_l) = sums[i];
+                    acc[i] = add_sums(acc[i], scale, sum_h, sum_l, h[i], l[i]);
                     mins[i] =
                         _mm512_fmadd_ps(min, _mm512_set1_ps(h[i].d_sum + l[i].d_sum), mins[i]);
                 }
