@@ -1,0 +1,76 @@
+//! Quantized products at the Llama-3.2-1B shape (2048 hidden, 8192 feed forward): the `gate`
+//! projection (`[8192, 2048]`) and `down` (`[2048, 8192]`) in Q4_K, Q5_K, Q6_K and Q8_0, for a
+//! 512-token prefill (512 rows: the wide tiles on AVX-512 VNNI) and a decoding step (1 row),
+//! every thread, best tier. Throughput is in multiply-adds of the real product (each done
+//! twice in 8 bits, once per activation pass).
+//! Run: `cargo bench -p kiln-benches --bench quant`.
+
+// criterion_group! generates undocumented items.
+#![allow(missing_docs)]
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use kiln_kernels::{GgmlType, QuantMatrix};
+use rand::{Rng, RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// (d_out, d_in): `gate` (and `up`), then `down`.
+const SHAPES: [(usize, usize); 2] = [(8192, 2048), (2048, 8192)];
+
+/// Byte offsets of each f16 scale in a block of `ty` (`d`, and `dmin` where there is one).
+fn scale_offsets(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q8_0 => &[0],
+        GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+        GgmlType::Q6K => &[208],
+        other => panic!("no random blocks of {}", other.name()),
+    }
+}
+
+/// A `[rows, cols]` matrix of random blocks with small positive scales.
+fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> QuantMatrix {
+    let block_bytes = ty.type_size();
+    let mut data = vec![0u8; rows * cols / ty.block_size() * block_bytes];
+    rng.fill_bytes(&mut data);
+    for block in data.chunks_exact_mut(block_bytes) {
+        for &at in scale_offsets(ty) {
+            let scale = 0.002 + 0.05 * rng.random::<f32>();
+            block[at..at + 2].copy_from_slice(&half_bits(scale));
+        }
+    }
+    QuantMatrix::new(ty, rows, cols, data).expect("a valid matrix")
+}
+
+/// `x` as IEEE half bits (little-endian), for `x` a normal half.
+fn half_bits(x: f32) -> [u8; 2] {
+    let bits = x.to_bits();
+    let exponent = ((bits >> 23) & 0xff) as i32 - 127 + 15;
+    let mantissa = (bits >> 13) & 0x3ff;
+    let half = ((bits >> 16) & 0x8000) as u16 | ((exponent as u16) << 10) | mantissa as u16;
+    half.to_le_bytes()
+}
+
+fn quant(c: &mut Criterion) {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let mut group = c.benchmark_group("quantized product, [m, d_in] x [d_out, d_in]^T");
+    group.sample_size(10);
+    for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q8_0] {
+        for (rows, cols) in SHAPES {
+            let w = random_matrix(ty, rows, cols, &mut rng);
+            for m in [1, 512] {
+                let x: Vec<f32> = (0..m * cols)
+                    .map(|_| rng.random::<f32>() * 2.0 - 1.0)
+                    .collect();
+                let mut out = vec![0f32; m * rows];
+                group.throughput(Throughput::Elements((m * rows * cols) as u64));
+                let id = format!("{} m={m} {rows}x{cols}", ty.name());
+                group.bench_function(BenchmarkId::from_parameter(id), |b| {
+                    b.iter(|| w.matmul(&x, m, &mut out))
+                });
+            }
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, quant);
+criterion_main!(benches);
