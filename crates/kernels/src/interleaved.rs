@@ -45,11 +45,13 @@
 
 use half::f16;
 
+use crate::SharedOut;
 use crate::act::ActBlock;
 use crate::ggml::{
     GgmlType, IQ4_VALUES, iq4_xs_scale, pack_scale_min_k4, q3_k_scales, q3_k_value,
     scale_min_k4_bits,
 };
+use crate::pool::ThreadPool;
 use crate::tier::Tier;
 
 mod wide;
@@ -176,53 +178,167 @@ fn q6_k_high_bits_at(e: usize, r: usize) -> (usize, u32) {
     (128 + 32 * (j / 2) + 4 * r + e % 4, shift as u32)
 }
 
+/// Input bytes [`pack_with`] repacks between two calls of its `consumed` callback: a few
+/// groups' worth, so that a loader can drop a mapped file's pages as it goes (a whole
+/// tensor's would sit in memory next to its repacked copy).
+const PACK_CHUNK_BYTES: usize = 8 << 20;
+
 /// Rearranges `rows` (a multiple of [`GROUP`]) rows of `ty` blocks, `row_bytes` each, into
-/// groups.
+/// groups, on the global thread pool.
 ///
 /// # Panics
 /// If `ty` has no interleaved layout or the sizes disagree.
 pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8> {
+    pack_with(ty, data, rows, row_bytes, ThreadPool::global(), &mut |_| {})
+}
+
+/// [`pack`] on `pool`, handing `consumed` each span of `data` (a byte range, in order, the
+/// spans covering it) once every byte of it has been read: groups are repacked a chunk of
+/// about [`PACK_CHUNK_BYTES`] at a time, the chunk's groups split over the threads.
+///
+/// # Panics
+/// If `ty` has no interleaved layout or the sizes disagree.
+pub fn pack_with(
+    ty: GgmlType,
+    data: &[u8],
+    rows: usize,
+    row_bytes: usize,
+    pool: &ThreadPool,
+    consumed: &mut dyn FnMut(std::ops::Range<usize>),
+) -> Vec<u8> {
+    let out_block = group_block_bytes(ty).expect("a type with an interleaved layout");
+    assert!(rows.is_multiple_of(GROUP) && data.len() == rows * row_bytes);
+    let group_in = GROUP * row_bytes;
+    let group_out = row_bytes / ty.type_size() * out_block;
+    let groups = rows / GROUP;
+    let mut out = zeroed_on_huge_pages(groups * group_out);
+    let groups_per_chunk = (PACK_CHUNK_BYTES / group_in.max(1)).max(1);
+    let shared = SharedOut::new(&mut out);
+    for first in (0..groups).step_by(groups_per_chunk) {
+        let chunk = first..(first + groups_per_chunk).min(groups);
+        let per_task = chunk.len().div_ceil(pool.threads() * 4).max(1);
+        pool.run(chunk.len().div_ceil(per_task), &|task| {
+            let start = chunk.start + task * per_task;
+            for g in start..(start + per_task).min(chunk.end) {
+                // SAFETY: each group's output span is written by exactly one task.
+                let dst = unsafe { shared.slice(g * group_out, group_out) };
+                pack_group(ty, &data[g * group_in..(g + 1) * group_in], row_bytes, dst);
+            }
+        });
+        consumed(chunk.start * group_in..chunk.end * group_in);
+    }
+    out
+}
+
+/// `len` zero bytes for weights, their whole 2 MiB pages to be backed by huge pages as they
+/// are first written (`MADV_HUGEPAGE`; THP's default "madvise" mode honours it). The weights
+/// are streamed once per decoded token, and on 4 KiB pages each page is a TLB miss; backing
+/// them when they are written costs nothing more than zeroing, where collapsing them
+/// afterwards (`MADV_COLLAPSE`, which the CLI still does for what this missed) copies every
+/// byte. A hint: where THP is off, or the allocator handed out memory already touched,
+/// nothing changes.
+pub(crate) fn zeroed_on_huge_pages(len: usize) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE_PAGE: usize = 2 << 20;
+        let start = (buf.as_mut_ptr() as usize).next_multiple_of(HUGE_PAGE);
+        let end = (buf.as_mut_ptr() as usize + buf.len()) / HUGE_PAGE * HUGE_PAGE;
+        if end > start {
+            // SAFETY: advice on whole pages inside `buf`, memory this process owns; it changes
+            // only which pages back the range, never its contents.
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        }
+    }
+    buf
+}
+
+/// One group: `src` its [`GROUP`] rows of `row_bytes`, `out` its repacked bytes.
+fn pack_group(ty: GgmlType, src_rows: &[u8], row_bytes: usize, out: &mut [u8]) {
     let out_block = group_block_bytes(ty).expect("a type with an interleaved layout");
     let in_block = ty.type_size();
-    assert!(rows.is_multiple_of(GROUP) && data.len() == rows * row_bytes);
     let q4_1_nibbles = |dst: &mut [u8], r: usize, value: &dyn Fn(usize) -> u8| {
         for e in 0..16 {
             dst[nibble_at(e, r).0] = value(e) | (value(16 + e) << 4);
         }
     };
     let blocks = row_bytes / in_block;
-    let mut out = vec![0u8; rows / GROUP * blocks * out_block];
-    for g in 0..rows / GROUP {
-        for b in 0..blocks {
-            let dst = &mut out[(g * blocks + b) * out_block..][..out_block];
-            for r in 0..GROUP {
-                let src = &data[(g * GROUP + r) * row_bytes + b * in_block..][..in_block];
-                match ty {
-                    GgmlType::Q4_0
-                    | GgmlType::Q4_1
-                    | GgmlType::Q5_0
-                    | GgmlType::Q5_1
-                    | GgmlType::Iq4Nl => {
-                        // IQ4_NL's indices are laid out as Q4_0's nibbles.
-                        let min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
-                        let fifth = matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1);
-                        let (_, quants) = q4_sizes(min, fifth);
-                        dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
-                        if min {
-                            dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
-                        }
-                        // GGUF's scales (`quants / 8` bytes), Q5's u32 of fifth bits (bit `e`
-                        // for value `e`), then the nibbles.
-                        let scales = quants / 8;
-                        let (qh, qs) = if fifth {
-                            let qh = &src[scales..scales + 4];
-                            (
-                                u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]),
-                                &src[scales + 4..],
-                            )
+    for b in 0..blocks {
+        let dst = &mut out[b * out_block..][..out_block];
+        for r in 0..GROUP {
+            let src = &src_rows[r * row_bytes + b * in_block..][..in_block];
+            match ty {
+                GgmlType::Q4_0
+                | GgmlType::Q4_1
+                | GgmlType::Q5_0
+                | GgmlType::Q5_1
+                | GgmlType::Iq4Nl => {
+                    // IQ4_NL's indices are laid out as Q4_0's nibbles.
+                    let min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
+                    let fifth = matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1);
+                    let (_, quants) = q4_sizes(min, fifth);
+                    dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                    if min {
+                        dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
+                    }
+                    // GGUF's scales (`quants / 8` bytes), Q5's u32 of fifth bits (bit `e`
+                    // for value `e`), then the nibbles.
+                    let scales = quants / 8;
+                    let (qh, qs) = if fifth {
+                        let qh = &src[scales..scales + 4];
+                        (
+                            u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]),
+                            &src[scales + 4..],
+                        )
+                    } else {
+                        (0, &src[scales..])
+                    };
+                    let value = |e: usize| {
+                        if e < 16 {
+                            qs[e] & 0x0F
                         } else {
-                            (0, &src[scales..])
-                        };
+                            qs[e - 16] >> 4
+                        }
+                    };
+                    let sub = &mut dst[quants..];
+                    q4_1_nibbles(sub, r, &value);
+                    if fifth {
+                        for e in 0..32 {
+                            let (at, bit) = fifth_bit_at(e, r);
+                            sub[at] |= (((qh >> e) & 1) as u8) << bit;
+                        }
+                    }
+                }
+                GgmlType::Q4K | GgmlType::Q5K => {
+                    let fifth = ty == GgmlType::Q5K;
+                    let (_, sub_bytes) = k_sizes(fifth);
+                    let (qh, qs) = if fifth {
+                        (&src[16..48], &src[48..176])
+                    } else {
+                        (&src[..0], &src[16..144])
+                    };
+                    dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                    dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
+                    for s in 0..8 {
+                        let (sc, m) = scale_min_k4_bits(s, &src[4..16]);
+                        dst[32 + 8 * s + r] = sc;
+                        dst[96 + 8 * s + r] = m;
+                        let sub = &mut dst[K_QUANTS + sub_bytes * s..][..sub_bytes];
+                        // Sub-block `s`: nibble `s % 2` of the 32 bytes of group `s / 2`,
+                        // and for Q5_K bit `s` of each `qh` byte.
+                        let value = |e: usize| (qs[32 * (s / 2) + e] >> (4 * (s % 2))) & 0xF;
+                        q4_1_nibbles(sub, r, &value);
+                        for (e, h) in qh.iter().enumerate() {
+                            let (at, bit) = fifth_bit_at(e, r);
+                            sub[at] |= ((h >> s) & 1) << bit;
+                        }
+                    }
+                }
+                GgmlType::Iq4Xs => {
+                    dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                    for s in 0..8 {
+                        dst[16 + 8 * s + r] = iq4_xs_scale(src, s) as i8 as u8;
+                        let qs = &src[8 + 16 * s..8 + 16 * s + 16];
                         let value = |e: usize| {
                             if e < 16 {
                                 qs[e] & 0x0F
@@ -230,95 +346,47 @@ pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8>
                                 qs[e - 16] >> 4
                             }
                         };
-                        let sub = &mut dst[quants..];
-                        q4_1_nibbles(sub, r, &value);
-                        if fifth {
-                            for e in 0..32 {
-                                let (at, bit) = fifth_bit_at(e, r);
-                                sub[at] |= (((qh >> e) & 1) as u8) << bit;
-                            }
-                        }
+                        q4_1_nibbles(&mut dst[IQ4_XS_QUANTS + 128 * s..], r, &value);
                     }
-                    GgmlType::Q4K | GgmlType::Q5K => {
-                        let fifth = ty == GgmlType::Q5K;
-                        let (_, sub_bytes) = k_sizes(fifth);
-                        let (qh, qs) = if fifth {
-                            (&src[16..48], &src[48..176])
-                        } else {
-                            (&src[..0], &src[16..144])
-                        };
-                        dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
-                        dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
-                        for s in 0..8 {
-                            let (sc, m) = scale_min_k4_bits(s, &src[4..16]);
-                            dst[32 + 8 * s + r] = sc;
-                            dst[96 + 8 * s + r] = m;
-                            let sub = &mut dst[K_QUANTS + sub_bytes * s..][..sub_bytes];
-                            // Sub-block `s`: nibble `s % 2` of the 32 bytes of group `s / 2`,
-                            // and for Q5_K bit `s` of each `qh` byte.
-                            let value = |e: usize| (qs[32 * (s / 2) + e] >> (4 * (s % 2))) & 0xF;
-                            q4_1_nibbles(sub, r, &value);
-                            for (e, h) in qh.iter().enumerate() {
-                                let (at, bit) = fifth_bit_at(e, r);
-                                sub[at] |= ((h >> s) & 1) << bit;
-                            }
-                        }
-                    }
-                    GgmlType::Iq4Xs => {
-                        dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
-                        for s in 0..8 {
-                            dst[16 + 8 * s + r] = iq4_xs_scale(src, s) as i8 as u8;
-                            let qs = &src[8 + 16 * s..8 + 16 * s + 16];
-                            let value = |e: usize| {
-                                if e < 16 {
-                                    qs[e] & 0x0F
-                                } else {
-                                    qs[e - 16] >> 4
-                                }
-                            };
-                            q4_1_nibbles(&mut dst[IQ4_XS_QUANTS + 128 * s..], r, &value);
-                        }
-                    }
-                    GgmlType::Q3K => {
-                        dst[2 * r..2 * r + 2].copy_from_slice(&src[108..110]);
-                        for (i, scale) in q3_k_scales(&src[96..108]).into_iter().enumerate() {
-                            dst[16 + 8 * i + r] = scale as u8;
-                        }
-                        for s in 0..8 {
-                            let sub = &mut dst[Q6_K_QUANTS + Q3_K_SUB * s..][..Q3_K_SUB];
-                            let value = |e: usize| (q3_k_value(src, 32 * s + e) + 4) as u8;
-                            q4_1_nibbles(sub, r, &value);
-                        }
-                    }
-                    GgmlType::Q6K => {
-                        dst[2 * r..2 * r + 2].copy_from_slice(&src[208..210]);
-                        for i in 0..16 {
-                            dst[16 + 8 * i + r] = src[192 + i];
-                        }
-                        for s in 0..8 {
-                            let sub = &mut dst[Q6_K_QUANTS + Q6_K_SUB * s..][..Q6_K_SUB];
-                            let value = |e: usize| q6_k_value(src, 32 * s + e);
-                            q4_1_nibbles(sub, r, &|e| value(e) & 0xF);
-                            for e in 0..32 {
-                                let (at, shift) = q6_k_high_bits_at(e, r);
-                                sub[at] |= (value(e) >> 4) << shift;
-                            }
-                        }
-                    }
-                    GgmlType::Q8_0 => {
-                        dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
-                        for j in 0..8 {
-                            for t in 0..4 {
-                                dst[16 + 32 * j + 4 * r + t] = src[2 + 4 * j + t] ^ Q8_0_OFFSET;
-                            }
-                        }
-                    }
-                    _ => unreachable!("group_block_bytes admits only the types above"),
                 }
+                GgmlType::Q3K => {
+                    dst[2 * r..2 * r + 2].copy_from_slice(&src[108..110]);
+                    for (i, scale) in q3_k_scales(&src[96..108]).into_iter().enumerate() {
+                        dst[16 + 8 * i + r] = scale as u8;
+                    }
+                    for s in 0..8 {
+                        let sub = &mut dst[Q6_K_QUANTS + Q3_K_SUB * s..][..Q3_K_SUB];
+                        let value = |e: usize| (q3_k_value(src, 32 * s + e) + 4) as u8;
+                        q4_1_nibbles(sub, r, &value);
+                    }
+                }
+                GgmlType::Q6K => {
+                    dst[2 * r..2 * r + 2].copy_from_slice(&src[208..210]);
+                    for i in 0..16 {
+                        dst[16 + 8 * i + r] = src[192 + i];
+                    }
+                    for s in 0..8 {
+                        let sub = &mut dst[Q6_K_QUANTS + Q6_K_SUB * s..][..Q6_K_SUB];
+                        let value = |e: usize| q6_k_value(src, 32 * s + e);
+                        q4_1_nibbles(sub, r, &|e| value(e) & 0xF);
+                        for e in 0..32 {
+                            let (at, shift) = q6_k_high_bits_at(e, r);
+                            sub[at] |= (value(e) >> 4) << shift;
+                        }
+                    }
+                }
+                GgmlType::Q8_0 => {
+                    dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                    for j in 0..8 {
+                        for t in 0..4 {
+                            dst[16 + 32 * j + 4 * r + t] = src[2 + 4 * j + t] ^ Q8_0_OFFSET;
+                        }
+                    }
+                }
+                _ => unreachable!("group_block_bytes admits only the types above"),
             }
         }
     }
-    out
 }
 
 /// Row `r` of a group (`0..GROUP`) in its original block form, appended to `out`.

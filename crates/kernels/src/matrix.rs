@@ -12,8 +12,8 @@ use crate::act::{ACT_BLOCK, ActBlock, quantize_split_row};
 use crate::error::KernelError;
 use crate::ggml::{GgmlType, dequantize};
 use crate::interleaved::{
-    GROUP, TILE, TileKernels, WIDE_ROWS, WIDE_TILE, WideKernels, group_block_bytes, pack,
-    unpack_row,
+    GROUP, TILE, TileKernels, WIDE_ROWS, WIDE_TILE, WideKernels, group_block_bytes, pack_with,
+    unpack_row, zeroed_on_huge_pages,
 };
 use crate::pool::ThreadPool;
 use crate::quant::{DotKernel, has_kernel};
@@ -61,6 +61,33 @@ impl QuantMatrix {
     /// [`KernelError::NoKernel`] for a type without a kernel, [`KernelError::Shape`] when `cols`
     /// is not a whole number of blocks or `data` has the wrong length.
     pub fn new(ty: GgmlType, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self, KernelError> {
+        Self::build(ty, rows, cols, Cow::Owned(data), &mut |_| {})
+    }
+
+    /// [`Self::new`] from borrowed blocks (a memory-mapped file's): an interleaved type is
+    /// repacked straight from `data` on the global thread pool, the others copied once.
+    /// `consumed` is handed each span of `data` (byte ranges, in order) once it has been read,
+    /// so that a loader can let go of a mapped file's pages while the rest is repacked.
+    ///
+    /// # Errors
+    /// As [`Self::new`] (before anything is consumed).
+    pub fn from_slice(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+        consumed: &mut dyn FnMut(std::ops::Range<usize>),
+    ) -> Result<Self, KernelError> {
+        Self::build(ty, rows, cols, Cow::Borrowed(data), consumed)
+    }
+
+    fn build(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: Cow<'_, [u8]>,
+        consumed: &mut dyn FnMut(std::ops::Range<usize>),
+    ) -> Result<Self, KernelError> {
         if !has_kernel(ty) {
             return Err(KernelError::NoKernel(ty.name()));
         }
@@ -80,9 +107,12 @@ impl QuantMatrix {
         }
         let interleaved = group_block_bytes(ty).is_some() && rows.is_multiple_of(GROUP);
         let data = if interleaved {
-            pack(ty, &data, rows, row_bytes)
+            pack_with(ty, &data, rows, row_bytes, ThreadPool::global(), consumed)
         } else {
-            data
+            let len = data.len();
+            let owned = data.into_owned();
+            consumed(0..len);
+            owned
         };
         Ok(Self {
             ty,
@@ -198,7 +228,12 @@ impl QuantMatrix {
         if interleaved {
             // Groups are independent: the packed groups of each part, in order, are the
             // packed groups of the whole.
-            let data = parts.iter().flat_map(|m| m.data.iter().copied()).collect();
+            let mut data = zeroed_on_huge_pages(parts.iter().map(|m| m.data.len()).sum());
+            let mut at = 0;
+            for m in parts {
+                data[at..at + m.data.len()].copy_from_slice(&m.data);
+                at += m.data.len();
+            }
             return Ok(Self {
                 rows,
                 data,

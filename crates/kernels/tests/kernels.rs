@@ -318,6 +318,40 @@ fn interleaved_rows_read_back_as_given() {
     }
 }
 
+/// A matrix built from borrowed blocks (a mapped file's) equals one built from owned blocks,
+/// and reports every byte of its input consumed, in order, in spans: for a matrix larger than
+/// one repacking chunk, several of them (the loader drops each span's mapped pages at once).
+#[test]
+fn matrices_from_slices_hand_back_their_input_in_order() {
+    let mut rng = Rng(17);
+    // Q8_0 [4224, 2048]: 9.3 MB, over one 8 MiB chunk; Q4_K [16, 512] (one chunk); Q2_K (no
+    // interleaved layout: copied whole).
+    for (ty, rows, cols) in [
+        (GgmlType::Q8_0, 4224, 2048),
+        (GgmlType::Q4K, 16, 512),
+        (GgmlType::Q2K, 8, 256),
+    ] {
+        let data: Vec<u8> = (0..rows * cols / ty.block_size())
+            .flat_map(|_| random_block(ty, &mut rng))
+            .collect();
+        let mut spans = Vec::new();
+        let borrowed =
+            QuantMatrix::from_slice(ty, rows, cols, &data, &mut |span| spans.push(span)).unwrap();
+        let owned = QuantMatrix::new(ty, rows, cols, data.clone()).unwrap();
+        assert!(borrowed == owned, "{}: the two builds differ", ty.name());
+        let mut at = 0;
+        for span in &spans {
+            assert_eq!(span.start, at, "{}: spans {spans:?}", ty.name());
+            assert!(span.end > span.start);
+            at = span.end;
+        }
+        assert_eq!(at, data.len(), "{}: spans {spans:?}", ty.name());
+        if data.len() > 8 << 20 {
+            assert!(spans.len() > 1, "{}: one span for {} bytes", ty.name(), data.len());
+        }
+    }
+}
+
 /// Stacked matrices (fused projections) give each part's outputs with the same bits, whether
 /// the parts are interleaved (rows a multiple of 8) or not; a stack that would change a
 /// part's kernel is refused.

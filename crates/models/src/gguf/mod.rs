@@ -203,6 +203,32 @@ impl GgufFile {
     pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
         &self.mmap[info.data.clone()]
     }
+
+    /// Drops this process's mapping of the pages of `span` (bytes of a tensor, relative to
+    /// its start) once they have been copied out (`MADV_DONTNEED`): the page cache keeps them,
+    /// and a later read faults them back in, but the resident set no longer counts the file's
+    /// pages next to the repacked copy, so a load peaks at about the file's size instead of
+    /// twice it. A hint: failure is ignored.
+    fn release_pages(&self, info: &TensorInfo, span: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        {
+            let range = info.data.start + span.start..info.data.start + span.end;
+            debug_assert!(range.end <= info.data.end);
+            // SAFETY: the range lies in the mapping (checked when the header was parsed); the
+            // mapping is shared and read-only, so dropping its pages loses nothing (the next
+            // access reads the same file bytes back), and every caller has finished with the
+            // tensor's bytes: no borrow of them is alive.
+            let _ = unsafe {
+                self.mmap.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    range.start,
+                    range.len(),
+                )
+            };
+        }
+        #[cfg(not(unix))]
+        let _ = (info, span);
+    }
 }
 
 impl TensorSource for GgufFile {
@@ -219,6 +245,7 @@ impl TensorSource for GgufFile {
         let info = self.required_tensor(name)?;
         let mut data = vec![0f32; info.len()];
         dequantize(info.ggml_type, self.tensor_bytes(info), &mut data);
+        self.release_pages(info, 0..info.data.len());
         Ok(HostTensor {
             name: name.to_string(),
             file: self.describe(),
@@ -234,8 +261,14 @@ impl TensorSource for GgufFile {
             return Ok(None);
         }
         let (rows, cols) = (info.shape[0], info.shape[1]);
-        let matrix = QuantMatrix::new(info.ggml_type, rows, cols, self.tensor_bytes(info).to_vec())
-            .map_err(|e| ModelError::corrupt(&self.path, format!("tensor `{name}`: {e}")))?;
+        let matrix = QuantMatrix::from_slice(
+            info.ggml_type,
+            rows,
+            cols,
+            self.tensor_bytes(info),
+            &mut |span| self.release_pages(info, span),
+        )
+        .map_err(|e| ModelError::corrupt(&self.path, format!("tensor `{name}`: {e}")))?;
         Ok(Some(QuantizedTensor {
             file: self.describe(),
             shape: info.shape.clone(),
