@@ -1024,18 +1024,15 @@ mod x86 {
         _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d))
     }
 
-    /// How far ahead of the block being multiplied a tile of [`PREFETCH_MIN_ROWS`] or more
-    /// rows asks for weights: about a dozen Q4_1 blocks. The hardware prefetchers stop at
-    /// each 4 KB page, and a tile of several rows, busy multiplying, then waits on the next
-    /// page's first lines; asking this far ahead keeps the stream going across pages. The
-    /// distance and the T0 hint were chosen on whole forwards of 3 to 8 rows (docs/benchmarks.md,
-    /// "Figures that were in code comments"). Prefetching a whole group ahead at once was
-    /// slower: the burst fills the miss queue that the tile's own loads need.
+    /// How far ahead of the block being multiplied a tile asks for weights: about a dozen
+    /// Q4_1 blocks. The hardware prefetchers stop at each 4 KB page, and a tile then waits on
+    /// the next page's first lines; asking this far ahead keeps the stream going across
+    /// pages. The distance and the T0 hint were chosen on whole forwards of 3 to 8 rows
+    /// (docs/benchmarks.md, "Figures that were in code comments"); tiles of one and two rows
+    /// prefetch too since the 1B and 8B shapes decoded 16-22 % faster with it (SmolLM2 8-14
+    /// %; docs/kernels.md). Prefetching a whole group ahead at once was slower: the burst
+    /// fills the miss queue that the tile's own loads need.
     const PREFETCH_AHEAD: usize = 2048;
-
-    /// The fewest rows a tile has to prefetch for: with one or two rows the prefetches
-    /// measured no faster (whole forwards of one and two rows, alternated runs).
-    const PREFETCH_MIN_ROWS: usize = 3;
 
     /// Asks for the `block_bytes` from `PREFETCH_AHEAD` bytes past `p`, the start of a block,
     /// a line (64 bytes) at a time: consecutive blocks' requests cover the stream (a hint: an
@@ -1227,9 +1224,7 @@ mod x86 {
                     for b in 0..blocks {
                         // SAFETY: column `b < blocks` of `bytes` lies in `w`.
                         let p = unsafe { w.as_ptr().add(bytes * b) };
-                        if N >= PREFETCH_MIN_ROWS {
-                            prefetch_ahead(p, bytes);
-                        }
+                        prefetch_ahead(p, bytes);
                         // SAFETY: `b < blocks`, every row's length (the `TileFn` contract).
                         let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
                         // SAFETY: the column is the eight f16 `d` (16 bytes at `p`) and the
@@ -1267,10 +1262,8 @@ mod x86 {
                             (p, halves(p))
                         };
                         for s in 0..8 {
-                            if N >= PREFETCH_MIN_ROWS {
-                                let eighth = IQ4_XS_BYTES / 8;
-                                prefetch_ahead(p.wrapping_add(eighth * s), eighth);
-                            }
+                            let eighth = IQ4_XS_BYTES / 8;
+                            prefetch_ahead(p.wrapping_add(eighth * s), eighth);
                             let b = 8 * c + s;
                             // SAFETY: `b = 8 c + s < blocks`, every row's length (the `TileFn`
                             // contract).
@@ -1364,9 +1357,7 @@ mod x86 {
                     for b in 0..blocks {
                         // SAFETY: column `b < blocks` of `bytes` lies in `w`.
                         let p = unsafe { w.as_ptr().add(bytes * b) };
-                        if N >= PREFETCH_MIN_ROWS {
-                            prefetch_ahead(p, bytes);
-                        }
+                        prefetch_ahead(p, bytes);
                         // SAFETY: `b < blocks`, every row's length (the `TileFn` contract).
                         let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
                         // SAFETY: from `quants` to its end the column holds the 128 bytes of
@@ -1447,11 +1438,9 @@ mod x86 {
                             (p, halves(p), halves(p.add(16)))
                         };
                         for s in 0..8 {
-                            if N >= PREFETCH_MIN_ROWS {
-                                // An eighth of the column per sub-block covers the stream.
-                                let eighth = column_bytes / 8;
-                                prefetch_ahead(p.wrapping_add(eighth * s), eighth);
-                            }
+                            // An eighth of the column per sub-block covers the stream.
+                            let eighth = column_bytes / 8;
+                            prefetch_ahead(p.wrapping_add(eighth * s), eighth);
                             let b = 8 * c + s;
                             // SAFETY: `b = 8 c + s < blocks`, every row's length (the `TileFn`
                             // contract).
@@ -1540,10 +1529,8 @@ mod x86 {
                             (p, halves(p))
                         };
                         for s in 0..8 {
-                            if N >= PREFETCH_MIN_ROWS {
-                                let eighth = column_bytes / 8;
-                                prefetch_ahead(p.wrapping_add(eighth * s), eighth);
-                            }
+                            let eighth = column_bytes / 8;
+                            prefetch_ahead(p.wrapping_add(eighth * s), eighth);
                             let b = 8 * c + s;
                             // SAFETY: `b = 8 c + s < blocks`, every row's length (the `TileFn`
                             // contract).
@@ -1663,9 +1650,7 @@ mod x86 {
                 // SAFETY: column `b < blocks` (272 bytes: eight f16 `d`, eight chunks of 32
                 // quants) lies in `w`.
                 let p = unsafe { w.as_ptr().add(272 * b) };
-                if N >= PREFETCH_MIN_ROWS {
-                    prefetch_ahead(p, 272);
-                }
+                prefetch_ahead(p, 272);
                 // SAFETY: `b < blocks`, every row's length (the `TileFn` contract).
                 let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
                 let mut sh = [_mm256_setzero_si256(); N];
@@ -1726,9 +1711,7 @@ mod x86 {
                 // SAFETY: column `b < blocks` (272 bytes: eight f16 `d`, eight chunks of 32
                 // quants) lies in `w`.
                 let p = unsafe { w.as_ptr().add(272 * b) };
-                if N >= PREFETCH_MIN_ROWS {
-                    prefetch_ahead(p, 272);
-                }
+                prefetch_ahead(p, 272);
                 // SAFETY: `b < blocks`, every row's length (the `TileFn` contract).
                 let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
                 let mut sh = [[_mm256_setzero_si256(); 4]; N];

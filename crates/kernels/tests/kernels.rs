@@ -347,7 +347,12 @@ fn matrices_from_slices_hand_back_their_input_in_order() {
         }
         assert_eq!(at, data.len(), "{}: spans {spans:?}", ty.name());
         if data.len() > 8 << 20 {
-            assert!(spans.len() > 1, "{}: one span for {} bytes", ty.name(), data.len());
+            assert!(
+                spans.len() > 1,
+                "{}: one span for {} bytes",
+                ty.name(),
+                data.len()
+            );
         }
     }
 }
