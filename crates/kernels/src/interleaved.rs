@@ -194,7 +194,7 @@ pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8>
 
 /// [`pack`] on `pool`, handing `consumed` each span of `data` (a byte range, in order, the
 /// spans covering it) once every byte of it has been read: groups are repacked a chunk of
-/// about [`PACK_CHUNK_BYTES`] at a time, the chunk's groups split over the threads.
+/// about 8 MiB of `data` at a time, the chunk's groups split over the threads.
 ///
 /// # Panics
 /// If `ty` has no interleaved layout or the sizes disagree.

@@ -134,14 +134,14 @@ impl WideKernels {
                 out(i, y);
             }
         }
-        // SAFETY: each arm calls the kernel for exactly `rows.len()` rows, under the `WideFn`
-        // contract this function's caller vouches for every row.
         assert!(
             rows.len() <= self.tile,
             "a wide tile of {} rows: at most {}",
             rows.len(),
             self.tile
         );
+        // SAFETY: each arm calls the kernel for exactly `rows.len()` rows, under the `WideFn`
+        // contract this function's caller vouches for every row.
         unsafe {
             match rows.len() {
                 1 => call(self.one, w, rows, &mut out),
