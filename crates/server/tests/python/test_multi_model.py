@@ -122,7 +122,7 @@ def test_two_models_answer_correctly_and_in_parallel(trio, server):
     """A long answer of the default model runs while the tiny models answer several requests
     each: they finish before it does (its engine thread does not hold theirs up), and every
     answer is the right one."""
-    ask = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 160,
+    ask = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 480,
            "temperature": 0, "ignore_eos": True}
     alone = post(server, "/v1/completions", ask, headers={"Authorization": f"Bearer {API_KEY}"})
     assert alone[0] == 200, alone
