@@ -39,9 +39,9 @@ pub(crate) type WideFn<const N: usize> =
 /// The wide tiles of one weight type, for one to [`WIDE_TILE`] activation rows.
 #[derive(Clone, Copy)]
 pub(crate) struct WideKernels {
-    /// The most activation rows a call takes: [`WIDE_TILE`], or four for the types whose
-    /// two scales per sub-block need four sums per row and pass (eight rows' would not fit
-    /// the 32 registers).
+    /// The most activation rows a call takes: [`WIDE_TILE`], or five for the types whose
+    /// two scales per sub-block need four sums per row and pass (six rows' 24 sums spill out
+    /// of the 32 registers; docs/benchmarks.md has the three timings).
     tile: usize,
     one: WideFn<1>,
     two: WideFn<2>,
@@ -85,8 +85,8 @@ impl WideKernels {
                 GgmlType::Q8_0 => Some(wide_kernels!(WIDE_TILE, x86::q8_0_wide)),
                 GgmlType::Q4K => Some(wide_kernels!(WIDE_TILE, x86::q4_k_wide)),
                 GgmlType::Q5K => Some(wide_kernels!(WIDE_TILE, x86::q5_k_wide)),
-                GgmlType::Q6K => Some(wide_kernels!(4, x86::q6_k_wide)),
-                GgmlType::Q3K => Some(wide_kernels!(4, x86::q3_k_wide)),
+                GgmlType::Q6K => Some(wide_kernels!(5, x86::q6_k_wide)),
+                GgmlType::Q3K => Some(wide_kernels!(5, x86::q3_k_wide)),
                 _ => None,
             };
         }
