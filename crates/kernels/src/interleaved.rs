@@ -514,8 +514,7 @@ pub const TILE: usize = 4;
 /// columns of the function's type that `hi[i].len()` activation blocks cover (one per block,
 /// one per eight for the 256-value K-quants and IQ4_XS) for every `i`, and
 /// `lo[i].len() == hi[i].len()`.
-pub(crate) type TileFn<const N: usize> =
-    unsafe fn(&[u8], [&[ActBlock]; N], [&[ActBlock]; N]) -> [[f32; GROUP]; N];
+pub(crate) type TileFn<const N: usize> = AnyTileFn<N, GROUP>;
 
 /// The tile kernels of one weight type on one tier, for one to [`TILE`] activation rows.
 #[derive(Clone, Copy)]
@@ -604,37 +603,43 @@ impl TileKernels {
         rows: &[(&[ActBlock], &[ActBlock])],
         mut out: impl FnMut(usize, [f32; GROUP]),
     ) {
-        /// One kernel call on `rows` (exactly `N` of them).
-        ///
-        /// # Safety
-        /// As [`TileFn`] for every row.
-        #[inline]
-        unsafe fn call<const N: usize>(
-            f: TileFn<N>,
-            w: &[u8],
-            rows: &[(&[ActBlock], &[ActBlock])],
-            out: &mut impl FnMut(usize, [f32; GROUP]),
-        ) {
-            let hi = std::array::from_fn(|i| rows[i].0);
-            let lo = std::array::from_fn(|i| rows[i].1);
-            // SAFETY: `f`'s `TileFn` contract is this function's, and `hi`/`lo` are the rows
-            // it covers.
-            let y = unsafe { f(w, hi, lo) };
-            for (i, y) in y.into_iter().enumerate() {
-                out(i, y);
-            }
-        }
         // SAFETY: each arm calls the kernel for exactly `rows.len()` rows, under the `TileFn`
         // contract this function's caller vouches for every row.
         unsafe {
             match rows.len() {
-                1 => call(self.one, w, rows, &mut out),
-                2 => call(self.two, w, rows, &mut out),
-                3 => call(self.three, w, rows, &mut out),
-                4 => call(self.four, w, rows, &mut out),
+                1 => call_tile(self.one, w, rows, &mut out),
+                2 => call_tile(self.two, w, rows, &mut out),
+                3 => call_tile(self.three, w, rows, &mut out),
+                4 => call_tile(self.four, w, rows, &mut out),
                 n => panic!("a tile of {n} rows: 1 to {TILE} expected"),
             }
         }
+    }
+}
+
+/// A tile kernel's signature with `N` activation rows and `W` outputs a row: [`TileFn`]'s
+/// (`W` = [`GROUP`]) or the wide tiles' (`W` = 16).
+type AnyTileFn<const N: usize, const W: usize> =
+    unsafe fn(&[u8], [&[ActBlock]; N], [&[ActBlock]; N]) -> [[f32; W]; N];
+
+/// One call of a tile kernel `f` (narrow, `W` = 8 outputs a row, or wide, 16) on `rows`
+/// (exactly `N` of them), its outputs handed to `out` as (index in `rows`, `W` outputs).
+///
+/// # Safety
+/// `f`'s contract ([`TileFn`] or [`wide`]'s `WideFn`) for every row.
+#[inline]
+unsafe fn call_tile<const N: usize, const W: usize>(
+    f: AnyTileFn<N, W>,
+    w: &[u8],
+    rows: &[(&[ActBlock], &[ActBlock])],
+    out: &mut impl FnMut(usize, [f32; W]),
+) {
+    let hi = std::array::from_fn(|i| rows[i].0);
+    let lo = std::array::from_fn(|i| rows[i].1);
+    // SAFETY: `f`'s contract is this function's, and `hi`/`lo` are the rows it covers.
+    let y = unsafe { f(w, hi, lo) };
+    for (i, y) in y.into_iter().enumerate() {
+        out(i, y);
     }
 }
 

@@ -18,7 +18,7 @@ use crate::act::ActBlock;
 use crate::ggml::GgmlType;
 use crate::tier::Tier;
 
-use super::GROUP;
+use super::{AnyTileFn, GROUP, call_tile};
 
 /// Weight rows a wide tile multiplies: two groups.
 pub const WIDE_ROWS: usize = 2 * GROUP;
@@ -33,8 +33,7 @@ pub const WIDE_TILE: usize = 8;
 /// The CPU must support AVX-512 VNNI; `w` must be two groups of the function's type, each
 /// holding exactly the block columns that `hi[i].len()` activation blocks cover (one per
 /// eight blocks) for every `i`, and `lo[i].len() == hi[i].len()`.
-pub(crate) type WideFn<const N: usize> =
-    unsafe fn(&[u8], [&[ActBlock]; N], [&[ActBlock]; N]) -> [[f32; WIDE_ROWS]; N];
+pub(crate) type WideFn<const N: usize> = AnyTileFn<N, WIDE_ROWS>;
 
 /// The wide tiles of one weight type, for one to [`WIDE_TILE`] activation rows.
 #[derive(Clone, Copy)]
@@ -114,26 +113,6 @@ impl WideKernels {
         rows: &[(&[ActBlock], &[ActBlock])],
         mut out: impl FnMut(usize, [f32; WIDE_ROWS]),
     ) {
-        /// One kernel call on `rows` (exactly `N` of them).
-        ///
-        /// # Safety
-        /// As [`WideFn`] for every row.
-        #[inline]
-        unsafe fn call<const N: usize>(
-            f: WideFn<N>,
-            w: &[u8],
-            rows: &[(&[ActBlock], &[ActBlock])],
-            out: &mut impl FnMut(usize, [f32; WIDE_ROWS]),
-        ) {
-            let hi = std::array::from_fn(|i| rows[i].0);
-            let lo = std::array::from_fn(|i| rows[i].1);
-            // SAFETY: `f`'s `WideFn` contract is this function's, and `hi`/`lo` are the rows
-            // it covers.
-            let y = unsafe { f(w, hi, lo) };
-            for (i, y) in y.into_iter().enumerate() {
-                out(i, y);
-            }
-        }
         assert!(
             rows.len() <= self.tile,
             "a wide tile of {} rows: at most {}",
@@ -144,14 +123,14 @@ impl WideKernels {
         // contract this function's caller vouches for every row.
         unsafe {
             match rows.len() {
-                1 => call(self.one, w, rows, &mut out),
-                2 => call(self.two, w, rows, &mut out),
-                3 => call(self.three, w, rows, &mut out),
-                4 => call(self.four, w, rows, &mut out),
-                5 => call(self.five, w, rows, &mut out),
-                6 => call(self.six, w, rows, &mut out),
-                7 => call(self.seven, w, rows, &mut out),
-                8 => call(self.eight, w, rows, &mut out),
+                1 => call_tile(self.one, w, rows, &mut out),
+                2 => call_tile(self.two, w, rows, &mut out),
+                3 => call_tile(self.three, w, rows, &mut out),
+                4 => call_tile(self.four, w, rows, &mut out),
+                5 => call_tile(self.five, w, rows, &mut out),
+                6 => call_tile(self.six, w, rows, &mut out),
+                7 => call_tile(self.seven, w, rows, &mut out),
+                8 => call_tile(self.eight, w, rows, &mut out),
                 n => panic!("a wide tile of {n} rows: 1 to {WIDE_TILE} expected"),
             }
         }
