@@ -8,6 +8,7 @@
 // criterion_group! generates undocumented items.
 #![allow(missing_docs)]
 
+use burn::tensor::f16;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kiln_kernels::{GgmlType, QuantMatrix};
 use rand::{Rng, RngCore, SeedableRng};
@@ -34,19 +35,10 @@ fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut ChaCha8Rng) -
     for block in data.chunks_exact_mut(block_bytes) {
         for &at in scale_offsets(ty) {
             let scale = 0.002 + 0.05 * rng.random::<f32>();
-            block[at..at + 2].copy_from_slice(&half_bits(scale));
+            block[at..at + 2].copy_from_slice(&f16::from_f32(scale).to_le_bytes());
         }
     }
     QuantMatrix::new(ty, rows, cols, data).expect("a valid matrix")
-}
-
-/// `x` as IEEE half bits (little-endian), for `x` a normal half.
-fn half_bits(x: f32) -> [u8; 2] {
-    let bits = x.to_bits();
-    let exponent = ((bits >> 23) & 0xff) as i32 - 127 + 15;
-    let mantissa = (bits >> 13) & 0x3ff;
-    let half = ((bits >> 16) & 0x8000) as u16 | ((exponent as u16) << 10) | mantissa as u16;
-    half.to_le_bytes()
 }
 
 fn quant(c: &mut Criterion) {

@@ -178,32 +178,23 @@ fn q6_k_high_bits_at(e: usize, r: usize) -> (usize, u32) {
     (128 + 32 * (j / 2) + 4 * r + e % 4, shift as u32)
 }
 
-/// Input bytes [`pack_with`] repacks between two calls of its `consumed` callback: a few
+/// Input bytes [`pack`] repacks between two calls of its `consumed` callback: a few
 /// groups' worth, so that a loader can drop a mapped file's pages as it goes (a whole
 /// tensor's would sit in memory next to its repacked copy).
 const PACK_CHUNK_BYTES: usize = 8 << 20;
 
 /// Rearranges `rows` (a multiple of [`GROUP`]) rows of `ty` blocks, `row_bytes` each, into
-/// groups, on the global thread pool.
+/// groups on the global thread pool, handing `consumed` each span of `data` (a byte range, in
+/// order, the spans covering it) once every byte of it has been read: groups are repacked a
+/// chunk of about 8 MiB of `data` at a time, the chunk's groups split over the threads.
 ///
 /// # Panics
 /// If `ty` has no interleaved layout or the sizes disagree.
-pub fn pack(ty: GgmlType, data: &[u8], rows: usize, row_bytes: usize) -> Vec<u8> {
-    pack_with(ty, data, rows, row_bytes, ThreadPool::global(), &mut |_| {})
-}
-
-/// [`pack`] on `pool`, handing `consumed` each span of `data` (a byte range, in order, the
-/// spans covering it) once every byte of it has been read: groups are repacked a chunk of
-/// about 8 MiB of `data` at a time, the chunk's groups split over the threads.
-///
-/// # Panics
-/// If `ty` has no interleaved layout or the sizes disagree.
-pub fn pack_with(
+pub fn pack(
     ty: GgmlType,
     data: &[u8],
     rows: usize,
     row_bytes: usize,
-    pool: &ThreadPool,
     consumed: &mut dyn FnMut(std::ops::Range<usize>),
 ) -> Vec<u8> {
     let out_block = group_block_bytes(ty).expect("a type with an interleaved layout");
@@ -213,6 +204,7 @@ pub fn pack_with(
     let groups = rows / GROUP;
     let mut out = zeroed_on_huge_pages(groups * group_out);
     let groups_per_chunk = (PACK_CHUNK_BYTES / group_in.max(1)).max(1);
+    let pool = ThreadPool::global();
     let shared = SharedOut::new(&mut out);
     for first in (0..groups).step_by(groups_per_chunk) {
         let chunk = first..(first + groups_per_chunk).min(groups);
@@ -1095,7 +1087,10 @@ mod x86 {
     /// # Safety
     /// `b` must be below every row's length.
     #[inline(always)]
-    unsafe fn blocks_at<const N: usize>(rows: [&[ActBlock]; N], b: usize) -> [&ActBlock; N] {
+    pub(super) unsafe fn blocks_at<const N: usize>(
+        rows: [&[ActBlock]; N],
+        b: usize,
+    ) -> [&ActBlock; N] {
         // SAFETY: `b` is below every row's length (the caller's contract).
         std::array::from_fn(|i| unsafe { rows[i].get_unchecked(b) })
     }

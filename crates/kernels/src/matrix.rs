@@ -12,7 +12,7 @@ use crate::act::{ACT_BLOCK, ActBlock, quantize_split_row};
 use crate::error::KernelError;
 use crate::ggml::{GgmlType, dequantize};
 use crate::interleaved::{
-    GROUP, TILE, TileKernels, WIDE_ROWS, WIDE_TILE, WideKernels, group_block_bytes, pack_with,
+    GROUP, TILE, TileKernels, WIDE_ROWS, WIDE_TILE, WideKernels, group_block_bytes, pack,
     unpack_row, zeroed_on_huge_pages,
 };
 use crate::pool::ThreadPool;
@@ -107,7 +107,7 @@ impl QuantMatrix {
         }
         let interleaved = group_block_bytes(ty).is_some() && rows.is_multiple_of(GROUP);
         let data = if interleaved {
-            pack_with(ty, &data, rows, row_bytes, ThreadPool::global(), consumed)
+            pack(ty, &data, rows, row_bytes, consumed)
         } else {
             let len = data.len();
             let owned = data.into_owned();

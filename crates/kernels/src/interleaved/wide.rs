@@ -143,6 +143,7 @@ mod x86 {
 
     use super::{WIDE_ROWS, WIDE_TILE};
     use crate::act::ActBlock;
+    use crate::interleaved::x86::blocks_at;
     use crate::interleaved::{
         K_QUANTS, Q6_K_QUANTS, half_scaled_sizes, k_sizes, q_offset, q4_sizes,
     };
@@ -244,16 +245,6 @@ mod x86 {
             2..=4 => 2,
             _ => 1,
         }
-    }
-
-    /// Block `b` of each of the rows, unchecked.
-    ///
-    /// # Safety
-    /// `b` must be below every row's length.
-    #[inline(always)]
-    unsafe fn blocks_at<const N: usize>(rows: [&[ActBlock]; N], b: usize) -> [&ActBlock; N] {
-        // SAFETY: `b` is below every row's length (the caller's contract).
-        std::array::from_fn(|i| unsafe { rows[i].get_unchecked(b) })
     }
 
     /// The fifth bits of chunk `j` moved to bit 4 (the 256-bit tiles' `fifth_bits_at_4`).
