@@ -1,8 +1,8 @@
 //! Quantized products at the Llama-3.2-1B shape (2048 hidden, 8192 feed forward): the `gate`
 //! projection (`[8192, 2048]`) and `down` (`[2048, 8192]`) in Q4_K, Q5_K, Q6_K and Q8_0, for a
 //! 512-token prefill (512 rows: the wide tiles on AVX-512 VNNI) and a decoding step (1 row),
-//! every thread, best tier. Throughput is in multiply-adds of the real product (each done
-//! twice in 8 bits, once per activation pass).
+//! every thread, best tier, with the activations in two 8-bit passes (`q8x2`) and in one
+//! (`q8`). Throughput is in multiply-adds of the real product (done once per pass).
 //! Run: `cargo bench -p kiln-benches --bench quant`.
 
 // criterion_group! generates undocumented items.
@@ -10,7 +10,7 @@
 
 use burn::tensor::f16;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kiln_kernels::{GgmlType, QuantMatrix};
+use kiln_kernels::{ActPasses, GgmlType, QuantMatrix};
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -47,17 +47,21 @@ fn quant(c: &mut Criterion) {
     group.sample_size(10);
     for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q8_0] {
         for (rows, cols) in SHAPES {
-            let w = random_matrix(ty, rows, cols, &mut rng);
+            let two = random_matrix(ty, rows, cols, &mut rng);
+            let one = two.clone().with_activation_passes(ActPasses::One);
             for m in [1, 512] {
                 let x: Vec<f32> = (0..m * cols)
                     .map(|_| rng.random::<f32>() * 2.0 - 1.0)
                     .collect();
                 let mut out = vec![0f32; m * rows];
                 group.throughput(Throughput::Elements((m * rows * cols) as u64));
-                let id = format!("{} m={m} {rows}x{cols}", ty.name());
-                group.bench_function(BenchmarkId::from_parameter(id), |b| {
-                    b.iter(|| w.matmul(&x, m, &mut out))
-                });
+                for w in [&two, &one] {
+                    let passes = w.activation_passes().name();
+                    let id = format!("{} {passes} m={m} {rows}x{cols}", ty.name());
+                    group.bench_function(BenchmarkId::from_parameter(id), |b| {
+                        b.iter(|| w.matmul(&x, m, &mut out))
+                    });
+                }
             }
         }
     }

@@ -25,6 +25,29 @@ pub struct ActBlock {
 /// Values per activation block.
 pub const ACT_BLOCK: usize = 32;
 
+/// How many 8-bit passes a quantized product gives its activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ActPasses {
+    /// One ([`ActBlock::quantize`]), as llama.cpp multiplies every type (`Q8_0`, `Q8_1` and
+    /// `Q8_K` activations): half the integer work of [`Two`](Self::Two), within `amax / 254`
+    /// of the activations (docs/kernels.md states its accuracy).
+    One,
+    /// Two ([`quantize_split`]): within `amax / 64516` of the activations, the precision of
+    /// 16-bit activations; the products track the exact path to ~1e-7 in KL.
+    #[default]
+    Two,
+}
+
+impl ActPasses {
+    /// `q8` (one pass) or `q8x2` (two).
+    pub fn name(self) -> &'static str {
+        match self {
+            ActPasses::One => "q8",
+            ActPasses::Two => "q8x2",
+        }
+    }
+}
+
 impl ActBlock {
     /// `Σ qs` over half `half` (0: values 0-15, 1: values 16-31), for the weight types whose
     /// scales or minimums cover 16 values (Q6_K, Q3_K, Q2_K).
@@ -136,6 +159,34 @@ pub fn quantize_split_row(x: &[f32], hi: &mut [ActBlock], lo: &mut [ActBlock], t
     }
 }
 
+/// The first pass of [`quantize_split_row`] alone: `x` (`32 × hi.len()` values) into `hi`,
+/// the same bits as that function's `hi`, for [`ActPasses::One`].
+///
+/// # Panics
+/// If `x.len() != 32 × hi.len()` or this CPU cannot run `tier`.
+pub fn quantize_row(x: &[f32], hi: &mut [ActBlock], tier: Tier) {
+    assert!(
+        x.len() == hi.len() * ACT_BLOCK,
+        "{} activations for {} blocks",
+        x.len(),
+        hi.len()
+    );
+    assert!(
+        tier.is_supported(),
+        "kernel tier {tier} is not supported on this CPU"
+    );
+    match tier {
+        // SAFETY: the tier's features were checked above.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx512Vnni => unsafe { x86::first_pass_row(x, hi) },
+        _ => {
+            for (chunk, h) in x.chunks_exact(ACT_BLOCK).zip(hi) {
+                *h = ActBlock::quantize(chunk.try_into().expect("chunks of 32"));
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -159,6 +210,24 @@ mod x86 {
             let (block, ra, rb) = quantize(a, b);
             *h = block;
             *l = quantize(ra, rb).0;
+        }
+    }
+
+    /// [`super::quantize_row`] on AVX-512: [`split_row`]'s first pass.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW and VL; the lengths are checked by the caller.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn first_pass_row(x: &[f32], hi: &mut [ActBlock]) {
+        for (chunk, h) in x.chunks_exact(ACT_BLOCK).zip(hi) {
+            // SAFETY: a chunk holds 32 f32 values; unaligned loads.
+            let (a, b) = unsafe {
+                (
+                    _mm512_loadu_ps(chunk.as_ptr()),
+                    _mm512_loadu_ps(chunk.as_ptr().add(16)),
+                )
+            };
+            *h = quantize(a, b).0;
         }
     }
 

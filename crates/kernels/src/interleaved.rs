@@ -46,7 +46,7 @@
 use half::f16;
 
 use crate::SharedOut;
-use crate::act::ActBlock;
+use crate::act::{ActBlock, ActPasses};
 use crate::ggml::{
     GgmlType, IQ4_VALUES, iq4_xs_scale, pack_scale_min_k4, q3_k_scales, q3_k_value,
     scale_min_k4_bits,
@@ -517,8 +517,17 @@ pub(crate) struct TileKernels {
     four: TileFn<4>,
 }
 
-/// [`TileKernels`] from one kernel generic over its row count.
+/// [`TileKernels`] from one kernel generic over its row count (and, for the SIMD tiles,
+/// whether the activations come in two passes: `SPLIT`).
 macro_rules! tile_kernels {
+    ($($f:ident)::+, $split:ident) => {
+        TileKernels {
+            one: $($f)::+::<1, $split>,
+            two: $($f)::+::<2, $split>,
+            three: $($f)::+::<3, $split>,
+            four: $($f)::+::<4, $split>,
+        }
+    };
     ($($f:ident)::+) => {
         TileKernels {
             one: $($f)::+::<1>,
@@ -530,33 +539,66 @@ macro_rules! tile_kernels {
 }
 
 impl TileKernels {
-    /// The kernels of `ty` at `tier` (the best at or below it), if `ty` has them.
-    pub(crate) fn new(ty: GgmlType, tier: Tier) -> Option<Self> {
+    /// The kernels of `ty` at `tier` (the best at or below it) for activations in `passes`,
+    /// if `ty` has them. With one pass the `lo` rows must be zero blocks: the SIMD tiles skip
+    /// their products (their float steps still run, so the outputs are the two-pass kernels'
+    /// bits for a zero second pass), and the scalar reference multiplies them.
+    pub(crate) fn new(ty: GgmlType, tier: Tier, passes: ActPasses) -> Option<Self> {
+        match passes {
+            ActPasses::One => Self::select::<false>(ty, tier),
+            ActPasses::Two => Self::select::<true>(ty, tier),
+        }
+    }
+
+    /// [`Self::new`], `SPLIT` for two passes.
+    fn select<const SPLIT: bool>(ty: GgmlType, tier: Tier) -> Option<Self> {
         #[cfg(target_arch = "x86_64")]
         {
             let simd = match (tier, ty) {
-                (Tier::Avx512Vnni, GgmlType::Q4_0) => Some(tile_kernels!(x86::vnni::q4_0_tile)),
-                (Tier::Avx512Vnni, GgmlType::Q4_1) => Some(tile_kernels!(x86::vnni::q4_1_tile)),
-                (Tier::Avx512Vnni, GgmlType::Q5_0) => Some(tile_kernels!(x86::vnni::q5_0_tile)),
-                (Tier::Avx512Vnni, GgmlType::Q5_1) => Some(tile_kernels!(x86::vnni::q5_1_tile)),
-                (Tier::Avx512Vnni, GgmlType::Iq4Nl) => Some(tile_kernels!(x86::vnni::iq4_nl_tile)),
-                (Tier::Avx512Vnni, GgmlType::Iq4Xs) => Some(tile_kernels!(x86::vnni::iq4_xs_tile)),
-                (Tier::Avx512Vnni, GgmlType::Q4K) => Some(tile_kernels!(x86::vnni::q4_k_tile)),
-                (Tier::Avx512Vnni, GgmlType::Q5K) => Some(tile_kernels!(x86::vnni::q5_k_tile)),
-                (Tier::Avx512Vnni, GgmlType::Q6K) => Some(tile_kernels!(x86::vnni::q6_k_tile)),
-                (Tier::Avx512Vnni, GgmlType::Q3K) => Some(tile_kernels!(x86::vnni::q3_k_tile)),
-                (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_offset::tile)),
-                (Tier::Avx2, GgmlType::Q4_0) => Some(tile_kernels!(x86::avx2::q4_0_tile)),
-                (Tier::Avx2, GgmlType::Q4_1) => Some(tile_kernels!(x86::avx2::q4_1_tile)),
-                (Tier::Avx2, GgmlType::Q5_0) => Some(tile_kernels!(x86::avx2::q5_0_tile)),
-                (Tier::Avx2, GgmlType::Q5_1) => Some(tile_kernels!(x86::avx2::q5_1_tile)),
-                (Tier::Avx2, GgmlType::Iq4Nl) => Some(tile_kernels!(x86::avx2::iq4_nl_tile)),
-                (Tier::Avx2, GgmlType::Iq4Xs) => Some(tile_kernels!(x86::avx2::iq4_xs_tile)),
-                (Tier::Avx2, GgmlType::Q4K) => Some(tile_kernels!(x86::avx2::q4_k_tile)),
-                (Tier::Avx2, GgmlType::Q5K) => Some(tile_kernels!(x86::avx2::q5_k_tile)),
-                (Tier::Avx2, GgmlType::Q6K) => Some(tile_kernels!(x86::avx2::q6_k_tile)),
-                (Tier::Avx2, GgmlType::Q3K) => Some(tile_kernels!(x86::avx2::q3_k_tile)),
-                (Tier::Avx2, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_sign::tile)),
+                (Tier::Avx512Vnni, GgmlType::Q4_0) => {
+                    Some(tile_kernels!(x86::vnni::q4_0_tile, SPLIT))
+                }
+                (Tier::Avx512Vnni, GgmlType::Q4_1) => {
+                    Some(tile_kernels!(x86::vnni::q4_1_tile, SPLIT))
+                }
+                (Tier::Avx512Vnni, GgmlType::Q5_0) => {
+                    Some(tile_kernels!(x86::vnni::q5_0_tile, SPLIT))
+                }
+                (Tier::Avx512Vnni, GgmlType::Q5_1) => {
+                    Some(tile_kernels!(x86::vnni::q5_1_tile, SPLIT))
+                }
+                (Tier::Avx512Vnni, GgmlType::Iq4Nl) => {
+                    Some(tile_kernels!(x86::vnni::iq4_nl_tile, SPLIT))
+                }
+                (Tier::Avx512Vnni, GgmlType::Iq4Xs) => {
+                    Some(tile_kernels!(x86::vnni::iq4_xs_tile, SPLIT))
+                }
+                (Tier::Avx512Vnni, GgmlType::Q4K) => {
+                    Some(tile_kernels!(x86::vnni::q4_k_tile, SPLIT))
+                }
+                (Tier::Avx512Vnni, GgmlType::Q5K) => {
+                    Some(tile_kernels!(x86::vnni::q5_k_tile, SPLIT))
+                }
+                (Tier::Avx512Vnni, GgmlType::Q6K) => {
+                    Some(tile_kernels!(x86::vnni::q6_k_tile, SPLIT))
+                }
+                (Tier::Avx512Vnni, GgmlType::Q3K) => {
+                    Some(tile_kernels!(x86::vnni::q3_k_tile, SPLIT))
+                }
+                (Tier::Avx512Vnni, GgmlType::Q8_0) => {
+                    Some(tile_kernels!(x86::q8_0_offset::tile, SPLIT))
+                }
+                (Tier::Avx2, GgmlType::Q4_0) => Some(tile_kernels!(x86::avx2::q4_0_tile, SPLIT)),
+                (Tier::Avx2, GgmlType::Q4_1) => Some(tile_kernels!(x86::avx2::q4_1_tile, SPLIT)),
+                (Tier::Avx2, GgmlType::Q5_0) => Some(tile_kernels!(x86::avx2::q5_0_tile, SPLIT)),
+                (Tier::Avx2, GgmlType::Q5_1) => Some(tile_kernels!(x86::avx2::q5_1_tile, SPLIT)),
+                (Tier::Avx2, GgmlType::Iq4Nl) => Some(tile_kernels!(x86::avx2::iq4_nl_tile, SPLIT)),
+                (Tier::Avx2, GgmlType::Iq4Xs) => Some(tile_kernels!(x86::avx2::iq4_xs_tile, SPLIT)),
+                (Tier::Avx2, GgmlType::Q4K) => Some(tile_kernels!(x86::avx2::q4_k_tile, SPLIT)),
+                (Tier::Avx2, GgmlType::Q5K) => Some(tile_kernels!(x86::avx2::q5_k_tile, SPLIT)),
+                (Tier::Avx2, GgmlType::Q6K) => Some(tile_kernels!(x86::avx2::q6_k_tile, SPLIT)),
+                (Tier::Avx2, GgmlType::Q3K) => Some(tile_kernels!(x86::avx2::q3_k_tile, SPLIT)),
+                (Tier::Avx2, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_sign::tile, SPLIT)),
                 _ => None,
             };
             if simd.is_some() {
@@ -952,11 +994,12 @@ mod x86 {
         _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
     }
 
-    /// `acc + d_w × (d_hi × sum_h + d_lo × sum_l)` per row lane: the float steps of a block
-    /// column, shared by every kernel so that all round alike.
+    /// `acc + d_w × (d_hi × sum_h + d_lo × sum_l)` per row lane (`SPLIT`; without it
+    /// `acc + d_w × d_hi × sum_h`): the float steps of a block column, shared by every kernel
+    /// so that all round alike.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn add_sums(
+    fn add_sums<const SPLIT: bool>(
         acc: __m256,
         d: __m256,
         sum_h: __m256i,
@@ -964,12 +1007,24 @@ mod x86 {
         h: &ActBlock,
         l: &ActBlock,
     ) -> __m256 {
-        let scaled = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(sum_h),
-            _mm256_set1_ps(h.d),
-            _mm256_mul_ps(_mm256_cvtepi32_ps(sum_l), _mm256_set1_ps(l.d)),
-        );
+        let high = _mm256_cvtepi32_ps(sum_h);
+        let scaled = if SPLIT {
+            _mm256_fmadd_ps(
+                high,
+                _mm256_set1_ps(h.d),
+                _mm256_mul_ps(_mm256_cvtepi32_ps(sum_l), _mm256_set1_ps(l.d)),
+            )
+        } else {
+            _mm256_mul_ps(high, _mm256_set1_ps(h.d))
+        };
         _mm256_fmadd_ps(d, scaled, acc)
+    }
+
+    /// `d × Σ a` of a block's passes (its first alone without `SPLIT`), for the offsets and
+    /// minimums; every kernel forms it alike.
+    #[inline(always)]
+    pub(super) fn d_sum<const SPLIT: bool>(h: &ActBlock, l: &ActBlock) -> f32 {
+        if SPLIT { h.d_sum + l.d_sum } else { h.d_sum }
     }
 
     /// The eight lanes of `v`.
@@ -1118,7 +1173,7 @@ mod x86 {
                 /// 128 bytes at `p` must be readable, 160 with `FIFTH`.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn nibble_sums<const N: usize, const FIFTH: bool>(
+                unsafe fn nibble_sums<const N: usize, const FIFTH: bool, const SPLIT: bool>(
                     p: *const u8,
                     h: [&ActBlock; N],
                     l: [&ActBlock; N],
@@ -1149,8 +1204,10 @@ mod x86 {
                         for i in 0..N {
                             sh[i][k_low] = $dot(sh[i][k_low], low, broadcast(h[i], j));
                             sh[i][k_high] = $dot(sh[i][k_high], high, broadcast(h[i], 4 + j));
-                            sl[i][k_low] = $dot(sl[i][k_low], low, broadcast(l[i], j));
-                            sl[i][k_high] = $dot(sl[i][k_high], high, broadcast(l[i], 4 + j));
+                            if SPLIT {
+                                sl[i][k_low] = $dot(sl[i][k_low], low, broadcast(l[i], j));
+                                sl[i][k_high] = $dot(sl[i][k_high], high, broadcast(l[i], 4 + j));
+                            }
                         }
                     }
                     let mut sums = [(_mm256_setzero_si256(), _mm256_setzero_si256()); N];
@@ -1170,7 +1227,7 @@ mod x86 {
                 /// 128 bytes at `p` must be readable.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn iq4_sums<const N: usize>(
+                unsafe fn iq4_sums<const N: usize, const SPLIT: bool>(
                     p: *const u8,
                     h: [&ActBlock; N],
                     l: [&ActBlock; N],
@@ -1193,13 +1250,16 @@ mod x86 {
                         let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
                         for i in 0..N {
                             let (hl, hh) = (broadcast(h[i], j), broadcast(h[i], 4 + j));
-                            let (ll, lh) = (broadcast(l[i], j), broadcast(l[i], 4 + j));
                             sh[i][k_low] = $dot(sh[i][k_low], low_abs, _mm256_sign_epi8(hl, low));
                             sh[i][k_high] =
                                 $dot(sh[i][k_high], high_abs, _mm256_sign_epi8(hh, high));
-                            sl[i][k_low] = $dot(sl[i][k_low], low_abs, _mm256_sign_epi8(ll, low));
-                            sl[i][k_high] =
-                                $dot(sl[i][k_high], high_abs, _mm256_sign_epi8(lh, high));
+                            if SPLIT {
+                                let (ll, lh) = (broadcast(l[i], j), broadcast(l[i], 4 + j));
+                                sl[i][k_low] =
+                                    $dot(sl[i][k_low], low_abs, _mm256_sign_epi8(ll, low));
+                                sl[i][k_high] =
+                                    $dot(sl[i][k_high], high_abs, _mm256_sign_epi8(lh, high));
+                            }
                         }
                     }
                     let mut sums = [(_mm256_setzero_si256(), _mm256_setzero_si256()); N];
@@ -1212,7 +1272,10 @@ mod x86 {
                 /// Eight IQ4_NL rows × `N` two-pass activation rows
                 /// ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn iq4_nl_tile<const N: usize>(
+                pub(in crate::interleaved) unsafe fn iq4_nl_tile<
+                    const N: usize,
+                    const SPLIT: bool,
+                >(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
@@ -1227,12 +1290,13 @@ mod x86 {
                         prefetch_ahead(p, bytes);
                         // SAFETY: `b < blocks`, every row's length (the `TileFn` contract).
                         let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
-                        // SAFETY: the column is the eight f16 `d` (16 bytes at `p`) and the
-                        // 128 bytes of indices at `quants`, its last.
-                        let (sums, d) = unsafe { (iq4_sums::<N>(p.add(quants), h, l), halves(p)) };
+                        // SAFETY: the column's last 128 bytes, from `quants`, are its indices.
+                        let sums = unsafe { iq4_sums::<N, SPLIT>(p.add(quants), h, l) };
+                        // SAFETY: the column's first 16 bytes are the eight f16 `d`.
+                        let d = unsafe { halves(p) };
                         for i in 0..N {
                             let (sum_h, sum_l) = sums[i];
-                            acc[i] = add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]);
+                            acc[i] = add_sums::<SPLIT>(acc[i], d, sum_h, sum_l, h[i], l[i]);
                         }
                     }
                     let mut out = [[0f32; GROUP]; N];
@@ -1246,7 +1310,10 @@ mod x86 {
                 /// ([`super::super::TileFn`]): IQ4_NL's integer work per sub-block, scaled
                 /// by `d × scale` (exact in f32).
                 #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn iq4_xs_tile<const N: usize>(
+                pub(in crate::interleaved) unsafe fn iq4_xs_tile<
+                    const N: usize,
+                    const SPLIT: bool,
+                >(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
@@ -1273,12 +1340,12 @@ mod x86 {
                             // scales at `16 + 8 s` lie before `IQ4_XS_QUANTS` (16 + 64).
                             let (sums, scales) = unsafe {
                                 let sub = p.add(IQ4_XS_QUANTS + 128 * s);
-                                (iq4_sums::<N>(sub, h, l), i8_lanes(p.add(16 + 8 * s)))
+                                (iq4_sums::<N, SPLIT>(sub, h, l), i8_lanes(p.add(16 + 8 * s)))
                             };
                             let scale = _mm256_mul_ps(d, scales);
                             for i in 0..N {
                                 let (sum_h, sum_l) = sums[i];
-                                acc[i] = add_sums(acc[i], scale, sum_h, sum_l, h[i], l[i]);
+                                acc[i] = add_sums::<SPLIT>(acc[i], scale, sum_h, sum_l, h[i], l[i]);
                             }
                         }
                     }
@@ -1291,50 +1358,62 @@ mod x86 {
 
                 /// Eight Q4_0 rows × `N` two-pass activation rows ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn q4_0_tile<const N: usize>(
+                pub(in crate::interleaved) unsafe fn q4_0_tile<
+                    const N: usize,
+                    const SPLIT: bool,
+                >(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
                     // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
                     // the rows' blocks) is the one `q4_tile` needs, for the same type.
-                    unsafe { q4_tile::<N, false, false>(w, hi, lo) }
+                    unsafe { q4_tile::<N, false, false, SPLIT>(w, hi, lo) }
                 }
 
                 /// Eight Q4_1 rows × `N` two-pass activation rows ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn q4_1_tile<const N: usize>(
+                pub(in crate::interleaved) unsafe fn q4_1_tile<
+                    const N: usize,
+                    const SPLIT: bool,
+                >(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
                     // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
                     // the rows' blocks) is the one `q4_tile` needs, for the same type.
-                    unsafe { q4_tile::<N, true, false>(w, hi, lo) }
+                    unsafe { q4_tile::<N, true, false, SPLIT>(w, hi, lo) }
                 }
 
                 /// Eight Q5_0 rows × `N` two-pass activation rows ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn q5_0_tile<const N: usize>(
+                pub(in crate::interleaved) unsafe fn q5_0_tile<
+                    const N: usize,
+                    const SPLIT: bool,
+                >(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
                     // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
                     // the rows' blocks) is the one `q4_tile` needs, for the same type.
-                    unsafe { q4_tile::<N, false, true>(w, hi, lo) }
+                    unsafe { q4_tile::<N, false, true, SPLIT>(w, hi, lo) }
                 }
 
                 /// Eight Q5_1 rows × `N` two-pass activation rows ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn q5_1_tile<const N: usize>(
+                pub(in crate::interleaved) unsafe fn q5_1_tile<
+                    const N: usize,
+                    const SPLIT: bool,
+                >(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
                     // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
                     // the rows' blocks) is the one `q4_tile` needs, for the same type.
-                    unsafe { q4_tile::<N, true, true>(w, hi, lo) }
+                    unsafe { q4_tile::<N, true, true, SPLIT>(w, hi, lo) }
                 }
 
                 /// Eight Q4_0 (`MIN` false: the minimum is `-8 d`), Q4_1, Q5_0 (`FIFTH`,
@@ -1344,7 +1423,12 @@ mod x86 {
                 /// As [`super::super::TileFn`], for the type the parameters name.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn q4_tile<const N: usize, const MIN: bool, const FIFTH: bool>(
+                unsafe fn q4_tile<
+                    const N: usize,
+                    const MIN: bool,
+                    const FIFTH: bool,
+                    const SPLIT: bool,
+                >(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
@@ -1362,7 +1446,7 @@ mod x86 {
                         let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
                         // SAFETY: from `quants` to its end the column holds the 128 bytes of
                         // nibbles (and with `FIFTH` the 32 of fifth bits) `nibble_sums` reads.
-                        let sums = unsafe { nibble_sums::<N, FIFTH>(p.add(quants), h, l) };
+                        let sums = unsafe { nibble_sums::<N, FIFTH, SPLIT>(p.add(quants), h, l) };
                         // SAFETY: the column's first 16 bytes are the eight f16 `d`.
                         let d = unsafe { halves(p) };
                         let m = if MIN {
@@ -1373,10 +1457,10 @@ mod x86 {
                         };
                         for i in 0..N {
                             let (sum_h, sum_l) = sums[i];
-                            acc[i] = add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]);
+                            acc[i] = add_sums::<SPLIT>(acc[i], d, sum_h, sum_l, h[i], l[i]);
                             mins[i] = _mm256_fmadd_ps(
                                 m,
-                                _mm256_set1_ps(h[i].d_sum + l[i].d_sum),
+                                _mm256_set1_ps(d_sum::<SPLIT>(h[i], l[i])),
                                 mins[i],
                             );
                         }
@@ -1390,26 +1474,32 @@ mod x86 {
 
                 /// Eight Q4_K rows × `N` two-pass activation rows ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn q4_k_tile<const N: usize>(
+                pub(in crate::interleaved) unsafe fn q4_k_tile<
+                    const N: usize,
+                    const SPLIT: bool,
+                >(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
                     // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
                     // the rows' blocks) is the one `k_tile` needs, for the same type.
-                    unsafe { k_tile::<N, false>(w, hi, lo) }
+                    unsafe { k_tile::<N, false, SPLIT>(w, hi, lo) }
                 }
 
                 /// Eight Q5_K rows × `N` two-pass activation rows ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn q5_k_tile<const N: usize>(
+                pub(in crate::interleaved) unsafe fn q5_k_tile<
+                    const N: usize,
+                    const SPLIT: bool,
+                >(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
                     // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
                     // the rows' blocks) is the one `k_tile` needs, for the same type.
-                    unsafe { k_tile::<N, true>(w, hi, lo) }
+                    unsafe { k_tile::<N, true, SPLIT>(w, hi, lo) }
                 }
 
                 /// Eight Q4_K (`FIFTH` false) or Q5_K rows × `N` two-pass activation rows:
@@ -1420,7 +1510,7 @@ mod x86 {
                 /// As [`super::super::TileFn`], for the type the parameters name.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn k_tile<const N: usize, const FIFTH: bool>(
+                unsafe fn k_tile<const N: usize, const FIFTH: bool, const SPLIT: bool>(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
@@ -1452,7 +1542,7 @@ mod x86 {
                             let (sums, scales, mins_s) = unsafe {
                                 let sub = p.add(K_QUANTS + sub_bytes * s);
                                 (
-                                    nibble_sums::<N, FIFTH>(sub, h, l),
+                                    nibble_sums::<N, FIFTH, SPLIT>(sub, h, l),
                                     u8_lanes(p.add(32 + 8 * s)),
                                     u8_lanes(p.add(96 + 8 * s)),
                                 )
@@ -1461,12 +1551,15 @@ mod x86 {
                             let min = _mm256_mul_ps(dmin, mins_s);
                             for i in 0..N {
                                 let (sum_h, sum_l) = sums[i];
-                                acc[i] = add_sums(acc[i], scale, sum_h, sum_l, h[i], l[i]);
-                                mins[i] = _mm256_fmadd_ps(
-                                    min,
-                                    _mm256_set1_ps(h[i].d_sum + l[i].d_sum),
-                                    mins[i],
-                                );
+                                acc[i] = add_sums::<SPLIT>(acc[i], scale, sum_h, sum_l, h[i], l[i]);
+                                let d_sum = _mm256_set1_ps(d_sum::<SPLIT>(h[i], l[i]));
+                                if SPLIT {
+                                    mins[i] = _mm256_fmadd_ps(min, d_sum, mins[i]);
+                                } else {
+                                    // One pass: the minimums come off as they go, which
+                                    // frees a register per row (`mins` stays zero).
+                                    acc[i] = _mm256_fnmadd_ps(min, d_sum, acc[i]);
+                                }
                             }
                         }
                     }
@@ -1479,26 +1572,32 @@ mod x86 {
 
                 /// Eight Q6_K rows × `N` two-pass activation rows ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn q6_k_tile<const N: usize>(
+                pub(in crate::interleaved) unsafe fn q6_k_tile<
+                    const N: usize,
+                    const SPLIT: bool,
+                >(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
                     // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
                     // the rows' blocks) is the one `half_scaled_tile` needs, for the same type.
-                    unsafe { half_scaled_tile::<N, false>(w, hi, lo) }
+                    unsafe { half_scaled_tile::<N, false, SPLIT>(w, hi, lo) }
                 }
 
                 /// Eight Q3_K rows × `N` two-pass activation rows ([`super::super::TileFn`]).
                 #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn q3_k_tile<const N: usize>(
+                pub(in crate::interleaved) unsafe fn q3_k_tile<
+                    const N: usize,
+                    const SPLIT: bool,
+                >(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
                 ) -> [[f32; GROUP]; N] {
                     // SAFETY: this function's `TileFn` contract (tier, `w` the columns of
                     // the rows' blocks) is the one `half_scaled_tile` needs, for the same type.
-                    unsafe { half_scaled_tile::<N, true>(w, hi, lo) }
+                    unsafe { half_scaled_tile::<N, true, SPLIT>(w, hi, lo) }
                 }
 
                 /// Eight Q6_K (`Q3` false) or Q3_K rows × `N` two-pass activation rows: a
@@ -1510,7 +1609,7 @@ mod x86 {
                 /// As [`super::super::TileFn`], for the type the parameters name.
                 #[inline]
                 #[target_feature(enable = $features)]
-                unsafe fn half_scaled_tile<const N: usize, const Q3: bool>(
+                unsafe fn half_scaled_tile<const N: usize, const Q3: bool, const SPLIT: bool>(
                     w: &[u8],
                     hi: [&[ActBlock]; N],
                     lo: [&[ActBlock]; N],
@@ -1567,8 +1666,10 @@ mod x86 {
                                     let [f_h, s_h, f_l, s_l] = &mut sums[i];
                                     *f_h = $dot(*f_h, first, broadcast(h[i], j));
                                     *s_h = $dot(*s_h, second, broadcast(h[i], 4 + j));
-                                    *f_l = $dot(*f_l, first, broadcast(l[i], j));
-                                    *s_l = $dot(*s_l, second, broadcast(l[i], 4 + j));
+                                    if SPLIT {
+                                        *f_l = $dot(*f_l, first, broadcast(l[i], j));
+                                        *s_l = $dot(*s_l, second, broadcast(l[i], 4 + j));
+                                    }
                                 }
                             }
                             // SAFETY: `s < 8`: the scales of halves `2 s` and `2 s + 1` (eight
@@ -1592,8 +1693,14 @@ mod x86 {
                                 for (half, (sum_h, sum_l)) in halves.into_iter().enumerate() {
                                     let (sum_h, sum_l) =
                                         (unoffset(sum_h, h[i], half), unoffset(sum_l, l[i], half));
-                                    acc[i] =
-                                        add_sums(acc[i], scales[half], sum_h, sum_l, h[i], l[i]);
+                                    acc[i] = add_sums::<SPLIT>(
+                                        acc[i],
+                                        scales[half],
+                                        sum_h,
+                                        sum_l,
+                                        h[i],
+                                        l[i],
+                                    );
                                 }
                             }
                         }
@@ -1638,7 +1745,7 @@ mod x86 {
         /// Eight Q8_0 rows × `N` two-pass activation rows ([`super::super::TileFn`]): each
         /// chunk's magnitudes are taken once for all of them.
         #[target_feature(enable = "avx2,fma,f16c")]
-        pub(in crate::interleaved) unsafe fn tile<const N: usize>(
+        pub(in crate::interleaved) unsafe fn tile<const N: usize, const SPLIT: bool>(
             w: &[u8],
             hi: [&[ActBlock]; N],
             lo: [&[ActBlock]; N],
@@ -1660,15 +1767,16 @@ mod x86 {
                     let w0 = unsafe { signed(p.add(16 + 32 * j)) };
                     let u0 = _mm256_abs_epi8(w0);
                     for i in 0..N {
-                        let (hj, lj) = (broadcast(h[i], j), broadcast(l[i], j));
-                        sh[i] = dot_avx2(sh[i], u0, _mm256_sign_epi8(hj, w0));
-                        sl[i] = dot_avx2(sl[i], u0, _mm256_sign_epi8(lj, w0));
+                        sh[i] = dot_avx2(sh[i], u0, _mm256_sign_epi8(broadcast(h[i], j), w0));
+                        if SPLIT {
+                            sl[i] = dot_avx2(sl[i], u0, _mm256_sign_epi8(broadcast(l[i], j), w0));
+                        }
                     }
                 }
                 // SAFETY: the column's first 16 bytes are the eight f16 `d`.
                 let d = unsafe { halves(p) };
                 for i in 0..N {
-                    acc[i] = add_sums(acc[i], d, sh[i], sl[i], h[i], l[i]);
+                    acc[i] = add_sums::<SPLIT>(acc[i], d, sh[i], sl[i], h[i], l[i]);
                 }
             }
             let mut out = [[0f32; GROUP]; N];
@@ -1698,7 +1806,7 @@ mod x86 {
         /// Eight Q8_0 rows × `N` two-pass activation rows ([`super::super::TileFn`]): each
         /// chunk is loaded once for all of them.
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-        pub(in crate::interleaved) unsafe fn tile<const N: usize>(
+        pub(in crate::interleaved) unsafe fn tile<const N: usize, const SPLIT: bool>(
             w: &[u8],
             hi: [&[ActBlock]; N],
             lo: [&[ActBlock]; N],
@@ -1722,7 +1830,9 @@ mod x86 {
                     let k = j % parts;
                     for i in 0..N {
                         sh[i][k] = dot_vnni(sh[i][k], w0, broadcast(h[i], j));
-                        sl[i][k] = dot_vnni(sl[i][k], w0, broadcast(l[i], j));
+                        if SPLIT {
+                            sl[i][k] = dot_vnni(sl[i][k], w0, broadcast(l[i], j));
+                        }
                     }
                 }
                 // SAFETY: the column's first 16 bytes are the eight f16 `d`.
@@ -1730,7 +1840,7 @@ mod x86 {
                 for i in 0..N {
                     let (sum_h, sum_l) =
                         (unoffset(total(sh[i]), h[i]), unoffset(total(sl[i]), l[i]));
-                    acc[i] = add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]);
+                    acc[i] = add_sums::<SPLIT>(acc[i], d, sum_h, sum_l, h[i], l[i]);
                 }
             }
             let mut out = [[0f32; GROUP]; N];

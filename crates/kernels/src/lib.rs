@@ -37,6 +37,7 @@ pub mod quant;
 pub mod rowwise;
 pub mod tier;
 
+pub use act::ActPasses;
 pub use error::KernelError;
 pub use ggml::GgmlType;
 pub use matrix::QuantMatrix;

@@ -2,13 +2,13 @@
 //! activations. Types with an interleaved kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) are
 //! repacked eight rows at a time at construction ([`crate::interleaved`]) when the rows come in
 //! eights; other matrices stay one output row after another (the layout of a GGUF tensor).
-//! Activations are quantized in two 8-bit passes ([`crate::act::quantize_split`]) for every
-//! type.
+//! Activations are quantized in two 8-bit passes ([`crate::act::quantize_split`]) unless the
+//! matrix was given one ([`ActPasses`]).
 
 use crate::SharedOut;
 use std::borrow::Cow;
 
-use crate::act::{ACT_BLOCK, ActBlock, quantize_split_row};
+use crate::act::{ACT_BLOCK, ActBlock, ActPasses, quantize_row, quantize_split_row};
 use crate::error::KernelError;
 use crate::ggml::{GgmlType, dequantize};
 use crate::interleaved::{
@@ -29,6 +29,8 @@ pub struct QuantMatrix {
     row_bytes: usize,
     /// Groups of [`GROUP`] rows interleaved, or plain rows.
     interleaved: bool,
+    /// How the products quantize their activations.
+    passes: ActPasses,
     data: Vec<u8>,
 }
 
@@ -55,6 +57,17 @@ fn rows_per_task(rows: usize, threads: usize) -> usize {
 }
 
 impl QuantMatrix {
+    /// This matrix with its products' activations quantized in `passes` (two unless set).
+    pub fn with_activation_passes(mut self, passes: ActPasses) -> Self {
+        self.passes = passes;
+        self
+    }
+
+    /// How the products quantize their activations.
+    pub fn activation_passes(&self) -> ActPasses {
+        self.passes
+    }
+
     /// Wraps `data`, the blocks of a `[rows, cols]` matrix of type `ty`.
     ///
     /// # Errors
@@ -120,6 +133,7 @@ impl QuantMatrix {
             cols,
             row_bytes,
             interleaved,
+            passes: ActPasses::default(),
             data,
         })
     }
@@ -191,6 +205,7 @@ impl QuantMatrix {
         }
         Self::new(self.ty, order.len(), self.cols, data)
             .expect("rows of a valid matrix make a valid matrix")
+            .with_activation_passes(self.passes)
     }
 
     /// The matrices' rows one after the other: `[Σ rows, cols]`, for projections of the same
@@ -198,7 +213,8 @@ impl QuantMatrix {
     /// product by the same kernel as in its part, so a fused product gives the same bits.
     ///
     /// # Errors
-    /// [`KernelError::Shape`] when `parts` is empty, differ in type or width, or the stack
+    /// [`KernelError::Shape`] when `parts` is empty, differ in type, width or activation
+    /// passes, or the stack
     /// would be stored otherwise than a part (interleaved or not: another kernel, other
     /// rounding), which happens when some parts' heights are not multiples of eight.
     pub fn concat_rows(parts: &[&QuantMatrix]) -> Result<Self, KernelError> {
@@ -207,10 +223,11 @@ impl QuantMatrix {
             .ok_or_else(|| KernelError::Shape("no matrices to concatenate".into()))?;
         if let Some(odd) = parts
             .iter()
-            .find(|m| m.ty != first.ty || m.cols != first.cols)
+            .find(|m| m.ty != first.ty || m.cols != first.cols || m.passes != first.passes)
         {
             return Err(KernelError::Shape(format!(
-                "cannot stack {odd:?} under {first:?}: types and widths must agree"
+                "cannot stack {odd:?} under {first:?}: types, widths and activation passes \
+                 must agree"
             )));
         }
         let rows: usize = parts.iter().map(|m| m.rows).sum();
@@ -246,7 +263,7 @@ impl QuantMatrix {
                 data.extend_from_slice(&m.row(r));
             }
         }
-        Self::new(first.ty, rows, first.cols, data)
+        Ok(Self::new(first.ty, rows, first.cols, data)?.with_activation_passes(first.passes))
     }
 
     /// `out = x · selfᵀ` on the active tier and the global pool.
@@ -271,7 +288,7 @@ impl QuantMatrix {
             tier.is_supported(),
             "kernel tier {tier} is not supported on this CPU"
         );
-        let (hi, lo) = quantize_activations(x, m, self.cols, tier, pool);
+        let (hi, lo) = quantize_activations(x, m, self.cols, self.passes, tier, pool);
         let per_row = self.cols / ACT_BLOCK;
         let acts = |t: usize| {
             let span = t * per_row..(t + 1) * per_row;
@@ -280,11 +297,11 @@ impl QuantMatrix {
         let chunk = rows_per_task(self.rows, pool.threads());
         let out = SharedOut::new(out);
         if self.interleaved {
-            let tiles =
-                TileKernels::new(self.ty, tier).expect("interleaved types have tile kernels");
+            let tiles = TileKernels::new(self.ty, tier, self.passes)
+                .expect("interleaved types have tile kernels");
             // Prefill-sized products (more rows than a narrow tile takes) multiply two groups
             // at once where the type has wide tiles; their outputs are the narrow tiles' bits.
-            let wide = WideKernels::new(self.ty, tier).filter(|_| m > TILE);
+            let wide = WideKernels::new(self.ty, tier, self.passes).filter(|_| m > TILE);
             let group_bytes = self.group_bytes();
             let mut groups_per_task = chunk.div_ceil(GROUP);
             if wide.is_some() {
@@ -357,7 +374,14 @@ impl QuantMatrix {
                     let (hi, lo) = acts(t);
                     // SAFETY: `w` is one whole row, `hi` and `lo` one row of `cols / 32`
                     // blocks each.
-                    let v = unsafe { kernel.dot_unchecked(w, hi) + kernel.dot_unchecked(w, lo) };
+                    let v = unsafe {
+                        match self.passes {
+                            ActPasses::One => kernel.dot_unchecked(w, hi),
+                            ActPasses::Two => {
+                                kernel.dot_unchecked(w, hi) + kernel.dot_unchecked(w, lo)
+                            }
+                        }
+                    };
                     // SAFETY: every (t, r) is written by exactly one task.
                     unsafe { out.write(t * self.rows + r, v) };
                 }
@@ -366,12 +390,13 @@ impl QuantMatrix {
     }
 }
 
-/// `x` (`[m, cols]`) as two-pass activation blocks, rows quantized in parallel when there are
-/// many.
+/// `x` (`[m, cols]`) as activation blocks in `passes` (`lo` all zero blocks for one), rows
+/// quantized in parallel when there are many.
 fn quantize_activations(
     x: &[f32],
     m: usize,
     cols: usize,
+    passes: ActPasses,
     tier: Tier,
     pool: &ThreadPool,
 ) -> (Vec<ActBlock>, Vec<ActBlock>) {
@@ -392,7 +417,11 @@ fn quantize_activations(
                 lo.slice(row * per_row, per_row),
             )
         };
-        quantize_split_row(&x[row * cols..(row + 1) * cols], hi, lo, tier);
+        let x = &x[row * cols..(row + 1) * cols];
+        match passes {
+            ActPasses::One => quantize_row(x, hi, tier),
+            ActPasses::Two => quantize_split_row(x, hi, lo, tier),
+        }
     };
     let (hi_out, lo_out) = (SharedOut::new(&mut hi), SharedOut::new(&mut lo));
     if m < 8 {

@@ -2,12 +2,14 @@
 //! plain f64 arithmetic on the dequantized weights and activations, over odd shapes.
 
 use half::f16;
-use kiln_kernels::act::{ActBlock, quantize_rows, quantize_split, quantize_split_row};
+use kiln_kernels::act::{
+    ActBlock, quantize_row, quantize_rows, quantize_split, quantize_split_row,
+};
 use kiln_kernels::dense::{matmul_in_out_with, matmul_out_in_with};
 use kiln_kernels::gemm::gemm_in_out_with;
 use kiln_kernels::ggml::dequantize;
 use kiln_kernels::quant::DotKernel;
-use kiln_kernels::{GgmlType, QuantMatrix, ThreadPool, Tier};
+use kiln_kernels::{ActPasses, GgmlType, QuantMatrix, ThreadPool, Tier};
 use proptest::prelude::*;
 
 const TYPES: [GgmlType; 12] = [
@@ -149,6 +151,10 @@ proptest! {
             quantize_split_row(&x, &mut th, &mut tl, tier);
             prop_assert_eq!(bits(&th), bits(&hi), "{} hi", tier);
             prop_assert_eq!(bits(&tl), bits(&lo), "{} lo", tier);
+            // The one-pass row is the two-pass row's first pass.
+            let mut first = vec![empty; blocks];
+            quantize_row(&x, &mut first, tier);
+            prop_assert_eq!(bits(&first), bits(&hi), "{} one pass", tier);
         }
     }
 
@@ -214,6 +220,57 @@ proptest! {
                         .sum();
                     prop_assert!((f64::from(got) - exact).abs() <= 1e-4 * magnitude + 1e-6,
                         "{} {tier} [{t}, {r}]: {got} vs exact {exact}", ty.name());
+                }
+            }
+        }
+    }
+
+    /// With one activation pass, every tier's product (narrow, wide and row kernels) is the
+    /// scalar per-row dot with that pass alone, a row's products are the same bits alone as
+    /// in a batch, and the SIMD tiers agree bit for bit.
+    #[test]
+    fn one_pass_products_match_the_scalar_dots_with_the_first_pass(
+        (t, blocks, seed) in blocks_strategy(),
+        rows in prop_oneof![1usize..70, (1usize..9).prop_map(|g| 8 * g)],
+        m in prop_oneof![1usize..12, 30usize..70],
+        threads in 1usize..4,
+    ) {
+        let ty = TYPES[t];
+        let mut rng = Rng(seed | 1);
+        let cols = blocks * ty.block_size();
+        let w = random_matrix(ty, rows, cols, &mut rng).with_activation_passes(ActPasses::One);
+        prop_assert_eq!(w.activation_passes(), ActPasses::One);
+        let x = random_acts(m * cols, &mut rng);
+        let pool = ThreadPool::new(threads);
+        let mut first = Vec::new();
+        quantize_rows(&x, cols, &mut first);
+        let scalar = DotKernel::new(ty, Tier::Scalar).expect("scalar");
+        let mut simd_bits: Option<(Tier, Vec<u32>)> = None;
+        for tier in Tier::supported() {
+            let mut out = vec![f32::NAN; m * rows];
+            w.matmul_with(&x, m, &mut out, tier, &pool);
+            if tier != Tier::Scalar {
+                let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+                match &simd_bits {
+                    Some((first, expected)) => prop_assert!(*expected == bits,
+                        "{} {tier} differs from {first} in some bits", ty.name()),
+                    None => simd_bits = Some((tier, bits)),
+                }
+            }
+            for t in 0..m {
+                let mut alone = vec![f32::NAN; rows];
+                w.matmul_with(&x[t * cols..(t + 1) * cols], 1, &mut alone, tier, &pool);
+                prop_assert!(alone.iter().zip(&out[t * rows..(t + 1) * rows])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{} {tier}: row {t} of {m} differs from the row alone", ty.name());
+                let h = &first[t * cols / 32..(t + 1) * cols / 32];
+                for r in 0..rows {
+                    let row = w.row(r);
+                    let (_, magnitude) = reference_dot(ty, &row, h);
+                    let expected = scalar.dot(&row, h);
+                    let got = out[t * rows + r];
+                    prop_assert!((got - expected).abs() as f64 <= 2e-5 * magnitude + 1e-6,
+                        "{} {tier} [{t}, {r}]: {got} vs {expected}", ty.name());
                 }
             }
         }

@@ -14,7 +14,7 @@
 //! sums are exact in any order, so every output is the same bits as the narrow tile's: a
 //! row's products do not depend on whether prefill (wide) or decoding (narrow) computed them.
 
-use crate::act::ActBlock;
+use crate::act::{ActBlock, ActPasses};
 use crate::ggml::GgmlType;
 use crate::tier::Tier;
 
@@ -58,22 +58,34 @@ macro_rules! wide_kernels {
     ($tile:expr, $($f:ident)::+) => {
         WideKernels {
             tile: $tile,
-            one: $($f)::+::<1>,
-            two: $($f)::+::<2>,
-            three: $($f)::+::<3>,
-            four: $($f)::+::<4>,
-            five: $($f)::+::<5>,
-            six: $($f)::+::<6>,
-            seven: $($f)::+::<7>,
-            eight: $($f)::+::<8>,
+            one: $($f)::+::<1, SPLIT>,
+            two: $($f)::+::<2, SPLIT>,
+            three: $($f)::+::<3, SPLIT>,
+            four: $($f)::+::<4, SPLIT>,
+            five: $($f)::+::<5, SPLIT>,
+            six: $($f)::+::<6, SPLIT>,
+            seven: $($f)::+::<7, SPLIT>,
+            eight: $($f)::+::<8, SPLIT>,
         }
     };
 }
 
 impl WideKernels {
-    /// The wide tiles of `ty` at `tier`, if it has them: on AVX-512 VNNI, the K-quants but
-    /// IQ4's and Q2_K, Q8_0, and Q4_0, Q4_1, Q5_0, Q5_1.
-    pub(crate) fn new(ty: GgmlType, tier: Tier) -> Option<Self> {
+    /// The wide tiles of `ty` at `tier` for activations in `passes`, if it has them: on
+    /// AVX-512 VNNI, the K-quants but IQ4's and Q2_K, Q8_0, and Q4_0, Q4_1, Q5_0, Q5_1. One
+    /// pass asks for zero `lo` rows, as [`super::TileKernels::new`] says.
+    pub(crate) fn new(ty: GgmlType, tier: Tier, passes: ActPasses) -> Option<Self> {
+        match passes {
+            ActPasses::One => Self::select::<false>(ty, tier),
+            ActPasses::Two => Self::select::<true>(ty, tier),
+        }
+    }
+
+    /// [`Self::new`], `SPLIT` for two passes.
+    fn select<const SPLIT: bool>(ty: GgmlType, tier: Tier) -> Option<Self> {
+        // The types with two scales per sub-block keep four sums per row and pass: with two
+        // passes six rows' 24 sums spill out of the 32 registers, with one they do not.
+        let half_scaled_tile = if SPLIT { 5 } else { WIDE_TILE };
         #[cfg(target_arch = "x86_64")]
         if tier == Tier::Avx512Vnni {
             return match ty {
@@ -84,12 +96,12 @@ impl WideKernels {
                 GgmlType::Q8_0 => Some(wide_kernels!(WIDE_TILE, x86::q8_0_wide)),
                 GgmlType::Q4K => Some(wide_kernels!(WIDE_TILE, x86::q4_k_wide)),
                 GgmlType::Q5K => Some(wide_kernels!(WIDE_TILE, x86::q5_k_wide)),
-                GgmlType::Q6K => Some(wide_kernels!(5, x86::q6_k_wide)),
-                GgmlType::Q3K => Some(wide_kernels!(5, x86::q3_k_wide)),
+                GgmlType::Q6K => Some(wide_kernels!(half_scaled_tile, x86::q6_k_wide)),
+                GgmlType::Q3K => Some(wide_kernels!(half_scaled_tile, x86::q3_k_wide)),
                 _ => None,
             };
         }
-        let _ = (ty, tier);
+        let _ = (ty, tier, half_scaled_tile);
         None
     }
 
@@ -143,7 +155,7 @@ mod x86 {
 
     use super::{WIDE_ROWS, WIDE_TILE};
     use crate::act::ActBlock;
-    use crate::interleaved::x86::blocks_at;
+    use crate::interleaved::x86::{blocks_at, d_sum};
     use crate::interleaved::{
         K_QUANTS, Q6_K_QUANTS, half_scaled_sizes, k_sizes, q_offset, q4_sizes,
     };
@@ -206,11 +218,11 @@ mod x86 {
         }
     }
 
-    /// `acc + d_w × (d_hi × sum_h + d_lo × sum_l)` per row lane: the 256-bit tiles'
-    /// `add_sums`, operation for operation.
+    /// `acc + d_w × (d_hi × sum_h + d_lo × sum_l)` per row lane (`SPLIT`; without it
+    /// `acc + d_w × d_hi × sum_h`): the 256-bit tiles' `add_sums`, operation for operation.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn add_sums(
+    fn add_sums<const SPLIT: bool>(
         acc: __m512,
         d: __m512,
         sum_h: __m512i,
@@ -218,11 +230,16 @@ mod x86 {
         h: &ActBlock,
         l: &ActBlock,
     ) -> __m512 {
-        let scaled = _mm512_fmadd_ps(
-            _mm512_cvtepi32_ps(sum_h),
-            _mm512_set1_ps(h.d),
-            _mm512_mul_ps(_mm512_cvtepi32_ps(sum_l), _mm512_set1_ps(l.d)),
-        );
+        let high = _mm512_cvtepi32_ps(sum_h);
+        let scaled = if SPLIT {
+            _mm512_fmadd_ps(
+                high,
+                _mm512_set1_ps(h.d),
+                _mm512_mul_ps(_mm512_cvtepi32_ps(sum_l), _mm512_set1_ps(l.d)),
+            )
+        } else {
+            _mm512_mul_ps(high, _mm512_set1_ps(h.d))
+        };
         _mm512_fmadd_ps(d, scaled, acc)
     }
 
@@ -236,13 +253,14 @@ mod x86 {
         out
     }
 
-    /// The partial sums per activation row and pass: `vpdpbusd` takes four cycles, so a
-    /// tile needs eight or so independent sums in flight; with five or more rows one per
-    /// row and pass is enough (and more would not fit the 32 registers).
-    const fn parts(n: usize) -> usize {
-        match n {
-            1 => 4,
-            2..=4 => 2,
+    /// The partial sums per activation row and pass: `vpdpbusd` takes four cycles and
+    /// issues two a cycle, so a tile needs eight to ten independent sums in flight; with
+    /// five or more rows in two passes one per row and pass is enough (and more would not
+    /// fit the 32 registers), in one pass (`split` false) two per row.
+    const fn parts(n: usize, split: bool) -> usize {
+        match (n, split) {
+            (1, _) => 4,
+            (2..=4, _) | (_, false) => 2,
             _ => 1,
         }
     }
@@ -275,13 +293,13 @@ mod x86 {
     /// 128 bytes at `p` and at `q` must be readable, 160 with `FIFTH`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn nibble_sums<const N: usize, const FIFTH: bool>(
+    unsafe fn nibble_sums<const N: usize, const FIFTH: bool, const SPLIT: bool>(
         p: *const u8,
         q: *const u8,
         h: [&ActBlock; N],
         l: [&ActBlock; N],
     ) -> [(__m512i, __m512i); N] {
-        let parts = parts(N);
+        let parts = parts(N, SPLIT);
         let mask = _mm512_set1_epi8(0x0F);
         let fifth_bits = if FIFTH {
             // SAFETY: with `FIFTH` the caller vouches for 160 bytes: the fifth bits are the
@@ -306,8 +324,11 @@ mod x86 {
             for i in 0..N {
                 sh[i][k_low] = _mm512_dpbusd_epi32(sh[i][k_low], low, broadcast(h[i], j));
                 sh[i][k_high] = _mm512_dpbusd_epi32(sh[i][k_high], high, broadcast(h[i], 4 + j));
-                sl[i][k_low] = _mm512_dpbusd_epi32(sl[i][k_low], low, broadcast(l[i], j));
-                sl[i][k_high] = _mm512_dpbusd_epi32(sl[i][k_high], high, broadcast(l[i], 4 + j));
+                if SPLIT {
+                    sl[i][k_low] = _mm512_dpbusd_epi32(sl[i][k_low], low, broadcast(l[i], j));
+                    sl[i][k_high] =
+                        _mm512_dpbusd_epi32(sl[i][k_high], high, broadcast(l[i], 4 + j));
+                }
             }
         }
         std::array::from_fn(|i| (total(sh[i]), total(sl[i])))
@@ -315,46 +336,46 @@ mod x86 {
 
     /// Sixteen Q4_0 rows × `N` two-pass activation rows ([`super::WideFn`]).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn q4_0_wide<const N: usize>(
+    pub(super) unsafe fn q4_0_wide<const N: usize, const SPLIT: bool>(
         w: &[u8],
         hi: [&[ActBlock]; N],
         lo: [&[ActBlock]; N],
     ) -> [[f32; WIDE_ROWS]; N] {
         // SAFETY: this function's `WideFn` contract is `q4_wide`'s for Q4_0.
-        unsafe { q4_wide::<N, false, false>(w, hi, lo) }
+        unsafe { q4_wide::<N, false, false, SPLIT>(w, hi, lo) }
     }
 
     /// Sixteen Q4_1 rows × `N` two-pass activation rows ([`super::WideFn`]).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn q4_1_wide<const N: usize>(
+    pub(super) unsafe fn q4_1_wide<const N: usize, const SPLIT: bool>(
         w: &[u8],
         hi: [&[ActBlock]; N],
         lo: [&[ActBlock]; N],
     ) -> [[f32; WIDE_ROWS]; N] {
         // SAFETY: this function's `WideFn` contract is `q4_wide`'s for Q4_1.
-        unsafe { q4_wide::<N, true, false>(w, hi, lo) }
+        unsafe { q4_wide::<N, true, false, SPLIT>(w, hi, lo) }
     }
 
     /// Sixteen Q5_0 rows × `N` two-pass activation rows ([`super::WideFn`]).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn q5_0_wide<const N: usize>(
+    pub(super) unsafe fn q5_0_wide<const N: usize, const SPLIT: bool>(
         w: &[u8],
         hi: [&[ActBlock]; N],
         lo: [&[ActBlock]; N],
     ) -> [[f32; WIDE_ROWS]; N] {
         // SAFETY: this function's `WideFn` contract is `q4_wide`'s for Q5_0.
-        unsafe { q4_wide::<N, false, true>(w, hi, lo) }
+        unsafe { q4_wide::<N, false, true, SPLIT>(w, hi, lo) }
     }
 
     /// Sixteen Q5_1 rows × `N` two-pass activation rows ([`super::WideFn`]).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn q5_1_wide<const N: usize>(
+    pub(super) unsafe fn q5_1_wide<const N: usize, const SPLIT: bool>(
         w: &[u8],
         hi: [&[ActBlock]; N],
         lo: [&[ActBlock]; N],
     ) -> [[f32; WIDE_ROWS]; N] {
         // SAFETY: this function's `WideFn` contract is `q4_wide`'s for Q5_1.
-        unsafe { q4_wide::<N, true, true>(w, hi, lo) }
+        unsafe { q4_wide::<N, true, true, SPLIT>(w, hi, lo) }
     }
 
     /// Sixteen Q4_0 (`MIN` false: the minimum is `-8 d`), Q4_1, Q5_0 (`FIFTH`, minimum
@@ -365,7 +386,7 @@ mod x86 {
     /// As [`super::WideFn`], for the type the parameters name.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn q4_wide<const N: usize, const MIN: bool, const FIFTH: bool>(
+    unsafe fn q4_wide<const N: usize, const MIN: bool, const FIFTH: bool, const SPLIT: bool>(
         w: &[u8],
         hi: [&[ActBlock]; N],
         lo: [&[ActBlock]; N],
@@ -388,7 +409,8 @@ mod x86 {
             let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
             // SAFETY: from `quants` to its end each column holds the 128 bytes of nibbles
             // (and with `FIFTH` the 32 of fifth bits) `nibble_sums` reads.
-            let sums = unsafe { nibble_sums::<N, FIFTH>(p.add(quants), q.add(quants), h, l) };
+            let sums =
+                unsafe { nibble_sums::<N, FIFTH, SPLIT>(p.add(quants), q.add(quants), h, l) };
             // SAFETY: each column's first 16 bytes are the eight f16 `d`.
             let d = unsafe { halves(p, q) };
             let m = if MIN {
@@ -399,8 +421,8 @@ mod x86 {
             };
             for i in 0..N {
                 let (sum_h, sum_l) = sums[i];
-                acc[i] = add_sums(acc[i], d, sum_h, sum_l, h[i], l[i]);
-                mins[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(h[i].d_sum + l[i].d_sum), mins[i]);
+                acc[i] = add_sums::<SPLIT>(acc[i], d, sum_h, sum_l, h[i], l[i]);
+                mins[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(d_sum::<SPLIT>(h[i], l[i])), mins[i]);
             }
         }
         let mut out = [[0f32; WIDE_ROWS]; N];
@@ -414,14 +436,14 @@ mod x86 {
     /// VNNI tile on both groups at once. The stored quants are `q + 128`; each row's sums
     /// start at `−128 × Σ a` instead of having it taken off after (integers: the same sums).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn q8_0_wide<const N: usize>(
+    pub(super) unsafe fn q8_0_wide<const N: usize, const SPLIT: bool>(
         w: &[u8],
         hi: [&[ActBlock]; N],
         lo: [&[ActBlock]; N],
     ) -> [[f32; WIDE_ROWS]; N] {
         const { assert!(N >= 1 && N <= WIDE_TILE) };
         const BYTES: usize = 2 * 8 + 256;
-        let parts = parts(N);
+        let parts = parts(N, SPLIT);
         let group_bytes = w.len() / 2;
         let blocks = hi[0].len();
         debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
@@ -453,13 +475,15 @@ mod x86 {
                 let k = j % parts;
                 for i in 0..N {
                     sh[i][k] = _mm512_dpbusd_epi32(sh[i][k], quants, broadcast(h[i], j));
-                    sl[i][k] = _mm512_dpbusd_epi32(sl[i][k], quants, broadcast(l[i], j));
+                    if SPLIT {
+                        sl[i][k] = _mm512_dpbusd_epi32(sl[i][k], quants, broadcast(l[i], j));
+                    }
                 }
             }
             // SAFETY: each column's first 16 bytes are the eight f16 `d`.
             let d = unsafe { halves(p, q) };
             for i in 0..N {
-                acc[i] = add_sums(acc[i], d, total(sh[i]), total(sl[i]), h[i], l[i]);
+                acc[i] = add_sums::<SPLIT>(acc[i], d, total(sh[i]), total(sl[i]), h[i], l[i]);
             }
         }
         let mut out = [[0f32; WIDE_ROWS]; N];
@@ -471,24 +495,24 @@ mod x86 {
 
     /// Sixteen Q4_K rows × `N` two-pass activation rows ([`super::WideFn`]).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn q4_k_wide<const N: usize>(
+    pub(super) unsafe fn q4_k_wide<const N: usize, const SPLIT: bool>(
         w: &[u8],
         hi: [&[ActBlock]; N],
         lo: [&[ActBlock]; N],
     ) -> [[f32; WIDE_ROWS]; N] {
         // SAFETY: this function's `WideFn` contract is `k_wide`'s for Q4_K.
-        unsafe { k_wide::<N, false>(w, hi, lo) }
+        unsafe { k_wide::<N, false, SPLIT>(w, hi, lo) }
     }
 
     /// Sixteen Q5_K rows × `N` two-pass activation rows ([`super::WideFn`]).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn q5_k_wide<const N: usize>(
+    pub(super) unsafe fn q5_k_wide<const N: usize, const SPLIT: bool>(
         w: &[u8],
         hi: [&[ActBlock]; N],
         lo: [&[ActBlock]; N],
     ) -> [[f32; WIDE_ROWS]; N] {
         // SAFETY: this function's `WideFn` contract is `k_wide`'s for Q5_K.
-        unsafe { k_wide::<N, true>(w, hi, lo) }
+        unsafe { k_wide::<N, true, SPLIT>(w, hi, lo) }
     }
 
     /// Sixteen Q4_K (`FIFTH` false) or Q5_K rows × `N` two-pass activation rows: the
@@ -498,7 +522,7 @@ mod x86 {
     /// As [`super::WideFn`], for the type the parameters name.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn k_wide<const N: usize, const FIFTH: bool>(
+    unsafe fn k_wide<const N: usize, const FIFTH: bool, const SPLIT: bool>(
         w: &[u8],
         hi: [&[ActBlock]; N],
         lo: [&[ActBlock]; N],
@@ -535,7 +559,7 @@ mod x86 {
                 };
                 // SAFETY: each group's sub-block holds the 128 bytes of nibbles (and with
                 // `FIFTH` the 32 of fifth bits) `nibble_sums` reads.
-                let sums = unsafe { nibble_sums::<N, FIFTH>(sp, sq, h, l) };
+                let sums = unsafe { nibble_sums::<N, FIFTH, SPLIT>(sp, sq, h, l) };
                 // SAFETY: as above: the scales and minimums lie in each group's column header.
                 let (scales, mins_s) = unsafe {
                     (
@@ -547,9 +571,14 @@ mod x86 {
                 let min = _mm512_mul_ps(dmin, mins_s);
                 for i in 0..N {
                     let (sum_h, sum_l) = sums[i];
-                    acc[i] = add_sums(acc[i], scale, sum_h, sum_l, h[i], l[i]);
-                    mins[i] =
-                        _mm512_fmadd_ps(min, _mm512_set1_ps(h[i].d_sum + l[i].d_sum), mins[i]);
+                    acc[i] = add_sums::<SPLIT>(acc[i], scale, sum_h, sum_l, h[i], l[i]);
+                    let d_sum = _mm512_set1_ps(d_sum::<SPLIT>(h[i], l[i]));
+                    if SPLIT {
+                        mins[i] = _mm512_fmadd_ps(min, d_sum, mins[i]);
+                    } else {
+                        // The narrow tile's order: the minimums come off as they go.
+                        acc[i] = _mm512_fnmadd_ps(min, d_sum, acc[i]);
+                    }
                 }
             }
         }
@@ -569,24 +598,24 @@ mod x86 {
 
     /// Sixteen Q6_K rows × `N` two-pass activation rows ([`super::WideFn`]).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn q6_k_wide<const N: usize>(
+    pub(super) unsafe fn q6_k_wide<const N: usize, const SPLIT: bool>(
         w: &[u8],
         hi: [&[ActBlock]; N],
         lo: [&[ActBlock]; N],
     ) -> [[f32; WIDE_ROWS]; N] {
         // SAFETY: this function's `WideFn` contract is `half_scaled_wide`'s for Q6_K.
-        unsafe { half_scaled_wide::<N, false>(w, hi, lo) }
+        unsafe { half_scaled_wide::<N, false, SPLIT>(w, hi, lo) }
     }
 
     /// Sixteen Q3_K rows × `N` two-pass activation rows ([`super::WideFn`]).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn q3_k_wide<const N: usize>(
+    pub(super) unsafe fn q3_k_wide<const N: usize, const SPLIT: bool>(
         w: &[u8],
         hi: [&[ActBlock]; N],
         lo: [&[ActBlock]; N],
     ) -> [[f32; WIDE_ROWS]; N] {
         // SAFETY: this function's `WideFn` contract is `half_scaled_wide`'s for Q3_K.
-        unsafe { half_scaled_wide::<N, true>(w, hi, lo) }
+        unsafe { half_scaled_wide::<N, true, SPLIT>(w, hi, lo) }
     }
 
     /// Sixteen Q6_K (`Q3` false) or Q3_K rows × `N` two-pass activation rows: the 256-bit
@@ -598,7 +627,7 @@ mod x86 {
     /// As [`super::WideFn`], for the type the parameters name.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn half_scaled_wide<const N: usize, const Q3: bool>(
+    unsafe fn half_scaled_wide<const N: usize, const Q3: bool, const SPLIT: bool>(
         w: &[u8],
         hi: [&[ActBlock]; N],
         lo: [&[ActBlock]; N],
@@ -667,8 +696,10 @@ mod x86 {
                         let [f_h, s_h, f_l, s_l] = &mut sums[i];
                         *f_h = _mm512_dpbusd_epi32(*f_h, first, broadcast(h[i], j));
                         *s_h = _mm512_dpbusd_epi32(*s_h, second, broadcast(h[i], 4 + j));
-                        *f_l = _mm512_dpbusd_epi32(*f_l, first, broadcast(l[i], j));
-                        *s_l = _mm512_dpbusd_epi32(*s_l, second, broadcast(l[i], 4 + j));
+                        if SPLIT {
+                            *f_l = _mm512_dpbusd_epi32(*f_l, first, broadcast(l[i], j));
+                            *s_l = _mm512_dpbusd_epi32(*s_l, second, broadcast(l[i], 4 + j));
+                        }
                     }
                 }
                 // SAFETY: `s < 8`: the scales of halves `2 s` and `2 s + 1` (eight bytes each
@@ -691,8 +722,8 @@ mod x86 {
                 };
                 for i in 0..N {
                     let [f_h, s_h, f_l, s_l] = sums[i];
-                    acc[i] = add_sums(acc[i], scales[0], f_h, f_l, h[i], l[i]);
-                    acc[i] = add_sums(acc[i], scales[1], s_h, s_l, h[i], l[i]);
+                    acc[i] = add_sums::<SPLIT>(acc[i], scales[0], f_h, f_l, h[i], l[i]);
+                    acc[i] = add_sums::<SPLIT>(acc[i], scales[1], s_h, s_l, h[i], l[i]);
                 }
             }
         }
