@@ -18,7 +18,7 @@ use serde_json::Value;
 
 use crate::{cargo, run, workspace_root};
 
-const USAGE: &str = "usage: cargo xtask bench --backend cuda|wgpu|cpu|ndarray [--model PATH | --shape NAME] [--dtype f32|f16|bf16] [--quick] [--compare llama.cpp] [--compare transformers] [--kiln PATH] [--repeats N] [--prompt-lens N,..] [--batch-sizes N,..] [--new-tokens N] [--sampling greedy,top-p]";
+const USAGE: &str = "usage: cargo xtask bench --backend cuda|wgpu|cpu|ndarray [--model PATH | --shape NAME] [--dtype f32|f16|bf16] [--activations auto|q8|q8x2] [--quick] [--compare llama.cpp] [--compare transformers] [--kiln PATH] [--repeats N] [--prompt-lens N,..] [--batch-sizes N,..] [--new-tokens N] [--sampling greedy,top-p]";
 
 /// What the command line asked for.
 #[derive(Debug, Default)]
@@ -60,7 +60,8 @@ fn parse(args: &[String]) -> Result<Options> {
                 other => bail!("--compare takes `llama.cpp` or `transformers`, not `{other}`"),
             },
             "--kiln" => options.kiln = Some(absolute(&value()?)?),
-            "--repeats" | "--prompt-lens" | "--batch-sizes" | "--new-tokens" | "--sampling" => {
+            "--repeats" | "--activations" | "--prompt-lens" | "--batch-sizes" | "--new-tokens"
+            | "--sampling" => {
                 options.matrix.push((arg.clone(), value()?));
             }
             other => bail!("unknown argument `{other}`\n{USAGE}"),

@@ -217,7 +217,15 @@ impl BackendTask for Task {
         let dtype = args.model.dtype();
         let (model, name, draft) = match args.shape {
             Some(shape) => (
-                random_model::<B>(shape, dtype, args.weights, 0, &device)?,
+                random_model::<B>(
+                    shape,
+                    dtype,
+                    args.weights,
+                    args.model
+                        .activations_for_random_weights(args.weights.is_some())?,
+                    0,
+                    &device,
+                )?,
                 format!("{} (random weights)", shape.name()),
                 None,
             ),

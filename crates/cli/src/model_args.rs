@@ -14,7 +14,7 @@ use kiln_engine::{
     BeamSearch, DraftSource, EarlyStopping, Grammar, GrammarCompiler, OutputConstraint, Speculation,
 };
 use kiln_models::default_model::{FetchEvent, SMOLLM2_135M_INSTRUCT, kiln_home};
-use kiln_models::{LoadOptions, LoadedModel, Transformer, WeightStorage};
+use kiln_models::{Activations, LoadOptions, LoadedModel, Transformer, WeightStorage};
 
 use crate::exit::UsageError;
 use crate::progress;
@@ -45,6 +45,12 @@ pub struct ModelArgs {
     /// cuda and wgpu hold the cache in the model's dtype; a draft model's cache holds its own.
     #[arg(long, value_name = "DTYPE")]
     pub kv_dtype: Option<KvDtype>,
+    /// How the cpu backend's kernels quantize activations for quantized weights: q8 (one
+    /// 8-bit pass per block of 32, llama.cpp's precision: about twice the prefill speed),
+    /// q8x2 (two passes: within ~1e-7 KL of the exact path) or auto (q8 for the K-quants and
+    /// IQ4, q8x2 for Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1). Accuracy per type: docs/kernels.md.
+    #[arg(long, value_name = "PRECISION")]
+    pub activations: Option<Activations>,
     /// Meta folders: the llama3 RoPE scaling factor when params.json lacks it (8 for Llama
     /// 3.1, 32 for 3.2 1B/3B).
     #[arg(long, value_name = "FACTOR")]
@@ -197,12 +203,51 @@ impl ModelArgs {
             dtype: self.dtype(),
             rope_scaling_factor: self.rope_scaling_factor,
             weights: self.weight_storage(),
+            activations: self.activations.unwrap_or_default(),
             context: self.context,
         }
     }
 
+    /// `--activations` (or auto) for random weights, quantized or not.
+    ///
+    /// # Errors
+    /// As [`Self::check_activations`], and when the random weights are not quantized.
+    pub fn activations_for_random_weights(&self, quantized: bool) -> Result<Activations> {
+        self.check_activations()?;
+        if let (Some(activations), false) = (self.activations, quantized) {
+            return Err(UsageError(format!(
+                "--activations {} applies to quantized weights: add --weights TYPE",
+                activations.name()
+            ))
+            .into());
+        }
+        Ok(self.activations.unwrap_or_default())
+    }
+
+    /// Fails when `--activations` was given where no product quantizes activations: on the
+    /// GPU backends, or with `--dtype` (weights dequantized).
+    fn check_activations(&self) -> Result<()> {
+        let Some(activations) = self.activations else {
+            return Ok(());
+        };
+        if self.backend != BackendKind::Cpu || self.weight_storage() != WeightStorage::Quantized {
+            return Err(UsageError(format!(
+                "--activations {} sets how the cpu backend's kernels quantize activations for \
+                 quantized weights; with --backend {}{} no product quantizes them",
+                activations.name(),
+                self.backend,
+                self.dtype
+                    .map(|d| format!(" --dtype {}", d.name()))
+                    .unwrap_or_default()
+            ))
+            .into());
+        }
+        Ok(())
+    }
+
     /// Loads the model onto `device`, with a bar over its tensors on a terminal.
     pub fn load<B: InferenceBackend>(&self, device: &B::Device) -> Result<LoadedModel<B>> {
+        self.check_activations()?;
         let path = self.path()?;
         let name = path.file_name().map_or_else(
             || path.display().to_string(),
@@ -435,6 +480,7 @@ impl SpeculationArgs {
             backend,
             dtype: self.draft_dtype,
             kv_dtype: None,
+            activations: None,
             rope_scaling_factor: None,
             context: None,
         };

@@ -696,6 +696,34 @@ fn a_q8_0_kv_cache_runs_on_the_cpu_and_is_refused_where_it_cannot() {
     assert!(unknown.contains("q8_0"), "{unknown}");
 }
 
+/// `--activations q8` (one 8-bit pass) generates on the default model; where no product
+/// quantizes activations (`--dtype` dequantizes the weights) the flag is refused in one line,
+/// exit code 2, as is a precision kiln does not have.
+#[test]
+fn one_activation_pass_runs_on_the_cpu_and_is_refused_where_nothing_quantizes() {
+    let answer = generate_json(&[
+        "The capital of France is",
+        "--activations",
+        "q8",
+        "--max-tokens",
+        "8",
+    ]);
+    assert_eq!(
+        answer["tokens"].as_array().map(Vec::len),
+        Some(8),
+        "{answer}"
+    );
+    let out = kiln(&["generate", "hi", "--activations", "q8", "--dtype", "f32"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--activations q8 sets how the cpu backend's kernels"),
+        "{}",
+        text(&out.stderr)
+    );
+    let unknown = usage_error(&["generate", "hi", "--activations", "q4"]);
+    assert!(unknown.contains("auto, q8 or q8x2"), "{unknown}");
+}
+
 /// Without Python on PATH and an empty cache, the default model cannot be fetched: one line
 /// saying so and how to get the file by hand, exit code 1.
 #[test]

@@ -26,7 +26,7 @@ use crate::gguf::GgufFile;
 use crate::layers::attention::{Attention, HeadNorms, QkvProjection};
 use crate::layers::mlp::{GateActivation, Mlp};
 use crate::layers::norm::Norm;
-use crate::transformer::{Block, Transformer, WeightLoader, WeightStorage};
+use crate::transformer::{Activations, Block, Transformer, WeightLoader, WeightStorage};
 use crate::weights::TensorSource;
 
 /// A family's `PretrainedConfig` defaults: what a `config.json` that leaves a key out means, as
@@ -907,6 +907,7 @@ pub fn load<B: InferenceBackend>(
     source: &dyn TensorSource,
     dtype: Dtype,
     storage: WeightStorage,
+    activations: Activations,
     device: &B::Device,
 ) -> Result<Transformer<B>> {
     use Part::*;
@@ -915,6 +916,7 @@ pub fn load<B: InferenceBackend>(
         dtype,
         device,
         storage,
+        activations,
     };
     let (d, ff, hd) = (config.d_model, config.d_ff, config.head_dim);
     let (q_out, kv_out) = (config.n_heads * hd, config.n_kv_heads * hd);

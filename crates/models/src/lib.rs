@@ -68,8 +68,8 @@ pub use config::{Architecture, TransformerConfig};
 pub use error::{ModelError, Result};
 pub use info::ModelInfo;
 pub use loaders::{
-    GenerationSettings, LoadOptions, LoadedModel, ModelFormat, WeightStorage, inspect, load,
-    load_with_progress,
+    Activations, GenerationSettings, LoadOptions, LoadedModel, ModelFormat, WeightStorage, inspect,
+    load, load_with_progress,
 };
 pub use tokenizer::TextTokenizer;
 pub use transformer::Transformer;

@@ -502,6 +502,7 @@ pub fn random_model<B: InferenceBackend>(
     shape: KnownShape,
     dtype: Dtype,
     quantized: Option<GgmlType>,
+    activations: crate::transformer::Activations,
     seed: u64,
     device: &B::Device,
 ) -> Result<Transformer<B>> {
@@ -539,6 +540,7 @@ pub fn random_model<B: InferenceBackend>(
         &source,
         dtype,
         storage,
+        activations,
         device,
     )
 }

@@ -9,7 +9,7 @@ use kiln_core::backend::QuantWeight;
 use kiln_core::kv_cache::{KvCache, StepPlan};
 use kiln_core::tensor::int_tensor;
 use kiln_core::{Batch, CausalLm, CoreError, Dtype, InferenceBackend, LogitsFor, ModelShape};
-use kiln_kernels::QuantMatrix;
+use kiln_kernels::{ActPasses, GgmlType, QuantMatrix};
 
 use crate::config::{PositionKind, RopeConfig, RopeScaling, TransformerConfig};
 use crate::error::{ModelError, Result};
@@ -418,10 +418,14 @@ fn fingerprint<B: InferenceBackend>(
             hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
         }
     }
-    let storage = if head.is_quantized() {
-        " quantized"
-    } else {
-        ""
+    // The head's activation passes stand for the model's: a cache computed with the other
+    // precision would be close, not the same.
+    let storage = match &head.weight {
+        LinearWeight::Quantized(w) => match w.host().activation_passes() {
+            ActPasses::Two => " quantized".to_string(),
+            passes => format!(" quantized ({} activations)", passes.name()),
+        },
+        LinearWeight::Dense(_) => String::new(),
     };
     let long_rope = match &config.positions {
         PositionKind::Rope(RopeConfig {
@@ -453,6 +457,66 @@ pub enum WeightStorage {
     Quantized,
 }
 
+/// How finely kiln's CPU kernels quantize a quantized product's activations (8 bits per block
+/// of 32, in one pass or two: [`kiln_kernels::ActPasses`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Activations {
+    /// By weight type: one pass for the K-quants (Q2_K to Q6_K) and IQ4_NL/IQ4_XS, whose
+    /// files carry weight errors far above the pass's and which llama.cpp multiplies against
+    /// 8-bit activations too; two for Q8_0 and the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1).
+    /// docs/kernels.md states both precisions' accuracy per type.
+    #[default]
+    Auto,
+    /// One pass for every type (llama.cpp's precision): about half the integer work.
+    Q8,
+    /// Two passes for every type: the products track the exact path to ~1e-7 in KL.
+    Q8x2,
+}
+
+impl Activations {
+    /// `auto`, `q8` or `q8x2`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Activations::Auto => "auto",
+            Activations::Q8 => "q8",
+            Activations::Q8x2 => "q8x2",
+        }
+    }
+
+    /// The passes a product of weights in `ty` takes.
+    pub fn passes_for(self, ty: GgmlType) -> ActPasses {
+        match self {
+            Activations::Q8 => ActPasses::One,
+            Activations::Q8x2 => ActPasses::Two,
+            Activations::Auto => match ty {
+                GgmlType::Q2K
+                | GgmlType::Q3K
+                | GgmlType::Q4K
+                | GgmlType::Q5K
+                | GgmlType::Q6K
+                | GgmlType::Iq4Nl
+                | GgmlType::Iq4Xs => ActPasses::One,
+                _ => ActPasses::Two,
+            },
+        }
+    }
+}
+
+impl std::str::FromStr for Activations {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Activations::Auto),
+            "q8" => Ok(Activations::Q8),
+            "q8x2" => Ok(Activations::Q8x2),
+            other => Err(format!(
+                "unknown activation precision `{other}`: auto, q8 or q8x2"
+            )),
+        }
+    }
+}
+
 impl WeightStorage {
     /// `quantized` or `dequantized`.
     pub fn name(self) -> &'static str {
@@ -474,6 +538,8 @@ pub struct WeightLoader<'a, B: InferenceBackend> {
     pub device: &'a B::Device,
     /// Whether weights stored in a type with a CPU kernel stay quantized.
     pub storage: WeightStorage,
+    /// How the quantized products quantize their activations.
+    pub activations: Activations,
 }
 
 impl<B: InferenceBackend> WeightLoader<'_, B> {
@@ -516,7 +582,8 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
                 got: tensor.shape,
             });
         }
-        Ok(Some(tensor.matrix))
+        let passes = self.activations.passes_for(tensor.matrix.ty());
+        Ok(Some(tensor.matrix.with_activation_passes(passes)))
     }
 
     /// A token table of `[vocab, d_model]`, quantized where asked for and possible.

@@ -28,7 +28,7 @@ use crate::gguf::GgufFile;
 use crate::layers::attention::{Attention, QkvProjection};
 use crate::layers::mlp::Mlp;
 use crate::layers::norm::Norm;
-use crate::transformer::{Block, Transformer, WeightLoader, WeightStorage};
+use crate::transformer::{Activations, Block, Transformer, WeightLoader, WeightStorage};
 use crate::weights::TensorSource;
 
 /// GPT-2, every size.
@@ -250,6 +250,7 @@ pub enum LinearLayout {
 /// # Errors
 /// A missing tensor or one whose shape disagrees with `config`, naming file and tensor; Meta
 /// naming (GPT-2 has no Meta checkpoints).
+#[allow(clippy::too_many_arguments)] // the loader's inputs, each different
 pub fn load<B: InferenceBackend>(
     config: TransformerConfig,
     names: TensorNames,
@@ -257,6 +258,7 @@ pub fn load<B: InferenceBackend>(
     source: &dyn TensorSource,
     dtype: Dtype,
     storage: WeightStorage,
+    activations: Activations,
     device: &B::Device,
 ) -> Result<Transformer<B>> {
     let prefix = if source.contains("transformer.wte.weight") {
@@ -279,6 +281,7 @@ pub fn load<B: InferenceBackend>(
         dtype,
         device,
         storage,
+        activations,
     };
     let (d, ff) = (config.d_model, config.d_ff);
     // HF's names (`h.3.attn.c_attn`) in this file's naming.

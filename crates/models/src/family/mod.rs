@@ -22,7 +22,7 @@ use crate::config::{Architecture, TransformerConfig};
 use crate::decoder::{self, TensorNames};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::transformer::{Transformer, WeightStorage};
+use crate::transformer::{Activations, Transformer, WeightStorage};
 use crate::weights::TensorSource;
 
 /// One model family.
@@ -141,6 +141,7 @@ pub fn load_weights<B: InferenceBackend>(
     source: &dyn TensorSource,
     dtype: Dtype,
     storage: WeightStorage,
+    activations: Activations,
     device: &B::Device,
 ) -> Result<Transformer<B>> {
     let family = config.architecture.family();
@@ -157,6 +158,7 @@ pub fn load_weights<B: InferenceBackend>(
             source,
             dtype,
             storage,
+            activations,
             device,
         ),
         Blocks::GptBigCode => gpt2::load(
@@ -166,6 +168,7 @@ pub fn load_weights<B: InferenceBackend>(
             source,
             dtype,
             storage,
+            activations,
             device,
         ),
         Blocks::Decoder => decoder::load(
@@ -175,6 +178,7 @@ pub fn load_weights<B: InferenceBackend>(
             source,
             dtype,
             storage,
+            activations,
             device,
         ),
     }

@@ -115,6 +115,7 @@ pub(super) fn load<B: InferenceBackend>(
         &reporting,
         options.dtype,
         options.weights,
+        options.activations,
         device,
     )?;
     reporting.finish();

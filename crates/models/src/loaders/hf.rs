@@ -233,6 +233,7 @@ pub(super) fn load<B: InferenceBackend>(
         &source,
         options.dtype,
         super::WeightStorage::Dequantized,
+        options.activations,
         device,
     )?;
     source.finish();

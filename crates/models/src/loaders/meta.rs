@@ -164,6 +164,7 @@ pub(super) fn load<B: InferenceBackend>(
         &reporting,
         options.dtype,
         WeightStorage::Dequantized,
+        options.activations,
         device,
     )?;
     reporting.finish();

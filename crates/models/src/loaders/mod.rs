@@ -9,7 +9,7 @@ mod meta;
 
 /// Re-exported where [`LoadOptions`] names it; it lives beside [`crate::transformer::WeightLoader`],
 /// which honours it, so that the model's code needs nothing from the loaders.
-pub use crate::transformer::WeightStorage;
+pub use crate::transformer::{Activations, WeightStorage};
 pub use meta::LLAMA3_CHAT_TEMPLATE;
 
 use meta::Checkpoint;
@@ -63,6 +63,9 @@ pub struct LoadOptions {
     /// Whether GGUF weights in a type with a CPU kernel (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) stay
     /// quantized instead of being dequantized to `dtype`. Other formats ignore it.
     pub weights: WeightStorage,
+    /// How the CPU kernels quantize a quantized product's activations (GGUF weights kept
+    /// quantized only).
+    pub activations: Activations,
     /// The longest sequence the run serves (llama.cpp's `-c`, vLLM's `--max-model-len`), at
     /// most the model's own context; `None` for the model's. It also picks LongRoPE's factors
     /// ([`crate::config::LongRopeScaling::factors_for`]).
