@@ -265,18 +265,24 @@ mod x86 {
         }
     }
 
-    /// The fifth bits of chunk `j` moved to bit 4 (the 256-bit tiles' `fifth_bits_at_4`).
+    /// The fifth bits of chunk `j` moved to bit 4 (the 256-bit tiles' `fifth_bits_at_4`),
+    /// the other bits of each byte left as the shifts leave them: [`or_masked`] takes bit 4.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
-    fn fifth_bits_at_4(bits: __m512i, j: usize) -> (__m512i, __m512i) {
-        let (first, second) = match j {
+    fn fifth_bits_near_4(bits: __m512i, j: usize) -> (__m512i, __m512i) {
+        match j {
             0 => (_mm512_slli_epi16(bits, 4), _mm512_slli_epi16(bits, 3)),
             1 => (_mm512_slli_epi16(bits, 2), _mm512_slli_epi16(bits, 1)),
             2 => (bits, _mm512_srli_epi16(bits, 1)),
             _ => (_mm512_srli_epi16(bits, 2), _mm512_srli_epi16(bits, 3)),
-        };
-        let bit = _mm512_set1_epi8(0x10);
-        (_mm512_and_si512(first, bit), _mm512_and_si512(second, bit))
+        }
+    }
+
+    /// `a | (b & mask)` in one `vpternlogd` (truth table 0xF8: `a`, or `b` and `mask`).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn or_masked(a: __m512i, b: __m512i, mask: __m512i) -> __m512i {
+        _mm512_ternarylogic_epi32::<0xF8>(a, b, mask)
     }
 
     // The kernels below run under the `WideFn` contract: `w` is two groups of `w.len() / 2`
@@ -316,9 +322,10 @@ mod x86 {
             let mut low = _mm512_and_si512(raw, mask);
             let mut high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
             if FIFTH {
-                let (first, second) = fifth_bits_at_4(fifth_bits, j);
-                low = _mm512_or_si512(low, first);
-                high = _mm512_or_si512(high, second);
+                let (first, second) = fifth_bits_near_4(fifth_bits, j);
+                let bit = _mm512_set1_epi8(0x10);
+                low = or_masked(low, first, bit);
+                high = or_masked(high, second, bit);
             }
             let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
             for i in 0..N {
@@ -689,8 +696,8 @@ mod x86 {
                         } else {
                             (bits, _mm512_srli_epi16(bits, 2))
                         };
-                        first = _mm512_or_si512(first, _mm512_and_si512(high_first, top));
-                        second = _mm512_or_si512(second, _mm512_and_si512(high_second, top));
+                        first = or_masked(first, high_first, top);
+                        second = or_masked(second, high_second, top);
                     }
                     for i in 0..N {
                         let [f_h, s_h, f_l, s_l] = &mut sums[i];
