@@ -214,9 +214,9 @@ impl QuantMatrix {
     ///
     /// # Errors
     /// [`KernelError::Shape`] when `parts` is empty, differ in type, width or activation
-    /// passes, or the stack
-    /// would be stored otherwise than a part (interleaved or not: another kernel, other
-    /// rounding), which happens when some parts' heights are not multiples of eight.
+    /// passes, or the stack would be stored otherwise than a part (interleaved or not: another
+    /// kernel, other rounding), which happens when some parts' heights are not multiples of
+    /// eight.
     pub fn concat_rows(parts: &[&QuantMatrix]) -> Result<Self, KernelError> {
         let first = parts
             .first()

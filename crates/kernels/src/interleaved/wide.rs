@@ -38,9 +38,9 @@ pub(crate) type WideFn<const N: usize> = AnyTileFn<N, WIDE_ROWS>;
 /// The wide tiles of one weight type, for one to [`WIDE_TILE`] activation rows.
 #[derive(Clone, Copy)]
 pub(crate) struct WideKernels {
-    /// The most activation rows a call takes: [`WIDE_TILE`], or five for the types whose
-    /// two scales per sub-block need four sums per row and pass (six rows' 24 sums spill out
-    /// of the 32 registers; docs/benchmarks.md has the three timings).
+    /// The most activation rows a call takes: [`WIDE_TILE`], or, with two activation passes,
+    /// five for the types whose two scales per sub-block need four sums per row and pass (six
+    /// rows' 24 sums spill out of the 32 registers; docs/benchmarks.md has the three timings).
     tile: usize,
     one: WideFn<1>,
     two: WideFn<2>,
