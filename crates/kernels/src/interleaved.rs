@@ -517,23 +517,24 @@ pub(crate) struct TileKernels {
     four: TileFn<4>,
 }
 
-/// [`TileKernels`] from one kernel generic over its row count (and, for the SIMD tiles,
-/// whether the activations come in two passes: `SPLIT`).
+/// [`TileKernels`] from one kernel generic over its row count: a SIMD tile, also over `SPLIT`
+/// (two activation passes), taken from the calling function's generics as `wide_kernels!`
+/// does; or (`scalar f`) the scalar reference, which multiplies whatever `lo` holds.
 macro_rules! tile_kernels {
-    ($($f:ident)::+, $split:ident) => {
+    (scalar $f:ident) => {
         TileKernels {
-            one: $($f)::+::<1, $split>,
-            two: $($f)::+::<2, $split>,
-            three: $($f)::+::<3, $split>,
-            four: $($f)::+::<4, $split>,
+            one: $f::<1>,
+            two: $f::<2>,
+            three: $f::<3>,
+            four: $f::<4>,
         }
     };
     ($($f:ident)::+) => {
         TileKernels {
-            one: $($f)::+::<1>,
-            two: $($f)::+::<2>,
-            three: $($f)::+::<3>,
-            four: $($f)::+::<4>,
+            one: $($f)::+::<1, SPLIT>,
+            two: $($f)::+::<2, SPLIT>,
+            three: $($f)::+::<3, SPLIT>,
+            four: $($f)::+::<4, SPLIT>,
         }
     };
 }
@@ -555,50 +556,28 @@ impl TileKernels {
         #[cfg(target_arch = "x86_64")]
         {
             let simd = match (tier, ty) {
-                (Tier::Avx512Vnni, GgmlType::Q4_0) => {
-                    Some(tile_kernels!(x86::vnni::q4_0_tile, SPLIT))
-                }
-                (Tier::Avx512Vnni, GgmlType::Q4_1) => {
-                    Some(tile_kernels!(x86::vnni::q4_1_tile, SPLIT))
-                }
-                (Tier::Avx512Vnni, GgmlType::Q5_0) => {
-                    Some(tile_kernels!(x86::vnni::q5_0_tile, SPLIT))
-                }
-                (Tier::Avx512Vnni, GgmlType::Q5_1) => {
-                    Some(tile_kernels!(x86::vnni::q5_1_tile, SPLIT))
-                }
-                (Tier::Avx512Vnni, GgmlType::Iq4Nl) => {
-                    Some(tile_kernels!(x86::vnni::iq4_nl_tile, SPLIT))
-                }
-                (Tier::Avx512Vnni, GgmlType::Iq4Xs) => {
-                    Some(tile_kernels!(x86::vnni::iq4_xs_tile, SPLIT))
-                }
-                (Tier::Avx512Vnni, GgmlType::Q4K) => {
-                    Some(tile_kernels!(x86::vnni::q4_k_tile, SPLIT))
-                }
-                (Tier::Avx512Vnni, GgmlType::Q5K) => {
-                    Some(tile_kernels!(x86::vnni::q5_k_tile, SPLIT))
-                }
-                (Tier::Avx512Vnni, GgmlType::Q6K) => {
-                    Some(tile_kernels!(x86::vnni::q6_k_tile, SPLIT))
-                }
-                (Tier::Avx512Vnni, GgmlType::Q3K) => {
-                    Some(tile_kernels!(x86::vnni::q3_k_tile, SPLIT))
-                }
-                (Tier::Avx512Vnni, GgmlType::Q8_0) => {
-                    Some(tile_kernels!(x86::q8_0_offset::tile, SPLIT))
-                }
-                (Tier::Avx2, GgmlType::Q4_0) => Some(tile_kernels!(x86::avx2::q4_0_tile, SPLIT)),
-                (Tier::Avx2, GgmlType::Q4_1) => Some(tile_kernels!(x86::avx2::q4_1_tile, SPLIT)),
-                (Tier::Avx2, GgmlType::Q5_0) => Some(tile_kernels!(x86::avx2::q5_0_tile, SPLIT)),
-                (Tier::Avx2, GgmlType::Q5_1) => Some(tile_kernels!(x86::avx2::q5_1_tile, SPLIT)),
-                (Tier::Avx2, GgmlType::Iq4Nl) => Some(tile_kernels!(x86::avx2::iq4_nl_tile, SPLIT)),
-                (Tier::Avx2, GgmlType::Iq4Xs) => Some(tile_kernels!(x86::avx2::iq4_xs_tile, SPLIT)),
-                (Tier::Avx2, GgmlType::Q4K) => Some(tile_kernels!(x86::avx2::q4_k_tile, SPLIT)),
-                (Tier::Avx2, GgmlType::Q5K) => Some(tile_kernels!(x86::avx2::q5_k_tile, SPLIT)),
-                (Tier::Avx2, GgmlType::Q6K) => Some(tile_kernels!(x86::avx2::q6_k_tile, SPLIT)),
-                (Tier::Avx2, GgmlType::Q3K) => Some(tile_kernels!(x86::avx2::q3_k_tile, SPLIT)),
-                (Tier::Avx2, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_sign::tile, SPLIT)),
+                (Tier::Avx512Vnni, GgmlType::Q4_0) => Some(tile_kernels!(x86::vnni::q4_0_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q4_1) => Some(tile_kernels!(x86::vnni::q4_1_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q5_0) => Some(tile_kernels!(x86::vnni::q5_0_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q5_1) => Some(tile_kernels!(x86::vnni::q5_1_tile)),
+                (Tier::Avx512Vnni, GgmlType::Iq4Nl) => Some(tile_kernels!(x86::vnni::iq4_nl_tile)),
+                (Tier::Avx512Vnni, GgmlType::Iq4Xs) => Some(tile_kernels!(x86::vnni::iq4_xs_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q4K) => Some(tile_kernels!(x86::vnni::q4_k_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q5K) => Some(tile_kernels!(x86::vnni::q5_k_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q6K) => Some(tile_kernels!(x86::vnni::q6_k_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q3K) => Some(tile_kernels!(x86::vnni::q3_k_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_offset::tile)),
+                (Tier::Avx2, GgmlType::Q4_0) => Some(tile_kernels!(x86::avx2::q4_0_tile)),
+                (Tier::Avx2, GgmlType::Q4_1) => Some(tile_kernels!(x86::avx2::q4_1_tile)),
+                (Tier::Avx2, GgmlType::Q5_0) => Some(tile_kernels!(x86::avx2::q5_0_tile)),
+                (Tier::Avx2, GgmlType::Q5_1) => Some(tile_kernels!(x86::avx2::q5_1_tile)),
+                (Tier::Avx2, GgmlType::Iq4Nl) => Some(tile_kernels!(x86::avx2::iq4_nl_tile)),
+                (Tier::Avx2, GgmlType::Iq4Xs) => Some(tile_kernels!(x86::avx2::iq4_xs_tile)),
+                (Tier::Avx2, GgmlType::Q4K) => Some(tile_kernels!(x86::avx2::q4_k_tile)),
+                (Tier::Avx2, GgmlType::Q5K) => Some(tile_kernels!(x86::avx2::q5_k_tile)),
+                (Tier::Avx2, GgmlType::Q6K) => Some(tile_kernels!(x86::avx2::q6_k_tile)),
+                (Tier::Avx2, GgmlType::Q3K) => Some(tile_kernels!(x86::avx2::q3_k_tile)),
+                (Tier::Avx2, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_sign::tile)),
                 _ => None,
             };
             if simd.is_some() {
@@ -607,17 +586,17 @@ impl TileKernels {
         }
         let _ = tier;
         match ty {
-            GgmlType::Q4_0 => Some(tile_kernels!(scalar_tile_q4_0)),
-            GgmlType::Q4_1 => Some(tile_kernels!(scalar_tile_q4_1)),
-            GgmlType::Q5_0 => Some(tile_kernels!(scalar_tile_q5_0)),
-            GgmlType::Q5_1 => Some(tile_kernels!(scalar_tile_q5_1)),
-            GgmlType::Iq4Nl => Some(tile_kernels!(scalar_tile_iq4_nl)),
-            GgmlType::Iq4Xs => Some(tile_kernels!(scalar_tile_iq4_xs)),
-            GgmlType::Q4K => Some(tile_kernels!(scalar_tile_q4_k)),
-            GgmlType::Q5K => Some(tile_kernels!(scalar_tile_q5_k)),
-            GgmlType::Q6K => Some(tile_kernels!(scalar_tile_q6_k)),
-            GgmlType::Q3K => Some(tile_kernels!(scalar_tile_q3_k)),
-            GgmlType::Q8_0 => Some(tile_kernels!(scalar_tile_q8_0)),
+            GgmlType::Q4_0 => Some(tile_kernels!(scalar scalar_tile_q4_0)),
+            GgmlType::Q4_1 => Some(tile_kernels!(scalar scalar_tile_q4_1)),
+            GgmlType::Q5_0 => Some(tile_kernels!(scalar scalar_tile_q5_0)),
+            GgmlType::Q5_1 => Some(tile_kernels!(scalar scalar_tile_q5_1)),
+            GgmlType::Iq4Nl => Some(tile_kernels!(scalar scalar_tile_iq4_nl)),
+            GgmlType::Iq4Xs => Some(tile_kernels!(scalar scalar_tile_iq4_xs)),
+            GgmlType::Q4K => Some(tile_kernels!(scalar scalar_tile_q4_k)),
+            GgmlType::Q5K => Some(tile_kernels!(scalar scalar_tile_q5_k)),
+            GgmlType::Q6K => Some(tile_kernels!(scalar scalar_tile_q6_k)),
+            GgmlType::Q3K => Some(tile_kernels!(scalar scalar_tile_q3_k)),
+            GgmlType::Q8_0 => Some(tile_kernels!(scalar scalar_tile_q8_0)),
             _ => None,
         }
     }

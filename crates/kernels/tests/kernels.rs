@@ -158,10 +158,12 @@ proptest! {
         }
     }
 
-    /// Every tier's product (interleaved groups when the rows come in
-    /// eights, rows otherwise) equals the scalar per-row dots with the two activation passes,
+    /// Every tier's product (interleaved groups when the rows come in eights, rows otherwise)
+    /// with the activations in two passes equals the scalar per-row dots with both passes,
     /// and the f64 product of the dequantized weights with the unquantized activations to
-    /// 16-bit activation precision.
+    /// 16-bit activation precision; with one pass (`ActPasses::One`) it equals the scalar dots
+    /// with the first pass alone. Either way the SIMD tiers agree bit for bit and a row's
+    /// products are the same bits alone as in a batch.
     #[test]
     fn quantized_matmul_matches_per_row_dots_for_odd_shapes(
         (t, blocks, seed) in blocks_strategy(),
@@ -172,7 +174,7 @@ proptest! {
         let ty = TYPES[t];
         let mut rng = Rng(seed | 1);
         let cols = blocks * ty.block_size();
-        let w = random_matrix(ty, rows, cols, &mut rng);
+        let two = random_matrix(ty, rows, cols, &mut rng);
         let x = random_acts(m * cols, &mut rng);
         let pool = ThreadPool::new(threads);
         let (hi, lo): (Vec<ActBlock>, Vec<ActBlock>) = x
@@ -182,95 +184,57 @@ proptest! {
         let scalar = DotKernel::new(ty, Tier::Scalar).expect("scalar");
         let mut dequantized = vec![0f32; rows * cols];
         for r in 0..rows {
-            w.dequantize_row(r, &mut dequantized[r * cols..(r + 1) * cols]);
+            two.dequantize_row(r, &mut dequantized[r * cols..(r + 1) * cols]);
         }
-        let mut simd_bits: Option<(Tier, Vec<u32>)> = None;
-        for tier in Tier::supported() {
-            let mut out = vec![f32::NAN; m * rows];
-            w.matmul_with(&x, m, &mut out, tier, &pool);
-            // The SIMD tiers differ only in how they form exact integer sums (VNNI's Q8_0 even
-            // without the sign trick), so their outputs are the same bits.
-            if tier != Tier::Scalar {
-                let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
-                match &simd_bits {
-                    Some((first, expected)) => prop_assert!(*expected == bits,
-                        "{} {tier} differs from {first} in some bits", ty.name()),
-                    None => simd_bits = Some((tier, bits)),
+        let one = two.clone().with_activation_passes(ActPasses::One);
+        prop_assert_eq!(one.activation_passes(), ActPasses::One);
+        for w in [&two, &one] {
+            let passes = w.activation_passes();
+            let mut simd_bits: Option<(Tier, Vec<u32>)> = None;
+            for tier in Tier::supported() {
+                let mut out = vec![f32::NAN; m * rows];
+                w.matmul_with(&x, m, &mut out, tier, &pool);
+                // The SIMD tiers differ only in how they form exact integer sums (VNNI's Q8_0
+                // even without the sign trick), so their outputs are the same bits.
+                if tier != Tier::Scalar {
+                    let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+                    match &simd_bits {
+                        Some((first, expected)) => prop_assert!(*expected == bits,
+                            "{} {passes:?} {tier} differs from {first} in some bits", ty.name()),
+                        None => simd_bits = Some((tier, bits)),
+                    }
                 }
-            }
-            for t in 0..m {
-                // A row's products are the same bits alone as in a batch (tiles of several
-                // activation rows included): batches equal single runs.
-                let mut alone = vec![f32::NAN; rows];
-                w.matmul_with(&x[t * cols..(t + 1) * cols], 1, &mut alone, tier, &pool);
-                prop_assert!(alone.iter().zip(&out[t * rows..(t + 1) * rows])
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{} {tier}: row {t} of {m} differs from the row alone", ty.name());
-                let span = t * cols / 32..(t + 1) * cols / 32;
-                let (h, l) = (&hi[span.clone()], &lo[span]);
-                for r in 0..rows {
-                    let row = w.row(r);
-                    let (_, magnitude) = reference_dot(ty, &row, h);
-                    let expected = scalar.dot(&row, h) + scalar.dot(&row, l);
-                    let got = out[t * rows + r];
-                    prop_assert!((got - expected).abs() as f64 <= 2e-5 * magnitude + 1e-6,
-                        "{} {tier} [{t}, {r}]: {got} vs {expected}", ty.name());
-                    let exact: f64 = (0..cols)
-                        .map(|i| f64::from(dequantized[r * cols + i]) * f64::from(x[t * cols + i]))
-                        .sum();
-                    prop_assert!((f64::from(got) - exact).abs() <= 1e-4 * magnitude + 1e-6,
-                        "{} {tier} [{t}, {r}]: {got} vs exact {exact}", ty.name());
-                }
-            }
-        }
-    }
-
-    /// With one activation pass, every tier's product (narrow, wide and row kernels) is the
-    /// scalar per-row dot with that pass alone, a row's products are the same bits alone as
-    /// in a batch, and the SIMD tiers agree bit for bit.
-    #[test]
-    fn one_pass_products_match_the_scalar_dots_with_the_first_pass(
-        (t, blocks, seed) in blocks_strategy(),
-        rows in prop_oneof![1usize..70, (1usize..9).prop_map(|g| 8 * g)],
-        m in prop_oneof![1usize..12, 30usize..70],
-        threads in 1usize..4,
-    ) {
-        let ty = TYPES[t];
-        let mut rng = Rng(seed | 1);
-        let cols = blocks * ty.block_size();
-        let w = random_matrix(ty, rows, cols, &mut rng).with_activation_passes(ActPasses::One);
-        prop_assert_eq!(w.activation_passes(), ActPasses::One);
-        let x = random_acts(m * cols, &mut rng);
-        let pool = ThreadPool::new(threads);
-        let mut first = Vec::new();
-        quantize_rows(&x, cols, &mut first);
-        let scalar = DotKernel::new(ty, Tier::Scalar).expect("scalar");
-        let mut simd_bits: Option<(Tier, Vec<u32>)> = None;
-        for tier in Tier::supported() {
-            let mut out = vec![f32::NAN; m * rows];
-            w.matmul_with(&x, m, &mut out, tier, &pool);
-            if tier != Tier::Scalar {
-                let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
-                match &simd_bits {
-                    Some((first, expected)) => prop_assert!(*expected == bits,
-                        "{} {tier} differs from {first} in some bits", ty.name()),
-                    None => simd_bits = Some((tier, bits)),
-                }
-            }
-            for t in 0..m {
-                let mut alone = vec![f32::NAN; rows];
-                w.matmul_with(&x[t * cols..(t + 1) * cols], 1, &mut alone, tier, &pool);
-                prop_assert!(alone.iter().zip(&out[t * rows..(t + 1) * rows])
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{} {tier}: row {t} of {m} differs from the row alone", ty.name());
-                let h = &first[t * cols / 32..(t + 1) * cols / 32];
-                for r in 0..rows {
-                    let row = w.row(r);
-                    let (_, magnitude) = reference_dot(ty, &row, h);
-                    let expected = scalar.dot(&row, h);
-                    let got = out[t * rows + r];
-                    prop_assert!((got - expected).abs() as f64 <= 2e-5 * magnitude + 1e-6,
-                        "{} {tier} [{t}, {r}]: {got} vs {expected}", ty.name());
+                for t in 0..m {
+                    // A row's products are the same bits alone as in a batch (tiles of several
+                    // activation rows included): batches equal single runs.
+                    let mut alone = vec![f32::NAN; rows];
+                    w.matmul_with(&x[t * cols..(t + 1) * cols], 1, &mut alone, tier, &pool);
+                    prop_assert!(alone.iter().zip(&out[t * rows..(t + 1) * rows])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{} {passes:?} {tier}: row {t} of {m} differs from the row alone",
+                        ty.name());
+                    let span = t * cols / 32..(t + 1) * cols / 32;
+                    let (h, l) = (&hi[span.clone()], &lo[span]);
+                    for r in 0..rows {
+                        let row = w.row(r);
+                        let (_, magnitude) = reference_dot(ty, &row, h);
+                        let expected = match passes {
+                            ActPasses::Two => scalar.dot(&row, h) + scalar.dot(&row, l),
+                            ActPasses::One => scalar.dot(&row, h),
+                        };
+                        let got = out[t * rows + r];
+                        prop_assert!((got - expected).abs() as f64 <= 2e-5 * magnitude + 1e-6,
+                            "{} {passes:?} {tier} [{t}, {r}]: {got} vs {expected}", ty.name());
+                        if passes == ActPasses::Two {
+                            let exact: f64 = (0..cols)
+                                .map(|i| {
+                                    f64::from(dequantized[r * cols + i]) * f64::from(x[t * cols + i])
+                                })
+                                .sum();
+                            prop_assert!((f64::from(got) - exact).abs() <= 1e-4 * magnitude + 1e-6,
+                                "{} {tier} [{t}, {r}]: {got} vs exact {exact}", ty.name());
+                        }
+                    }
                 }
             }
         }
