@@ -151,7 +151,9 @@ impl WideKernels {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use std::arch::asm;
     use std::arch::x86_64::*;
+    use std::mem::offset_of;
 
     use super::{WIDE_ROWS, WIDE_TILE};
     use crate::act::ActBlock;
@@ -218,6 +220,53 @@ mod x86 {
         }
     }
 
+    /// `v × a.d` in every lane, the scale broadcast by the multiply itself (`{1to16}`).
+    ///
+    /// The one-pass float steps take an activation block's scalars this way: written as
+    /// `_mm512_set1_ps`, LLVM loads a block's `d` and `d_sum` as one 64-bit value and splits
+    /// and broadcasts them in three more shuffles per row, as many instructions as the row's
+    /// float step itself (docs/kernels.md, item 6). The offset in the instruction spares the
+    /// address arithmetic an `&a.d` operand would take per row.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn mul_by_scale(v: __m512, a: &ActBlock) -> __m512 {
+        let out;
+        // SAFETY: reads the four bytes of `a.d` inside `*a`, a valid reference; writes only
+        // `out`.
+        unsafe {
+            asm!(
+                "vmulps {out}, {v}, dword ptr [{a} + {d}]{{1to16}}",
+                out = lateout(zmm_reg) out,
+                v = in(zmm_reg) v,
+                a = in(reg) a,
+                d = const offset_of!(ActBlock, d),
+                options(pure, readonly, nostack, preserves_flags),
+            );
+        }
+        out
+    }
+
+    /// `acc − v × a.d_sum` in every lane, in one `vfnmadd231ps` that broadcasts `d_sum`
+    /// itself as [`mul_by_scale`] does: the bits of `_mm512_fnmadd_ps(v, set1(d_sum), acc)`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn sub_min_times_sum(acc: __m512, v: __m512, a: &ActBlock) -> __m512 {
+        let mut acc = acc;
+        // SAFETY: reads the four bytes of `a.d_sum` inside `*a`, a valid reference; writes
+        // only `acc`.
+        unsafe {
+            asm!(
+                "vfnmadd231ps {acc}, {v}, dword ptr [{a} + {d_sum}]{{1to16}}",
+                acc = inout(zmm_reg) acc,
+                v = in(zmm_reg) v,
+                a = in(reg) a,
+                d_sum = const offset_of!(ActBlock, d_sum),
+                options(pure, readonly, nostack, preserves_flags),
+            );
+        }
+        acc
+    }
+
     /// `acc + d_w × (d_hi × sum_h + d_lo × sum_l)` per row lane (`SPLIT`; without it
     /// `acc + d_w × d_hi × sum_h`): the 256-bit tiles' `add_sums`, operation for operation.
     #[inline]
@@ -238,7 +287,7 @@ mod x86 {
                 _mm512_mul_ps(_mm512_cvtepi32_ps(sum_l), _mm512_set1_ps(l.d)),
             )
         } else {
-            _mm512_mul_ps(high, _mm512_set1_ps(h.d))
+            mul_by_scale(high, h)
         };
         _mm512_fmadd_ps(d, scaled, acc)
     }
@@ -579,12 +628,12 @@ mod x86 {
                 for i in 0..N {
                     let (sum_h, sum_l) = sums[i];
                     acc[i] = add_sums::<SPLIT>(acc[i], scale, sum_h, sum_l, h[i], l[i]);
-                    let d_sum = _mm512_set1_ps(d_sum::<SPLIT>(h[i], l[i]));
                     if SPLIT {
+                        let d_sum = _mm512_set1_ps(d_sum::<SPLIT>(h[i], l[i]));
                         mins[i] = _mm512_fmadd_ps(min, d_sum, mins[i]);
                     } else {
                         // The narrow tile's order: the minimums come off as they go.
-                        acc[i] = _mm512_fnmadd_ps(min, d_sum, acc[i]);
+                        acc[i] = sub_min_times_sum(acc[i], min, h[i]);
                     }
                 }
             }
