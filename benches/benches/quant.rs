@@ -1,5 +1,5 @@
 //! Quantized products at the Llama-3.2-1B shape (2048 hidden, 8192 feed forward): the `gate`
-//! projection (`[8192, 2048]`) and `down` (`[2048, 8192]`) in Q4_K, Q5_K, Q6_K and Q8_0, for a
+//! projection (`[8192, 2048]`) and `down` (`[2048, 8192]`) in Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS, for a
 //! 512-token prefill (512 rows: the wide tiles on AVX-512 VNNI) and a decoding step (1 row),
 //! every thread, best tier, with the activations in two 8-bit passes (`q8x2`) and in one
 //! (`q8`). Throughput is in multiply-adds of the real product (done once per pass).
@@ -20,7 +20,7 @@ const SHAPES: [(usize, usize); 2] = [(8192, 2048), (2048, 8192)];
 /// Byte offsets of each f16 scale in a block of `ty` (`d`, and `dmin` where there is one).
 fn scale_offsets(ty: GgmlType) -> &'static [usize] {
     match ty {
-        GgmlType::Q8_0 => &[0],
+        GgmlType::Q8_0 | GgmlType::Iq4Xs => &[0],
         GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
         GgmlType::Q6K => &[208],
         other => panic!("no random blocks of {}", other.name()),
@@ -45,7 +45,13 @@ fn quant(c: &mut Criterion) {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let mut group = c.benchmark_group("quantized product, [m, d_in] x [d_out, d_in]^T");
     group.sample_size(10);
-    for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q8_0] {
+    for ty in [
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::Q8_0,
+        GgmlType::Iq4Xs,
+    ] {
         for (rows, cols) in SHAPES {
             let two = random_matrix(ty, rows, cols, &mut rng);
             let one = two.clone().with_activation_passes(ActPasses::One);

@@ -98,6 +98,8 @@ impl WideKernels {
                 GgmlType::Q5K => Some(wide_kernels!(WIDE_TILE, x86::q5_k_wide)),
                 GgmlType::Q6K => Some(wide_kernels!(half_scaled_tile, x86::q6_k_wide)),
                 GgmlType::Q3K => Some(wide_kernels!(half_scaled_tile, x86::q3_k_wide)),
+                GgmlType::Iq4Nl => Some(wide_kernels!(WIDE_TILE, x86::iq4_nl_wide)),
+                GgmlType::Iq4Xs => Some(wide_kernels!(WIDE_TILE, x86::iq4_xs_wide)),
                 _ => None,
             };
         }
@@ -157,9 +159,11 @@ mod x86 {
 
     use super::{WIDE_ROWS, WIDE_TILE};
     use crate::act::ActBlock;
+    use crate::ggml::IQ4_VALUES;
     use crate::interleaved::x86::{blocks_at, d_sum};
     use crate::interleaved::{
-        K_QUANTS, Q6_K_QUANTS, half_scaled_sizes, k_sizes, q_offset, q4_sizes,
+        IQ4_XS_BYTES, IQ4_XS_QUANTS, K_QUANTS, Q6_K_QUANTS, half_scaled_sizes, k_sizes, q_offset,
+        q4_sizes,
     };
 
     /// Four activation bytes `4j..4j + 4` of `a` in every lane.
@@ -484,6 +488,163 @@ mod x86 {
         let mut out = [[0f32; WIDE_ROWS]; N];
         for ((out, acc), mins) in out.iter_mut().zip(acc).zip(mins) {
             *out = store(_mm512_add_ps(acc, mins));
+        }
+        out
+    }
+
+    /// IQ4's table values plus 128, as unsigned bytes (1 to 241): `vpdpbusd` multiplies an
+    /// unsigned byte by a signed one, so the wide IQ4 tiles look indices up in this table
+    /// and start each sum at `−128 × Σ a`, as Q8_0's do (the narrow tiles' sign trick would
+    /// cost an instruction per row and chunk).
+    const IQ4_PLUS_128: [u8; 16] = {
+        let mut table = [0u8; 16];
+        let mut e = 0;
+        while e < 16 {
+            table[e] = (IQ4_VALUES[e] as i16 + 128) as u8;
+            e += 1;
+        }
+        table
+    };
+
+    /// The integer sums of `N` two-pass activation rows with a Q4_0-ordered block of IQ4
+    /// indices of each group (at `p` and `q`: four chunks of 32 bytes), as
+    /// [`nibble_sums`]' but with each index looked up in [`IQ4_PLUS_128`] (one `vpshufb` per
+    /// half-chunk, once for all the rows) and each sum started at `−128 × Σ a`: the exact
+    /// sums of the table values with the activations, as the narrow tiles form them.
+    ///
+    /// # Safety
+    /// 128 bytes at `p` and at `q` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn iq4_sums<const N: usize, const SPLIT: bool>(
+        p: *const u8,
+        q: *const u8,
+        h: [&ActBlock; N],
+        l: [&ActBlock; N],
+    ) -> [(__m512i, __m512i); N] {
+        let parts = parts(N, SPLIT);
+        let mask = _mm512_set1_epi8(0x0F);
+        // SAFETY: `IQ4_PLUS_128` is 16 bytes, the load's width.
+        let table =
+            _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(IQ4_PLUS_128.as_ptr().cast()) });
+        let start = |a: &ActBlock| {
+            let mut s = [_mm512_setzero_si512(); 4];
+            s[0] = _mm512_set1_epi32(-(a.sum << 7));
+            s
+        };
+        let mut sh: [[__m512i; 4]; N] = std::array::from_fn(|i| start(h[i]));
+        let mut sl: [[__m512i; 4]; N] = std::array::from_fn(|i| {
+            if SPLIT {
+                start(l[i])
+            } else {
+                [_mm512_setzero_si512(); 4]
+            }
+        });
+        for j in 0..4 {
+            // SAFETY: `j < 4`: chunk `j` is bytes `32 j .. 32 j + 32` of the 128 at each.
+            let raw = unsafe { pair(p.add(32 * j), q.add(32 * j)) };
+            let low = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, mask));
+            let high =
+                _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask));
+            let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
+            for i in 0..N {
+                sh[i][k_low] = _mm512_dpbusd_epi32(sh[i][k_low], low, broadcast(h[i], j));
+                sh[i][k_high] = _mm512_dpbusd_epi32(sh[i][k_high], high, broadcast(h[i], 4 + j));
+                if SPLIT {
+                    sl[i][k_low] = _mm512_dpbusd_epi32(sl[i][k_low], low, broadcast(l[i], j));
+                    sl[i][k_high] =
+                        _mm512_dpbusd_epi32(sl[i][k_high], high, broadcast(l[i], 4 + j));
+                }
+            }
+        }
+        std::array::from_fn(|i| (total(sh[i]), total(sl[i])))
+    }
+
+    /// Sixteen IQ4_NL rows × `N` two-pass activation rows ([`super::WideFn`]): Q4_0's layout,
+    /// the indices looked up in [`IQ4_PLUS_128`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn iq4_nl_wide<const N: usize, const SPLIT: bool>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        const { assert!(N >= 1 && N <= WIDE_TILE) };
+        let (bytes, quants) = q4_sizes(false, false);
+        let group_bytes = w.len() / 2;
+        let blocks = hi[0].len();
+        debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+        debug_assert_eq!(group_bytes, blocks * bytes);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for b in 0..blocks {
+            // SAFETY: column `b < blocks` of `bytes` lies in each group.
+            let (p, q) = unsafe {
+                let p = w.as_ptr().add(bytes * b);
+                (p, p.add(group_bytes))
+            };
+            // SAFETY: `b < blocks`, every row's length (the `WideFn` contract).
+            let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+            // SAFETY: from `quants` to its end each column holds the 128 bytes of indices.
+            let sums = unsafe { iq4_sums::<N, SPLIT>(p.add(quants), q.add(quants), h, l) };
+            // SAFETY: each column's first 16 bytes are the eight f16 `d`.
+            let d = unsafe { halves(p, q) };
+            for i in 0..N {
+                let (sum_h, sum_l) = sums[i];
+                acc[i] = add_sums::<SPLIT>(acc[i], d, sum_h, sum_l, h[i], l[i]);
+            }
+        }
+        let mut out = [[0f32; WIDE_ROWS]; N];
+        for (out, acc) in out.iter_mut().zip(acc) {
+            *out = store(acc);
+        }
+        out
+    }
+
+    /// Sixteen IQ4_XS rows × `N` two-pass activation rows ([`super::WideFn`]): IQ4_NL's
+    /// integer work per sub-block, scaled by `d × scale` as the narrow tile does.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn iq4_xs_wide<const N: usize, const SPLIT: bool>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        const { assert!(N >= 1 && N <= WIDE_TILE) };
+        let group_bytes = w.len() / 2;
+        let blocks = hi[0].len();
+        debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+        debug_assert_eq!(group_bytes, blocks / 8 * IQ4_XS_BYTES);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for c in 0..blocks / 8 {
+            // SAFETY: column `c < blocks / 8` lies in each group; its first 16 bytes are the
+            // eight f16 `d`.
+            let (p, q, d) = unsafe {
+                let p = w.as_ptr().add(IQ4_XS_BYTES * c);
+                let q = p.add(group_bytes);
+                (p, q, halves(p, q))
+            };
+            for s in 0..8 {
+                let b = 8 * c + s;
+                // SAFETY: `b = 8 c + s < blocks`, every row's length (the `WideFn` contract).
+                let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+                // SAFETY: `s < 8`: sub-block `s`'s 128 bytes of indices at
+                // `IQ4_XS_QUANTS + 128 s` end by the column's end in each group, and its
+                // eight scales at `16 + 8 s` lie before `IQ4_XS_QUANTS` (16 + 64).
+                let (sums, scales) = unsafe {
+                    let offset = IQ4_XS_QUANTS + 128 * s;
+                    (
+                        iq4_sums::<N, SPLIT>(p.add(offset), q.add(offset), h, l),
+                        byte_lanes::<true>(p.add(16 + 8 * s), q.add(16 + 8 * s)),
+                    )
+                };
+                let scale = _mm512_mul_ps(d, scales);
+                for i in 0..N {
+                    let (sum_h, sum_l) = sums[i];
+                    acc[i] = add_sums::<SPLIT>(acc[i], scale, sum_h, sum_l, h[i], l[i]);
+                }
+            }
+        }
+        let mut out = [[0f32; WIDE_ROWS]; N];
+        for (out, acc) in out.iter_mut().zip(acc) {
+            *out = store(acc);
         }
         out
     }
