@@ -821,10 +821,33 @@ fn prompts_file_serves_each_prompt_as_if_alone_with_every_cache() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn tempfile_dir(name: &str) -> std::path::PathBuf {
+fn tempfile_dir(name: &str) -> TestDir {
     let dir = std::env::temp_dir().join(format!("kiln-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    TestDir(dir)
+}
+
+/// A test's scratch folder under the system's temporary one, removed with its contents when
+/// the test ends (passing or failing), so runs leave nothing behind.
+struct TestDir(std::path::PathBuf);
+
+impl std::ops::Deref for TestDir {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::path::Path> for TestDir {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// `--stop` ends the sequence where the text appears, and the text is not in the output.
