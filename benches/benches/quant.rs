@@ -1,8 +1,9 @@
 //! Quantized products at the Llama-3.2-1B shape (2048 hidden, 8192 feed forward): the `gate`
-//! projection (`[8192, 2048]`) and `down` (`[2048, 8192]`) in Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS, for a
-//! 512-token prefill (512 rows: the wide tiles on AVX-512 VNNI) and a decoding step (1 row),
-//! every thread, best tier, with the activations in two 8-bit passes (`q8x2`) and in one
-//! (`q8`). Throughput is in multiply-adds of the real product (done once per pass).
+//! projection (`[8192, 2048]`) and `down` (`[2048, 8192]`) in Q4_K, Q5_K, Q6_K, Q8_0 and
+//! IQ4_XS, for a 512-token prefill (512 rows: the wide tiles on AVX-512 VNNI) and a decoding
+//! step (1 row), every thread, best tier, with the activations in two 8-bit passes (`q8x2`)
+//! and in one (`q8`). Throughput is in multiply-adds of the real product (done once per
+//! pass).
 //! Run: `cargo bench -p kiln-benches --bench quant`.
 
 // criterion_group! generates undocumented items.

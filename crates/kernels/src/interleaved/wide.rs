@@ -338,6 +338,33 @@ mod x86 {
         _mm512_ternarylogic_epi32::<0xF8>(a, b, mask)
     }
 
+    /// Chunk `j` of a 32-value block added to each activation row's partial sums: `low`
+    /// (sixteen weight rows' values `4 j .. 4 j + 4`) times the row's activation bytes
+    /// `4 j .. 4 j + 4`, `high` (values `16 + 4 j ..`) times bytes `16 + 4 j ..`, into partial
+    /// sums `2 j` and `2 j + 1` modulo [`parts`]; with `SPLIT` the `lo` pass's as well.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    fn add_chunk<const N: usize, const SPLIT: bool>(
+        sh: &mut [[__m512i; 4]; N],
+        sl: &mut [[__m512i; 4]; N],
+        j: usize,
+        low: __m512i,
+        high: __m512i,
+        h: [&ActBlock; N],
+        l: [&ActBlock; N],
+    ) {
+        let parts = parts(N, SPLIT);
+        let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
+        for i in 0..N {
+            sh[i][k_low] = _mm512_dpbusd_epi32(sh[i][k_low], low, broadcast(h[i], j));
+            sh[i][k_high] = _mm512_dpbusd_epi32(sh[i][k_high], high, broadcast(h[i], 4 + j));
+            if SPLIT {
+                sl[i][k_low] = _mm512_dpbusd_epi32(sl[i][k_low], low, broadcast(l[i], j));
+                sl[i][k_high] = _mm512_dpbusd_epi32(sl[i][k_high], high, broadcast(l[i], 4 + j));
+            }
+        }
+    }
+
     // The kernels below run under the `WideFn` contract: `w` is two groups of `w.len() / 2`
     // bytes, each holding exactly the block columns that `blocks = hi[0].len()` activation
     // blocks cover, so column `c < blocks / 8` of either group starts `bytes × c` into it and
@@ -358,7 +385,6 @@ mod x86 {
         h: [&ActBlock; N],
         l: [&ActBlock; N],
     ) -> [(__m512i, __m512i); N] {
-        let parts = parts(N, SPLIT);
         let mask = _mm512_set1_epi8(0x0F);
         let fifth_bits = if FIFTH {
             // SAFETY: with `FIFTH` the caller vouches for 160 bytes: the fifth bits are the
@@ -380,16 +406,7 @@ mod x86 {
                 low = or_masked(low, first, bit);
                 high = or_masked(high, second, bit);
             }
-            let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
-            for i in 0..N {
-                sh[i][k_low] = _mm512_dpbusd_epi32(sh[i][k_low], low, broadcast(h[i], j));
-                sh[i][k_high] = _mm512_dpbusd_epi32(sh[i][k_high], high, broadcast(h[i], 4 + j));
-                if SPLIT {
-                    sl[i][k_low] = _mm512_dpbusd_epi32(sl[i][k_low], low, broadcast(l[i], j));
-                    sl[i][k_high] =
-                        _mm512_dpbusd_epi32(sl[i][k_high], high, broadcast(l[i], 4 + j));
-                }
-            }
+            add_chunk::<N, SPLIT>(&mut sh, &mut sl, j, low, high, h, l);
         }
         std::array::from_fn(|i| (total(sh[i]), total(sl[i])))
     }
@@ -522,7 +539,6 @@ mod x86 {
         h: [&ActBlock; N],
         l: [&ActBlock; N],
     ) -> [(__m512i, __m512i); N] {
-        let parts = parts(N, SPLIT);
         let mask = _mm512_set1_epi8(0x0F);
         // SAFETY: `IQ4_PLUS_128` is 16 bytes, the load's width.
         let table =
@@ -546,16 +562,7 @@ mod x86 {
             let low = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, mask));
             let high =
                 _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask));
-            let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
-            for i in 0..N {
-                sh[i][k_low] = _mm512_dpbusd_epi32(sh[i][k_low], low, broadcast(h[i], j));
-                sh[i][k_high] = _mm512_dpbusd_epi32(sh[i][k_high], high, broadcast(h[i], 4 + j));
-                if SPLIT {
-                    sl[i][k_low] = _mm512_dpbusd_epi32(sl[i][k_low], low, broadcast(l[i], j));
-                    sl[i][k_high] =
-                        _mm512_dpbusd_epi32(sl[i][k_high], high, broadcast(l[i], 4 + j));
-                }
-            }
+            add_chunk::<N, SPLIT>(&mut sh, &mut sl, j, low, high, h, l);
         }
         std::array::from_fn(|i| (total(sh[i]), total(sl[i])))
     }
