@@ -296,13 +296,15 @@ mod x86 {
         _mm512_fmadd_ps(d, scaled, acc)
     }
 
-    /// The sixteen lanes of `v`.
+    /// The sixteen lanes of each activation row's sums: a tile's outputs.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn store(v: __m512) -> [f32; WIDE_ROWS] {
-        let mut out = [0f32; WIDE_ROWS];
-        // SAFETY: `out` is sixteen f32, the unaligned store's width.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v) };
+    fn store<const N: usize>(rows: [__m512; N]) -> [[f32; WIDE_ROWS]; N] {
+        let mut out = [[0f32; WIDE_ROWS]; N];
+        for (out, v) in out.iter_mut().zip(rows) {
+            // SAFETY: `out` is sixteen f32, the unaligned store's width.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v) };
+        }
         out
     }
 
@@ -502,11 +504,7 @@ mod x86 {
                 mins[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(d_sum::<SPLIT>(h[i], l[i])), mins[i]);
             }
         }
-        let mut out = [[0f32; WIDE_ROWS]; N];
-        for ((out, acc), mins) in out.iter_mut().zip(acc).zip(mins) {
-            *out = store(_mm512_add_ps(acc, mins));
-        }
-        out
+        store(std::array::from_fn(|i| _mm512_add_ps(acc[i], mins[i])))
     }
 
     /// IQ4's table values plus 128, as unsigned bytes (1 to 241): `vpdpbusd` multiplies an
@@ -599,11 +597,7 @@ mod x86 {
                 acc[i] = add_sums::<SPLIT>(acc[i], d, sum_h, sum_l, h[i], l[i]);
             }
         }
-        let mut out = [[0f32; WIDE_ROWS]; N];
-        for (out, acc) in out.iter_mut().zip(acc) {
-            *out = store(acc);
-        }
-        out
+        store(acc)
     }
 
     /// Sixteen IQ4_XS rows × `N` two-pass activation rows ([`super::WideFn`]): IQ4_NL's
@@ -649,11 +643,7 @@ mod x86 {
                 }
             }
         }
-        let mut out = [[0f32; WIDE_ROWS]; N];
-        for (out, acc) in out.iter_mut().zip(acc) {
-            *out = store(acc);
-        }
-        out
+        store(acc)
     }
 
     /// Sixteen Q8_0 rows × `N` two-pass activation rows ([`super::WideFn`]): the 256-bit
@@ -710,11 +700,7 @@ mod x86 {
                 acc[i] = add_sums::<SPLIT>(acc[i], d, total(sh[i]), total(sl[i]), h[i], l[i]);
             }
         }
-        let mut out = [[0f32; WIDE_ROWS]; N];
-        for (out, acc) in out.iter_mut().zip(acc) {
-            *out = store(acc);
-        }
-        out
+        store(acc)
     }
 
     /// Sixteen Q4_K rows × `N` two-pass activation rows ([`super::WideFn`]).
@@ -806,11 +792,7 @@ mod x86 {
                 }
             }
         }
-        let mut out = [[0f32; WIDE_ROWS]; N];
-        for ((out, acc), mins) in out.iter_mut().zip(acc).zip(mins) {
-            *out = store(_mm512_sub_ps(acc, mins));
-        }
-        out
+        store(std::array::from_fn(|i| _mm512_sub_ps(acc[i], mins[i])))
     }
 
     /// The sum of a row's partial sums (the unused ones are zero, and vanish when compiled).
@@ -951,10 +933,6 @@ mod x86 {
                 }
             }
         }
-        let mut out = [[0f32; WIDE_ROWS]; N];
-        for (out, acc) in out.iter_mut().zip(acc) {
-            *out = store(acc);
-        }
-        out
+        store(acc)
     }
 }
