@@ -1034,18 +1034,55 @@ mod x86 {
         _mm256_dpbusd_epi32(acc, u, s)
     }
 
+    /// `acc + ` the pair sums of `u` × `s` in sixteen 16-bit lanes (AVX2's `vpmaddubsw` alone:
+    /// a narrow sum, widened once by [`widen_avx2`] after up to [`i16_fit`] products instead of
+    /// after each, which halves the tile's multiplies). The caller keeps the sum within `i16`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn dot_avx2_i16(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s))
+    }
+
+    /// A [`dot_avx2_i16`] sum as eight 32-bit lanes (each the sum of its two 16-bit lanes).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn widen_avx2(acc: __m256i) -> __m256i {
+        _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
+    }
+
+    /// VNNI's sums are 32-bit already.
+    #[inline(always)]
+    fn widen_vnni(acc: __m256i) -> __m256i {
+        acc
+    }
+
+    /// Any number of products fits VNNI's 32-bit sums.
+    const fn vnni_fit(_max_weight: i32) -> usize {
+        usize::MAX
+    }
+
+    /// How many `vpmaddubsw` products of unsigned weights up to `max_weight` and activations
+    /// within ±127 one 16-bit lane can add without passing `i16::MAX` (each product's lane is a
+    /// pair: at most `2 × max_weight × 127`): 8 for nibbles (15), 4 for five bits (31), 18 for
+    /// Q3_K's three (7).
+    const fn i16_fit(max_weight: i32) -> usize {
+        (i16::MAX as i32 / (2 * max_weight * 127)) as usize
+    }
+
     /// The partial sums per activation row and pass of a VNNI tile of `n` rows. `vpdpbusd`
     /// takes four cycles and issues two a cycle (Zen 4, 256-bit), so eight independent sums
     /// keep it busy; one sum per row and pass made a one-row tile wait on chains twice as
-    /// long as its work, and a four-row tile on chains of eight products a block.
-    const fn vnni_parts(n: usize) -> usize {
+    /// long as its work, and a four-row tile on chains of eight products a block. (Its sums
+    /// are 32-bit: `fit` does not bind.)
+    const fn vnni_parts(n: usize, _fit: usize) -> usize {
         if n == 1 { 4 } else { 2 }
     }
 
     /// AVX2's products end in an add of one cycle, so one sum per row and pass suffices (and
-    /// its 16 registers hold no more).
-    const fn avx2_parts(_: usize) -> usize {
-        1
+    /// its 16 registers hold no more), unless the eight products of a sub-block would pass
+    /// what a 16-bit sum holds (`fit` of them): then the fewest sums that hold them.
+    const fn avx2_parts(_: usize, fit: usize) -> usize {
+        8_usize.div_ceil(fit)
     }
 
     /// The sum of a row's partial sums (the unused ones are zero, and vanish when compiled).
@@ -1135,7 +1172,15 @@ mod x86 {
     // `bytes × b` into `w` and ends inside it. Their SAFETY comments name the bytes of a
     // column each read touches.
     macro_rules! nibble_tiles {
-        ($tier:ident, $features:literal, $dot:ident, $parts:ident) => {
+        (
+            $tier:ident,
+            $features:literal,
+            $dot:ident,
+            $dot16:ident,
+            $widen:ident,
+            $fit:ident,
+            $parts:ident
+        ) => {
             pub(super) mod $tier {
                 use super::*;
                 use crate::interleaved::{
@@ -1157,7 +1202,7 @@ mod x86 {
                     h: [&ActBlock; N],
                     l: [&ActBlock; N],
                 ) -> [(__m256i, __m256i); N] {
-                    let parts = $parts(N);
+                    let parts = const { $parts(N, $fit(if FIFTH { 31 } else { 15 })) };
                     let mask = _mm256_set1_epi8(0x0F);
                     let fifth_bits = if FIFTH {
                         // SAFETY: with `FIFTH` the caller vouches for 160 bytes: the fifth
@@ -1180,18 +1225,27 @@ mod x86 {
                             high = _mm256_or_si256(high, second);
                         }
                         let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
+                        // Each of the `parts` sums takes at most `8 / parts` products,
+                        // which `$parts` keeps within what `$dot16`'s sums hold.
                         for i in 0..N {
-                            sh[i][k_low] = $dot(sh[i][k_low], low, broadcast(h[i], j));
-                            sh[i][k_high] = $dot(sh[i][k_high], high, broadcast(h[i], 4 + j));
+                            sh[i][k_low] = $dot16(sh[i][k_low], low, broadcast(h[i], j));
+                            sh[i][k_high] = $dot16(sh[i][k_high], high, broadcast(h[i], 4 + j));
                             if SPLIT {
-                                sl[i][k_low] = $dot(sl[i][k_low], low, broadcast(l[i], j));
-                                sl[i][k_high] = $dot(sl[i][k_high], high, broadcast(l[i], 4 + j));
+                                sl[i][k_low] = $dot16(sl[i][k_low], low, broadcast(l[i], j));
+                                sl[i][k_high] = $dot16(sl[i][k_high], high, broadcast(l[i], 4 + j));
                             }
                         }
                     }
+                    let widen = |sums: [__m256i; 4]| {
+                        let mut total = $widen(sums[0]);
+                        for &sum in &sums[1..parts] {
+                            total = _mm256_add_epi32(total, $widen(sum));
+                        }
+                        total
+                    };
                     let mut sums = [(_mm256_setzero_si256(), _mm256_setzero_si256()); N];
                     for i in 0..N {
-                        sums[i] = (total(sh[i]), total(sl[i]));
+                        sums[i] = (widen(sh[i]), widen(sl[i]));
                     }
                     sums
                 }
@@ -1211,7 +1265,9 @@ mod x86 {
                     h: [&ActBlock; N],
                     l: [&ActBlock; N],
                 ) -> [(__m256i, __m256i); N] {
-                    let parts = $parts(N);
+                    // 32-bit sums (`$dot`), which any number of products fits: the table's
+                    // magnitudes reach 127, so a 16-bit sum would hold a single product.
+                    let parts = const { $parts(N, usize::MAX) };
                     let mask = _mm256_set1_epi8(0x0F);
                     let table = crate::quant::iq4_table();
                     let mut sh = [[_mm256_setzero_si256(); 4]; N];
@@ -1616,8 +1672,12 @@ mod x86 {
                             // SAFETY: `s < 8`: sub-block `s` (`sub_bytes`) at
                             // `Q6_K_QUANTS + sub_bytes s` ends by the column's end.
                             let q = unsafe { p.add(Q6_K_QUANTS + sub_bytes * s) };
-                            // Per row: [first half, second half] of the hi pass, then the lo's.
+                            // Per row: [first half, second half] of the hi pass, then the lo's;
+                            // `narrow` holds the last `fit` or fewer products of each (Q3_K's
+                            // four a half fit AVX2's 16-bit sums, Q6_K's two).
+                            let fit = const { $fit(if Q3 { 7 } else { 63 }) };
                             let mut sums = [[_mm256_setzero_si256(); 4]; N];
+                            let mut narrow = [[_mm256_setzero_si256(); 4]; N];
                             for j in 0..4 {
                                 // SAFETY: `j < 4`: the chunk `32 j ..` lies in the sub-block's
                                 // first 128 bytes, its nibbles.
@@ -1642,12 +1702,22 @@ mod x86 {
                                         _mm256_or_si256(second, _mm256_and_si256(high_second, top));
                                 }
                                 for i in 0..N {
-                                    let [f_h, s_h, f_l, s_l] = &mut sums[i];
-                                    *f_h = $dot(*f_h, first, broadcast(h[i], j));
-                                    *s_h = $dot(*s_h, second, broadcast(h[i], 4 + j));
+                                    let [f_h, s_h, f_l, s_l] = &mut narrow[i];
+                                    *f_h = $dot16(*f_h, first, broadcast(h[i], j));
+                                    *s_h = $dot16(*s_h, second, broadcast(h[i], 4 + j));
                                     if SPLIT {
-                                        *f_l = $dot(*f_l, first, broadcast(l[i], j));
-                                        *s_l = $dot(*s_l, second, broadcast(l[i], 4 + j));
+                                        *f_l = $dot16(*f_l, first, broadcast(l[i], j));
+                                        *s_l = $dot16(*s_l, second, broadcast(l[i], 4 + j));
+                                    }
+                                }
+                                if (j + 1) % fit == 0 || j == 3 {
+                                    let used = if SPLIT { 4 } else { 2 };
+                                    for i in 0..N {
+                                        for k in 0..used {
+                                            sums[i][k] =
+                                                _mm256_add_epi32(sums[i][k], $widen(narrow[i][k]));
+                                            narrow[i][k] = _mm256_setzero_si256();
+                                        }
                                     }
                                 }
                             }
@@ -1694,11 +1764,22 @@ mod x86 {
         };
     }
 
-    nibble_tiles!(avx2, "avx2,fma,f16c", dot_avx2, avx2_parts);
+    nibble_tiles!(
+        avx2,
+        "avx2,fma,f16c",
+        dot_avx2,
+        dot_avx2_i16,
+        widen_avx2,
+        i16_fit,
+        avx2_parts
+    );
     nibble_tiles!(
         vnni,
         "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
         dot_vnni,
+        dot_vnni,
+        widen_vnni,
+        vnni_fit,
         vnni_parts
     );
 
@@ -1790,7 +1871,8 @@ mod x86 {
             hi: [&[ActBlock]; N],
             lo: [&[ActBlock]; N],
         ) -> [[f32; GROUP]; N] {
-            let parts = vnni_parts(N);
+            // 32-bit sums: any number of products fits.
+            let parts = vnni_parts(N, usize::MAX);
             let blocks = hi[0].len();
             debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
             let mut acc = [_mm256_setzero_ps(); N];

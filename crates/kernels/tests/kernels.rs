@@ -52,7 +52,15 @@ impl Rng {
 /// One random block of `ty`: random quants, positive f16 scales of a realistic size.
 fn random_block(ty: GgmlType, rng: &mut Rng) -> Vec<u8> {
     let mut b: Vec<u8> = (0..ty.type_size()).map(|_| rng.byte()).collect();
-    let scales: &[usize] = match ty {
+    for &at in scale_offsets(ty) {
+        b[at..at + 2].copy_from_slice(&rng.scale());
+    }
+    b
+}
+
+/// Where a block of `ty` keeps its f16 scales (`d`, and `dmin` where there is one).
+fn scale_offsets(ty: GgmlType) -> &'static [usize] {
+    match ty {
         GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
         GgmlType::Iq4Nl | GgmlType::Iq4Xs => &[0],
         GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
@@ -60,11 +68,7 @@ fn random_block(ty: GgmlType, rng: &mut Rng) -> Vec<u8> {
         GgmlType::Q2K => &[80, 82],
         GgmlType::Q3K => &[108],
         other => panic!("no random blocks of {}", other.name()),
-    };
-    for &at in scales {
-        b[at..at + 2].copy_from_slice(&rng.scale());
     }
-    b
 }
 
 fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> QuantMatrix {
@@ -296,6 +300,56 @@ proptest! {
             gemm_in_out_with(&w, k, n, &x, m, &mut out, tier, &pool);
             for (o, (got, want)) in out.iter().zip(&expected).enumerate() {
                 prop_assert_eq!(got.to_bits(), want.to_bits(), "{} [{}, {}]", tier, o / n, o % n);
+            }
+        }
+    }
+}
+
+/// The largest products fit every tier's integer sums: weights whose quants are all ones
+/// (every value and scale at its type's maximum) against activations that quantize to ±127
+/// everywhere, so that a narrow sum holding more products than its width allows (the AVX2
+/// tiles add `vpmaddubsw`'s 16-bit pair sums before widening them) saturates and shows.
+#[test]
+fn products_of_the_largest_values_do_not_saturate_on_any_tier() {
+    let (rows, cols, m) = (16, 512, 5);
+    let pool = ThreadPool::new(2);
+    let scalar_bits = |w: &QuantMatrix, x: &[f32]| {
+        let mut out = vec![f32::NAN; m * rows];
+        w.matmul_with(x, m, &mut out, Tier::Scalar, &pool);
+        out
+    };
+    for ty in TYPES {
+        let mut block = vec![0xFFu8; ty.type_size()];
+        for &at in scale_offsets(ty) {
+            block[at..at + 2].copy_from_slice(&f16::from_f32(0.01).to_le_bytes());
+        }
+        let data = block.repeat(rows * cols / ty.block_size());
+        let two = QuantMatrix::new(ty, rows, cols, data).expect("valid matrix");
+        let one = two.clone().with_activation_passes(ActPasses::One);
+        // Rows of +1, -1, and (what quantizes to ±127 with a remainder) 0.7 and -0.9 beside a
+        // 1 in each block.
+        let x: Vec<f32> = (0..m * cols)
+            .map(|i| match (i / cols, i % 32) {
+                (0, _) => 1.0,
+                (1, _) => -1.0,
+                (_, 0) => 1.0,
+                (2 | 4, _) => 0.7,
+                _ => -0.9,
+            })
+            .collect();
+        for w in [&two, &one] {
+            let expected = scalar_bits(w, &x);
+            for tier in Tier::supported() {
+                let mut out = vec![f32::NAN; m * rows];
+                w.matmul_with(&x, m, &mut out, tier, &pool);
+                for (i, (got, want)) in out.iter().zip(&expected).enumerate() {
+                    assert!(
+                        (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                        "{} {:?} {tier} output {i}: {got} vs the scalar tier's {want}",
+                        ty.name(),
+                        w.activation_passes()
+                    );
+                }
             }
         }
     }
