@@ -944,7 +944,9 @@ fn q8_0_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use std::arch::asm;
     use std::arch::x86_64::*;
+    use std::mem::offset_of;
 
     use super::GROUP;
     use crate::act::ActBlock;
@@ -990,11 +992,11 @@ mod x86 {
         let scaled = if SPLIT {
             _mm256_fmadd_ps(
                 high,
-                _mm256_set1_ps(h.d),
-                _mm256_mul_ps(_mm256_cvtepi32_ps(sum_l), _mm256_set1_ps(l.d)),
+                scale_lanes(h),
+                _mm256_mul_ps(_mm256_cvtepi32_ps(sum_l), scale_lanes(l)),
             )
         } else {
-            _mm256_mul_ps(high, _mm256_set1_ps(h.d))
+            _mm256_mul_ps(high, scale_lanes(h))
         };
         _mm256_fmadd_ps(d, scaled, acc)
     }
@@ -1004,6 +1006,49 @@ mod x86 {
     #[inline(always)]
     pub(super) fn d_sum<const SPLIT: bool>(h: &ActBlock, l: &ActBlock) -> f32 {
         if SPLIT { h.d_sum + l.d_sum } else { h.d_sum }
+    }
+
+    /// [`d_sum`] in every lane: one `vbroadcastss` from the block without `SPLIT`
+    /// ([`field_lanes`]).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn d_sum_lanes<const SPLIT: bool>(h: &ActBlock, l: &ActBlock) -> __m256 {
+        if SPLIT {
+            _mm256_set1_ps(d_sum::<SPLIT>(h, l))
+        } else {
+            field_lanes::<{ offset_of!(ActBlock, d_sum) }>(h)
+        }
+    }
+
+    /// The f32 field `OFFSET` bytes into `a` in every lane, by one `vbroadcastss` from memory
+    /// (a load, no shuffle). Written as `_mm256_set1_ps(a.d)` beside `a.d_sum`, LLVM loads the
+    /// two adjacent floats as one 64-bit value and splits and broadcasts them in three
+    /// shuffles per activation row and block (as it did in the wide tiles: docs/kernels.md,
+    /// item 6).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn field_lanes<const OFFSET: usize>(a: &ActBlock) -> __m256 {
+        const { assert!(OFFSET + 4 <= size_of::<ActBlock>()) };
+        let out;
+        // SAFETY: reads four bytes inside `*a` (the assertion above), a valid reference;
+        // writes only `out`.
+        unsafe {
+            asm!(
+                "vbroadcastss {out}, dword ptr [{a} + {offset}]",
+                out = lateout(ymm_reg) out,
+                a = in(reg) a,
+                offset = const OFFSET,
+                options(pure, readonly, nostack, preserves_flags),
+            );
+        }
+        out
+    }
+
+    /// `a.d` in every lane ([`field_lanes`]).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn scale_lanes(a: &ActBlock) -> __m256 {
+        field_lanes::<{ offset_of!(ActBlock, d) }>(a)
     }
 
     /// The eight lanes of `v`.
@@ -1493,11 +1538,7 @@ mod x86 {
                         for i in 0..N {
                             let (sum_h, sum_l) = sums[i];
                             acc[i] = add_sums::<SPLIT>(acc[i], d, sum_h, sum_l, h[i], l[i]);
-                            mins[i] = _mm256_fmadd_ps(
-                                m,
-                                _mm256_set1_ps(d_sum::<SPLIT>(h[i], l[i])),
-                                mins[i],
-                            );
+                            mins[i] = _mm256_fmadd_ps(m, d_sum_lanes::<SPLIT>(h[i], l[i]), mins[i]);
                         }
                     }
                     let mut out = [[0f32; GROUP]; N];
@@ -1587,7 +1628,7 @@ mod x86 {
                             for i in 0..N {
                                 let (sum_h, sum_l) = sums[i];
                                 acc[i] = add_sums::<SPLIT>(acc[i], scale, sum_h, sum_l, h[i], l[i]);
-                                let d_sum = _mm256_set1_ps(d_sum::<SPLIT>(h[i], l[i]));
+                                let d_sum = d_sum_lanes::<SPLIT>(h[i], l[i]);
                                 if SPLIT {
                                     mins[i] = _mm256_fmadd_ps(min, d_sum, mins[i]);
                                 } else {
