@@ -438,6 +438,19 @@ fn partition_span(visible: &Range<usize>, part: usize, partition_keys: usize) ->
     start.min(visible.end)..start.saturating_add(partition_keys).min(visible.end)
 }
 
+/// A tile kernel's entry ([`tile::attend_rows`] for one register width).
+#[cfg(target_arch = "x86_64")]
+type TileFn<T> = unsafe fn(
+    &[tile::Row],
+    tile::Partition,
+    &[f32],
+    &HeadKv<'_, T>,
+    &[bool],
+    usize,
+    f32,
+    &SharedOut<f32>,
+);
+
 /// One attention call's operands and how it splits into tasks.
 struct Job<'a, T> {
     shape: AttentionShape,
@@ -492,44 +505,58 @@ impl<T: KvElement> Job<'_, T> {
             let visible = visible_span(&self.mask[mask_at..mask_at + keys]);
             (mask_at, (block * q_rows + row) * head_dim, visible)
         });
-        // The tiles scale scores sixteen at a time and have no tanh: capped scores take the
-        // row kernels.
+        // The tiles scale a register of scores at a time and have no tanh: capped scores take
+        // the row kernels, as do widths that are not a whole number of registers.
         #[cfg(target_arch = "x86_64")]
-        if self.tier == Tier::Avx512Vnni
-            && head_dim.is_multiple_of(16)
-            && self.scorer.softcap.is_none()
-        {
-            let mut rows: Vec<tile::Row> = rows
-                .map(|(mask_at, at, visible)| tile::Row {
-                    at,
-                    mask_at,
-                    visible,
-                    dest: 0,
-                })
-                .collect();
-            for part in parts {
-                for (r, row) in rows.iter_mut().enumerate() {
-                    row.dest = dest(r, part);
+        if self.scorer.softcap.is_none() {
+            let tile = match self.tier {
+                Tier::Avx512Vnni
+                    if head_dim.is_multiple_of(<tile::Avx512 as tile::TileSimd>::LANES) =>
+                {
+                    Some(tile::attend_rows::<T, tile::Avx512> as TileFn<T>)
                 }
-                let partition = tile::Partition {
-                    index: part,
-                    keys: self.partition_keys,
-                };
-                // SAFETY: the tier was checked by the caller; the records are this task's.
-                unsafe {
-                    tile::attend_rows(
-                        &rows,
-                        partition,
-                        self.q,
-                        &head,
-                        self.mask,
-                        keys,
-                        self.scorer.scale,
-                        sink,
-                    )
-                };
+                Tier::Avx2 | Tier::Avx512Vnni
+                    if head_dim.is_multiple_of(<tile::Avx2 as tile::TileSimd>::LANES) =>
+                {
+                    Some(tile::attend_rows::<T, tile::Avx2> as TileFn<T>)
+                }
+                _ => None,
+            };
+            if let Some(attend_rows) = tile {
+                let mut rows: Vec<tile::Row> = rows
+                    .map(|(mask_at, at, visible)| tile::Row {
+                        at,
+                        mask_at,
+                        visible,
+                        dest: 0,
+                    })
+                    .collect();
+                for part in parts {
+                    for (r, row) in rows.iter_mut().enumerate() {
+                        row.dest = dest(r, part);
+                    }
+                    let partition = tile::Partition {
+                        index: part,
+                        keys: self.partition_keys,
+                    };
+                    // SAFETY: the tier was checked by the caller and has the tile's features
+                    // (AVX-512 F, BW and VL on `Avx512Vnni`; AVX2, FMA, F16C on both), the
+                    // width is a multiple of its lanes; the records are this task's.
+                    unsafe {
+                        attend_rows(
+                            &rows,
+                            partition,
+                            self.q,
+                            &head,
+                            self.mask,
+                            keys,
+                            self.scorer.scale,
+                            sink,
+                        )
+                    };
+                }
+                return;
             }
-            return;
         }
         let mut scores = Vec::new();
         let mut probs = Vec::new();
@@ -847,7 +874,7 @@ mod x86 {
     /// The sum of a register's eight lanes, in a fixed order.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn hsum(v: __m256) -> f32 {
+    pub(super) fn hsum(v: __m256) -> f32 {
         let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
         _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))

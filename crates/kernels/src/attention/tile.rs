@@ -1,11 +1,15 @@
-//! The AVX-512 attention kernel: up to four query rows at a time against sixteen keys at a
-//! time, for head widths that are a multiple of 16.
+//! The tile attention kernels: up to four query rows at a time against a register of keys at a
+//! time, sixteen keys on AVX-512 ([`Avx512`], head widths a multiple of 16), eight on AVX2
+//! ([`Avx2`], widths a multiple of 8).
 //!
 //! The row kernels read a KV head's keys once per query row and reduce every score across
 //! lanes; here a tile of query rows that see the same first key shares one pass over the keys,
 //! which are transposed (and widened to f32) once per task and partition into a scratch
-//! buffer (`[chunk][dim][16 keys]`), so a score is sixteen keys in the lanes of one register
-//! and a row of values is loaded once for every row of the tile.
+//! buffer (`[chunk][dim][LANES keys]`), so a score is a register's keys in its lanes and a row
+//! of values is loaded once for every row of the tile. This file holds what both widths share
+//! (which rows form a tile, which keys it covers, where its results go); `avx512.rs` and
+//! `avx2.rs` the transposition, the scores and the weighted sum in their registers
+//! ([`TileSimd`]).
 //!
 //! A row's partial result for a partition (see `super`'s doc) still depends only on its
 //! visible keys: every number is computed in an order fixed relative to the partition's first
@@ -13,26 +17,31 @@
 //! tile, the task or the cache.
 //! - score of key `j`: `Σ_d q_d k_jd`, one FMA per `d` from 0 up, times `1/√head_dim`;
 //! - masked keys (and keys past the row's last visible one) get probability exactly 0;
-//! - the denominator: sixteen partial sums, lane `l` taking keys `start + 16c + l` in
+//! - the denominator: `LANES` partial sums, lane `l` taking keys `start + LANES c + l` in
 //!   ascending `c`, then one fixed reduction;
 //! - the numerator of column `d`: `Σ_j p_j v_jd`, one FMA per key in key order; a key no row
 //!   of the tile sees is skipped (adding `0 × v` would change nothing: the values past a
 //!   sequence's end may be stale, and are never multiplied).
 //!
 //! So a prompt alone, packed beside others or beside padding gives the same bits, as the
-//! property tests in `tests/attention.rs` check on this tier.
+//! property tests in `tests/attention.rs` check on each tier (the two widths round apart:
+//! their denominators sum in different orders).
+
+mod avx2;
+mod avx512;
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 use std::ops::Range;
 
-use super::{EXP_MIN, EXP_POLY, HeadKv, KvElement, LN2_HI, LN2_LO};
+pub(super) use avx2::Avx2;
+pub(super) use avx512::Avx512;
+
+use super::{HeadKv, KvElement};
 use crate::SharedOut;
 
-/// Keys per register.
-const LANES: usize = 16;
 /// Query rows per tile: four rows × two key chunks keep eight independent FMA chains in the
-/// scores, and four rows × four registers of values sixteen in the weighted sum.
+/// scores.
 const TILE_ROWS: usize = 4;
 
 thread_local! {
@@ -64,19 +73,83 @@ pub(super) struct Partition {
     pub keys: usize,
 }
 
+/// What a tile's scores are computed over.
+pub(super) struct KeysSeen<'a> {
+    /// The transposed keys, from the tile's first key (`[chunks, head_dim, LANES]`).
+    pub kt: &'a [f32],
+    /// As [`attend_rows`]'s.
+    pub mask: &'a [bool],
+    /// Keys per mask row.
+    pub keys: usize,
+    /// The keys the tile's rows see, first to last.
+    pub span: Range<usize>,
+    /// `1 / √head_dim`.
+    pub scale: f32,
+    /// Width of a head.
+    pub head_dim: usize,
+}
+
+/// The parts of the tile kernel that depend on the register width. Every function needs the
+/// CPU features of its implementation and a `head_dim` that is a positive multiple of
+/// [`Self::LANES`] (their safety contract).
+pub(super) trait TileSimd {
+    /// Keys per register.
+    const LANES: usize;
+
+    /// `kt[c][d][l] = k[span.start + LANES c + l][d]` over `span`, the last chunk's missing
+    /// keys 0, widened to f32.
+    ///
+    /// # Safety
+    /// As the trait says.
+    unsafe fn transpose_keys<T: KvElement>(
+        kv: &HeadKv<'_, T>,
+        span: Range<usize>,
+        kt: &mut Vec<f32>,
+    );
+
+    /// The scores of the tile's `R` rows over `seen.span` (`probs[r][c × LANES + l]`, then
+    /// their probabilities in place), and each row's largest score and `Σ p` (-inf and 0 for
+    /// a row that sees no key).
+    ///
+    /// # Shapes
+    /// - `seen.kt`: `[chunks ≥ span / LANES, head_dim, LANES]` from [`Self::transpose_keys`]
+    /// - `probs`: `[TILE_ROWS, chunks × LANES]`
+    ///
+    /// # Safety
+    /// As the trait says.
+    unsafe fn scores_to_probabilities<const R: usize>(
+        tile: &[Row],
+        q: &[f32],
+        seen: &KeysSeen<'_>,
+        probs: &mut [f32],
+    ) -> ([f32; TILE_ROWS], [f32; TILE_ROWS]);
+
+    /// `out[row.dest..] = inv[row] × Σ_j p_j v_j` over keys `span` for the tile's `R` rows.
+    ///
+    /// # Safety
+    /// As the trait says, and no other task may write these rows' records.
+    unsafe fn weighted_sum<const R: usize, T: KvElement>(
+        tile: &[Row],
+        kv: &HeadKv<'_, T>,
+        span: Range<usize>,
+        probs: &[f32],
+        inv: &[f32; TILE_ROWS],
+        out: &SharedOut<f32>,
+    );
+}
+
 /// The partials of `rows` (one task's, all on one KV head) over one partition of their keys:
-/// tiles of up to four rows with the same first visible key.
+/// tiles of up to four rows with the same first visible key, in `S`'s registers.
 ///
 /// # Shapes
 /// - `q`, `mask`: as [`super::attention_blocks`]; each row reads `q[at..at + head_dim]`
 /// - `sink`: each row writes `sink[dest..dest + head_dim + 2]`
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, BW and VL; `head_dim` must be a positive multiple of 16;
+/// The CPU must support `S`'s features; `head_dim` must be a positive multiple of `S::LANES`;
 /// no other task may write these rows' records.
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-pub(super) unsafe fn attend_rows<T: KvElement>(
+pub(super) unsafe fn attend_rows<T: KvElement, S: TileSimd>(
     rows: &[Row],
     partition: Partition,
     q: &[f32],
@@ -87,7 +160,7 @@ pub(super) unsafe fn attend_rows<T: KvElement>(
     sink: &SharedOut<f32>,
 ) {
     let head_dim = kv.head_dim;
-    debug_assert!(head_dim > 0 && head_dim.is_multiple_of(LANES));
+    debug_assert!(head_dim > 0 && head_dim.is_multiple_of(S::LANES));
     let (mut kt, mut probs) = SCRATCH.take();
     // The transposed keys cover `built`.
     let mut built: Option<Range<usize>> = None;
@@ -129,13 +202,14 @@ pub(super) unsafe fn attend_rows<T: KvElement>(
                 .unwrap_or(end);
             let task_span =
                 super::partition_span(&(start..task_end), partition.index, partition.keys);
-            transpose_keys(kv, task_span.clone(), &mut kt);
+            // SAFETY: `S`'s features and `head_dim` are the caller's contract.
+            unsafe { S::transpose_keys(kv, task_span.clone(), &mut kt) };
             built = Some(task_span);
         }
-        let chunks = span.len().div_ceil(LANES);
+        let chunks = span.len().div_ceil(S::LANES);
         // Every value a tile reads is written first (each row's scores, then probabilities):
         // grown, never cleared.
-        let needed = TILE_ROWS * chunks * LANES;
+        let needed = TILE_ROWS * chunks * S::LANES;
         if probs.len() < needed {
             probs.resize(needed, 0.0);
         }
@@ -147,21 +221,24 @@ pub(super) unsafe fn attend_rows<T: KvElement>(
             scale,
             head_dim,
         };
-        let (maxes, sums) = match tile.len() {
-            1 => scores_to_probabilities::<1>(tile, q, &keys_seen, &mut probs),
-            2 => scores_to_probabilities::<2>(tile, q, &keys_seen, &mut probs),
-            3 => scores_to_probabilities::<3>(tile, q, &keys_seen, &mut probs),
-            _ => scores_to_probabilities::<4>(tile, q, &keys_seen, &mut probs),
+        // SAFETY: `S`'s features and `head_dim` are the caller's contract.
+        let (maxes, sums) = unsafe {
+            match tile.len() {
+                1 => S::scores_to_probabilities::<1>(tile, q, &keys_seen, &mut probs),
+                2 => S::scores_to_probabilities::<2>(tile, q, &keys_seen, &mut probs),
+                3 => S::scores_to_probabilities::<3>(tile, q, &keys_seen, &mut probs),
+                _ => S::scores_to_probabilities::<4>(tile, q, &keys_seen, &mut probs),
+            }
         };
         let inv = sums.map(|s| if s > 0.0 { 1.0 / s } else { 0.0 });
-        // SAFETY: `weighted_sum` needs what this function's caller vouches for (AVX-512,
-        // `head_dim` a multiple of 16, the tile's records this task's alone).
+        // SAFETY: `weighted_sum` needs what this function's caller vouches for (`S`'s
+        // features, `head_dim` a multiple of its lanes, the tile's records this task's alone).
         unsafe {
             match tile.len() {
-                1 => weighted_sum::<1, T>(tile, kv, span, &probs, &inv, sink),
-                2 => weighted_sum::<2, T>(tile, kv, span, &probs, &inv, sink),
-                3 => weighted_sum::<3, T>(tile, kv, span, &probs, &inv, sink),
-                _ => weighted_sum::<4, T>(tile, kv, span, &probs, &inv, sink),
+                1 => S::weighted_sum::<1, T>(tile, kv, span, &probs, &inv, sink),
+                2 => S::weighted_sum::<2, T>(tile, kv, span, &probs, &inv, sink),
+                3 => S::weighted_sum::<3, T>(tile, kv, span, &probs, &inv, sink),
+                _ => S::weighted_sum::<4, T>(tile, kv, span, &probs, &inv, sink),
             }
         };
         for (i, row) in tile.iter().enumerate() {
@@ -174,332 +251,39 @@ pub(super) unsafe fn attend_rows<T: KvElement>(
     SCRATCH.set((kt, probs));
 }
 
-/// What a tile's scores are computed over.
-struct KeysSeen<'a> {
-    /// The transposed keys, from the tile's first key (`[chunks, head_dim, 16]`).
-    kt: &'a [f32],
-    /// As [`attend_rows`]'s.
-    mask: &'a [bool],
-    /// Keys per mask row.
-    keys: usize,
-    /// The keys the tile's rows see, first to last.
-    span: Range<usize>,
-    /// `1 / √head_dim`.
-    scale: f32,
-    /// Width of a head.
-    head_dim: usize,
-}
-
-/// `kt[c][d][l] = k[start + 16c + l][d]` over `span`, the last chunk's missing keys 0:
-/// sixteen keys by sixteen dimensions at a time through [`transpose16`], widened to f32.
-#[target_feature(enable = "avx512f")]
-fn transpose_keys<T: KvElement>(kv: &HeadKv<'_, T>, span: Range<usize>, kt: &mut Vec<f32>) {
-    let head_dim = kv.head_dim;
-    let chunks = span.len().div_ceil(LANES);
-    // Every value of the chunks is written below (missing keys as zeros): grown, never
-    // cleared.
-    if kt.len() < chunks * head_dim * LANES {
-        kt.resize(chunks * head_dim * LANES, 0.0);
-    }
-    // A missing key (past the span's end) reads zeros.
-    let zeros = vec![T::ZERO; kv.row_units];
-    let mut offsets = kv.offsets(span);
-    for chunk in kt[..chunks * head_dim * LANES].chunks_exact_mut(head_dim * LANES) {
-        // Each key's row, found once per chunk: the loads below are then plain loads the core
-        // can overlap (a lookup per load, through a call, serialized the cache misses).
-        let keys: [&[T]; LANES] =
-            std::array::from_fn(|_| offsets.next().map_or(&zeros[..], |at| kv.key(at)));
-        for key in &keys {
-            prefetch_ahead(key, KEYS_AHEAD * kv.row_units);
-        }
-        for d0 in (0..head_dim).step_by(LANES) {
-            let mut rows = [_mm512_setzero_ps(); LANES];
-            for (row, key) in rows.iter_mut().zip(&keys) {
-                // SAFETY: `d0 + 16 <= head_dim`, the values of every row in `keys`.
-                *row = unsafe { T::load16(key.as_ptr(), d0) };
-            }
-            for (dd, column) in transpose16(rows).into_iter().enumerate() {
-                let at = (d0 + dd) * LANES;
-                // SAFETY: 16 values (a slice of that length).
-                unsafe { _mm512_storeu_ps(chunk[at..at + LANES].as_mut_ptr(), column) };
-            }
-        }
-    }
-}
-
-/// How far ahead (in keys) the transposition prefetches keys: it reads sixteen keys a
+/// How far ahead (in keys) the transpositions prefetch keys: they read a register's keys a
 /// column slice at a time, a pattern the hardware prefetcher follows late on a short run of
 /// keys, and a head's keys lie one after another (in a block of the paged cache, or the whole
-/// run of a dense one); decode gains most at short contexts (measured end to end:
+/// run of a dense one); decode gains most at short contexts (measured end to end on AVX-512:
 /// docs/benchmarks.md, "Figures that were in code comments"). Prefetching the values too was
 /// slower in a probe of the kernel alone (not tried end to end).
-const KEYS_AHEAD: usize = 2 * LANES;
+const KEYS_AHEAD: usize = 32;
 
 /// Prefetches the cache lines of `row`'s span moved `ahead` values on (the key `ahead /
 /// head_dim` rows later when the keys are contiguous; a hint only, so an address past the
 /// buffer or in another block costs nothing but the wasted fetch).
 #[inline]
-#[target_feature(enable = "avx512f")]
 fn prefetch_ahead<T>(row: &[T], ahead: usize) {
     let line_values = (64 / size_of::<T>()).max(1);
     let base = row.as_ptr().wrapping_add(ahead);
     for offset in (0..row.len()).step_by(line_values) {
-        // A prefetch never faults, whatever the address.
-        _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(offset).cast());
+        // SAFETY: SSE is part of x86_64; a prefetch never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(offset).cast()) };
     }
 }
 
-/// The transpose of a 16 × 16 block held as sixteen rows: unpacks within 128-bit lanes, then
-/// two rounds of 128-bit lane shuffles (64 shuffles for 256 values).
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn transpose16(r: [__m512; LANES]) -> [__m512; LANES] {
-    // t: pairs of rows interleaved within each 128-bit lane.
-    let t: [__m512; LANES] = std::array::from_fn(|i| {
-        let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
-        if i % 2 == 0 {
-            _mm512_unpacklo_ps(a, b)
-        } else {
-            _mm512_unpackhi_ps(a, b)
-        }
-    });
-    // u[4g + m]: rows 4g..4g+4 at columns 4k + m (lane k).
-    let u: [__m512; LANES] = std::array::from_fn(|i| {
-        let (g, m) = (i / 4, i % 4);
-        let (a, b) = (t[4 * g + m / 2], t[4 * g + 2 + m / 2]);
-        if m % 2 == 0 {
-            _mm512_shuffle_ps::<0x44>(a, b)
-        } else {
-            _mm512_shuffle_ps::<0xEE>(a, b)
-        }
-    });
-    // v[8h + m] (m < 4): rows 8h..8h+8 at columns m and m + 8; v[8h + 4 + m]: m + 4, m + 12.
-    let v: [__m512; LANES] = std::array::from_fn(|i| {
-        let (h, high, m) = (i / 8, (i / 4) % 2, i % 4);
-        let (a, b) = (u[8 * h + m], u[8 * h + 4 + m]);
-        if high == 0 {
-            _mm512_shuffle_f32x4::<0x88>(a, b)
-        } else {
-            _mm512_shuffle_f32x4::<0xDD>(a, b)
-        }
-    });
-    // Column c: from v[c % 8] (rows 0..8) and v[8 + c % 8] (rows 8..16).
-    std::array::from_fn(|c| {
-        let m = c % 8;
-        let (a, b) = (v[m], v[8 + m]);
-        if c < 8 {
-            _mm512_shuffle_f32x4::<0x88>(a, b)
-        } else {
-            _mm512_shuffle_f32x4::<0xDD>(a, b)
-        }
-    })
-}
-
-/// Which of keys `j0..j0 + 16` a row masks: its mask entries, and every key at or past `end`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-fn masked_lanes(mask_row: &[bool], j0: usize, end: usize) -> __mmask16 {
-    let in_range: __mmask16 = match end.saturating_sub(j0) {
-        0 => return 0xFFFF,
-        n if n >= LANES => 0xFFFF,
-        n => (1u16 << n) - 1,
-    };
-    let mut bytes = [1u8; LANES];
-    for (b, &m) in bytes.iter_mut().zip(&mask_row[j0..end.min(j0 + LANES)]) {
-        *b = u8::from(m);
+/// The `N` keys of one chunk from `offsets` (a zero row for each missing one), each row found
+/// once per chunk so that the loads after it are plain loads the core can overlap (a lookup
+/// per load, through a call, serialized the cache misses), and prefetched [`KEYS_AHEAD`] keys
+/// on.
+fn chunk_keys<'a, const N: usize, T: KvElement>(
+    kv: &HeadKv<'a, T>,
+    offsets: &mut impl Iterator<Item = usize>,
+    zeros: &'a [T],
+) -> [&'a [T]; N] {
+    let keys: [&[T]; N] = std::array::from_fn(|_| offsets.next().map_or(zeros, |at| kv.key(at)));
+    for key in &keys {
+        prefetch_ahead(key, KEYS_AHEAD * kv.row_units);
     }
-    // SAFETY: 16 bytes from a local array.
-    let loaded = unsafe { _mm_loadu_si128(bytes.as_ptr().cast()) };
-    _mm_cmpneq_epi8_mask(loaded, _mm_setzero_si128()) | !in_range
-}
-
-/// The scores of the tile's `R` rows over `seen.span` (`probs[r][c * 16 + l]`, then their
-/// probabilities in place), and each row's largest score and `Σ p` (-inf and 0 for a row
-/// that sees no key).
-///
-/// # Shapes
-/// - `seen.kt`: `[chunks ≥ span / 16, head_dim, 16]` from [`transpose_keys`]
-/// - `probs`: `[TILE_ROWS, chunks * 16]`
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-fn scores_to_probabilities<const R: usize>(
-    tile: &[Row],
-    q: &[f32],
-    seen: &KeysSeen<'_>,
-    probs: &mut [f32],
-) -> ([f32; TILE_ROWS], [f32; TILE_ROWS]) {
-    let tile = &tile[..R];
-    let start = seen.span.start;
-    let chunks = seen.span.len().div_ceil(LANES);
-    let stride = chunks * LANES;
-    let head_dim = seen.head_dim;
-    let key_chunk = |c: usize, d: usize| &seen.kt[(c * head_dim + d) * LANES..][..LANES];
-    let scale16 = _mm512_set1_ps(seen.scale);
-    let minus_inf = _mm512_set1_ps(f32::NEG_INFINITY);
-    let mut maxes = [minus_inf; R];
-    // Scores, two chunks at a time where there are two (2R independent FMA chains).
-    let mut c = 0;
-    while c < chunks {
-        let pair = if c + 1 < chunks { 2 } else { 1 };
-        let mut s = [[_mm512_setzero_ps(); 2]; R];
-        for d in 0..head_dim {
-            // SAFETY: 16 values each (slices of that length).
-            let k0 = unsafe { _mm512_loadu_ps(key_chunk(c, d).as_ptr()) };
-            let k1 = if pair == 2 {
-                // SAFETY: 16 values (a slice of that length).
-                unsafe { _mm512_loadu_ps(key_chunk(c + 1, d).as_ptr()) }
-            } else {
-                _mm512_setzero_ps()
-            };
-            for r in 0..R {
-                let qd = _mm512_set1_ps(q[tile[r].at + d]);
-                s[r][0] = _mm512_fmadd_ps(qd, k0, s[r][0]);
-                s[r][1] = _mm512_fmadd_ps(qd, k1, s[r][1]);
-            }
-        }
-        for r in 0..R {
-            let row = &tile[r];
-            let mask_row = &seen.mask[row.mask_at..row.mask_at + seen.keys];
-            for (h, &sum) in s[r].iter().enumerate().take(pair) {
-                let j0 = start + (c + h) * LANES;
-                let masked = masked_lanes(mask_row, j0, row.visible.end.min(seen.span.end));
-                let score = _mm512_mask_mov_ps(_mm512_mul_ps(sum, scale16), masked, minus_inf);
-                maxes[r] = _mm512_max_ps(maxes[r], score);
-                let at = r * stride + (c + h) * LANES;
-                // SAFETY: 16 values (a slice of that length).
-                unsafe { _mm512_storeu_ps(probs[at..][..LANES].as_mut_ptr(), score) };
-            }
-        }
-        c += pair;
-    }
-    // Probabilities and their sums.
-    let mut row_maxes = [f32::NEG_INFINITY; TILE_ROWS];
-    let mut row_sums = [0f32; TILE_ROWS];
-    for r in 0..R {
-        let row_probs = &mut probs[r * stride..(r + 1) * stride];
-        let max = _mm512_reduce_max_ps(maxes[r]);
-        row_maxes[r] = max;
-        if max == f32::NEG_INFINITY {
-            row_probs.fill(0.0);
-            continue;
-        }
-        let max16 = _mm512_set1_ps(max);
-        let mut sums = _mm512_setzero_ps();
-        for chunk in row_probs.chunks_exact_mut(LANES) {
-            // SAFETY: 16 values (chunks of that length).
-            let p = exp16(_mm512_sub_ps(
-                unsafe { _mm512_loadu_ps(chunk.as_ptr()) },
-                max16,
-            ));
-            sums = _mm512_add_ps(sums, p);
-            // SAFETY: 16 values (a chunk of that length).
-            unsafe { _mm512_storeu_ps(chunk.as_mut_ptr(), p) };
-        }
-        row_sums[r] = _mm512_reduce_add_ps(sums);
-    }
-    (row_maxes, row_sums)
-}
-
-/// `out[row.dest..] = inv[row] × Σ_j p_j v_j` over keys `span`, 64 columns at a time (four
-/// registers per row: sixteen accumulators for a full tile), fewer for the last columns.
-///
-/// # Safety
-/// As [`attend_rows`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn weighted_sum<const R: usize, T: KvElement>(
-    tile: &[Row],
-    kv: &HeadKv<'_, T>,
-    span: Range<usize>,
-    probs: &[f32],
-    inv: &[f32; TILE_ROWS],
-    out: &SharedOut<f32>,
-) {
-    let mut column = 0;
-    while column < kv.head_dim {
-        // SAFETY: `columns` needs this function's contract (`attend_rows`'s: AVX-512, the
-        // tile's records this task's alone), and gets the same tile.
-        unsafe {
-            column += match (kv.head_dim - column) / LANES {
-                1 => columns::<R, 1, T>(tile, kv, span.clone(), column, probs, inv, out),
-                2 => columns::<R, 2, T>(tile, kv, span.clone(), column, probs, inv, out),
-                3 => columns::<R, 3, T>(tile, kv, span.clone(), column, probs, inv, out),
-                _ => columns::<R, 4, T>(tile, kv, span.clone(), column, probs, inv, out),
-            }
-        };
-    }
-}
-
-/// [`weighted_sum`] for `W` registers of columns from `column`; returns how many columns.
-///
-/// # Safety
-/// As [`attend_rows`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn columns<const R: usize, const W: usize, T: KvElement>(
-    tile: &[Row],
-    kv: &HeadKv<'_, T>,
-    span: Range<usize>,
-    column: usize,
-    probs: &[f32],
-    inv: &[f32; TILE_ROWS],
-    out: &SharedOut<f32>,
-) -> usize {
-    let stride = span.len().div_ceil(LANES) * LANES;
-    let mut acc = [[_mm512_setzero_ps(); W]; R];
-    for (i, at) in kv.offsets(span).enumerate() {
-        // A key no row of the tile sees adds nothing (and its values may be stale).
-        if (0..R).all(|r| probs[r * stride + i] == 0.0) {
-            continue;
-        }
-        let row = kv.value(at);
-        let mut values = [_mm512_setzero_ps(); W];
-        for (w, x) in values.iter_mut().enumerate() {
-            // SAFETY: `column + (w + 1) 16 <= head_dim`, the row's values.
-            *x = unsafe { T::load16(row.as_ptr(), column + w * LANES) };
-        }
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let p = _mm512_set1_ps(probs[r * stride + i]);
-            for (a, &x) in acc.iter_mut().zip(&values) {
-                *a = _mm512_fmadd_ps(p, x, *a);
-            }
-        }
-    }
-    for (r, row) in tile[..R].iter().enumerate() {
-        let inv16 = _mm512_set1_ps(inv[r]);
-        for (w, &a) in acc[r].iter().enumerate() {
-            let mut lanes = [0f32; LANES];
-            // SAFETY: 16 values into a local array.
-            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_mul_ps(a, inv16)) };
-            for (l, &x) in lanes.iter().enumerate() {
-                // SAFETY: the row is this task's (the caller's contract).
-                unsafe { out.write(row.dest + column + w * LANES + l, x) };
-            }
-        }
-    }
-    W * LANES
-}
-
-/// [`super::x86::exp8`] on sixteen lanes: the same operations in the same order, so the same
-/// value for each lane.
-#[inline]
-#[target_feature(enable = "avx512f,fma")]
-fn exp16(x: __m512) -> __m512 {
-    let min = _mm512_set1_ps(EXP_MIN);
-    let underflow = _mm512_cmp_ps_mask(x, min, _CMP_LT_OQ);
-    let x = _mm512_max_ps(x, min);
-    let n = _mm512_roundscale_ps(
-        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
-    );
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-    let mut p = _mm512_set1_ps(EXP_POLY[0]);
-    for c in &EXP_POLY[1..] {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
-    }
-    let r2 = _mm512_mul_ps(r, r);
-    let e_r = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
-    let two_n = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
-        _mm512_cvtps_epi32(n),
-        _mm512_set1_epi32(127),
-    )));
-    _mm512_maskz_mov_ps(!underflow, _mm512_mul_ps(e_r, two_n))
+    keys
 }
