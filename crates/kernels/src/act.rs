@@ -125,13 +125,13 @@ pub fn quantize_split(x: &[f32; ACT_BLOCK]) -> (ActBlock, ActBlock) {
 /// [`quantize_split`] over a row: `x` (`32 × hi.len()` values) into `hi` and `lo`, block by
 /// block, on `tier`.
 ///
-/// The AVX-512 tier does in registers what the scalar code does value by value, with the same
-/// IEEE operations in the same order (a maximum does not depend on the order, the rounding of
-/// `cvtps2dq` is the scalar's ties-to-even, the sums are integers), so it gives the scalar
-/// bits for finite input; a test asserts it. AVX2 runs the scalar code: the same source
-/// compiled for AVX2 or AVX-512 was slower than the plain build, the compiler's vectorization
-/// of the byte conversions being poor (docs/benchmarks.md, "Figures that were in code
-/// comments").
+/// The AVX-512 and AVX2 tiers do in registers (two 16-lane or four 8-lane ones a block) what
+/// the scalar code does value by value, with the same IEEE operations in the same order (a
+/// maximum does not depend on the order, the rounding of `cvtps2dq` is the scalar's
+/// ties-to-even, the sums are integers), so they give the scalar bits for finite input; a test
+/// asserts it. (Before AVX2 had its own, it ran the scalar code: the same source compiled for
+/// AVX2 or AVX-512 was slower than the plain build, the compiler's vectorization of the byte
+/// conversions being poor; docs/benchmarks.md, "Figures that were in code comments".)
 ///
 /// # Panics
 /// If `x.len() != 32 × hi.len()`, `lo.len() != hi.len()`, or this CPU cannot run `tier`.
@@ -151,6 +151,9 @@ pub fn quantize_split_row(x: &[f32], hi: &mut [ActBlock], lo: &mut [ActBlock], t
         // SAFETY: the tier's features were checked above.
         #[cfg(target_arch = "x86_64")]
         Tier::Avx512Vnni => unsafe { x86::split_row(x, hi, lo) },
+        // SAFETY: the tier's features were checked above.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx2 => unsafe { x86::avx2::split_row(x, hi, lo) },
         _ => {
             for ((chunk, h), l) in x.chunks_exact(ACT_BLOCK).zip(hi).zip(lo) {
                 (*h, *l) = quantize_split(chunk.try_into().expect("chunks of 32"));
@@ -179,6 +182,9 @@ pub fn quantize_row(x: &[f32], hi: &mut [ActBlock], tier: Tier) {
         // SAFETY: the tier's features were checked above.
         #[cfg(target_arch = "x86_64")]
         Tier::Avx512Vnni => unsafe { x86::first_pass_row(x, hi) },
+        // SAFETY: the tier's features were checked above.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx2 => unsafe { x86::avx2::first_pass_row(x, hi) },
         _ => {
             for (chunk, h) in x.chunks_exact(ACT_BLOCK).zip(hi) {
                 *h = ActBlock::quantize(chunk.try_into().expect("chunks of 32"));
@@ -262,6 +268,103 @@ mod x86 {
             sum_first_half,
         };
         (block, ra, rb)
+    }
+
+    /// The AVX2 twins of the functions above: a block as four 8-lane registers.
+    pub(super) mod avx2 {
+        use std::arch::x86_64::*;
+
+        use super::super::{ACT_BLOCK, ActBlock};
+
+        /// [`super::super::quantize_split_row`] on AVX2.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2; the lengths are checked by the caller.
+        #[target_feature(enable = "avx2")]
+        pub(in crate::act) unsafe fn split_row(
+            x: &[f32],
+            hi: &mut [ActBlock],
+            lo: &mut [ActBlock],
+        ) {
+            for ((chunk, h), l) in x.chunks_exact(ACT_BLOCK).zip(hi).zip(lo) {
+                let (block, rest) = quantize(load(chunk));
+                *h = block;
+                *l = quantize(rest).0;
+            }
+        }
+
+        /// [`super::super::quantize_row`] on AVX2: [`split_row`]'s first pass.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2; the lengths are checked by the caller.
+        #[target_feature(enable = "avx2")]
+        pub(in crate::act) unsafe fn first_pass_row(x: &[f32], hi: &mut [ActBlock]) {
+            for (chunk, h) in x.chunks_exact(ACT_BLOCK).zip(hi) {
+                *h = quantize(load(chunk)).0;
+            }
+        }
+
+        /// A block's 32 values as four registers.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn load(chunk: &[f32]) -> [__m256; 4] {
+            assert_eq!(chunk.len(), ACT_BLOCK);
+            // SAFETY: the chunk holds 32 f32 values (asserted); unaligned loads of 8 each.
+            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(chunk.as_ptr().add(8 * i)) })
+        }
+
+        /// The sum of a register's eight `i32` lanes.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn sum_lanes(v: __m256i) -> i32 {
+            let half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            let pair = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
+            _mm_cvtsi128_si32(_mm_add_epi32(pair, _mm_shuffle_epi32(pair, 1)))
+        }
+
+        /// [`ActBlock::quantize`] of the 32 values `v`, and what it leaves over (`x - d q`,
+        /// a multiply then a subtraction, as the scalar code rounds them).
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn quantize(v: [__m256; 4]) -> (ActBlock, [__m256; 4]) {
+            let sign = _mm256_set1_ps(-0.0);
+            let abs = v.map(|x| _mm256_andnot_ps(sign, x));
+            let m = _mm256_max_ps(_mm256_max_ps(abs[0], abs[1]), _mm256_max_ps(abs[2], abs[3]));
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let inv = _mm256_set1_ps(inv);
+            // Round to nearest, ties to even (the default MXCSR mode), as the scalar code does.
+            let q = v.map(|x| _mm256_cvtps_epi32(_mm256_mul_ps(x, inv)));
+            let sum_first_half = sum_lanes(_mm256_add_epi32(q[0], q[1]));
+            let sum = sum_first_half + sum_lanes(_mm256_add_epi32(q[2], q[3]));
+            // Finite values quantize within ±127, so the saturating packs keep them; they come
+            // out in 32-bit lanes of the order 0, 2, 4, 6, 1, 3, 5, 7 (each 128-bit half packed
+            // apart), which the permutation undoes.
+            let bytes = _mm256_packs_epi16(
+                _mm256_packs_epi32(q[0], q[1]),
+                _mm256_packs_epi32(q[2], q[3]),
+            );
+            let bytes =
+                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            let mut qs = [0i8; ACT_BLOCK];
+            // SAFETY: one 32-byte store into the 32 bytes of `qs`.
+            unsafe { _mm256_storeu_si256(qs.as_mut_ptr().cast(), bytes) };
+            let dv = _mm256_set1_ps(d);
+            let rest = std::array::from_fn(|i| {
+                _mm256_sub_ps(v[i], _mm256_mul_ps(dv, _mm256_cvtepi32_ps(q[i])))
+            });
+            let block = ActBlock {
+                qs,
+                d,
+                d_sum: d * sum as f32,
+                sum,
+                sum_first_half,
+            };
+            (block, rest)
+        }
     }
 }
 
