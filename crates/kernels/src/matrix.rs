@@ -292,7 +292,11 @@ impl QuantMatrix {
         let per_row = self.cols / ACT_BLOCK;
         let acts = |t: usize| {
             let span = t * per_row..(t + 1) * per_row;
-            (&hi[span.clone()], &lo[span])
+            match self.passes {
+                ActPasses::Two => (&hi[span.clone()], &lo[span]),
+                // One row of zero blocks stands for every row's second pass.
+                ActPasses::One => (&hi[span], &lo[..]),
+            }
         };
         let chunk = rows_per_task(self.rows, pool.threads());
         let out = SharedOut::new(out);
@@ -390,8 +394,8 @@ impl QuantMatrix {
     }
 }
 
-/// `x` (`[m, cols]`) as activation blocks in `passes` (`lo` all zero blocks for one), rows
-/// quantized in parallel when there are many.
+/// `x` (`[m, cols]`) as activation blocks in `passes` (for one, `lo` is a single row of zero
+/// blocks, the second pass of every row), rows quantized in parallel when there are many.
 fn quantize_activations(
     x: &[f32],
     m: usize,
@@ -408,19 +412,22 @@ fn quantize_activations(
         sum: 0,
         sum_first_half: 0,
     };
-    let (mut hi, mut lo) = (vec![empty; m * per_row], vec![empty; m * per_row]);
+    let lo_rows = match passes {
+        ActPasses::One => 1,
+        ActPasses::Two => m,
+    };
+    let (mut hi, mut lo) = (vec![empty; m * per_row], vec![empty; lo_rows * per_row]);
     let quantize_row = |row: usize, hi: &SharedOut<ActBlock>, lo: &SharedOut<ActBlock>| {
         // SAFETY: each row is quantized by exactly one task.
-        let (hi, lo) = unsafe {
-            (
-                hi.slice(row * per_row, per_row),
-                lo.slice(row * per_row, per_row),
-            )
-        };
+        let hi = unsafe { hi.slice(row * per_row, per_row) };
         let x = &x[row * cols..(row + 1) * cols];
         match passes {
             ActPasses::One => quantize_row(x, hi, tier),
-            ActPasses::Two => quantize_split_row(x, hi, lo, tier),
+            ActPasses::Two => {
+                // SAFETY: as `hi`'s: row `row` of `lo` is this task's alone.
+                let lo = unsafe { lo.slice(row * per_row, per_row) };
+                quantize_split_row(x, hi, lo, tier)
+            }
         }
     };
     let (hi_out, lo_out) = (SharedOut::new(&mut hi), SharedOut::new(&mut lo));
