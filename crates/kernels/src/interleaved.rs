@@ -1713,84 +1713,81 @@ mod x86 {
                             // SAFETY: `s < 8`: sub-block `s` (`sub_bytes`) at
                             // `Q6_K_QUANTS + sub_bytes s` ends by the column's end.
                             let q = unsafe { p.add(Q6_K_QUANTS + sub_bytes * s) };
-                            // Products a `$dot16` sum holds: Q3_K's four a half fit AVX2's
-                            // 16-bit sums, Q6_K's two.
+                            // Per row: [first half, second half] of the hi pass, then the lo's;
+                            // `narrow` holds the last `fit` or fewer products of each (Q3_K's
+                            // four a half fit AVX2's 16-bit sums, Q6_K's two).
                             let fit = const { $fit(if Q3 { 7 } else { 63 }) };
-                            // One half of the sub-block at a time (the chunks' low nibbles, then
-                            // their high ones), its float step taken before the next: a row
-                            // holds one half's sums at a time, which keeps a four-row tile in
-                            // AVX2's sixteen registers. Each row's float steps keep their
-                            // order (half 0, then half 1).
-                            for half in 0..2 {
-                                // Per row, the hi pass's and the lo pass's sums of this half;
-                                // `narrow` the last `fit` or fewer products of each.
-                                let mut sums = [[_mm256_setzero_si256(); 2]; N];
-                                let mut narrow = [[_mm256_setzero_si256(); 2]; N];
-                                for j in 0..4 {
-                                    // SAFETY: `j < 4`: the chunk `32 j ..` lies in the
-                                    // sub-block's first 128 bytes, its nibbles.
-                                    let raw = unsafe { _mm256_loadu_si256(q.add(32 * j).cast()) };
-                                    let mut value = if half == 0 {
-                                        _mm256_and_si256(raw, mask)
-                                    } else {
-                                        _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask)
+                            let mut sums = [[_mm256_setzero_si256(); 4]; N];
+                            let mut narrow = [[_mm256_setzero_si256(); 4]; N];
+                            for j in 0..4 {
+                                // SAFETY: `j < 4`: the chunk `32 j ..` lies in the sub-block's
+                                // first 128 bytes, its nibbles.
+                                let raw = unsafe { _mm256_loadu_si256(q.add(32 * j).cast()) };
+                                let mut first = _mm256_and_si256(raw, mask);
+                                let mut second = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                                if !Q3 {
+                                    // SAFETY: Q6_K's sub-block is 192 bytes; with `j < 4` the
+                                    // high bits `128 + 32 (j / 2) ..` end by its byte 191.
+                                    let bits = unsafe {
+                                        _mm256_loadu_si256(q.add(128 + 32 * (j / 2)).cast())
                                     };
-                                    if !Q3 {
-                                        // SAFETY: Q6_K's sub-block is 192 bytes; with `j < 4`
-                                        // the high bits `128 + 32 (j / 2) ..` end by its byte
-                                        // 191.
-                                        let bits = unsafe {
-                                            _mm256_loadu_si256(q.add(128 + 32 * (j / 2)).cast())
-                                        };
-                                        // Bit 4k (first half) or 4k + 2 (second) of `bits`,
-                                        // k = j % 2, moved to bit 4.
-                                        let high = match (j % 2, half) {
-                                            (0, 0) => _mm256_slli_epi16(bits, 4),
-                                            (0, _) => _mm256_slli_epi16(bits, 2),
-                                            (_, 0) => bits,
-                                            _ => _mm256_srli_epi16(bits, 2),
-                                        };
-                                        value = _mm256_or_si256(value, _mm256_and_si256(high, top));
+                                    // Bits 4k and 4k + 2 of `bits` (k = j % 2) moved to bit 4.
+                                    let (high_first, high_second) = if j % 2 == 0 {
+                                        (_mm256_slli_epi16(bits, 4), _mm256_slli_epi16(bits, 2))
+                                    } else {
+                                        (bits, _mm256_srli_epi16(bits, 2))
+                                    };
+                                    first =
+                                        _mm256_or_si256(first, _mm256_and_si256(high_first, top));
+                                    second =
+                                        _mm256_or_si256(second, _mm256_and_si256(high_second, top));
+                                }
+                                for i in 0..N {
+                                    let [f_h, s_h, f_l, s_l] = &mut narrow[i];
+                                    *f_h = $dot16(*f_h, first, broadcast(h[i], j));
+                                    *s_h = $dot16(*s_h, second, broadcast(h[i], 4 + j));
+                                    if SPLIT {
+                                        *f_l = $dot16(*f_l, first, broadcast(l[i], j));
+                                        *s_l = $dot16(*s_l, second, broadcast(l[i], 4 + j));
                                     }
+                                }
+                                if (j + 1) % fit == 0 || j == 3 {
+                                    let used = if SPLIT { 4 } else { 2 };
                                     for i in 0..N {
-                                        let [n_h, n_l] = &mut narrow[i];
-                                        *n_h = $dot16(*n_h, value, broadcast(h[i], 4 * half + j));
-                                        if SPLIT {
-                                            *n_l =
-                                                $dot16(*n_l, value, broadcast(l[i], 4 * half + j));
-                                        }
-                                    }
-                                    if (j + 1) % fit == 0 || j == 3 {
-                                        for i in 0..N {
-                                            for k in 0..(if SPLIT { 2 } else { 1 }) {
-                                                sums[i][k] = _mm256_add_epi32(
-                                                    sums[i][k],
-                                                    $widen(narrow[i][k]),
-                                                );
-                                                narrow[i][k] = _mm256_setzero_si256();
-                                            }
+                                        for k in 0..used {
+                                            sums[i][k] =
+                                                _mm256_add_epi32(sums[i][k], $widen(narrow[i][k]));
+                                            narrow[i][k] = _mm256_setzero_si256();
                                         }
                                     }
                                 }
-                                // SAFETY: `s < 8`: the scales of half `2 s + half` (eight bytes
-                                // at `16 + 8 (2 s + half)`) lie in bytes 16-143, before
-                                // `Q6_K_QUANTS`.
-                                let scale = unsafe {
-                                    _mm256_mul_ps(d, i8_lanes(p.add(16 + 8 * (2 * s + half))))
+                            }
+                            // SAFETY: `s < 8`: the scales of halves `2 s` and `2 s + 1` (eight
+                            // bytes each at `16 + 8 (2 s + half)`) lie in bytes 16-143, before
+                            // `Q6_K_QUANTS`.
+                            let scales = unsafe {
+                                [
+                                    _mm256_mul_ps(d, i8_lanes(p.add(16 + 8 * (2 * s)))),
+                                    _mm256_mul_ps(d, i8_lanes(p.add(16 + 8 * (2 * s + 1)))),
+                                ]
+                            };
+                            for i in 0..N {
+                                let [f_h, s_h, f_l, s_l] = sums[i];
+                                // The stored values are `q + offset`: `offset × Σ a` per half
+                                // comes off.
+                                let unoffset = |sum: __m256i, a: &ActBlock, half: usize| {
+                                    let off = offset * a.half_sum(half);
+                                    _mm256_sub_epi32(sum, _mm256_set1_epi32(off))
                                 };
-                                for i in 0..N {
-                                    // The stored values are `q + offset`: `offset × Σ a` of the
-                                    // half comes off.
-                                    let unoffset = |sum: __m256i, a: &ActBlock| {
-                                        let off = offset * a.half_sum(half);
-                                        _mm256_sub_epi32(sum, _mm256_set1_epi32(off))
-                                    };
-                                    let [sum_h, sum_l] = sums[i];
+                                let halves = [(f_h, f_l), (s_h, s_l)];
+                                for (half, (sum_h, sum_l)) in halves.into_iter().enumerate() {
+                                    let (sum_h, sum_l) =
+                                        (unoffset(sum_h, h[i], half), unoffset(sum_l, l[i], half));
                                     acc[i] = add_sums::<SPLIT>(
                                         acc[i],
-                                        scale,
-                                        unoffset(sum_h, h[i]),
-                                        unoffset(sum_l, l[i]),
+                                        scales[half],
+                                        sum_h,
+                                        sum_l,
                                         h[i],
                                         l[i],
                                     );
