@@ -20,6 +20,10 @@ pub struct ActBlock {
     pub sum: i32,
     /// `Σ qs` over the first 16 values, for Q6_K's offset, whose scales cover 16 values.
     pub sum_first_half: i32,
+    /// `−32 × Σ qs` over each half: where the wide Q6_K tile's integer sums start (its values
+    /// are stored as `q + 32`), each read by one broadcast from memory (docs/kernels.md,
+    /// item 6).
+    pub q6_k_starts: [i32; 2],
 }
 
 /// Values per activation block.
@@ -49,6 +53,23 @@ impl ActPasses {
 }
 
 impl ActBlock {
+    /// The all-zero block (`d` 0): what a product multiplies where it has no activations.
+    pub const ZERO: Self = Self::new([0; ACT_BLOCK], 0.0, 0, 0);
+
+    /// The block of the values `qs` at scale `d`, whose sum is `sum` (`sum_first_half` over
+    /// the first 16): the one place the derived fields are formed, for every tier's quantizer.
+    #[inline]
+    pub const fn new(qs: [i8; ACT_BLOCK], d: f32, sum: i32, sum_first_half: i32) -> Self {
+        Self {
+            qs,
+            d,
+            d_sum: d * sum as f32,
+            sum,
+            sum_first_half,
+            q6_k_starts: [-32 * sum_first_half, -32 * (sum - sum_first_half)],
+        }
+    }
+
     /// `Σ qs` over half `half` (0: values 0-15, 1: values 16-31), for the weight types whose
     /// scales or minimums cover 16 values (Q6_K, Q3_K, Q2_K).
     #[inline]
@@ -72,13 +93,7 @@ impl ActBlock {
         }
         let sum_first_half = qs[..16].iter().map(|&q| i32::from(q)).sum();
         let sum = sum_first_half + qs[16..].iter().map(|&q| i32::from(q)).sum::<i32>();
-        Self {
-            qs,
-            d,
-            d_sum: d * sum as f32,
-            sum,
-            sum_first_half,
-        }
+        Self::new(qs, d, sum, sum_first_half)
     }
 }
 
@@ -260,14 +275,7 @@ mod x86 {
         let dv = _mm512_set1_ps(d);
         let ra = _mm512_sub_ps(a, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(qa)));
         let rb = _mm512_sub_ps(b, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(qb)));
-        let block = ActBlock {
-            qs,
-            d,
-            d_sum: d * sum as f32,
-            sum,
-            sum_first_half,
-        };
-        (block, ra, rb)
+        (ActBlock::new(qs, d, sum, sum_first_half), ra, rb)
     }
 
     /// The AVX2 twins of the functions above: a block as four 8-lane registers.
@@ -356,14 +364,7 @@ mod x86 {
             let rest = std::array::from_fn(|i| {
                 _mm256_sub_ps(v[i], _mm256_mul_ps(dv, _mm256_cvtepi32_ps(q[i])))
             });
-            let block = ActBlock {
-                qs,
-                d,
-                d_sum: d * sum as f32,
-                sum,
-                sum_first_half,
-            };
-            (block, rest)
+            (ActBlock::new(qs, d, sum, sum_first_half), rest)
         }
     }
 }
@@ -385,6 +386,7 @@ mod tests {
         assert_eq!((b.sum, b.d_sum), (sum, b.d * sum as f32));
         let first: i32 = b.qs[..16].iter().map(|&q| i32::from(q)).sum();
         assert_eq!(b.sum_first_half, first);
+        assert_eq!(b.q6_k_starts, [-32 * first, -32 * (sum - first)]);
         for (q, v) in b.qs.iter().zip(&x) {
             assert!((f32::from(*q) * b.d - v).abs() <= b.d / 2.0 + 1e-6);
         }

@@ -405,13 +405,7 @@ fn quantize_activations(
     pool: &ThreadPool,
 ) -> (Vec<ActBlock>, Vec<ActBlock>) {
     let per_row = cols / ACT_BLOCK;
-    let empty = ActBlock {
-        qs: [0; 32],
-        d: 0.0,
-        d_sum: 0.0,
-        sum: 0,
-        sum_first_half: 0,
-    };
+    let empty = ActBlock::ZERO;
     let lo_rows = match passes {
         ActPasses::One => 1,
         ActPasses::Two => m,

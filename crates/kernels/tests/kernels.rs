@@ -141,14 +141,16 @@ proptest! {
             x[32..64].fill(0.0);
             x[40] = -scale;
         }
-        let empty = ActBlock { qs: [0; 32], d: 0.0, d_sum: 0.0, sum: 0, sum_first_half: 0 };
+        let empty = ActBlock::ZERO;
         let (mut hi, mut lo) = (vec![empty; blocks], vec![empty; blocks]);
         quantize_split_row(&x, &mut hi, &mut lo, Tier::Scalar);
         for (i, chunk) in x.chunks_exact(32).enumerate() {
             prop_assert_eq!((hi[i], lo[i]), quantize_split(chunk.try_into().unwrap()));
         }
-        let bits = |b: &[ActBlock]| -> Vec<(Vec<i8>, u32, u32, i32, i32)> {
-            b.iter().map(|b| (b.qs.to_vec(), b.d.to_bits(), b.d_sum.to_bits(), b.sum, b.sum_first_half)).collect()
+        // Every field, the floats as bits.
+        type BlockBits = (Vec<i8>, u32, u32, i32, i32, [i32; 2]);
+        let bits = |b: &[ActBlock]| -> Vec<BlockBits> {
+            b.iter().map(|b| (b.qs.to_vec(), b.d.to_bits(), b.d_sum.to_bits(), b.sum, b.sum_first_half, b.q6_k_starts)).collect()
         };
         for tier in Tier::supported() {
             let (mut th, mut tl) = (vec![empty; blocks], vec![empty; blocks]);

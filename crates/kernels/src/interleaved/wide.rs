@@ -250,6 +250,29 @@ mod x86 {
         out
     }
 
+    /// `a.q6_k_starts[HALF]` in every lane, by one `vpbroadcastd` from memory: a load, where
+    /// `_mm512_set1_epi32` of the computed `−32 × Σ` broadcasts from a general register, a
+    /// vector µop of its own (port 5 on Intel, beside the `vpdpbusd`s), two per activation
+    /// row and sub-block.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn q6_k_start<const HALF: usize>(a: &ActBlock) -> __m512i {
+        const { assert!(HALF < 2) };
+        let out;
+        // SAFETY: reads the four bytes of `a.q6_k_starts[HALF]` (`HALF < 2`, asserted above)
+        // inside `*a`, a valid reference; writes only `out`.
+        unsafe {
+            asm!(
+                "vpbroadcastd {out}, dword ptr [{a} + {start}]",
+                out = lateout(zmm_reg) out,
+                a = in(reg) a,
+                start = const offset_of!(ActBlock, q6_k_starts) + 4 * HALF,
+                options(pure, readonly, nostack, preserves_flags),
+            );
+        }
+        out
+    }
+
     /// `acc − v × a.d_sum` in every lane, in one `vfnmadd231ps` that broadcasts `d_sum`
     /// itself as [`mul_by_scale`] does: the bits of `_mm512_fnmadd_ps(v, set1(d_sum), acc)`.
     #[inline]
@@ -867,16 +890,19 @@ mod x86 {
                         q.add(Q6_K_QUANTS + sub_bytes * s),
                     )
                 };
-                let start =
-                    |a: &ActBlock, half: usize| _mm512_set1_epi32(-offset * a.half_sum(half));
+                // Each half's sum starts at `−offset × Σ a`: Q6_K's from memory, Q3_K's
+                // formed here.
+                let starts = |a: &ActBlock| {
+                    if Q3 {
+                        [0, 1].map(|half| _mm512_set1_epi32(-offset * a.half_sum(half)))
+                    } else {
+                        [q6_k_start::<0>(a), q6_k_start::<1>(a)]
+                    }
+                };
                 // Per row: [first half, second half] of the hi pass, then the lo's.
                 let mut sums: [[__m512i; 4]; N] = std::array::from_fn(|i| {
-                    [
-                        start(h[i], 0),
-                        start(h[i], 1),
-                        start(l[i], 0),
-                        start(l[i], 1),
-                    ]
+                    let ([first_h, second_h], [first_l, second_l]) = (starts(h[i]), starts(l[i]));
+                    [first_h, second_h, first_l, second_l]
                 });
                 for j in 0..4 {
                     // SAFETY: `j < 4`: the chunk `32 j ..` lies in each sub-block's first 128
