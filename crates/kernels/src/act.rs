@@ -29,6 +29,10 @@ pub struct ActBlock {
 /// Values per activation block.
 pub const ACT_BLOCK: usize = 32;
 
+/// What the interleaved Q6_K layout adds to each value (stored as `q + 32`, unsigned), and so
+/// what [`ActBlock::q6_k_starts`] takes off: one constant for both.
+pub(crate) const Q6_K_OFFSET: i32 = 32;
+
 /// How many 8-bit passes a quantized product gives its activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum ActPasses {
@@ -66,7 +70,10 @@ impl ActBlock {
             d_sum: d * sum as f32,
             sum,
             sum_first_half,
-            q6_k_starts: [-32 * sum_first_half, -32 * (sum - sum_first_half)],
+            q6_k_starts: [
+                -Q6_K_OFFSET * sum_first_half,
+                -Q6_K_OFFSET * (sum - sum_first_half),
+            ],
         }
     }
 

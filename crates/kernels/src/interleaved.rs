@@ -95,7 +95,7 @@ const fn half_scaled_sizes(q3: bool) -> (usize, usize, i32) {
     if q3 {
         (Q3_K_BYTES, Q3_K_SUB, 4)
     } else {
-        (Q6_K_BYTES, Q6_K_SUB, 32)
+        (Q6_K_BYTES, Q6_K_SUB, crate::act::Q6_K_OFFSET)
     }
 }
 
