@@ -56,7 +56,7 @@ use crate::tier::Tier;
 
 mod wide;
 
-pub(crate) use wide::{WIDE_ROWS, WIDE_TILE, WideKernels};
+pub(crate) use wide::{WIDE_ROWS, WideKernels};
 
 /// Rows per group.
 pub const GROUP: usize = 8;

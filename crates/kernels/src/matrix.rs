@@ -12,8 +12,8 @@ use crate::act::{ACT_BLOCK, ActBlock, ActPasses, quantize_row, quantize_split_ro
 use crate::error::KernelError;
 use crate::ggml::{GgmlType, dequantize};
 use crate::interleaved::{
-    GROUP, TILE, TileKernels, WIDE_ROWS, WIDE_TILE, WideKernels, group_block_bytes, pack,
-    unpack_row, zeroed_on_huge_pages,
+    GROUP, TILE, TileKernels, WIDE_ROWS, WideKernels, group_block_bytes, pack, unpack_row,
+    zeroed_on_huge_pages,
 };
 use crate::pool::ThreadPool;
 use crate::quant::{DotKernel, has_kernel};
@@ -320,26 +320,25 @@ impl QuantMatrix {
                 // would not).
                 for pass in (0..m).step_by(ACT_ROWS_PER_PASS) {
                     let pass = pass..(pass + ACT_ROWS_PER_PASS).min(m);
+                    // The pass's rows for the wide tiles (the slots past its end repeat its
+                    // last row and are not passed on).
+                    let pass_rows: [_; ACT_ROWS_PER_PASS] =
+                        std::array::from_fn(|i| acts((pass.start + i).min(pass.end - 1)));
                     let mut g = task_groups.start;
                     while g < task_groups.end {
                         if let Some(wide) = wide.filter(|_| g + 1 < task_groups.end) {
                             let w = &self.data[g * group_bytes..(g + 2) * group_bytes];
-                            for start in pass.clone().step_by(wide.tile()) {
-                                let n = (pass.end - start).min(wide.tile());
-                                let tile: [_; WIDE_TILE] =
-                                    std::array::from_fn(|i| acts(start + i.min(n - 1)));
-                                let write = |i: usize, y: [f32; WIDE_ROWS]| {
-                                    // SAFETY: every (t, row) is written by exactly one task.
-                                    unsafe {
-                                        out.slice((start + i) * self.rows + g * GROUP, WIDE_ROWS)
-                                            .copy_from_slice(&y)
-                                    };
+                            let write = |i: usize, y: [f32; WIDE_ROWS]| {
+                                // SAFETY: every (t, row) is written by exactly one task.
+                                unsafe {
+                                    out.slice((pass.start + i) * self.rows + g * GROUP, WIDE_ROWS)
+                                        .copy_from_slice(&y)
                                 };
-                                // SAFETY: the tier was checked above (wide tiles exist only
-                                // for it); `w` is groups `g` and `g + 1`, each of `cols / 32`
-                                // blocks' columns, each row of `hi` and `lo` as many blocks.
-                                unsafe { wide.run(w, &tile[..n], write) };
-                            }
+                            };
+                            // SAFETY: the tier was checked above (wide tiles exist only for
+                            // it); `w` is groups `g` and `g + 1`, each of `cols / 32` blocks'
+                            // columns, each row of `hi` and `lo` as many blocks.
+                            unsafe { wide.run_pass(w, &pass_rows[..pass.len()], write) };
                             g += 2;
                             continue;
                         }

@@ -4,15 +4,19 @@
 //! The groups keep their layout ([`super`]); a 512-bit register holds chunk `j` of the first
 //! group in its low half and of the second in its high half, so one `vpdpbusd` with four
 //! broadcast activation bytes advances sixteen rows where the 256-bit tiles advance eight, and
-//! each chunk, unpacked once, serves up to eight activation rows in both passes. Prefill
-//! spends its time in them: the K-quants (Q4_K, Q5_K, Q6_K, Q3_K: the bulk of the Q4_K_M,
-//! Q5_K_M, Q6_K and Q3_K_M files), Q8_0, and Q4_0, Q4_1, Q5_0 and Q5_1 (the default model's
-//! Q4_1, and the fallbacks llama-quantize writes where a width is not a multiple of 256).
+//! each chunk, unpacked once, serves up to eight activation rows in both passes; the
+//! K-quants' pairs of groups are unpacked once for a whole pass of activation rows
+//! ([`UnpackedSub`]). Prefill spends its time in them: the K-quants (Q4_K, Q5_K, Q6_K, Q3_K:
+//! the bulk of the Q4_K_M, Q5_K_M, Q6_K and Q3_K_M files), Q8_0, and Q4_0, Q4_1, Q5_0 and Q5_1
+//! (the default model's Q4_1, and the fallbacks llama-quantize writes where a width is not a
+//! multiple of 256).
 //!
 //! Each lane goes through the 256-bit VNNI tile's float steps in the same order (a float
 //! step per sub-block and row, the same `cvtdq2ps`, multiplies and FMAs), and the integer
 //! sums are exact in any order, so every output is the same bits as the narrow tile's: a
 //! row's products do not depend on whether prefill (wide) or decoding (narrow) computed them.
+
+use std::cell::RefCell;
 
 use crate::act::{ActBlock, ActPasses};
 use crate::ggml::GgmlType;
@@ -32,8 +36,48 @@ pub const WIDE_TILE: usize = 8;
 /// # Safety
 /// The CPU must support AVX-512 VNNI; `w` must be two groups of the function's type, each
 /// holding exactly the block columns that `hi[i].len()` activation blocks cover (one per
-/// eight blocks) for every `i`, and `lo[i].len() == hi[i].len()`.
+/// eight blocks) for every `i`, and `lo[i].len() == hi[i].len()`. For the types
+/// [`WideKernels`] unpacks, `w` is instead the bytes of the two groups' [`UnpackedSub`]s, one
+/// per activation block.
 pub(crate) type WideFn<const N: usize> = AnyTileFn<N, WIDE_ROWS>;
+
+/// One sub-block (32 values) of a wide tile's sixteen weight rows unpacked: the registers
+/// the K-quant tiles multiply and the float scales they apply. A pass of activation rows
+/// unpacks a pair of groups once and every tile of the pass loads the registers (load ports)
+/// instead of forming them again from nibbles (vector ports, which the `vpdpbusd`s need:
+/// docs/kernels.md, item 6).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct UnpackedSub {
+    /// Chunk `j`'s two registers: values `4 j .. 4 j + 4` of each of the sixteen rows (four
+    /// bytes a row, the first group's eight rows in the low half), then values `16 + 4 j ..`.
+    values: [[[u8; 64]; 2]; 4],
+    /// Per row: Q4_K's and Q5_K's `d × scale` and `dmin × min`; Q6_K's and Q3_K's `d ×` the
+    /// scale of the sub-block's first half and of its second.
+    scales: [[f32; WIDE_ROWS]; 2],
+}
+
+impl UnpackedSub {
+    /// A sub-block of zeros: what a buffer grows with before the unpacking writes it.
+    const ZERO: Self = Self {
+        values: [[[0; 64]; 2]; 4],
+        scales: [[0.0; WIDE_ROWS]; 2],
+    };
+}
+
+/// Unpacks two groups (`w`, their bytes end to end) into `out`, one [`UnpackedSub`] per
+/// sub-block.
+///
+/// # Safety
+/// The CPU must support AVX-512 VNNI; `w` must be two groups of the function's type, each
+/// holding exactly the block columns of `out.len()` sub-blocks.
+type UnpackFn = unsafe fn(&[u8], &mut [UnpackedSub]);
+
+thread_local! {
+    /// This thread's unpacked pair of groups: one at a time, the buffer kept for every
+    /// product after (a pair of 8,192-wide rows is 160 KB, which stays in L2).
+    static UNPACKED: RefCell<Vec<UnpackedSub>> = const { RefCell::new(Vec::new()) };
+}
 
 /// The wide tiles of one weight type, for one to [`WIDE_TILE`] activation rows.
 #[derive(Clone, Copy)]
@@ -42,6 +86,9 @@ pub(crate) struct WideKernels {
     /// five for the types whose two scales per sub-block need four sums per row and pass (six
     /// rows' 24 sums spill out of the 32 registers; docs/benchmarks.md has the three timings).
     tile: usize,
+    /// For the K-quants: what unpacks a pair of groups for the tiles, which take the
+    /// [`UnpackedSub`]s.
+    unpack: Option<UnpackFn>,
     one: WideFn<1>,
     two: WideFn<2>,
     three: WideFn<3>,
@@ -52,27 +99,29 @@ pub(crate) struct WideKernels {
     eight: WideFn<8>,
 }
 
-/// [`WideKernels`] from one kernel generic over its row count.
+/// [`WideKernels`] from one kernel generic over its row count (after it, its extra generic
+/// parameters), and for the unpacked types what unpacks their weights.
 #[cfg(target_arch = "x86_64")]
 macro_rules! wide_kernels {
-    ($tile:expr, $($f:ident)::+) => {
+    ($tile:expr, $unpack:expr, $($f:ident)::+ $(, $extra:expr)*) => {
         WideKernels {
             tile: $tile,
-            one: $($f)::+::<1, SPLIT>,
-            two: $($f)::+::<2, SPLIT>,
-            three: $($f)::+::<3, SPLIT>,
-            four: $($f)::+::<4, SPLIT>,
-            five: $($f)::+::<5, SPLIT>,
-            six: $($f)::+::<6, SPLIT>,
-            seven: $($f)::+::<7, SPLIT>,
-            eight: $($f)::+::<8, SPLIT>,
+            unpack: $unpack,
+            one: $($f)::+::<1 $(, $extra)*, SPLIT>,
+            two: $($f)::+::<2 $(, $extra)*, SPLIT>,
+            three: $($f)::+::<3 $(, $extra)*, SPLIT>,
+            four: $($f)::+::<4 $(, $extra)*, SPLIT>,
+            five: $($f)::+::<5 $(, $extra)*, SPLIT>,
+            six: $($f)::+::<6 $(, $extra)*, SPLIT>,
+            seven: $($f)::+::<7 $(, $extra)*, SPLIT>,
+            eight: $($f)::+::<8 $(, $extra)*, SPLIT>,
         }
     };
 }
 
 impl WideKernels {
     /// The wide tiles of `ty` at `tier` for activations in `passes`, if it has them: on
-    /// AVX-512 VNNI, the K-quants but IQ4's and Q2_K, Q8_0, and Q4_0, Q4_1, Q5_0, Q5_1. One
+    /// AVX-512 VNNI, the K-quants but Q2_K, IQ4's, Q8_0, and Q4_0, Q4_1, Q5_0, Q5_1. One
     /// pass asks for zero `lo` rows, as [`super::TileKernels::new`] says.
     pub(crate) fn new(ty: GgmlType, tier: Tier, passes: ActPasses) -> Option<Self> {
         match passes {
@@ -88,18 +137,32 @@ impl WideKernels {
         let half_scaled_tile = if SPLIT { 5 } else { WIDE_TILE };
         #[cfg(target_arch = "x86_64")]
         if tier == Tier::Avx512Vnni {
+            let unpack_q4_k: UnpackFn = x86::unpack_k::<false>;
+            let unpack_q5_k: UnpackFn = x86::unpack_k::<true>;
+            let unpack_q6_k: UnpackFn = x86::unpack_half_scaled::<false>;
+            let unpack_q3_k: UnpackFn = x86::unpack_half_scaled::<true>;
             return match ty {
-                GgmlType::Q4_0 => Some(wide_kernels!(WIDE_TILE, x86::q4_0_wide)),
-                GgmlType::Q4_1 => Some(wide_kernels!(WIDE_TILE, x86::q4_1_wide)),
-                GgmlType::Q5_0 => Some(wide_kernels!(WIDE_TILE, x86::q5_0_wide)),
-                GgmlType::Q5_1 => Some(wide_kernels!(WIDE_TILE, x86::q5_1_wide)),
-                GgmlType::Q8_0 => Some(wide_kernels!(WIDE_TILE, x86::q8_0_wide)),
-                GgmlType::Q4K => Some(wide_kernels!(WIDE_TILE, x86::q4_k_wide)),
-                GgmlType::Q5K => Some(wide_kernels!(WIDE_TILE, x86::q5_k_wide)),
-                GgmlType::Q6K => Some(wide_kernels!(half_scaled_tile, x86::q6_k_wide)),
-                GgmlType::Q3K => Some(wide_kernels!(half_scaled_tile, x86::q3_k_wide)),
-                GgmlType::Iq4Nl => Some(wide_kernels!(WIDE_TILE, x86::iq4_nl_wide)),
-                GgmlType::Iq4Xs => Some(wide_kernels!(WIDE_TILE, x86::iq4_xs_wide)),
+                GgmlType::Q4_0 => Some(wide_kernels!(WIDE_TILE, None, x86::q4_0_wide)),
+                GgmlType::Q4_1 => Some(wide_kernels!(WIDE_TILE, None, x86::q4_1_wide)),
+                GgmlType::Q5_0 => Some(wide_kernels!(WIDE_TILE, None, x86::q5_0_wide)),
+                GgmlType::Q5_1 => Some(wide_kernels!(WIDE_TILE, None, x86::q5_1_wide)),
+                GgmlType::Q8_0 => Some(wide_kernels!(WIDE_TILE, None, x86::q8_0_wide)),
+                GgmlType::Q4K => Some(wide_kernels!(WIDE_TILE, Some(unpack_q4_k), x86::k_wide)),
+                GgmlType::Q5K => Some(wide_kernels!(WIDE_TILE, Some(unpack_q5_k), x86::k_wide)),
+                GgmlType::Q6K => Some(wide_kernels!(
+                    half_scaled_tile,
+                    Some(unpack_q6_k),
+                    x86::half_scaled_wide,
+                    false
+                )),
+                GgmlType::Q3K => Some(wide_kernels!(
+                    half_scaled_tile,
+                    Some(unpack_q3_k),
+                    x86::half_scaled_wide,
+                    true
+                )),
+                GgmlType::Iq4Nl => Some(wide_kernels!(WIDE_TILE, None, x86::iq4_nl_wide)),
+                GgmlType::Iq4Xs => Some(wide_kernels!(WIDE_TILE, None, x86::iq4_xs_wide)),
                 _ => None,
             };
         }
@@ -107,32 +170,63 @@ impl WideKernels {
         None
     }
 
-    /// The most activation rows [`Self::run`] takes at once.
-    pub(crate) fn tile(&self) -> usize {
-        self.tile
-    }
-
-    /// The products of the two groups `w` with `rows` (one to [`Self::tile`] activation rows,
-    /// each as its `(hi, lo)` passes), handed to `out` as (index in `rows`, sixteen outputs).
+    /// The products of the two groups `w` with `rows` (a pass of activation rows, each as its
+    /// `(hi, lo)` passes), up to [`Self::tile`] rows a call, handed to `out` as (index in
+    /// `rows`, sixteen outputs). The K-quants' groups are unpacked first, once for the pass.
     ///
     /// # Safety
-    /// As [`WideFn`] for every row.
+    /// As [`WideFn`] for every row, `w` the two groups as stored (this function unpacks).
     ///
     /// # Panics
-    /// If `rows` is empty or longer than [`Self::tile`].
-    #[inline]
-    pub(crate) unsafe fn run(
+    /// If `rows` is empty.
+    pub(crate) unsafe fn run_pass(
         &self,
         w: &[u8],
         rows: &[(&[ActBlock], &[ActBlock])],
         mut out: impl FnMut(usize, [f32; WIDE_ROWS]),
     ) {
-        assert!(
-            rows.len() <= self.tile,
-            "a wide tile of {} rows: at most {}",
-            rows.len(),
-            self.tile
-        );
+        assert!(!rows.is_empty(), "a pass of no activation rows");
+        let mut tiles = |w: &[u8]| {
+            for (k, tile) in rows.chunks(self.tile).enumerate() {
+                let first = k * self.tile;
+                // SAFETY: `tile` is one to `self.tile` of `rows`, under the `WideFn` contract
+                // this function's caller vouches for, `w` as the kernels take it.
+                unsafe { self.run(w, tile, |i, y| out(first + i, y)) };
+            }
+        };
+        let Some(unpack) = self.unpack else {
+            return tiles(w);
+        };
+        UNPACKED.with_borrow_mut(|buffer| {
+            let blocks = rows[0].0.len();
+            if buffer.len() < blocks {
+                buffer.resize(blocks, UnpackedSub::ZERO);
+            }
+            let subs = &mut buffer[..blocks];
+            // SAFETY: the caller's contract: an AVX-512 VNNI CPU, and `w` two groups of this
+            // type, each of the block columns that `blocks` activation blocks cover.
+            unsafe { unpack(w, subs) };
+            // SAFETY: `UnpackedSub` is bytes and f32 without padding (640 bytes): its memory
+            // may be read as bytes, which the tiles read back as `UnpackedSub`s.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(subs.as_ptr().cast::<u8>(), size_of_val(subs))
+            };
+            tiles(bytes)
+        })
+    }
+
+    /// One call of the kernel for `rows.len()` rows (one to [`Self::tile`]).
+    ///
+    /// # Safety
+    /// As [`WideFn`] for every row.
+    #[inline]
+    unsafe fn run(
+        &self,
+        w: &[u8],
+        rows: &[(&[ActBlock], &[ActBlock])],
+        mut out: impl FnMut(usize, [f32; WIDE_ROWS]),
+    ) {
+        debug_assert!(rows.len() <= self.tile);
         // SAFETY: each arm calls the kernel for exactly `rows.len()` rows, under the `WideFn`
         // contract this function's caller vouches for every row.
         unsafe {
@@ -157,7 +251,7 @@ mod x86 {
     use std::arch::x86_64::*;
     use std::mem::offset_of;
 
-    use super::{WIDE_ROWS, WIDE_TILE};
+    use super::{UnpackedSub, WIDE_ROWS, WIDE_TILE};
     use crate::act::ActBlock;
     use crate::ggml::IQ4_VALUES;
     use crate::interleaved::x86::{blocks_at, d_sum};
@@ -395,6 +489,52 @@ mod x86 {
     // blocks cover, so column `c < blocks / 8` of either group starts `bytes × c` into it and
     // ends inside it.
 
+    /// The fifth bits of a Q5-ordered block of each group (the 32 bytes after the 128 of
+    /// nibbles at `p` and `q`), for [`nibble_chunk`]; without `FIFTH`, zeros it ignores.
+    ///
+    /// # Safety
+    /// With `FIFTH`, 160 bytes at `p` and at `q` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn fifth_bits<const FIFTH: bool>(p: *const u8, q: *const u8) -> __m512i {
+        if FIFTH {
+            // SAFETY: with `FIFTH` the caller vouches for 160 bytes: the fifth bits are the
+            // last 32.
+            unsafe { pair(p.add(128), q.add(128)) }
+        } else {
+            _mm512_setzero_si512()
+        }
+    }
+
+    /// Chunk `j < 4` of a Q4_1-ordered block of nibbles of each group (at `p` and `q`: four
+    /// chunks of 32 bytes), with `FIFTH` its fifth bits from `fifth_bits`, as the registers
+    /// [`add_chunk`] multiplies: the values `4 j .. 4 j + 4` of the sixteen rows (the low
+    /// nibbles), then values `16 + 4 j ..` (the high).
+    ///
+    /// # Safety
+    /// 128 bytes at `p` and at `q` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn nibble_chunk<const FIFTH: bool>(
+        p: *const u8,
+        q: *const u8,
+        fifth_bits: __m512i,
+        j: usize,
+    ) -> [__m512i; 2] {
+        debug_assert!(j < 4);
+        let mask = _mm512_set1_epi8(0x0F);
+        // SAFETY: `j < 4`: chunk `j` is bytes `32 j .. 32 j + 32` of the 128 at each.
+        let raw = unsafe { pair(p.add(32 * j), q.add(32 * j)) };
+        let low = _mm512_and_si512(raw, mask);
+        let high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+        if !FIFTH {
+            return [low, high];
+        }
+        let (first, second) = fifth_bits_near_4(fifth_bits, j);
+        let bit = _mm512_set1_epi8(0x10);
+        [or_masked(low, first, bit), or_masked(high, second, bit)]
+    }
+
     /// The integer sums of `N` two-pass activation rows with a Q4_1-ordered block of nibbles
     /// of each group (at `p` and `q`: four chunks of 32 bytes), with `FIFTH` the fifth bits
     /// after them: per row, the `hi` and the `lo` pass's, sixteen lanes. Each chunk pair is
@@ -410,27 +550,13 @@ mod x86 {
         h: [&ActBlock; N],
         l: [&ActBlock; N],
     ) -> [(__m512i, __m512i); N] {
-        let mask = _mm512_set1_epi8(0x0F);
-        let fifth_bits = if FIFTH {
-            // SAFETY: with `FIFTH` the caller vouches for 160 bytes: the fifth bits are the
-            // last 32.
-            unsafe { pair(p.add(128), q.add(128)) }
-        } else {
-            _mm512_setzero_si512()
-        };
+        // SAFETY: the caller vouches for the bytes both read.
+        let fifth_bits = unsafe { fifth_bits::<FIFTH>(p, q) };
         let mut sh = [[_mm512_setzero_si512(); 4]; N];
         let mut sl = [[_mm512_setzero_si512(); 4]; N];
         for j in 0..4 {
-            // SAFETY: `j < 4`: chunk `j` is bytes `32 j .. 32 j + 32` of the 128 at each.
-            let raw = unsafe { pair(p.add(32 * j), q.add(32 * j)) };
-            let mut low = _mm512_and_si512(raw, mask);
-            let mut high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-            if FIFTH {
-                let (first, second) = fifth_bits_near_4(fifth_bits, j);
-                let bit = _mm512_set1_epi8(0x10);
-                low = or_masked(low, first, bit);
-                high = or_masked(high, second, bit);
-            }
+            // SAFETY: as above; `j < 4`.
+            let [low, high] = unsafe { nibble_chunk::<FIFTH>(p, q, fifth_bits, j) };
             add_chunk::<N, SPLIT>(&mut sh, &mut sl, j, low, high, h, l);
         }
         std::array::from_fn(|i| (total(sh[i]), total(sl[i])))
@@ -726,92 +852,129 @@ mod x86 {
         store(acc)
     }
 
-    /// Sixteen Q4_K rows × `N` two-pass activation rows ([`super::WideFn`]).
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn q4_k_wide<const N: usize, const SPLIT: bool>(
-        w: &[u8],
-        hi: [&[ActBlock]; N],
-        lo: [&[ActBlock]; N],
-    ) -> [[f32; WIDE_ROWS]; N] {
-        // SAFETY: this function's `WideFn` contract is `k_wide`'s for Q4_K.
-        unsafe { k_wide::<N, false, SPLIT>(w, hi, lo) }
+    /// The eight registers of one K-quant sub-block of each group ([`UnpackedSub::values`]'
+    /// layout), loaded from an unpacked sub-block.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn values(sub: &UnpackedSub, j: usize) -> [__m512i; 2] {
+        // SAFETY: each register is 64 bytes of `sub` at a multiple of 64 from its start, and
+        // `UnpackedSub` is 64-aligned: the aligned load's width and alignment.
+        [0, 1].map(|k| unsafe { _mm512_load_si512(sub.values[j][k].as_ptr().cast()) })
     }
 
-    /// Sixteen Q5_K rows × `N` two-pass activation rows ([`super::WideFn`]).
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn q5_k_wide<const N: usize, const SPLIT: bool>(
-        w: &[u8],
-        hi: [&[ActBlock]; N],
-        lo: [&[ActBlock]; N],
-    ) -> [[f32; WIDE_ROWS]; N] {
-        // SAFETY: this function's `WideFn` contract is `k_wide`'s for Q5_K.
-        unsafe { k_wide::<N, true, SPLIT>(w, hi, lo) }
+    /// The two scale registers of an unpacked sub-block ([`UnpackedSub::scales`]).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn scale_lanes(sub: &UnpackedSub) -> [__m512; 2] {
+        // SAFETY: as in `values`: 64 aligned bytes of `sub` each.
+        [0, 1].map(|k| unsafe { _mm512_load_ps(sub.scales[k].as_ptr()) })
     }
 
-    /// Sixteen Q4_K (`FIFTH` false) or Q5_K rows × `N` two-pass activation rows: the
-    /// 256-bit tile's `k_tile` on both groups at once.
+    /// Stores one sub-block's registers and scales, unpacked.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn store_unpacked(sub: &mut UnpackedSub, values: [[__m512i; 2]; 4], scales: [__m512; 2]) {
+        for (out, registers) in sub.values.iter_mut().zip(values) {
+            for (out, v) in out.iter_mut().zip(registers) {
+                // SAFETY: 64 bytes of `sub` at a multiple of 64 from its 64-aligned start.
+                unsafe { _mm512_store_si512(out.as_mut_ptr().cast(), v) };
+            }
+        }
+        for (out, v) in sub.scales.iter_mut().zip(scales) {
+            // SAFETY: as above: sixteen aligned f32.
+            unsafe { _mm512_store_ps(out.as_mut_ptr(), v) };
+        }
+    }
+
+    /// The sub-blocks whose bytes `w` is.
     ///
     /// # Safety
-    /// As [`super::WideFn`], for the type the parameters name.
+    /// `w` must be the bytes of a slice of [`UnpackedSub`], as [`super::WideKernels`] hands
+    /// the unpacked types' tiles their weights.
     #[inline]
+    unsafe fn unpacked(w: &[u8]) -> &[UnpackedSub] {
+        let subs = w.as_ptr().cast::<UnpackedSub>();
+        debug_assert!(subs.is_aligned() && w.len().is_multiple_of(size_of::<UnpackedSub>()));
+        // SAFETY: the caller's contract: `w` is whole, aligned `UnpackedSub`s, plain data.
+        unsafe { std::slice::from_raw_parts(subs, w.len() / size_of::<UnpackedSub>()) }
+    }
+
+    /// Two groups of Q4_K (`FIFTH` false) or Q5_K unpacked ([`super::UnpackFn`]): each
+    /// sub-block's chunks as [`nibble_chunk`] forms them, its `d × scale` and `dmin × min`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn k_wide<const N: usize, const FIFTH: bool, const SPLIT: bool>(
-        w: &[u8],
-        hi: [&[ActBlock]; N],
-        lo: [&[ActBlock]; N],
-    ) -> [[f32; WIDE_ROWS]; N] {
-        const { assert!(N >= 1 && N <= WIDE_TILE) };
+    pub(super) unsafe fn unpack_k<const FIFTH: bool>(w: &[u8], out: &mut [UnpackedSub]) {
         let (column_bytes, sub_bytes) = k_sizes(FIFTH);
         let group_bytes = w.len() / 2;
-        let blocks = hi[0].len();
-        debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
-        debug_assert_eq!(group_bytes, blocks / 8 * column_bytes);
-        let mut acc = [_mm512_setzero_ps(); N];
-        let mut mins = [_mm512_setzero_ps(); N];
-        for c in 0..blocks / 8 {
-            // SAFETY: column `c < blocks / 8` lies in each group; its first 32 bytes are the
-            // eight f16 `d`, then the eight `dmin`.
+        debug_assert_eq!(group_bytes, out.len() / 8 * column_bytes);
+        for (c, column) in out.chunks_exact_mut(8).enumerate() {
+            // SAFETY: column `c < out.len() / 8` lies in each group (the `UnpackFn` contract);
+            // its first 32 bytes are the eight f16 `d`, then the eight `dmin`.
             let (p, q, d, dmin) = unsafe {
                 let p = w.as_ptr().add(column_bytes * c);
                 let q = p.add(group_bytes);
                 (p, q, halves(p, q), halves(p.add(16), q.add(16)))
             };
-            for s in 0..8 {
-                let b = 8 * c + s;
-                // SAFETY: `b = 8 c + s < blocks`, every row's length (the `WideFn` contract).
-                let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
-                // SAFETY: `s < 8`: sub-block `s` (`sub_bytes`: 128 of nibbles, with `FIFTH`
-                // 32 of fifth bits) at `K_QUANTS + sub_bytes s` ends by the column's end in
-                // each group; the eight scales at `32 + 8 s` and minimums at `96 + 8 s` lie
-                // before `K_QUANTS` (32 + 64 + 64).
-                let (sp, sq) = unsafe {
+            for (s, sub) in column.iter_mut().enumerate() {
+                // SAFETY: `s < 8`: sub-block `s` (`sub_bytes`: 128 of nibbles, with `FIFTH` 32
+                // of fifth bits) at `K_QUANTS + sub_bytes s` ends by the column's end in each
+                // group; the eight scales at `32 + 8 s` and minimums at `96 + 8 s` lie before
+                // `K_QUANTS` (32 + 64 + 64).
+                let (sp, sq, scales, mins) = unsafe {
+                    let offset = K_QUANTS + sub_bytes * s;
                     (
-                        p.add(K_QUANTS + sub_bytes * s),
-                        q.add(K_QUANTS + sub_bytes * s),
-                    )
-                };
-                // SAFETY: each group's sub-block holds the 128 bytes of nibbles (and with
-                // `FIFTH` the 32 of fifth bits) `nibble_sums` reads.
-                let sums = unsafe { nibble_sums::<N, FIFTH, SPLIT>(sp, sq, h, l) };
-                // SAFETY: as above: the scales and minimums lie in each group's column header.
-                let (scales, mins_s) = unsafe {
-                    (
+                        p.add(offset),
+                        q.add(offset),
                         byte_lanes::<false>(p.add(32 + 8 * s), q.add(32 + 8 * s)),
                         byte_lanes::<false>(p.add(96 + 8 * s), q.add(96 + 8 * s)),
                     )
                 };
-                let scale = _mm512_mul_ps(d, scales);
-                let min = _mm512_mul_ps(dmin, mins_s);
-                for i in 0..N {
-                    let (sum_h, sum_l) = sums[i];
-                    acc[i] = add_sums::<SPLIT>(acc[i], scale, sum_h, sum_l, h[i], l[i]);
-                    if SPLIT {
-                        let d_sum = _mm512_set1_ps(d_sum::<SPLIT>(h[i], l[i]));
-                        mins[i] = _mm512_fmadd_ps(min, d_sum, mins[i]);
-                    } else {
-                        // The narrow tile's order: the minimums come off as they go.
-                        acc[i] = sub_min_times_sum(acc[i], min, h[i]);
-                    }
+                // SAFETY: as above: the sub-block's bytes lie in each group.
+                let fifth_bits = unsafe { fifth_bits::<FIFTH>(sp, sq) };
+                // SAFETY: as above; `j < 4`.
+                let values = std::array::from_fn(|j| unsafe {
+                    nibble_chunk::<FIFTH>(sp, sq, fifth_bits, j)
+                });
+                let scales = [_mm512_mul_ps(d, scales), _mm512_mul_ps(dmin, mins)];
+                store_unpacked(sub, values, scales);
+            }
+        }
+    }
+
+    /// Sixteen Q4_K or Q5_K rows, unpacked ([`unpack_k`]), × `N` two-pass activation rows
+    /// ([`super::WideFn`]): the 256-bit tile's `k_tile` on both groups at once.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn k_wide<const N: usize, const SPLIT: bool>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        const { assert!(N >= 1 && N <= WIDE_TILE) };
+        // SAFETY: the `WideFn` contract of an unpacked type: `w` is its sub-blocks' bytes.
+        let subs = unsafe { unpacked(w) };
+        let blocks = hi[0].len();
+        debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+        debug_assert_eq!(subs.len(), blocks);
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut mins = [_mm512_setzero_ps(); N];
+        for (b, sub) in subs.iter().enumerate() {
+            // SAFETY: `b < subs.len() = blocks`, every row's length (the `WideFn` contract).
+            let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+            let mut sh = [[_mm512_setzero_si512(); 4]; N];
+            let mut sl = [[_mm512_setzero_si512(); 4]; N];
+            for j in 0..4 {
+                let [low, high] = values(sub, j);
+                add_chunk::<N, SPLIT>(&mut sh, &mut sl, j, low, high, h, l);
+            }
+            let [scale, min] = scale_lanes(sub);
+            for i in 0..N {
+                let (sum_h, sum_l) = (total(sh[i]), total(sl[i]));
+                acc[i] = add_sums::<SPLIT>(acc[i], scale, sum_h, sum_l, h[i], l[i]);
+                if SPLIT {
+                    let d_sum = _mm512_set1_ps(d_sum::<SPLIT>(h[i], l[i]));
+                    mins[i] = _mm512_fmadd_ps(min, d_sum, mins[i]);
+                } else {
+                    // The narrow tile's order: the minimums come off as they go.
+                    acc[i] = sub_min_times_sum(acc[i], min, h[i]);
                 }
             }
         }
@@ -825,63 +988,25 @@ mod x86 {
         _mm512_add_epi32(_mm512_add_epi32(a, b), _mm512_add_epi32(c, d))
     }
 
-    /// Sixteen Q6_K rows × `N` two-pass activation rows ([`super::WideFn`]).
+    /// Two groups of Q6_K (`Q3` false) or Q3_K unpacked ([`super::UnpackFn`]): each
+    /// sub-block's chunks, the values of its first half then of its second, as `q + offset`
+    /// (unsigned bytes), and `d ×` each half's scale.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn q6_k_wide<const N: usize, const SPLIT: bool>(
-        w: &[u8],
-        hi: [&[ActBlock]; N],
-        lo: [&[ActBlock]; N],
-    ) -> [[f32; WIDE_ROWS]; N] {
-        // SAFETY: this function's `WideFn` contract is `half_scaled_wide`'s for Q6_K.
-        unsafe { half_scaled_wide::<N, false, SPLIT>(w, hi, lo) }
-    }
-
-    /// Sixteen Q3_K rows × `N` two-pass activation rows ([`super::WideFn`]).
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn q3_k_wide<const N: usize, const SPLIT: bool>(
-        w: &[u8],
-        hi: [&[ActBlock]; N],
-        lo: [&[ActBlock]; N],
-    ) -> [[f32; WIDE_ROWS]; N] {
-        // SAFETY: this function's `WideFn` contract is `half_scaled_wide`'s for Q3_K.
-        unsafe { half_scaled_wide::<N, true, SPLIT>(w, hi, lo) }
-    }
-
-    /// Sixteen Q6_K (`Q3` false) or Q3_K rows × `N` two-pass activation rows: the 256-bit
-    /// tile's `half_scaled_tile` on both groups at once. Each half's sums start at
-    /// `−offset × Σ a` over the half instead of having it taken off after (integers: the
-    /// same sums).
-    ///
-    /// # Safety
-    /// As [`super::WideFn`], for the type the parameters name.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn half_scaled_wide<const N: usize, const Q3: bool, const SPLIT: bool>(
-        w: &[u8],
-        hi: [&[ActBlock]; N],
-        lo: [&[ActBlock]; N],
-    ) -> [[f32; WIDE_ROWS]; N] {
-        const { assert!(N >= 1 && N <= WIDE_TILE) };
-        let (column_bytes, sub_bytes, offset) = half_scaled_sizes(Q3);
+    pub(super) unsafe fn unpack_half_scaled<const Q3: bool>(w: &[u8], out: &mut [UnpackedSub]) {
+        let (column_bytes, sub_bytes, _) = half_scaled_sizes(Q3);
         let group_bytes = w.len() / 2;
-        let blocks = hi[0].len();
-        debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
-        debug_assert_eq!(group_bytes, blocks / 8 * column_bytes);
+        debug_assert_eq!(group_bytes, out.len() / 8 * column_bytes);
         let mask = _mm512_set1_epi8(0x0F);
         let top = _mm512_set1_epi8(0x30);
-        let mut acc = [_mm512_setzero_ps(); N];
-        for c in 0..blocks / 8 {
-            // SAFETY: column `c < blocks / 8` lies in each group; its first 16 bytes are the
-            // eight f16 `d`.
+        for (c, column) in out.chunks_exact_mut(8).enumerate() {
+            // SAFETY: column `c < out.len() / 8` lies in each group (the `UnpackFn` contract);
+            // its first 16 bytes are the eight f16 `d`.
             let (p, q, d) = unsafe {
                 let p = w.as_ptr().add(column_bytes * c);
                 let q = p.add(group_bytes);
                 (p, q, halves(p, q))
             };
-            for s in 0..8 {
-                let b = 8 * c + s;
-                // SAFETY: `b = 8 c + s < blocks`, every row's length (the `WideFn` contract).
-                let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+            for (s, sub) in column.iter_mut().enumerate() {
                 // SAFETY: `s < 8`: sub-block `s` (`sub_bytes`) at `Q6_K_QUANTS + sub_bytes s`
                 // ends by the column's end in each group.
                 let (sp, sq) = unsafe {
@@ -890,73 +1015,94 @@ mod x86 {
                         q.add(Q6_K_QUANTS + sub_bytes * s),
                     )
                 };
-                // Each half's sum starts at `−offset × Σ a`: Q6_K's from memory, Q3_K's
-                // formed here.
-                let starts = |a: &ActBlock| {
-                    if Q3 {
-                        [0, 1].map(|half| _mm512_set1_epi32(-offset * a.half_sum(half)))
-                    } else {
-                        [q6_k_start::<0>(a), q6_k_start::<1>(a)]
-                    }
-                };
-                // Per row: [first half, second half] of the hi pass, then the lo's.
-                let mut sums: [[__m512i; 4]; N] = std::array::from_fn(|i| {
-                    let ([first_h, second_h], [first_l, second_l]) = (starts(h[i]), starts(l[i]));
-                    [first_h, second_h, first_l, second_l]
-                });
-                for j in 0..4 {
+                let values = std::array::from_fn(|j| {
                     // SAFETY: `j < 4`: the chunk `32 j ..` lies in each sub-block's first 128
                     // bytes, its nibbles.
                     let raw = unsafe { pair(sp.add(32 * j), sq.add(32 * j)) };
-                    let mut first = _mm512_and_si512(raw, mask);
-                    let mut second = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-                    if !Q3 {
-                        // SAFETY: Q6_K's sub-block is 192 bytes; with `j < 4` the high bits
-                        // `128 + 32 (j / 2) ..` end by its byte 191, in each group.
-                        let bits =
-                            unsafe { pair(sp.add(128 + 32 * (j / 2)), sq.add(128 + 32 * (j / 2))) };
-                        // Bits 4k and 4k + 2 of `bits` (k = j % 2) moved to bit 4.
-                        let (high_first, high_second) = if j % 2 == 0 {
-                            (_mm512_slli_epi16(bits, 4), _mm512_slli_epi16(bits, 2))
-                        } else {
-                            (bits, _mm512_srli_epi16(bits, 2))
-                        };
-                        first = or_masked(first, high_first, top);
-                        second = or_masked(second, high_second, top);
+                    let first = _mm512_and_si512(raw, mask);
+                    let second = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+                    if Q3 {
+                        return [first, second];
                     }
-                    for i in 0..N {
-                        let [f_h, s_h, f_l, s_l] = &mut sums[i];
-                        *f_h = _mm512_dpbusd_epi32(*f_h, first, broadcast(h[i], j));
-                        *s_h = _mm512_dpbusd_epi32(*s_h, second, broadcast(h[i], 4 + j));
-                        if SPLIT {
-                            *f_l = _mm512_dpbusd_epi32(*f_l, first, broadcast(l[i], j));
-                            *s_l = _mm512_dpbusd_epi32(*s_l, second, broadcast(l[i], 4 + j));
-                        }
-                    }
-                }
-                // SAFETY: `s < 8`: the scales of halves `2 s` and `2 s + 1` (eight bytes each
-                // at `16 + 8 (2 s + half)`) lie in bytes 16-143 of each group's column, before
-                // `Q6_K_QUANTS`.
-                let scales = unsafe {
+                    // SAFETY: Q6_K's sub-block is 192 bytes; with `j < 4` the high bits
+                    // `128 + 32 (j / 2) ..` end by its byte 191, in each group.
+                    let bits =
+                        unsafe { pair(sp.add(128 + 32 * (j / 2)), sq.add(128 + 32 * (j / 2))) };
+                    // Bits 4k and 4k + 2 of `bits` (k = j % 2) moved to bit 4.
+                    let (high_first, high_second) = if j % 2 == 0 {
+                        (_mm512_slli_epi16(bits, 4), _mm512_slli_epi16(bits, 2))
+                    } else {
+                        (bits, _mm512_srli_epi16(bits, 2))
+                    };
                     [
-                        _mm512_mul_ps(
-                            d,
-                            byte_lanes::<true>(p.add(16 + 8 * (2 * s)), q.add(16 + 8 * (2 * s))),
-                        ),
-                        _mm512_mul_ps(
-                            d,
-                            byte_lanes::<true>(
-                                p.add(16 + 8 * (2 * s + 1)),
-                                q.add(16 + 8 * (2 * s + 1)),
-                            ),
-                        ),
+                        or_masked(first, high_first, top),
+                        or_masked(second, high_second, top),
                     ]
-                };
-                for i in 0..N {
-                    let [f_h, s_h, f_l, s_l] = sums[i];
-                    acc[i] = add_sums::<SPLIT>(acc[i], scales[0], f_h, f_l, h[i], l[i]);
-                    acc[i] = add_sums::<SPLIT>(acc[i], scales[1], s_h, s_l, h[i], l[i]);
+                });
+                let scales = [0, 1].map(|half| {
+                    let at = 16 + 8 * (2 * s + half);
+                    // SAFETY: `s < 8`: the scales of halves `2 s` and `2 s + 1` (eight bytes
+                    // each at `16 + 8 (2 s + half)`) lie in bytes 16-143 of each group's
+                    // column, before `Q6_K_QUANTS`.
+                    _mm512_mul_ps(d, unsafe { byte_lanes::<true>(p.add(at), q.add(at)) })
+                });
+                store_unpacked(sub, values, scales);
+            }
+        }
+    }
+
+    /// Sixteen Q6_K (`Q3` false) or Q3_K rows, unpacked ([`unpack_half_scaled`]), × `N`
+    /// two-pass activation rows ([`super::WideFn`]): the 256-bit tile's `half_scaled_tile` on
+    /// both groups at once. Each half's sums start at `−offset × Σ a` over the half instead
+    /// of having it taken off after (integers: the same sums).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn half_scaled_wide<const N: usize, const Q3: bool, const SPLIT: bool>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        const { assert!(N >= 1 && N <= WIDE_TILE) };
+        let (_, _, offset) = half_scaled_sizes(Q3);
+        // SAFETY: the `WideFn` contract of an unpacked type: `w` is its sub-blocks' bytes.
+        let subs = unsafe { unpacked(w) };
+        let blocks = hi[0].len();
+        debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+        debug_assert_eq!(subs.len(), blocks);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for (b, sub) in subs.iter().enumerate() {
+            // SAFETY: `b < subs.len() = blocks`, every row's length (the `WideFn` contract).
+            let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+            // Each half's sum starts at `−offset × Σ a`: Q6_K's from memory, Q3_K's formed
+            // here.
+            let starts = |a: &ActBlock| {
+                if Q3 {
+                    [0, 1].map(|half| _mm512_set1_epi32(-offset * a.half_sum(half)))
+                } else {
+                    [q6_k_start::<0>(a), q6_k_start::<1>(a)]
                 }
+            };
+            // Per row: [first half, second half] of the hi pass, then the lo's.
+            let mut sums: [[__m512i; 4]; N] = std::array::from_fn(|i| {
+                let ([first_h, second_h], [first_l, second_l]) = (starts(h[i]), starts(l[i]));
+                [first_h, second_h, first_l, second_l]
+            });
+            for j in 0..4 {
+                let [first, second] = values(sub, j);
+                for i in 0..N {
+                    let [f_h, s_h, f_l, s_l] = &mut sums[i];
+                    *f_h = _mm512_dpbusd_epi32(*f_h, first, broadcast(h[i], j));
+                    *s_h = _mm512_dpbusd_epi32(*s_h, second, broadcast(h[i], 4 + j));
+                    if SPLIT {
+                        *f_l = _mm512_dpbusd_epi32(*f_l, first, broadcast(l[i], j));
+                        *s_l = _mm512_dpbusd_epi32(*s_l, second, broadcast(l[i], 4 + j));
+                    }
+                }
+            }
+            let scales = scale_lanes(sub);
+            for i in 0..N {
+                let [f_h, s_h, f_l, s_l] = sums[i];
+                acc[i] = add_sums::<SPLIT>(acc[i], scales[0], f_h, f_l, h[i], l[i]);
+                acc[i] = add_sums::<SPLIT>(acc[i], scales[1], s_h, s_l, h[i], l[i]);
             }
         }
         store(acc)
