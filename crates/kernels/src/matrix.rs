@@ -321,12 +321,14 @@ impl QuantMatrix {
                 for pass in (0..m).step_by(ACT_ROWS_PER_PASS) {
                     let pass = pass..(pass + ACT_ROWS_PER_PASS).min(m);
                     // The pass's rows for the wide tiles (the slots past its end repeat its
-                    // last row and are not passed on).
-                    let pass_rows: [_; ACT_ROWS_PER_PASS] =
-                        std::array::from_fn(|i| acts((pass.start + i).min(pass.end - 1)));
+                    // last row and are not passed on); none for decoding's narrow products.
+                    let pass_rows: Option<[_; ACT_ROWS_PER_PASS]> = wide
+                        .map(|_| std::array::from_fn(|i| acts((pass.start + i).min(pass.end - 1))));
                     let mut g = task_groups.start;
                     while g < task_groups.end {
-                        if let Some(wide) = wide.filter(|_| g + 1 < task_groups.end) {
+                        if let (Some(wide), Some(pass_rows)) = (wide, &pass_rows)
+                            && g + 1 < task_groups.end
+                        {
                             let w = &self.data[g * group_bytes..(g + 2) * group_bytes];
                             let write = |i: usize, y: [f32; WIDE_ROWS]| {
                                 // SAFETY: every (t, row) is written by exactly one task.

@@ -119,6 +119,22 @@ macro_rules! wide_kernels {
     };
 }
 
+/// Whether the eight-row one-pass Q4_K and Q5_K tiles keep one integer sum per activation
+/// row rather than two: on Intel's cores, where every 512-bit vector instruction issues on the
+/// two ports `vpdpbusd` needs, the add joining two sums costs more than the latency they hide
+/// (7-10 % faster products); on AMD's Zen 4 two sums per row measured faster (docs/kernels.md,
+/// item 6). The same bits either way.
+#[cfg(target_arch = "x86_64")]
+fn one_sum_per_row() -> bool {
+    use std::sync::OnceLock;
+    static INTEL: OnceLock<bool> = OnceLock::new();
+    *INTEL.get_or_init(|| {
+        let vendor = std::arch::x86_64::__cpuid(0);
+        [vendor.ebx, vendor.edx, vendor.ecx]
+            == [b"Genu", b"ineI", b"ntel"].map(|w| u32::from_le_bytes(*w))
+    })
+}
+
 impl WideKernels {
     /// The wide tiles of `ty` at `tier` for activations in `passes`, if it has them: on
     /// AVX-512 VNNI, the K-quants but Q2_K, IQ4's, Q8_0, and Q4_0, Q4_1, Q5_0, Q5_1. One
@@ -147,8 +163,18 @@ impl WideKernels {
                 GgmlType::Q5_0 => Some(wide_kernels!(WIDE_TILE, None, x86::q5_0_wide)),
                 GgmlType::Q5_1 => Some(wide_kernels!(WIDE_TILE, None, x86::q5_1_wide)),
                 GgmlType::Q8_0 => Some(wide_kernels!(WIDE_TILE, None, x86::q8_0_wide)),
-                GgmlType::Q4K => Some(wide_kernels!(WIDE_TILE, Some(unpack_q4_k), x86::k_wide)),
-                GgmlType::Q5K => Some(wide_kernels!(WIDE_TILE, Some(unpack_q5_k), x86::k_wide)),
+                GgmlType::Q4K | GgmlType::Q5K => {
+                    let unpack = Some(if ty == GgmlType::Q4K {
+                        unpack_q4_k
+                    } else {
+                        unpack_q5_k
+                    });
+                    Some(if one_sum_per_row() {
+                        wide_kernels!(WIDE_TILE, unpack, x86::k_wide, true)
+                    } else {
+                        wide_kernels!(WIDE_TILE, unpack, x86::k_wide, false)
+                    })
+                }
                 GgmlType::Q6K => Some(wide_kernels!(
                     half_scaled_tile,
                     Some(unpack_q6_k),
@@ -460,9 +486,11 @@ mod x86 {
     /// Chunk `j` of a 32-value block added to each activation row's partial sums: `low`
     /// (sixteen weight rows' values `4 j .. 4 j + 4`) times the row's activation bytes
     /// `4 j .. 4 j + 4`, `high` (values `16 + 4 j ..`) times bytes `16 + 4 j ..`, into partial
-    /// sums `2 j` and `2 j + 1` modulo [`parts`]; with `SPLIT` the `lo` pass's as well.
+    /// sums `2 j` and `2 j + 1` modulo `parts` (one to four: [`parts`], a constant once
+    /// inlined); with `SPLIT` the `lo` pass's as well.
     #[inline]
     #[target_feature(enable = "avx512f,avx512vnni")]
+    #[allow(clippy::too_many_arguments)]
     fn add_chunk<const N: usize, const SPLIT: bool>(
         sh: &mut [[__m512i; 4]; N],
         sl: &mut [[__m512i; 4]; N],
@@ -471,8 +499,9 @@ mod x86 {
         high: __m512i,
         h: [&ActBlock; N],
         l: [&ActBlock; N],
+        parts: usize,
     ) {
-        let parts = parts(N, SPLIT);
+        debug_assert!((1..=4).contains(&parts));
         let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
         for i in 0..N {
             sh[i][k_low] = _mm512_dpbusd_epi32(sh[i][k_low], low, broadcast(h[i], j));
@@ -557,7 +586,7 @@ mod x86 {
         for j in 0..4 {
             // SAFETY: as above; `j < 4`.
             let [low, high] = unsafe { nibble_chunk::<FIFTH>(p, q, fifth_bits, j) };
-            add_chunk::<N, SPLIT>(&mut sh, &mut sl, j, low, high, h, l);
+            add_chunk::<N, SPLIT>(&mut sh, &mut sl, j, low, high, h, l, parts(N, SPLIT));
         }
         std::array::from_fn(|i| (total(sh[i]), total(sl[i])))
     }
@@ -709,7 +738,7 @@ mod x86 {
             let low = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, mask));
             let high =
                 _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask));
-            add_chunk::<N, SPLIT>(&mut sh, &mut sl, j, low, high, h, l);
+            add_chunk::<N, SPLIT>(&mut sh, &mut sl, j, low, high, h, l, parts(N, SPLIT));
         }
         std::array::from_fn(|i| (total(sh[i]), total(sl[i])))
     }
@@ -941,9 +970,11 @@ mod x86 {
     }
 
     /// Sixteen Q4_K or Q5_K rows, unpacked ([`unpack_k`]), × `N` two-pass activation rows
-    /// ([`super::WideFn`]): the 256-bit tile's `k_tile` on both groups at once.
+    /// ([`super::WideFn`]): the 256-bit tile's `k_tile` on both groups at once. With
+    /// `ONE_SUM` eight one-pass rows keep one integer sum each, not two
+    /// ([`super::one_sum_per_row`]); the sums are exact either way, so are the bits.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub(super) unsafe fn k_wide<const N: usize, const SPLIT: bool>(
+    pub(super) unsafe fn k_wide<const N: usize, const ONE_SUM: bool, const SPLIT: bool>(
         w: &[u8],
         hi: [&[ActBlock]; N],
         lo: [&[ActBlock]; N],
@@ -961,9 +992,14 @@ mod x86 {
             let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
             let mut sh = [[_mm512_setzero_si512(); 4]; N];
             let mut sl = [[_mm512_setzero_si512(); 4]; N];
+            let parts = if ONE_SUM && N == WIDE_TILE && !SPLIT {
+                1
+            } else {
+                parts(N, SPLIT)
+            };
             for j in 0..4 {
                 let [low, high] = values(sub, j);
-                add_chunk::<N, SPLIT>(&mut sh, &mut sl, j, low, high, h, l);
+                add_chunk::<N, SPLIT>(&mut sh, &mut sl, j, low, high, h, l, parts);
             }
             let [scale, min] = scale_lanes(sub);
             for i in 0..N {
@@ -1106,5 +1142,83 @@ mod x86 {
             }
         }
         store(acc)
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use half::f16;
+
+    use super::{UnpackedSub, WIDE_TILE, x86};
+    use crate::act::ActBlock;
+    use crate::interleaved::k_sizes;
+    use crate::tier::Tier;
+
+    /// The eight-row one-pass Q4_K and Q5_K tiles give the same bits with one integer sum per
+    /// row as with two: a machine runs only its vendor's choice through the matrix tests.
+    #[test]
+    fn one_and_two_sums_per_row_give_the_same_bits() {
+        if !Tier::Avx512Vnni.is_supported() {
+            return;
+        }
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let columns = 3;
+        for fifth in [false, true] {
+            let (column_bytes, _) = k_sizes(fifth);
+            let mut w: Vec<u8> = (0..2 * columns * column_bytes)
+                .map(|_| next() as u8)
+                .collect();
+            // Finite scales: each column's eight `d` and eight `dmin`.
+            for column in w.chunks_exact_mut(column_bytes) {
+                for scale in column[..32].chunks_exact_mut(2) {
+                    let value = f16::from_f32(0.001 + (next() % 100) as f32 * 1e-4);
+                    scale.copy_from_slice(&value.to_le_bytes());
+                }
+            }
+            let rows: Vec<Vec<ActBlock>> = (0..WIDE_TILE)
+                .map(|_| {
+                    (0..8 * columns)
+                        .map(|_| {
+                            let x = std::array::from_fn(|_| (next() % 2001) as f32 / 1000.0 - 1.0);
+                            ActBlock::quantize(&x)
+                        })
+                        .collect()
+                })
+                .collect();
+            let zeros = vec![ActBlock::ZERO; 8 * columns];
+            let mut subs = vec![UnpackedSub::ZERO; 8 * columns];
+            let hi = std::array::from_fn(|i| rows[i].as_slice());
+            let lo = [zeros.as_slice(); WIDE_TILE];
+            // SAFETY: AVX-512 VNNI is supported (checked above); `w` is two groups of
+            // `columns` block columns of the type, `subs` and every row one block per
+            // sub-block; the tiles take the unpacked sub-blocks' bytes.
+            let (one, two) = unsafe {
+                if fifth {
+                    x86::unpack_k::<true>(&w, &mut subs);
+                } else {
+                    x86::unpack_k::<false>(&w, &mut subs);
+                }
+                let bytes = std::slice::from_raw_parts(
+                    subs.as_ptr().cast::<u8>(),
+                    size_of_val(subs.as_slice()),
+                );
+                (
+                    x86::k_wide::<WIDE_TILE, true, false>(bytes, hi, lo),
+                    x86::k_wide::<WIDE_TILE, false, false>(bytes, hi, lo),
+                )
+            };
+            let bits = |out: [[f32; 16]; WIDE_TILE]| out.map(|row| row.map(f32::to_bits));
+            assert_eq!(bits(one), bits(two), "fifth bits: {fifth}");
+            assert!(
+                one.iter().flatten().any(|&v| v != 0.0),
+                "a product of nothing"
+            );
+        }
     }
 }
