@@ -153,10 +153,6 @@ impl WideKernels {
         let half_scaled_tile = if SPLIT { 5 } else { WIDE_TILE };
         #[cfg(target_arch = "x86_64")]
         if tier == Tier::Avx512Vnni {
-            let unpack_q4_k: UnpackFn = x86::unpack_k::<false>;
-            let unpack_q5_k: UnpackFn = x86::unpack_k::<true>;
-            let unpack_q6_k: UnpackFn = x86::unpack_half_scaled::<false>;
-            let unpack_q3_k: UnpackFn = x86::unpack_half_scaled::<true>;
             return match ty {
                 GgmlType::Q4_0 => Some(wide_kernels!(WIDE_TILE, None, x86::q4_0_wide)),
                 GgmlType::Q4_1 => Some(wide_kernels!(WIDE_TILE, None, x86::q4_1_wide)),
@@ -164,26 +160,26 @@ impl WideKernels {
                 GgmlType::Q5_1 => Some(wide_kernels!(WIDE_TILE, None, x86::q5_1_wide)),
                 GgmlType::Q8_0 => Some(wide_kernels!(WIDE_TILE, None, x86::q8_0_wide)),
                 GgmlType::Q4K | GgmlType::Q5K => {
-                    let unpack = Some(if ty == GgmlType::Q4K {
-                        unpack_q4_k
+                    let unpack: UnpackFn = if ty == GgmlType::Q4K {
+                        x86::unpack_k::<false>
                     } else {
-                        unpack_q5_k
-                    });
+                        x86::unpack_k::<true>
+                    };
                     Some(if one_sum_per_row() {
-                        wide_kernels!(WIDE_TILE, unpack, x86::k_wide, true)
+                        wide_kernels!(WIDE_TILE, Some(unpack), x86::k_wide, true)
                     } else {
-                        wide_kernels!(WIDE_TILE, unpack, x86::k_wide, false)
+                        wide_kernels!(WIDE_TILE, Some(unpack), x86::k_wide, false)
                     })
                 }
                 GgmlType::Q6K => Some(wide_kernels!(
                     half_scaled_tile,
-                    Some(unpack_q6_k),
+                    Some(x86::unpack_half_scaled::<false>),
                     x86::half_scaled_wide,
                     false
                 )),
                 GgmlType::Q3K => Some(wide_kernels!(
                     half_scaled_tile,
-                    Some(unpack_q3_k),
+                    Some(x86::unpack_half_scaled::<true>),
                     x86::half_scaled_wide,
                     true
                 )),
@@ -197,7 +193,7 @@ impl WideKernels {
     }
 
     /// The products of the two groups `w` with `rows` (a pass of activation rows, each as its
-    /// `(hi, lo)` passes), up to [`Self::tile`] rows a call, handed to `out` as (index in
+    /// `(hi, lo)` passes), up to `self.tile` rows a call, handed to `out` as (index in
     /// `rows`, sixteen outputs). The K-quants' groups are unpacked first, once for the pass.
     ///
     /// # Safety
@@ -241,10 +237,13 @@ impl WideKernels {
         })
     }
 
-    /// One call of the kernel for `rows.len()` rows (one to [`Self::tile`]).
+    /// One call of the kernel for `rows.len()` rows (one to `self.tile`).
     ///
     /// # Safety
     /// As [`WideFn`] for every row.
+    ///
+    /// # Panics
+    /// If `rows` is empty or longer than `self.tile`.
     #[inline]
     unsafe fn run(
         &self,
@@ -252,7 +251,12 @@ impl WideKernels {
         rows: &[(&[ActBlock], &[ActBlock])],
         mut out: impl FnMut(usize, [f32; WIDE_ROWS]),
     ) {
-        debug_assert!(rows.len() <= self.tile);
+        assert!(
+            rows.len() <= self.tile,
+            "a wide tile of {} rows: at most {}",
+            rows.len(),
+            self.tile
+        );
         // SAFETY: each arm calls the kernel for exactly `rows.len()` rows, under the `WideFn`
         // contract this function's caller vouches for every row.
         unsafe {
