@@ -1,6 +1,8 @@
 """Hostile and careless requests against `kiln serve` (issue #43): each is refused with a 4xx
 naming the problem, or runs without freezing anyone else. A "victim" (a short completion from
-another client) is timed alone and while the hostile request runs; it must stay within 3x.
+another client) is timed alone and while the hostile request runs; it must stay within 3x, or,
+where the hostile request shares the batch's steps with it, within 1.5x of its latency beside
+as many rows of plain requests (below).
 
 Connection-level attacks (slow headers, stalled bodies, connection limits) are in
 test_hostile_connections.py.
@@ -23,6 +25,14 @@ from conftest import KilnServer, post
 # with this much added for the scheduler's granularity (one step of the batch it joins).
 VICTIM_FACTOR = 3.0
 VICTIM_SLACK_S = 0.05
+# A request that holds its share of the batch (4 rows of 8) makes every step the victim shares
+# with it a 5-row step. On 2 cores that costs 2.5x a 1-row step with AVX-512 VNNI and 2.9x with
+# AVX2 on the same Xeon (`kiln bench --batch-sizes 1,4,5`), more where the 2 vCPUs are one SMT
+# core: a CI machine read a victim at 200 ms under 4 beams against 28 ms alone. So the victim
+# may also take this many times its latency beside 4 plain requests (one row each): what the
+# batch itself costs on this machine, not what the hostile request's shape adds to it.
+SHARED_FACTOR = 1.5
+SHARED_ROWS = 4
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +77,42 @@ def victim_during(server, hostile, rounds=5):
         return statistics.median(times), running.result()
 
 
-def assert_victim_holds(alone, during, what):
-    bound = VICTIM_FACTOR * alone + VICTIM_SLACK_S
-    print(f"{what}: victim {during * 1e3:.0f} ms under attack, {alone * 1e3:.0f} ms alone")
-    assert during <= bound, f"{what}: victim {during:.3f} s, alone {alone:.3f} s (bound {bound:.3f} s)"
+def victim_beside_plain_requests(server, rounds=5):
+    """The victim's median latency beside `SHARED_ROWS` plain greedy completions, each one row
+    of the batch and long enough to outlast the victims."""
+
+    def plain():
+        return post(
+            server,
+            "/v1/completions",
+            {"prompt": "Tell me a story", "max_tokens": 96, "temperature": 0, "ignore_eos": True},
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(SHARED_ROWS) as pool:
+        running = [pool.submit(plain) for _ in range(SHARED_ROWS)]
+        deadline = time.time() + 30
+        while server.metrics()["kiln_requests_running"] < SHARED_ROWS and time.time() < deadline:
+            time.sleep(0.01)
+        times = [victim(server) for _ in range(rounds)]
+        assert not any(r.done() for r in running), "a plain request ended before the victims were timed"
+        for r in running:
+            status, body = r.result()
+            assert status == 200, body
+        return statistics.median(times)
+
+
+def assert_victim_holds(alone, during, what, shared=None):
+    """`during` within `VICTIM_FACTOR` of `alone`, or, with `shared` (the victim's latency
+    beside plain requests of the rows the hostile one holds), within `SHARED_FACTOR` of that."""
+    bound = VICTIM_FACTOR * alone
+    if shared is not None:
+        bound = max(bound, SHARED_FACTOR * shared)
+    bound += VICTIM_SLACK_S
+    beside = "" if shared is None else f", {shared * 1e3:.0f} ms beside {SHARED_ROWS} plain requests"
+    print(f"{what}: victim {during * 1e3:.0f} ms under attack, {alone * 1e3:.0f} ms alone{beside}")
+    assert during <= bound, (
+        f"{what}: victim {during:.3f} s, alone {alone:.3f} s{beside} (bound {bound:.3f} s)"
+    )
 
 
 def test_beam_searches_that_can_never_fit_are_refused_at_once(server):
@@ -102,7 +144,7 @@ def test_a_large_beam_search_leaves_room_for_others(server):
     )
     assert status == 200, body
     assert len(body["choices"]) == 4
-    assert_victim_holds(alone, during, "4 prompts x 4 beams")
+    assert_victim_holds(alone, during, "4 prompts x 4 beams", victim_beside_plain_requests(server))
 
 
 def test_many_choices_with_long_stop_strings_leave_room_for_others(server):
@@ -119,7 +161,7 @@ def test_many_choices_with_long_stop_strings_leave_room_for_others(server):
     )
     assert status == 200, body
     assert len(body["choices"]) == 16
-    assert_victim_holds(alone, during, "n=16 with 16 stop strings")
+    assert_victim_holds(alone, during, "n=16 with 16 stop strings", victim_beside_plain_requests(server))
 
 
 def test_stop_strings_beyond_their_byte_budget_are_refused(server):
