@@ -290,6 +290,7 @@ mod x86 {
         use std::arch::x86_64::*;
 
         use super::super::{ACT_BLOCK, ActBlock};
+        use crate::lanes::{hmax, hsum_i32};
 
         /// [`super::super::quantize_split_row`] on AVX2.
         ///
@@ -328,15 +329,6 @@ mod x86 {
             std::array::from_fn(|i| unsafe { _mm256_loadu_ps(chunk.as_ptr().add(8 * i)) })
         }
 
-        /// The sum of a register's eight `i32` lanes.
-        #[inline]
-        #[target_feature(enable = "avx2")]
-        fn sum_lanes(v: __m256i) -> i32 {
-            let half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-            let pair = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
-            _mm_cvtsi128_si32(_mm_add_epi32(pair, _mm_shuffle_epi32(pair, 1)))
-        }
-
         /// [`ActBlock::quantize`] of the 32 values `v`, and what it leaves over (`x - d q`,
         /// a multiply then a subtraction, as the scalar code rounds them).
         #[inline]
@@ -344,17 +336,17 @@ mod x86 {
         fn quantize(v: [__m256; 4]) -> (ActBlock, [__m256; 4]) {
             let sign = _mm256_set1_ps(-0.0);
             let abs = v.map(|x| _mm256_andnot_ps(sign, x));
-            let m = _mm256_max_ps(_mm256_max_ps(abs[0], abs[1]), _mm256_max_ps(abs[2], abs[3]));
-            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+            let amax = hmax(_mm256_max_ps(
+                _mm256_max_ps(abs[0], abs[1]),
+                _mm256_max_ps(abs[2], abs[3]),
+            ));
             let d = amax / 127.0;
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
             let inv = _mm256_set1_ps(inv);
             // Round to nearest, ties to even (the default MXCSR mode), as the scalar code does.
             let q = v.map(|x| _mm256_cvtps_epi32(_mm256_mul_ps(x, inv)));
-            let sum_first_half = sum_lanes(_mm256_add_epi32(q[0], q[1]));
-            let sum = sum_first_half + sum_lanes(_mm256_add_epi32(q[2], q[3]));
+            let sum_first_half = hsum_i32(_mm256_add_epi32(q[0], q[1]));
+            let sum = sum_first_half + hsum_i32(_mm256_add_epi32(q[2], q[3]));
             // Finite values quantize within ±127, so the saturating packs keep them; they come
             // out in 32-bit lanes of the order 0, 2, 4, 6, 1, 3, 5, 7 (each 128-bit half packed
             // apart), which the permutation undoes.

@@ -768,6 +768,7 @@ mod x86 {
     use std::ops::Range;
 
     use super::{EXP_MIN, EXP_POLY, HeadKv, KvElement, LN2_HI, LN2_LO, Scorer};
+    use crate::lanes::hsum;
 
     /// [`super::attend_row`] with AVX2 and FMA: the scores as dot products in two 8-lane
     /// accumulators, the exponentials eight at a time ([`exp8`]), and the weighted sum of the
@@ -869,15 +870,6 @@ mod x86 {
                 });
             *a = sum * inv;
         }
-    }
-
-    /// The sum of a register's eight lanes, in a fixed order.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    pub(super) fn hsum(v: __m256) -> f32 {
-        let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
     }
 
     /// `a · b` (`b` a row of `a.len()` values): sixteen lanes in two accumulators, then

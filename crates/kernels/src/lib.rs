@@ -31,6 +31,8 @@ mod error;
 pub mod gemm;
 pub mod ggml;
 pub mod interleaved;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 mod matrix;
 pub mod pool;
 pub mod quant;

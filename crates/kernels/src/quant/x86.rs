@@ -18,6 +18,7 @@ use std::arch::x86_64::*;
 
 use crate::act::ActBlock;
 use crate::ggml::{IQ4_VALUES, iq4_xs_scale, q3_k_scales, scale_min_k4};
+use crate::lanes::hsum;
 
 /// f16 (little-endian at `p`) to f32 with F16C.
 ///
@@ -30,16 +31,6 @@ unsafe fn f16_at(p: *const u8) -> f32 {
     // alignment.
     let bits = unsafe { p.cast::<u16>().read_unaligned() };
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
-
-/// The sum of eight f32 lanes.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
 }
 
 /// 32 nibbles from 16 bytes at `p`: low nibbles in bytes 0-15, high nibbles in 16-31.

@@ -7,8 +7,9 @@ use std::ops::Range;
 
 use super::{KeysSeen, Row, TILE_ROWS, TileSimd, chunk_keys};
 use crate::SharedOut;
-use crate::attention::x86::{exp8, hsum};
+use crate::attention::x86::exp8;
 use crate::attention::{HeadKv, KvElement};
+use crate::lanes::{hmax, hsum};
 
 /// Keys per register.
 const LANES: usize = 8;
@@ -144,15 +145,6 @@ fn masked_lanes(mask_row: &[bool], j0: usize, end: usize) -> __m256 {
     };
     let wide = _mm256_cvtepu8_epi32(loaded);
     _mm256_castsi256_ps(_mm256_cmpgt_epi32(wide, _mm256_setzero_si256()))
-}
-
-/// The largest of a register's lanes.
-#[inline]
-#[target_feature(enable = "avx")]
-fn hmax(v: __m256) -> f32 {
-    let half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
-    _mm_cvtss_f32(_mm_max_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
 }
 
 /// [`TileSimd::scores_to_probabilities`] in eight lanes.
