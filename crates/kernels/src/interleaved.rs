@@ -1001,6 +1001,27 @@ mod x86 {
         _mm256_fmadd_ps(d, scaled, acc)
     }
 
+    /// `acc + d_a × (scales[0] × first + scales[1] × second)` per row lane: a sub-block of
+    /// Q6_K or Q3_K (two halves, one weight scale each) with one activation pass. The halves
+    /// meet before the activation's scale multiplies them, one product per row and sub-block
+    /// fewer than [`add_sums`] on each half; the wide tiles round the same way.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn one_pass_halves(
+        acc: __m256,
+        scales: [__m256; 2],
+        first: __m256i,
+        second: __m256i,
+        a: &ActBlock,
+    ) -> __m256 {
+        let halves = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(second),
+            scales[1],
+            _mm256_mul_ps(_mm256_cvtepi32_ps(first), scales[0]),
+        );
+        _mm256_fmadd_ps(halves, scale_lanes(a), acc)
+    }
+
     /// `d × Σ a` of a block's passes (its first alone without `SPLIT`), for the offsets and
     /// minimums; every kernel forms it alike.
     #[inline(always)]
@@ -1779,6 +1800,12 @@ mod x86 {
                                     let off = offset * a.half_sum(half);
                                     _mm256_sub_epi32(sum, _mm256_set1_epi32(off))
                                 };
+                                if !SPLIT {
+                                    let first = unoffset(f_h, h[i], 0);
+                                    let second = unoffset(s_h, h[i], 1);
+                                    acc[i] = one_pass_halves(acc[i], scales, first, second, h[i]);
+                                    continue;
+                                }
                                 let halves = [(f_h, f_l), (s_h, s_l)];
                                 for (half, (sum_h, sum_l)) in halves.into_iter().enumerate() {
                                     let (sum_h, sum_l) =

@@ -418,6 +418,39 @@ mod x86 {
         acc
     }
 
+    /// `acc + d_a × (scales[0] × first + scales[1] × second)` per row lane, in one
+    /// `vfmadd231ps` that broadcasts `a.d` itself ([`mul_by_scale`]): the 256-bit tiles'
+    /// `one_pass_halves`, operation for operation.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn one_pass_halves(
+        acc: __m512,
+        scales: [__m512; 2],
+        first: __m512i,
+        second: __m512i,
+        a: &ActBlock,
+    ) -> __m512 {
+        let halves = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(second),
+            scales[1],
+            _mm512_mul_ps(_mm512_cvtepi32_ps(first), scales[0]),
+        );
+        let mut acc = acc;
+        // SAFETY: reads the four bytes of `a.d` inside `*a`, a valid reference; writes only
+        // `acc`.
+        unsafe {
+            asm!(
+                "vfmadd231ps {acc}, {halves}, dword ptr [{a} + {d}]{{1to16}}",
+                acc = inout(zmm_reg) acc,
+                halves = in(zmm_reg) halves,
+                a = in(reg) a,
+                d = const offset_of!(ActBlock, d),
+                options(pure, readonly, nostack, preserves_flags),
+            );
+        }
+        acc
+    }
+
     /// `acc + d_w × (d_hi × sum_h + d_lo × sum_l)` per row lane (`SPLIT`; without it
     /// `acc + d_w × d_hi × sum_h`): the 256-bit tiles' `add_sums`, operation for operation.
     #[inline]
@@ -1141,8 +1174,12 @@ mod x86 {
             let scales = scale_lanes(sub);
             for i in 0..N {
                 let [f_h, s_h, f_l, s_l] = sums[i];
-                acc[i] = add_sums::<SPLIT>(acc[i], scales[0], f_h, f_l, h[i], l[i]);
-                acc[i] = add_sums::<SPLIT>(acc[i], scales[1], s_h, s_l, h[i], l[i]);
+                if SPLIT {
+                    acc[i] = add_sums::<SPLIT>(acc[i], scales[0], f_h, f_l, h[i], l[i]);
+                    acc[i] = add_sums::<SPLIT>(acc[i], scales[1], s_h, s_l, h[i], l[i]);
+                } else {
+                    acc[i] = one_pass_halves(acc[i], scales, f_h, s_h, h[i]);
+                }
             }
         }
         store(acc)
