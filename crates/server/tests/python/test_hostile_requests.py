@@ -60,24 +60,22 @@ def victim_alone(server, rounds=5):
     return statistics.median(victim(server) for _ in range(rounds))
 
 
-def victim_during(server, hostile, rounds=5):
-    """The victim's median latency while `hostile()` runs (started first, given time to be
-    admitted), and the hostile call's result."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(hostile)
+def victim_during(server, *hostile, rounds=5):
+    """The victim's median latency while every `hostile()` runs (each started first, and given
+    time to be admitted: as many requests running as there are calls), and their results."""
+    with concurrent.futures.ThreadPoolExecutor(len(hostile)) as pool:
+        running = [pool.submit(call) for call in hostile]
         deadline = time.time() + 30
-        while server.metrics()["kiln_requests_running"] == 0 and time.time() < deadline:
-            if running.done():
+        while server.metrics()["kiln_requests_running"] < len(hostile) and time.time() < deadline:
+            if any(r.done() for r in running):
                 break
             time.sleep(0.01)
-        times = []
-        for _ in range(rounds):
-            times.append(victim(server))
-        assert not running.done(), "the hostile request ended before the victims were timed"
-        return statistics.median(times), running.result()
+        times = [victim(server) for _ in range(rounds)]
+        assert not any(r.done() for r in running), "a hostile request ended before the victims were timed"
+        return statistics.median(times), [r.result() for r in running]
 
 
-def victim_beside_plain_requests(server, rounds=5):
+def victim_beside_plain_requests(server):
     """The victim's median latency beside `SHARED_ROWS` plain greedy completions, each one row
     of the batch and long enough to outlast the victims."""
 
@@ -88,17 +86,10 @@ def victim_beside_plain_requests(server, rounds=5):
             {"prompt": "Tell me a story", "max_tokens": 96, "temperature": 0, "ignore_eos": True},
         )
 
-    with concurrent.futures.ThreadPoolExecutor(SHARED_ROWS) as pool:
-        running = [pool.submit(plain) for _ in range(SHARED_ROWS)]
-        deadline = time.time() + 30
-        while server.metrics()["kiln_requests_running"] < SHARED_ROWS and time.time() < deadline:
-            time.sleep(0.01)
-        times = [victim(server) for _ in range(rounds)]
-        assert not any(r.done() for r in running), "a plain request ended before the victims were timed"
-        for r in running:
-            status, body = r.result()
-            assert status == 200, body
-        return statistics.median(times)
+    during, results = victim_during(server, *[plain] * SHARED_ROWS)
+    for status, body in results:
+        assert status == 200, body
+    return during
 
 
 def assert_victim_holds(alone, during, what, shared=None):
@@ -134,7 +125,7 @@ def test_beam_searches_that_can_never_fit_are_refused_at_once(server):
 
 def test_a_large_beam_search_leaves_room_for_others(server):
     alone = victim_alone(server)
-    during, (status, body) = victim_during(
+    during, [(status, body)] = victim_during(
         server,
         lambda: post(
             server,
@@ -151,7 +142,7 @@ def test_many_choices_with_long_stop_strings_leave_room_for_others(server):
     alone = victim_alone(server)
     stops = [f"{i:03d}" + "never appears " * 18 for i in range(16)]
     assert sum(len(s) for s in stops) <= 4096
-    during, (status, body) = victim_during(
+    during, [(status, body)] = victim_during(
         server,
         lambda: post(
             server,
