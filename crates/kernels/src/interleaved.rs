@@ -575,7 +575,7 @@ impl TileKernels {
                 (Tier::Avx2, GgmlType::Iq4Xs) => Some(tile_kernels!(x86::avx2::iq4_xs_tile)),
                 (Tier::Avx2, GgmlType::Q4K) => Some(tile_kernels!(x86::avx2::q4_k_tile)),
                 (Tier::Avx2, GgmlType::Q5K) => Some(tile_kernels!(x86::avx2::q5_k_tile)),
-                (Tier::Avx2, GgmlType::Q6K) => Some(tile_kernels!(x86::avx2::q6_k_tile)),
+                (Tier::Avx2, GgmlType::Q6K) => Some(tile_kernels!(x86::q6_k_one_pass::tile)),
                 (Tier::Avx2, GgmlType::Q3K) => Some(tile_kernels!(x86::avx2::q3_k_tile)),
                 (Tier::Avx2, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_sign::tile)),
                 _ => None,
@@ -1056,6 +1056,28 @@ mod x86 {
         unsafe {
             asm!(
                 "vbroadcastss {out}, dword ptr [{a} + {offset}]",
+                out = lateout(ymm_reg) out,
+                a = in(reg) a,
+                offset = const OFFSET,
+                options(pure, readonly, nostack, preserves_flags),
+            );
+        }
+        out
+    }
+
+    /// The i32 field `OFFSET` bytes into `a` in every lane, by one `vpbroadcastd` from memory,
+    /// for the reason [`field_lanes`] gives (LLVM joins adjacent fields into one load and
+    /// splits them in general registers).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn int_field_lanes<const OFFSET: usize>(a: &ActBlock) -> __m256i {
+        const { assert!(OFFSET + 4 <= size_of::<ActBlock>()) };
+        let out;
+        // SAFETY: reads four bytes inside `*a` (the assertion above), a valid reference;
+        // writes only `out`.
+        unsafe {
+            asm!(
+                "vpbroadcastd {out}, dword ptr [{a} + {offset}]",
                 out = lateout(ymm_reg) out,
                 a = in(reg) a,
                 offset = const OFFSET,
@@ -1905,6 +1927,134 @@ mod x86 {
                 let d = unsafe { halves(p) };
                 for i in 0..N {
                     acc[i] = add_sums::<SPLIT>(acc[i], d, sh[i], sl[i], h[i], l[i]);
+                }
+            }
+            let mut out = [[0f32; GROUP]; N];
+            for (out, acc) in out.iter_mut().zip(acc) {
+                *out = store(acc);
+            }
+            out
+        }
+    }
+
+    /// Q6_K on AVX2 with one activation pass, a row at a time. A 16-bit sum holds two of
+    /// Q6_K's products (`i16_fit`), so the shared tile keeps four sums per row live across a
+    /// sub-block's chunks, and with four rows LLVM spilled them and the broadcasts to the
+    /// stack (about 90 stack accesses per sub-block). Here a sub-block's values are unpacked
+    /// once into eight registers for all the rows, and each row's two chunk pairs are summed
+    /// and widened at once, so only its two 32-bit half sums live beside them; the sums start
+    /// from the activation block's `q6_k_starts` (one broadcast from memory each) instead of
+    /// taking `32 × Σ a` off through general registers. The integer sums are the shared
+    /// tile's exactly and the float steps its own, so the bits are too. Two passes, and
+    /// Q3_K, run the shared tile.
+    pub(super) mod q6_k_one_pass {
+        use super::*;
+        use crate::interleaved::{Q6_K_BYTES, Q6_K_QUANTS, Q6_K_SUB};
+
+        /// The values of a Q6_K sub-block of eight rows at `q` (its 128 bytes of low nibbles,
+        /// then 64 of high bits), per chunk `j`: the first half's (values `4j..4j + 4` of each
+        /// row, as `q + 32`), then the second's (`16 + 4j..`).
+        ///
+        /// # Safety
+        /// 192 bytes at `q` must be readable.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn unpack(q: *const u8) -> [[__m256i; 2]; 4] {
+            let mask = _mm256_set1_epi8(0x0F);
+            let top = _mm256_set1_epi8(0x30);
+            std::array::from_fn(|j| {
+                // SAFETY: `j < 4`: the chunk `32 j ..` lies in the first 128 bytes, and the
+                // high bits `128 + 32 (j / 2) ..` end by byte 191, of the 192 the caller
+                // vouches for.
+                let (raw, bits) = unsafe {
+                    (
+                        _mm256_loadu_si256(q.add(32 * j).cast()),
+                        _mm256_loadu_si256(q.add(128 + 32 * (j / 2)).cast()),
+                    )
+                };
+                // Bits 4k and 4k + 2 of `bits` (k = j % 2) moved to bit 4, as the shared tile.
+                let (high_first, high_second) = if j % 2 == 0 {
+                    (_mm256_slli_epi16(bits, 4), _mm256_slli_epi16(bits, 2))
+                } else {
+                    (bits, _mm256_srli_epi16(bits, 2))
+                };
+                let first = _mm256_and_si256(raw, mask);
+                let second = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                [
+                    _mm256_or_si256(first, _mm256_and_si256(high_first, top)),
+                    _mm256_or_si256(second, _mm256_and_si256(high_second, top)),
+                ]
+            })
+        }
+
+        /// A row's integer sums with a sub-block's `values` ([`unpack`]), each half's from
+        /// its `q6_k_starts`: Σ q × a per half, `q` the signed values. Two products fit a
+        /// 16-bit lane (at most `2 × 63 × 127` each), so each chunk pair is added in 16 bits
+        /// and widened once.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn row_sums(values: &[[__m256i; 2]; 4], a: &ActBlock) -> [__m256i; 2] {
+            let ones = _mm256_set1_epi16(1);
+            const STARTS: usize = offset_of!(ActBlock, q6_k_starts);
+            let mut sums = [
+                int_field_lanes::<STARTS>(a),
+                int_field_lanes::<{ STARTS + 4 }>(a),
+            ];
+            for pair in [0, 2] {
+                for (half, sum) in sums.iter_mut().enumerate() {
+                    let product = |j: usize| {
+                        _mm256_maddubs_epi16(values[j][half], broadcast(a, 4 * half + j))
+                    };
+                    let narrow = _mm256_add_epi16(product(pair), product(pair + 1));
+                    *sum = _mm256_add_epi32(*sum, _mm256_madd_epi16(narrow, ones));
+                }
+            }
+            sums
+        }
+
+        /// Eight Q6_K rows × `N` activation rows ([`super::super::TileFn`]); with two passes
+        /// (`SPLIT`), the shared tile.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(in crate::interleaved) unsafe fn tile<const N: usize, const SPLIT: bool>(
+            w: &[u8],
+            hi: [&[ActBlock]; N],
+            lo: [&[ActBlock]; N],
+        ) -> [[f32; GROUP]; N] {
+            if SPLIT {
+                // SAFETY: this function's `TileFn` contract is the shared tile's.
+                return unsafe { avx2::q6_k_tile::<N, SPLIT>(w, hi, lo) };
+            }
+            let blocks = hi[0].len();
+            debug_assert!(hi.iter().all(|a| a.len() == blocks));
+            let mut acc = [_mm256_setzero_ps(); N];
+            for c in 0..blocks / 8 {
+                // SAFETY: column `c < blocks / 8` of `Q6_K_BYTES` lies in `w`; its first 16
+                // bytes are the eight f16 `d`.
+                let (p, d) = unsafe {
+                    let p = w.as_ptr().add(Q6_K_BYTES * c);
+                    (p, halves(p))
+                };
+                for s in 0..8 {
+                    let eighth = Q6_K_BYTES / 8;
+                    prefetch_ahead(p.wrapping_add(eighth * s), eighth);
+                    // SAFETY: `8 c + s < blocks`, every row's length (the `TileFn` contract).
+                    let h = unsafe { blocks_at(hi, 8 * c + s) };
+                    // SAFETY: `s < 8`: sub-block `s` (192 bytes at `Q6_K_QUANTS + 192 s`)
+                    // ends by the column's end; the scales of halves `2 s` and `2 s + 1`
+                    // (eight bytes each at `16 + 8 (2 s + half)`) lie in bytes 16-143.
+                    let (values, scales) = unsafe {
+                        (
+                            unpack(p.add(Q6_K_QUANTS + Q6_K_SUB * s)),
+                            [
+                                _mm256_mul_ps(d, i8_lanes(p.add(16 + 8 * (2 * s)))),
+                                _mm256_mul_ps(d, i8_lanes(p.add(16 + 8 * (2 * s + 1)))),
+                            ],
+                        )
+                    };
+                    for i in 0..N {
+                        let [first, second] = row_sums(&values, h[i]);
+                        acc[i] = one_pass_halves(acc[i], scales, first, second, h[i]);
+                    }
                 }
             }
             let mut out = [[0f32; GROUP]; N];
