@@ -12,8 +12,8 @@ use crate::act::{ACT_BLOCK, ActBlock, ActPasses, quantize_row, quantize_split_ro
 use crate::error::KernelError;
 use crate::ggml::{GgmlType, dequantize};
 use crate::interleaved::{
-    GROUP, TILE, TileKernels, WIDE_ROWS, WideKernels, group_block_bytes, pack, unpack_row,
-    zeroed_on_huge_pages,
+    GROUP, MAX_TILE, TILE, TileKernels, WIDE_ROWS, WideKernels, group_block_bytes, pack,
+    unpack_row, zeroed_on_huge_pages,
 };
 use crate::pool::ThreadPool;
 use crate::quant::{DotKernel, has_kernel};
@@ -345,11 +345,11 @@ impl QuantMatrix {
                             continue;
                         }
                         let w = &self.data[g * group_bytes..(g + 1) * group_bytes];
-                        for start in pass.clone().step_by(TILE) {
-                            let n = (pass.end - start).min(TILE);
+                        for start in pass.clone().step_by(tiles.rows()) {
+                            let n = (pass.end - start).min(tiles.rows());
                             // An array (no allocation per tile): the slots past `n` repeat
                             // the last row and are not passed on.
-                            let tile: [_; TILE] =
+                            let tile: [_; MAX_TILE] =
                                 std::array::from_fn(|i| acts(start + i.min(n - 1)));
                             let write = |i: usize, y: [f32; GROUP]| {
                                 // One copy of the group's eight adjacent outputs.
