@@ -1096,26 +1096,13 @@ mod x86 {
         out
     }
 
-    /// The i32 field `OFFSET` bytes into `a` in every lane, by one `vpbroadcastd` from memory,
-    /// for the reason [`field_lanes`] gives (LLVM joins adjacent fields into one load and
-    /// splits them in general registers).
+    /// The i32 field `OFFSET` bytes into `a` in every lane: [`field_lanes`]'s broadcast, whose
+    /// bits are the field's whatever their type (LLVM would join adjacent i32 fields into one
+    /// load too, and split them in general registers).
     #[inline]
     #[target_feature(enable = "avx2")]
     fn int_field_lanes<const OFFSET: usize>(a: &ActBlock) -> __m256i {
-        const { assert!(OFFSET + 4 <= size_of::<ActBlock>()) };
-        let out;
-        // SAFETY: reads four bytes inside `*a` (the assertion above), a valid reference;
-        // writes only `out`.
-        unsafe {
-            asm!(
-                "vpbroadcastd {out}, dword ptr [{a} + {offset}]",
-                out = lateout(ymm_reg) out,
-                a = in(reg) a,
-                offset = const OFFSET,
-                options(pure, readonly, nostack, preserves_flags),
-            );
-        }
-        out
+        _mm256_castps_si256(field_lanes::<OFFSET>(a))
     }
 
     /// `a.d` in every lane ([`field_lanes`]).
