@@ -497,7 +497,7 @@ pub const TILE: usize = 4;
 
 /// The most rows a tile takes where a type and tier have tiles of five and six rows
 /// ([`TileKernels::rows`]).
-pub const MAX_TILE: usize = 6;
+pub(crate) const MAX_TILE: usize = 6;
 
 /// Eight rows' products with `N` activation rows, each given in two passes (`hi[i]`, `lo[i]`).
 /// Each row's result is bit for bit the same whatever `N` and whichever rows it comes with (the
