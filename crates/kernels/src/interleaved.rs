@@ -1259,6 +1259,27 @@ mod x86 {
         (_mm256_and_si256(first, bit), _mm256_and_si256(second, bit))
     }
 
+    /// Chunk `j`'s values of a Q6_K sub-block of a group (`q + 32`, six bits): its 32 bytes
+    /// of low nibbles `raw` and the 32 bytes of high bits `bits` that hold them
+    /// ([`super::q6_k_high_bits_at`]), as the first half's values (the low nibbles) and the
+    /// second's. Bits `4k` and `4k + 2` of `bits` (`k = j % 2`) move to bit 4.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn q6_k_values(raw: __m256i, bits: __m256i, j: usize) -> [__m256i; 2] {
+        let (mask, top) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+        let (high_first, high_second) = if j.is_multiple_of(2) {
+            (_mm256_slli_epi16(bits, 4), _mm256_slli_epi16(bits, 2))
+        } else {
+            (bits, _mm256_srli_epi16(bits, 2))
+        };
+        let first = _mm256_and_si256(raw, mask);
+        let second = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        [
+            _mm256_or_si256(first, _mm256_and_si256(high_first, top)),
+            _mm256_or_si256(second, _mm256_and_si256(high_second, top)),
+        ]
+    }
+
     /// Block `b` of each of the rows, unchecked.
     ///
     /// # Safety
@@ -1755,7 +1776,6 @@ mod x86 {
                     let blocks = hi[0].len();
                     debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
                     let mask = _mm256_set1_epi8(0x0F);
-                    let top = _mm256_set1_epi8(0x30);
                     let mut acc = [_mm256_setzero_ps(); N];
                     for c in 0..blocks / 8 {
                         // SAFETY: column `c < blocks / 8` of `column_bytes` lies in `w`; its
@@ -1784,25 +1804,19 @@ mod x86 {
                                 // SAFETY: `j < 4`: the chunk `32 j ..` lies in the sub-block's
                                 // first 128 bytes, its nibbles.
                                 let raw = unsafe { _mm256_loadu_si256(q.add(32 * j).cast()) };
-                                let mut first = _mm256_and_si256(raw, mask);
-                                let mut second = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-                                if !Q3 {
+                                let [first, second] = if Q3 {
+                                    [
+                                        _mm256_and_si256(raw, mask),
+                                        _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask),
+                                    ]
+                                } else {
                                     // SAFETY: Q6_K's sub-block is 192 bytes; with `j < 4` the
                                     // high bits `128 + 32 (j / 2) ..` end by its byte 191.
                                     let bits = unsafe {
                                         _mm256_loadu_si256(q.add(128 + 32 * (j / 2)).cast())
                                     };
-                                    // Bits 4k and 4k + 2 of `bits` (k = j % 2) moved to bit 4.
-                                    let (high_first, high_second) = if j % 2 == 0 {
-                                        (_mm256_slli_epi16(bits, 4), _mm256_slli_epi16(bits, 2))
-                                    } else {
-                                        (bits, _mm256_srli_epi16(bits, 2))
-                                    };
-                                    first =
-                                        _mm256_or_si256(first, _mm256_and_si256(high_first, top));
-                                    second =
-                                        _mm256_or_si256(second, _mm256_and_si256(high_second, top));
-                                }
+                                    q6_k_values(raw, bits, j)
+                                };
                                 for i in 0..N {
                                     let [f_h, s_h, f_l, s_l] = &mut narrow[i];
                                     *f_h = $dot16(*f_h, first, broadcast(h[i], j));
@@ -1978,8 +1992,6 @@ mod x86 {
         #[inline]
         #[target_feature(enable = "avx2")]
         unsafe fn unpack(q: *const u8) -> [[__m256i; 2]; 4] {
-            let mask = _mm256_set1_epi8(0x0F);
-            let top = _mm256_set1_epi8(0x30);
             std::array::from_fn(|j| {
                 // SAFETY: `j < 4`: the chunk `32 j ..` lies in the first 128 bytes, and the
                 // high bits `128 + 32 (j / 2) ..` end by byte 191, of the 192 the caller
@@ -1990,18 +2002,7 @@ mod x86 {
                         _mm256_loadu_si256(q.add(128 + 32 * (j / 2)).cast()),
                     )
                 };
-                // Bits 4k and 4k + 2 of `bits` (k = j % 2) moved to bit 4, as the shared tile.
-                let (high_first, high_second) = if j % 2 == 0 {
-                    (_mm256_slli_epi16(bits, 4), _mm256_slli_epi16(bits, 2))
-                } else {
-                    (bits, _mm256_srli_epi16(bits, 2))
-                };
-                let first = _mm256_and_si256(raw, mask);
-                let second = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-                [
-                    _mm256_or_si256(first, _mm256_and_si256(high_first, top)),
-                    _mm256_or_si256(second, _mm256_and_si256(high_second, top)),
-                ]
+                q6_k_values(raw, bits, j)
             })
         }
 

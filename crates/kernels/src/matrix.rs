@@ -306,6 +306,7 @@ impl QuantMatrix {
             // Prefill-sized products (more rows than a narrow tile takes) multiply two groups
             // at once where the type has wide tiles; their outputs are the narrow tiles' bits.
             let wide = WideKernels::new(self.ty, tier, self.passes).filter(|_| m > TILE);
+            let tile_rows = tiles.rows();
             let group_bytes = self.group_bytes();
             let mut groups_per_task = chunk.div_ceil(GROUP);
             if wide.is_some() {
@@ -345,8 +346,8 @@ impl QuantMatrix {
                             continue;
                         }
                         let w = &self.data[g * group_bytes..(g + 1) * group_bytes];
-                        for start in pass.clone().step_by(tiles.rows()) {
-                            let n = (pass.end - start).min(tiles.rows());
+                        for start in pass.clone().step_by(tile_rows) {
+                            let n = (pass.end - start).min(tile_rows);
                             // An array (no allocation per tile): the slots past `n` repeat
                             // the last row and are not passed on.
                             let tile: [_; MAX_TILE] =
