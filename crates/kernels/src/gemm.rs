@@ -5,10 +5,10 @@
 //! the columns alone make too few tasks for the threads; `Blocks`), copies those weight
 //! columns once into a scratch buffer of 32-wide panels (`[panel][k][32]`, contiguous,
 //! zero-padded past `n`: 74 KiB a panel at k = 576, 197 KiB at k = 1536, in L2), then walks
-//! its rows in tiles (AVX-512: 12 rows × 32 columns, 24 accumulator registers; the portable
-//! tile, 3 × 32): per step of `k`, two loads of the panel, one broadcast per row, two fused
-//! multiply-adds per row. The whole `k` is summed in registers and each output is written
-//! once.
+//! its rows in tiles (AVX-512: 12 rows × 32 columns, 24 accumulator registers; AVX2: 6 rows ×
+//! 16 columns, 12 of its 16 registers; the scalar reference, 3 × 32): per step of `k`, two
+//! loads of the panel, one broadcast per row, two fused multiply-adds per row. The whole `k`
+//! is summed in registers and each output is written once.
 //!
 //! Every output element is `Σ_i x[t, i] · w[i, j]` summed in order of `i` with one fused
 //! multiply-add per term, in every tier, so the tiers agree bit for bit with the scalar
@@ -25,9 +25,27 @@ const PANEL: usize = 32;
 /// 32 registers).
 const MAX_TILE_ROWS: usize = 12;
 
-/// Rows per tile on the tiers without AVX-512 (the portable tile: 3 rows × 32 columns, 12
-/// AVX2 accumulators of the 16 registers).
+/// Rows per tile of the portable walk (the scalar reference): 3 rows × 32 columns.
 const PORTABLE_TILE_ROWS: usize = 3;
+
+/// The AVX2 tile: 6 rows × 16 columns, 12 accumulators of the 16 registers (as BLIS's
+/// Haswell kernel). 6 divides [`MAX_TILE_ROWS`], so a task's rows split into whole tiles but
+/// for its last.
+#[cfg(target_arch = "x86_64")]
+const AVX2_TILE_ROWS: usize = 6;
+#[cfg(target_arch = "x86_64")]
+const AVX2_TILE_COLS: usize = 16;
+
+/// Where an AVX2 tile lies: its first row `t`, its first output column `col` and how many
+/// of its 16 columns are outputs (`width`), and where those columns start in the panel.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Avx2Tile {
+    t: usize,
+    col: usize,
+    width: usize,
+    offset: usize,
+}
 
 thread_local! {
     /// Each thread's packed weight panels, reused across calls.
@@ -191,8 +209,7 @@ impl Task<'_> {
             })
     }
 
-    /// The portable tile walk, the scalar reference (and AVX2 when compiled for it).
-    #[inline(always)]
+    /// The portable tile walk, the scalar reference.
     fn run_portable(&self) {
         for (col, width, panel) in self.panels() {
             let mut t = self.rows.start;
@@ -217,11 +234,85 @@ impl Task<'_> {
         }
     }
 
-    /// [`run_portable`](Self::run_portable) compiled for AVX2 with fused multiply-adds.
+    /// The AVX2 tile walk: each panel as two halves of 16 columns, each half's rows in
+    /// 6-row tiles, then one tile of the rows left. (Compiled for AVX2, the portable walk
+    /// stayed scalar: LLVM did not vectorize its row loop of run-time length.)
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn run_avx2(&self) {
-        self.run_portable();
+        for (col, width, panel) in self.panels() {
+            for half in (0..width).step_by(AVX2_TILE_COLS) {
+                let half_width = (width - half).min(AVX2_TILE_COLS);
+                let mut t = self.rows.start;
+                while t < self.rows.end {
+                    let rows = (self.rows.end - t).min(AVX2_TILE_ROWS);
+                    let tile = Avx2Tile {
+                        t,
+                        col: col + half,
+                        width: half_width,
+                        offset: half,
+                    };
+                    // SAFETY: rows `t..t + rows` of x and out exist; the panel is
+                    // `[k][PANEL]` and `half + 16 <= PANEL`.
+                    unsafe {
+                        match rows {
+                            6 => self.tile_avx2::<6>(tile, panel),
+                            5 => self.tile_avx2::<5>(tile, panel),
+                            4 => self.tile_avx2::<4>(tile, panel),
+                            3 => self.tile_avx2::<3>(tile, panel),
+                            2 => self.tile_avx2::<2>(tile, panel),
+                            _ => self.tile_avx2::<1>(tile, panel),
+                        }
+                    }
+                    t += rows;
+                }
+            }
+        }
+    }
+
+    /// Rows `tile.t..tile.t + R` × 16 of the panel's columns (from `tile.offset`, output
+    /// columns `tile.col..tile.col + tile.width`), summed over all of `k` in 2R registers
+    /// (12 of the 16 with 6 rows, beside two panel loads and a broadcast) and stored once.
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available; rows `tile.t..tile.t + R` must exist; `panel` is
+    /// `[k][PANEL]` and `tile.offset + 16 <= PANEL`.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn tile_avx2<const R: usize>(&self, tile: Avx2Tile, panel: &[f32]) {
+        use std::arch::x86_64::*;
+        let (k, t) = (self.k, tile.t);
+        debug_assert!(panel.len() == k * PANEL && (t + R) * k <= self.x.len());
+        debug_assert!(tile.offset + AVX2_TILE_COLS <= PANEL && tile.width <= AVX2_TILE_COLS);
+        let mut lo = [_mm256_setzero_ps(); R];
+        let mut hi = [_mm256_setzero_ps(); R];
+        let x = self.x.as_ptr();
+        // SAFETY: `offset + 16 <= PANEL`, so every load below lies in row `i` of the panel.
+        let b = unsafe { panel.as_ptr().add(tile.offset) };
+        for i in 0..k {
+            // SAFETY: i < k, so both loads lie in the panel and every x read in row t + r.
+            unsafe {
+                let b_lo = _mm256_loadu_ps(b.add(i * PANEL));
+                let b_hi = _mm256_loadu_ps(b.add(i * PANEL + 8));
+                for r in 0..R {
+                    let a = _mm256_broadcast_ss(&*x.add((t + r) * k + i));
+                    lo[r] = _mm256_fmadd_ps(a, b_lo, lo[r]);
+                    hi[r] = _mm256_fmadd_ps(a, b_hi, hi[r]);
+                }
+            }
+        }
+        for r in 0..R {
+            let mut sums = [0f32; AVX2_TILE_COLS];
+            // SAFETY: `sums` holds 16 f32, the two unaligned stores' width.
+            unsafe {
+                _mm256_storeu_ps(sums.as_mut_ptr(), lo[r]);
+                _mm256_storeu_ps(sums.as_mut_ptr().add(8), hi[r]);
+            }
+            // SAFETY: the row's columns col..col + width belong to this task alone.
+            let dst = unsafe { self.out.slice((t + r) * self.n + tile.col, tile.width) };
+            dst.copy_from_slice(&sums[..tile.width]);
+        }
     }
 
     /// The AVX-512 tile walk: 12-row tiles, then one tile of the rows left.
