@@ -197,25 +197,26 @@ pub fn greedy_cached<B: InferenceBackend>(
     out
 }
 
-/// Greedy continuation recomputing the whole sequence every step (the slow, obvious reference).
-pub fn greedy_recompute<B: InferenceBackend>(
+/// The greedy tokens a plain full forward gives, without a cache carried between steps: one
+/// forward over `prompt` and `continuation` (minus its last token); position `prompt.len() - 1 +
+/// k` gives token `k`. A causal model's logits at a position depend only on the tokens up to
+/// it, so this equals recomputing the sequence at every step wherever the continuation is its
+/// own greedy one, and differs from it first where the continuation does.
+pub fn greedy_by_full_forward<B: InferenceBackend>(
     model: &impl CausalLm<B>,
     prompt: &[TokenId],
-    n: usize,
+    continuation: &[TokenId],
 ) -> Vec<TokenId> {
-    let mut seq = prompt.to_vec();
-    for _ in 0..n {
-        let shape = model.shape();
-        let mut cache = DynamicKvCache::<B>::new(shape.kv_layout(), model.dtype(), &model.device());
-        let batch = Batch::single(SeqId(0), &seq, Position(0)).unwrap();
-        let logits = host(
-            model
-                .forward(&batch, &mut cache, LogitsFor::LastOfEachSequence)
-                .unwrap(),
-        );
-        seq.push(argmax(&logits));
-    }
-    seq[prompt.len()..].to_vec()
+    let Some((_, fed)) = continuation.split_last() else {
+        return Vec::new();
+    };
+    let sequence: Vec<TokenId> = prompt.iter().chain(fed).copied().collect();
+    let vocab = model.shape().vocab;
+    all_logits(model, &sequence)
+        .chunks_exact(vocab)
+        .skip(prompt.len() - 1)
+        .map(argmax)
+        .collect()
 }
 
 pub fn load<B: InferenceBackend>(name: &str, dtype: Dtype) -> kiln_models::LoadedModel<B> {
