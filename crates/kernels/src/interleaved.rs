@@ -1001,7 +1001,7 @@ mod x86 {
     /// 16 bytes at `p` must be readable.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    unsafe fn halves(p: *const u8) -> __m256 {
+    pub(super) unsafe fn halves(p: *const u8) -> __m256 {
         // SAFETY: the caller's contract: 16 readable bytes at `p`, the unaligned load's width.
         _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
     }
@@ -1226,7 +1226,7 @@ mod x86 {
     /// Eight bytes at `p` must be readable.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn u8_lanes(p: *const u8) -> __m256 {
+    pub(super) unsafe fn u8_lanes(p: *const u8) -> __m256 {
         // SAFETY: the caller's contract: eight readable bytes at `p`, what `vmovq` loads.
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p.cast()) }))
     }
@@ -1315,10 +1315,88 @@ mod x86 {
                     q_offset, q4_sizes,
                 };
 
+                /// Chunk `j`'s values of a Q4_1-ordered block of nibbles of eight rows at `p`,
+                /// with `FIFTH` the Q5_K fifth bits `fifth_bits` (the 32 bytes after the
+                /// nibbles) joined as bit 4: the values that activation bytes `4 j .. 4 j + 4`
+                /// multiply (the low nibbles), then those that bytes `16 + 4 j ..` multiply.
+                ///
+                /// # Safety
+                /// `j < 4`, and the 32 bytes at `p + 32 j` must be readable.
+                #[inline]
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) unsafe fn nibble_chunk<const FIFTH: bool>(
+                    p: *const u8,
+                    fifth_bits: __m256i,
+                    j: usize,
+                ) -> [__m256i; 2] {
+                    let mask = _mm256_set1_epi8(0x0F);
+                    // SAFETY: the caller's contract: 32 readable bytes at `p + 32 j`.
+                    let raw = unsafe { _mm256_loadu_si256(p.add(32 * j).cast()) };
+                    let mut low = _mm256_and_si256(raw, mask);
+                    let mut high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                    if FIFTH {
+                        let (first, second) = fifth_bits_at_4(fifth_bits, j);
+                        low = _mm256_or_si256(low, first);
+                        high = _mm256_or_si256(high, second);
+                    }
+                    [low, high]
+                }
+
+                /// Adds chunk `j`'s products to `N` rows' sums: `low` times activation bytes
+                /// `4 j ..` of each `hi` row (and of its `lo` row with `SPLIT`), `high` times
+                /// bytes `16 + 4 j ..`, into partial sums `2 j % parts` and `(2 j + 1) % parts`
+                /// of `parts` per row and pass.
+                #[inline]
+                #[target_feature(enable = $features)]
+                #[allow(clippy::too_many_arguments)]
+                pub(in crate::interleaved) fn add_chunk<const N: usize, const SPLIT: bool>(
+                    sh: &mut [[__m256i; 4]; N],
+                    sl: &mut [[__m256i; 4]; N],
+                    j: usize,
+                    [low, high]: [__m256i; 2],
+                    h: [&ActBlock; N],
+                    l: [&ActBlock; N],
+                    parts: usize,
+                ) {
+                    let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
+                    // Each of the `parts` sums takes at most `8 / parts` products, which the
+                    // caller's `parts` keeps within what `$dot16`'s sums hold.
+                    for i in 0..N {
+                        sh[i][k_low] = $dot16(sh[i][k_low], low, broadcast(h[i], j));
+                        sh[i][k_high] = $dot16(sh[i][k_high], high, broadcast(h[i], 4 + j));
+                        if SPLIT {
+                            sl[i][k_low] = $dot16(sl[i][k_low], low, broadcast(l[i], j));
+                            sl[i][k_high] = $dot16(sl[i][k_high], high, broadcast(l[i], 4 + j));
+                        }
+                    }
+                }
+
+                /// The first `parts` of a row's partial sums from [`add_chunk`] as one sum of
+                /// eight 32-bit lanes.
+                #[inline]
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) fn join_parts(
+                    sums: [__m256i; 4],
+                    parts: usize,
+                ) -> __m256i {
+                    let mut total = $widen(sums[0]);
+                    for &sum in &sums[1..parts] {
+                        total = _mm256_add_epi32(total, $widen(sum));
+                    }
+                    total
+                }
+
+                /// The parts that hold a sub-block's eight chunk products for `N` rows of a
+                /// Q4_K (`FIFTH` false) or Q5_K tile.
+                pub(in crate::interleaved) const fn k_parts<const N: usize, const FIFTH: bool>()
+                -> usize {
+                    $parts(N, $fit(if FIFTH { 31 } else { 15 }))
+                }
+
                 /// The integer sums of `N` two-pass activation rows with a Q4_1-ordered block
-                /// of nibbles of eight rows at `p` (four chunks of 32 bytes), with `FIFTH` the
-                /// Q5_K fifth bits after them: per row, the `hi` and the `lo` pass's. Each
-                /// chunk is unpacked once for all the rows.
+                /// of nibbles of eight rows at `p`, with `FIFTH` the Q5_K fifth bits after
+                /// them: per row, the `hi` and the `lo` pass's. Each chunk is unpacked once
+                /// for all the rows.
                 ///
                 /// # Safety
                 /// 128 bytes at `p` must be readable, 160 with `FIFTH`.
@@ -1329,8 +1407,7 @@ mod x86 {
                     h: [&ActBlock; N],
                     l: [&ActBlock; N],
                 ) -> [(__m256i, __m256i); N] {
-                    let parts = const { $parts(N, $fit(if FIFTH { 31 } else { 15 })) };
-                    let mask = _mm256_set1_epi8(0x0F);
+                    let parts = const { k_parts::<N, FIFTH>() };
                     let fifth_bits = if FIFTH {
                         // SAFETY: with `FIFTH` the caller vouches for 160 bytes: the fifth
                         // bits are the last 32.
@@ -1343,38 +1420,10 @@ mod x86 {
                     for j in 0..4 {
                         // SAFETY: `j < 4`: chunk `j` is bytes `32 j .. 32 j + 32` of the 128
                         // the caller vouches for.
-                        let raw = unsafe { _mm256_loadu_si256(p.add(32 * j).cast()) };
-                        let mut low = _mm256_and_si256(raw, mask);
-                        let mut high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-                        if FIFTH {
-                            let (first, second) = fifth_bits_at_4(fifth_bits, j);
-                            low = _mm256_or_si256(low, first);
-                            high = _mm256_or_si256(high, second);
-                        }
-                        let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
-                        // Each of the `parts` sums takes at most `8 / parts` products,
-                        // which `$parts` keeps within what `$dot16`'s sums hold.
-                        for i in 0..N {
-                            sh[i][k_low] = $dot16(sh[i][k_low], low, broadcast(h[i], j));
-                            sh[i][k_high] = $dot16(sh[i][k_high], high, broadcast(h[i], 4 + j));
-                            if SPLIT {
-                                sl[i][k_low] = $dot16(sl[i][k_low], low, broadcast(l[i], j));
-                                sl[i][k_high] = $dot16(sl[i][k_high], high, broadcast(l[i], 4 + j));
-                            }
-                        }
+                        let values = unsafe { nibble_chunk::<FIFTH>(p, fifth_bits, j) };
+                        add_chunk::<N, SPLIT>(&mut sh, &mut sl, j, values, h, l, parts);
                     }
-                    let widen = |sums: [__m256i; 4]| {
-                        let mut total = $widen(sums[0]);
-                        for &sum in &sums[1..parts] {
-                            total = _mm256_add_epi32(total, $widen(sum));
-                        }
-                        total
-                    };
-                    let mut sums = [(_mm256_setzero_si256(), _mm256_setzero_si256()); N];
-                    for i in 0..N {
-                        sums[i] = (widen(sh[i]), widen(sl[i]));
-                    }
-                    sums
+                    std::array::from_fn(|i| (join_parts(sh[i], parts), join_parts(sl[i], parts)))
                 }
 
                 /// The integer sums of `N` two-pass activation rows with a Q4_0-ordered block
@@ -1707,25 +1756,48 @@ mod x86 {
                             };
                             let scale = _mm256_mul_ps(d, scales);
                             let min = _mm256_mul_ps(dmin, mins_s);
-                            for i in 0..N {
-                                let (sum_h, sum_l) = sums[i];
-                                acc[i] = add_sums::<SPLIT>(acc[i], scale, sum_h, sum_l, h[i], l[i]);
-                                let d_sum = d_sum_lanes::<SPLIT>(h[i], l[i]);
-                                if SPLIT {
-                                    mins[i] = _mm256_fmadd_ps(min, d_sum, mins[i]);
-                                } else {
-                                    // One pass: the minimums come off as they go, which
-                                    // frees a register per row (`mins` stays zero).
-                                    acc[i] = _mm256_fnmadd_ps(min, d_sum, acc[i]);
-                                }
-                            }
+                            add_k_sub::<N, SPLIT>(&mut acc, &mut mins, sums, [scale, min], h, l);
                         }
                     }
-                    let mut out = [[0f32; GROUP]; N];
-                    for ((out, acc), mins) in out.iter_mut().zip(acc).zip(mins) {
-                        *out = store(_mm256_sub_ps(acc, mins));
+                    k_outputs(acc, mins)
+                }
+
+                /// A Q4_K or Q5_K sub-block's float steps for `N` rows, given its integer
+                /// sums and its `d × scale` and `dmin × min` per row lane: `acc` gains the
+                /// scaled sums and the minimums times `d × Σ a` go to `mins` (with `SPLIT`)
+                /// or come off `acc` as they go, which frees a register per row (`mins`
+                /// stays zero). Every Q4_K and Q5_K tile of the tier runs these steps, so all
+                /// give the same bits.
+                #[inline]
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) fn add_k_sub<const N: usize, const SPLIT: bool>(
+                    acc: &mut [__m256; N],
+                    mins: &mut [__m256; N],
+                    sums: [(__m256i, __m256i); N],
+                    [scale, min]: [__m256; 2],
+                    h: [&ActBlock; N],
+                    l: [&ActBlock; N],
+                ) {
+                    for i in 0..N {
+                        let (sum_h, sum_l) = sums[i];
+                        acc[i] = add_sums::<SPLIT>(acc[i], scale, sum_h, sum_l, h[i], l[i]);
+                        let d_sum = d_sum_lanes::<SPLIT>(h[i], l[i]);
+                        if SPLIT {
+                            mins[i] = _mm256_fmadd_ps(min, d_sum, mins[i]);
+                        } else {
+                            acc[i] = _mm256_fnmadd_ps(min, d_sum, acc[i]);
+                        }
                     }
-                    out
+                }
+
+                /// The eight outputs per row of a Q4_K or Q5_K tile's sums.
+                #[inline]
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) fn k_outputs<const N: usize>(
+                    acc: [__m256; N],
+                    mins: [__m256; N],
+                ) -> [[f32; GROUP]; N] {
+                    std::array::from_fn(|i| store(_mm256_sub_ps(acc[i], mins[i])))
                 }
 
                 /// Eight Q6_K rows × `N` two-pass activation rows ([`super::super::TileFn`]).
