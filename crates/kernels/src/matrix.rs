@@ -12,8 +12,8 @@ use crate::act::{ACT_BLOCK, ActBlock, ActPasses, quantize_row, quantize_split_ro
 use crate::error::KernelError;
 use crate::ggml::{GgmlType, dequantize};
 use crate::interleaved::{
-    GROUP, MAX_TILE, TILE, TileKernels, WIDE_ROWS, WideKernels, group_block_bytes, pack,
-    unpack_row, zeroed_on_huge_pages,
+    GROUP, MAX_TILE, TileKernels, WIDE_ROWS, WideKernels, group_block_bytes, pack, unpack_row,
+    zeroed_on_huge_pages,
 };
 use crate::pool::ThreadPool;
 use crate::quant::{DotKernel, has_kernel};
@@ -303,9 +303,10 @@ impl QuantMatrix {
         if self.interleaved {
             let tiles = TileKernels::new(self.ty, tier, self.passes)
                 .expect("interleaved types have tile kernels");
-            // Prefill-sized products (more rows than a narrow tile takes) multiply two groups
-            // at once where the type has wide tiles; their outputs are the narrow tiles' bits.
-            let wide = WideKernels::new(self.ty, tier, self.passes).filter(|_| m > TILE);
+            // Prefill-sized products (as many rows as the wide tiles need to pay, at least
+            // more than a narrow tile takes) multiply two groups at once where the type has
+            // wide tiles; their outputs are the narrow tiles' bits.
+            let wide = WideKernels::new(self.ty, tier, self.passes).filter(|w| m >= w.min_rows());
             let tile_rows = tiles.rows();
             let group_bytes = self.group_bytes();
             let mut groups_per_task = chunk.div_ceil(GROUP);

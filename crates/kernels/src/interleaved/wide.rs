@@ -1,4 +1,5 @@
-//! Prefill's tiles on AVX-512 VNNI: two neighbouring groups (16 weight rows) times up to
+//! Prefill's tiles on AVX-512 VNNI (and, for Q4_K and Q5_K, on AVX2: the [`avx2`] module):
+//! two neighbouring groups (16 weight rows) times up to
 //! [`WIDE_TILE`] activation rows, in 512-bit registers.
 //!
 //! The groups keep their layout ([`super`]); a 512-bit register holds chunk `j` of the first
@@ -34,8 +35,8 @@ pub const WIDE_TILE: usize = 8;
 /// activation rows, each given in two passes (`hi[i]`, `lo[i]`).
 ///
 /// # Safety
-/// The CPU must support AVX-512 VNNI; `w` must be two groups of the function's type, each
-/// holding exactly the block columns that `hi[i].len()` activation blocks cover (one per
+/// The CPU must support the tier the function was chosen for ([`WideKernels::new`]); `w`
+/// must be two groups of the function's type, each holding exactly the block columns that `hi[i].len()` activation blocks cover (one per
 /// eight blocks) for every `i`, and `lo[i].len() == hi[i].len()`. For the types
 /// [`WideKernels`] unpacks, `w` is instead the bytes of the two groups' [`UnpackedSub`]s, one
 /// per activation block.
@@ -65,12 +66,26 @@ impl UnpackedSub {
     };
 }
 
+/// The sub-blocks whose bytes `w` is.
+///
+/// # Safety
+/// `w` must be the bytes of a slice of [`UnpackedSub`], as [`WideKernels`] hands the unpacked
+/// types' tiles their weights.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+unsafe fn unpacked(w: &[u8]) -> &[UnpackedSub] {
+    let subs = w.as_ptr().cast::<UnpackedSub>();
+    debug_assert!(subs.is_aligned() && w.len().is_multiple_of(size_of::<UnpackedSub>()));
+    // SAFETY: the caller's contract: `w` is whole, aligned `UnpackedSub`s, plain data.
+    unsafe { std::slice::from_raw_parts(subs, w.len() / size_of::<UnpackedSub>()) }
+}
+
 /// Unpacks two groups (`w`, their bytes end to end) into `out`, one [`UnpackedSub`] per
 /// sub-block.
 ///
 /// # Safety
-/// The CPU must support AVX-512 VNNI; `w` must be two groups of the function's type, each
-/// holding exactly the block columns of `out.len()` sub-blocks.
+/// The CPU must support the tier the function was chosen for; `w` must be two groups of the
+/// function's type, each holding exactly the block columns of `out.len()` sub-blocks.
 type UnpackFn = unsafe fn(&[u8], &mut [UnpackedSub]);
 
 thread_local! {
@@ -86,6 +101,9 @@ pub(crate) struct WideKernels {
     /// five for the types whose two scales per sub-block need four sums per row and pass (six
     /// rows' 24 sums spill out of the 32 registers; docs/benchmarks.md has the three timings).
     tile: usize,
+    /// The fewest activation rows for which unpacking and the wide tiles pay; products of
+    /// fewer rows run the narrow tiles.
+    min_rows: usize,
     /// For the K-quants: what unpacks a pair of groups for the tiles, which take the
     /// [`UnpackedSub`]s.
     unpack: Option<UnpackFn>,
@@ -106,6 +124,7 @@ macro_rules! wide_kernels {
     ($tile:expr, $unpack:expr, $($f:ident)::+ $(, $extra:expr)*) => {
         WideKernels {
             tile: $tile,
+            min_rows: super::TILE + 1,
             unpack: $unpack,
             one: $($f)::+::<1 $(, $extra)*, SPLIT>,
             two: $($f)::+::<2 $(, $extra)*, SPLIT>,
@@ -118,6 +137,12 @@ macro_rules! wide_kernels {
         }
     };
 }
+
+/// The fewest activation rows for AVX2's unpacked tiles: with fewer, unpacking a pair of
+/// groups costs about what the tiles then save, or more (docs/benchmarks.md: against the
+/// narrow tiles, 16 rows took 1.02-1.12x their time on a Zen 4, 32 and 64 rows 0.98-1.03x,
+/// 512 rows 0.96x).
+const AVX2_MIN_ROWS: usize = 64;
 
 /// Whether the eight-row one-pass Q4_K and Q5_K tiles keep one integer sum per activation
 /// row rather than two: on Intel's cores, where every 512-bit vector instruction issues on the
@@ -137,8 +162,8 @@ fn one_sum_per_row() -> bool {
 
 impl WideKernels {
     /// The wide tiles of `ty` at `tier` for activations in `passes`, if it has them: on
-    /// AVX-512 VNNI, the K-quants but Q2_K, IQ4's, Q8_0, and Q4_0, Q4_1, Q5_0, Q5_1. One
-    /// pass asks for zero `lo` rows, as [`super::TileKernels::new`] says.
+    /// AVX-512 VNNI, the K-quants but Q2_K, IQ4's, Q8_0, and Q4_0, Q4_1, Q5_0, Q5_1; on AVX2,
+    /// Q4_K and Q5_K. One pass asks for zero `lo` rows, as [`super::TileKernels::new`] says.
     pub(crate) fn new(ty: GgmlType, tier: Tier, passes: ActPasses) -> Option<Self> {
         match passes {
             ActPasses::One => Self::select::<false>(ty, tier),
@@ -188,8 +213,30 @@ impl WideKernels {
                 _ => None,
             };
         }
+        #[cfg(target_arch = "x86_64")]
+        if tier == Tier::Avx2 {
+            // Q4_K runs the same code (`FIFTH` false) no faster than its narrow tiles: its
+            // chunks cost four instructions to form where Q5_K's cost ten.
+            return match ty {
+                GgmlType::Q5K => Some(WideKernels {
+                    min_rows: AVX2_MIN_ROWS,
+                    ..wide_kernels!(
+                        super::TILE,
+                        Some(avx2::unpack_k::<true>),
+                        avx2::k_wide,
+                        true
+                    )
+                }),
+                _ => None,
+            };
+        }
         let _ = (ty, tier, half_scaled_tile);
         None
+    }
+
+    /// The fewest activation rows a product should have to take these kernels.
+    pub(crate) fn min_rows(&self) -> usize {
+        self.min_rows
     }
 
     /// The products of the two groups `w` with `rows` (a pass of activation rows, each as its
@@ -225,7 +272,7 @@ impl WideKernels {
                 buffer.resize(blocks, UnpackedSub::ZERO);
             }
             let subs = &mut buffer[..blocks];
-            // SAFETY: the caller's contract: an AVX-512 VNNI CPU, and `w` two groups of this
+            // SAFETY: the caller's contract: a CPU of the kernels' tier, and `w` two groups of this
             // type, each of the block columns that `blocks` activation blocks cover.
             unsafe { unpack(w, subs) };
             // SAFETY: `UnpackedSub` is bytes and f32 without padding (640 bytes): its memory
@@ -281,7 +328,7 @@ mod x86 {
     use std::arch::x86_64::*;
     use std::mem::offset_of;
 
-    use super::{UnpackedSub, WIDE_ROWS, WIDE_TILE};
+    use super::{UnpackedSub, WIDE_ROWS, WIDE_TILE, unpacked};
     use crate::act::ActBlock;
     use crate::ggml::IQ4_VALUES;
     use crate::interleaved::x86::{blocks_at, d_sum};
@@ -952,19 +999,6 @@ mod x86 {
         }
     }
 
-    /// The sub-blocks whose bytes `w` is.
-    ///
-    /// # Safety
-    /// `w` must be the bytes of a slice of [`UnpackedSub`], as [`super::WideKernels`] hands
-    /// the unpacked types' tiles their weights.
-    #[inline]
-    unsafe fn unpacked(w: &[u8]) -> &[UnpackedSub] {
-        let subs = w.as_ptr().cast::<UnpackedSub>();
-        debug_assert!(subs.is_aligned() && w.len().is_multiple_of(size_of::<UnpackedSub>()));
-        // SAFETY: the caller's contract: `w` is whole, aligned `UnpackedSub`s, plain data.
-        unsafe { std::slice::from_raw_parts(subs, w.len() / size_of::<UnpackedSub>()) }
-    }
-
     /// Two groups of Q4_K (`FIFTH` false) or Q5_K unpacked ([`super::UnpackFn`]): each
     /// sub-block's chunks as [`nibble_chunk`] forms them, its `d × scale` and `dmin × min`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -1186,14 +1220,190 @@ mod x86 {
     }
 }
 
+/// The AVX2 tier's wide tiles: Q4_K and Q5_K rows unpacked once per pass of activation rows
+/// into [`UnpackedSub`]s (the layout the VNNI tiles read, each group in one half of a
+/// register's bytes), and each group's eight rows then multiplied as the narrow tile does,
+/// its chunks loaded instead of formed from nibbles and fifth bits. On a Zen 3 the narrow
+/// tiles issue about three vector instructions a cycle whatever the mix, and forming a Q5_K
+/// chunk takes ten of them for every tile of up to four activation rows (docs/kernels.md,
+/// item 6); a load takes one, and the unpacking is paid once for the pass's 32 rows.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{UnpackedSub, WIDE_ROWS, unpacked};
+    use crate::act::ActBlock;
+    use crate::interleaved::x86::avx2::{
+        add_chunk, add_k_sub, join_parts, k_outputs, k_parts, nibble_chunk,
+    };
+    use crate::interleaved::x86::{blocks_at, halves, u8_lanes};
+    use crate::interleaved::{GROUP, K_QUANTS, k_sizes};
+
+    /// Two groups of Q4_K (`FIFTH` false) or Q5_K unpacked ([`super::UnpackFn`], on AVX2):
+    /// each sub-block's chunks as the narrow tile forms them ([`nibble_chunk`]), the first
+    /// group's in the low 32 bytes of each register and the second's in the high, and its
+    /// `d × scale` and `dmin × min` as the narrow tile multiplies them.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `w` must be two groups of the type, each
+    /// holding exactly the block columns of `out.len()` sub-blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn unpack_k<const FIFTH: bool>(w: &[u8], out: &mut [UnpackedSub]) {
+        let (column_bytes, sub_bytes) = k_sizes(FIFTH);
+        let group_bytes = w.len() / 2;
+        debug_assert_eq!(group_bytes, out.len() / 8 * column_bytes);
+        for (c, column) in out.chunks_exact_mut(8).enumerate() {
+            for half in 0..2 {
+                // SAFETY: column `c < out.len() / 8` lies in group `half` (the caller's
+                // contract); its first 32 bytes are the eight f16 `d`, then the eight `dmin`.
+                let (p, d, dmin) = unsafe {
+                    let p = w.as_ptr().add(group_bytes * half + column_bytes * c);
+                    (p, halves(p), halves(p.add(16)))
+                };
+                for (s, sub) in column.iter_mut().enumerate() {
+                    // SAFETY: `s < 8`: sub-block `s` (`sub_bytes`: 128 of nibbles, with
+                    // `FIFTH` 32 of fifth bits) at `K_QUANTS + sub_bytes s` ends by the
+                    // column's end; its eight scales at `32 + 8 s` and minimums at `96 + 8 s`
+                    // lie before `K_QUANTS` (32 + 64 + 64).
+                    let (q, scales, mins) = unsafe {
+                        (
+                            p.add(K_QUANTS + sub_bytes * s),
+                            u8_lanes(p.add(32 + 8 * s)),
+                            u8_lanes(p.add(96 + 8 * s)),
+                        )
+                    };
+                    let fifth_bits = if FIFTH {
+                        // SAFETY: as above: the fifth bits are the sub-block's last 32 bytes.
+                        unsafe { _mm256_loadu_si256(q.add(128).cast()) }
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    for j in 0..4 {
+                        // SAFETY: `j < 4`: chunk `j` lies in the sub-block's 128 bytes of
+                        // nibbles.
+                        let values = unsafe { nibble_chunk::<FIFTH>(q, fifth_bits, j) };
+                        for (out, v) in sub.values[j].iter_mut().zip(values) {
+                            // SAFETY: 32 bytes of `out` (64) at offset 0 or 32.
+                            unsafe { _mm256_storeu_si256(out[32 * half..].as_mut_ptr().cast(), v) };
+                        }
+                    }
+                    let scales = [_mm256_mul_ps(d, scales), _mm256_mul_ps(dmin, mins)];
+                    for (out, v) in sub.scales.iter_mut().zip(scales) {
+                        // SAFETY: eight f32 of `out` (sixteen) at offset 0 or 8.
+                        unsafe { _mm256_storeu_ps(out[GROUP * half..].as_mut_ptr(), v) };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sixteen Q4_K (`FIFTH` false) or Q5_K rows, unpacked ([`unpack_k`]), × `N` two-pass
+    /// activation rows ([`super::WideFn`], on AVX2): one group after the other, each through
+    /// the narrow tile's integer sums and float steps, so the same bits.
+    ///
+    /// # Safety
+    /// As [`super::WideFn`] for an unpacked type, on a CPU with AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn k_wide<const N: usize, const FIFTH: bool, const SPLIT: bool>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        // SAFETY: the `WideFn` contract of an unpacked type: `w` is its sub-blocks' bytes.
+        let subs = unsafe { unpacked(w) };
+        let blocks = hi[0].len();
+        debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+        debug_assert_eq!(subs.len(), blocks);
+        let parts = const { k_parts::<N, FIFTH>() };
+        let mut out = [[0f32; WIDE_ROWS]; N];
+        for half in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); N];
+            let mut mins = [_mm256_setzero_ps(); N];
+            for (b, sub) in subs.iter().enumerate() {
+                // SAFETY: `b < subs.len() = blocks`, every row's length (the `WideFn`
+                // contract).
+                let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+                let mut sh = [[_mm256_setzero_si256(); 4]; N];
+                let mut sl = [[_mm256_setzero_si256(); 4]; N];
+                for j in 0..4 {
+                    // SAFETY: 32 bytes of a register's 64 at offset 0 or 32, 32-aligned since
+                    // `UnpackedSub` is 64-aligned and each register a multiple of 64 into it.
+                    let values = [0, 1].map(|k| unsafe {
+                        _mm256_load_si256(sub.values[j][k][32 * half..].as_ptr().cast())
+                    });
+                    add_chunk::<N, SPLIT>(&mut sh, &mut sl, j, values, h, l, parts);
+                }
+                let sums =
+                    std::array::from_fn(|i| (join_parts(sh[i], parts), join_parts(sl[i], parts)));
+                // SAFETY: eight f32 of sixteen at offset 0 or 8: 32 bytes, 32-aligned as above.
+                let scales = [0, 1]
+                    .map(|k| unsafe { _mm256_load_ps(sub.scales[k][GROUP * half..].as_ptr()) });
+                add_k_sub::<N, SPLIT>(&mut acc, &mut mins, sums, scales, h, l);
+            }
+            for (out, y) in out.iter_mut().zip(k_outputs(acc, mins)) {
+                out[GROUP * half..GROUP * (half + 1)].copy_from_slice(&y);
+            }
+        }
+        out
+    }
+}
+
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use half::f16;
 
-    use super::{UnpackedSub, WIDE_TILE, x86};
+    use super::{UnpackedSub, WIDE_TILE, avx2, x86};
     use crate::act::ActBlock;
-    use crate::interleaved::k_sizes;
+    use crate::interleaved::{GROUP, k_sizes};
     use crate::tier::Tier;
+
+    /// A xorshift stream: the tests' weights and activations.
+    fn stream() -> impl FnMut() -> u64 {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        }
+    }
+
+    /// Two groups of `columns` random Q4_K (`fifth` false) or Q5_K block columns with finite
+    /// scales.
+    fn k_groups(fifth: bool, columns: usize, next: &mut impl FnMut() -> u64) -> Vec<u8> {
+        let (column_bytes, _) = k_sizes(fifth);
+        let mut w: Vec<u8> = (0..2 * columns * column_bytes)
+            .map(|_| next() as u8)
+            .collect();
+        // Each column's eight `d` and eight `dmin`.
+        for column in w.chunks_exact_mut(column_bytes) {
+            for scale in column[..32].chunks_exact_mut(2) {
+                let value = f16::from_f32(0.001 + (next() % 100) as f32 * 1e-4);
+                scale.copy_from_slice(&value.to_le_bytes());
+            }
+        }
+        w
+    }
+
+    /// `n` rows of `blocks` random activation blocks.
+    fn act_rows(n: usize, blocks: usize, next: &mut impl FnMut() -> u64) -> Vec<Vec<ActBlock>> {
+        (0..n)
+            .map(|_| {
+                (0..blocks)
+                    .map(|_| {
+                        let x = std::array::from_fn(|_| (next() % 2001) as f32 / 1000.0 - 1.0);
+                        ActBlock::quantize(&x)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The bytes of unpacked sub-blocks, as the wide tiles take them.
+    fn bytes_of(subs: &[UnpackedSub]) -> &[u8] {
+        // SAFETY: `UnpackedSub` is bytes and f32 without padding.
+        unsafe { std::slice::from_raw_parts(subs.as_ptr().cast::<u8>(), size_of_val(subs)) }
+    }
 
     /// The eight-row one-pass Q4_K and Q5_K tiles give the same bits with one integer sum per
     /// row as with two: a machine runs only its vendor's choice through the matrix tests.
@@ -1202,36 +1412,11 @@ mod tests {
         if !Tier::Avx512Vnni.is_supported() {
             return;
         }
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = stream();
         let columns = 3;
         for fifth in [false, true] {
-            let (column_bytes, _) = k_sizes(fifth);
-            let mut w: Vec<u8> = (0..2 * columns * column_bytes)
-                .map(|_| next() as u8)
-                .collect();
-            // Finite scales: each column's eight `d` and eight `dmin`.
-            for column in w.chunks_exact_mut(column_bytes) {
-                for scale in column[..32].chunks_exact_mut(2) {
-                    let value = f16::from_f32(0.001 + (next() % 100) as f32 * 1e-4);
-                    scale.copy_from_slice(&value.to_le_bytes());
-                }
-            }
-            let rows: Vec<Vec<ActBlock>> = (0..WIDE_TILE)
-                .map(|_| {
-                    (0..8 * columns)
-                        .map(|_| {
-                            let x = std::array::from_fn(|_| (next() % 2001) as f32 / 1000.0 - 1.0);
-                            ActBlock::quantize(&x)
-                        })
-                        .collect()
-                })
-                .collect();
+            let w = k_groups(fifth, columns, &mut next);
+            let rows = act_rows(WIDE_TILE, 8 * columns, &mut next);
             let zeros = vec![ActBlock::ZERO; 8 * columns];
             let mut subs = vec![UnpackedSub::ZERO; 8 * columns];
             let hi = std::array::from_fn(|i| rows[i].as_slice());
@@ -1245,10 +1430,7 @@ mod tests {
                 } else {
                     x86::unpack_k::<false>(&w, &mut subs);
                 }
-                let bytes = std::slice::from_raw_parts(
-                    subs.as_ptr().cast::<u8>(),
-                    size_of_val(subs.as_slice()),
-                );
+                let bytes = bytes_of(&subs);
                 (
                     x86::k_wide::<WIDE_TILE, true, false>(bytes, hi, lo),
                     x86::k_wide::<WIDE_TILE, false, false>(bytes, hi, lo),
@@ -1260,6 +1442,81 @@ mod tests {
                 one.iter().flatten().any(|&v| v != 0.0),
                 "a product of nothing"
             );
+        }
+    }
+
+    /// AVX2's unpacked Q4_K and Q5_K tiles give each group the bits of AVX2's narrow tile
+    /// on the packed group, with one activation pass and with two, for one to four rows
+    /// (what the matrix tests see only through whole products).
+    #[test]
+    fn avx2_unpacked_k_tiles_give_the_narrow_tiles_bits() {
+        if !Tier::Avx2.is_supported() {
+            return;
+        }
+        use crate::interleaved::x86::avx2::{q4_k_tile, q5_k_tile};
+        let mut next = stream();
+        let columns = 3;
+        for fifth in [false, true] {
+            let w = k_groups(fifth, columns, &mut next);
+            let group_bytes = w.len() / 2;
+            let rows = act_rows(8, 8 * columns, &mut next);
+            let zeros = vec![ActBlock::ZERO; 8 * columns];
+            let mut subs = vec![UnpackedSub::ZERO; 8 * columns];
+            // SAFETY: AVX2, FMA and F16C are supported (the AVX2 tier); `w` is two groups
+            // of `columns` block columns of the type, `subs` one per sub-block.
+            unsafe {
+                if fifth {
+                    avx2::unpack_k::<true>(&w, &mut subs);
+                } else {
+                    avx2::unpack_k::<false>(&w, &mut subs);
+                }
+            }
+            let bytes = bytes_of(&subs);
+            macro_rules! check {
+                ($n:literal, $split:literal) => {{
+                    let hi: [&[ActBlock]; $n] = std::array::from_fn(|i| rows[i].as_slice());
+                    let lo: [&[ActBlock]; $n] = if $split {
+                        std::array::from_fn(|i| rows[4 + i].as_slice())
+                    } else {
+                        [zeros.as_slice(); $n]
+                    };
+                    // SAFETY: the AVX2 tier is supported; `bytes` are the unpacked
+                    // sub-blocks of `w`'s two groups, each group `columns` block columns of
+                    // the type, and every row one block per sub-block.
+                    let (wide, narrow) = unsafe {
+                        let wide = if fifth {
+                            avx2::k_wide::<$n, true, $split>(bytes, hi, lo)
+                        } else {
+                            avx2::k_wide::<$n, false, $split>(bytes, hi, lo)
+                        };
+                        let narrow: [[[f32; GROUP]; $n]; 2] = std::array::from_fn(|g| {
+                            let group = &w[g * group_bytes..(g + 1) * group_bytes];
+                            if fifth {
+                                q5_k_tile::<$n, $split>(group, hi, lo)
+                            } else {
+                                q4_k_tile::<$n, $split>(group, hi, lo)
+                            }
+                        });
+                        (wide, narrow)
+                    };
+                    for i in 0..$n {
+                        let expected: Vec<u32> =
+                            narrow.iter().flat_map(|g| g[i].map(f32::to_bits)).collect();
+                        let got: Vec<u32> = wide[i].iter().map(|v| v.to_bits()).collect();
+                        assert_eq!(
+                            got, expected,
+                            "fifth {fifth}, {} rows, split {}, row {i}",
+                            $n, $split
+                        );
+                        assert!(wide[i].iter().any(|&v| v != 0.0), "a product of nothing");
+                    }
+                }};
+            }
+            check!(1, false);
+            check!(4, false);
+            check!(1, true);
+            check!(3, true);
+            check!(4, true);
         }
     }
 }
