@@ -1220,13 +1220,14 @@ mod x86 {
     }
 }
 
-/// The AVX2 tier's wide tiles: Q4_K and Q5_K rows unpacked once per pass of activation rows
-/// into [`UnpackedSub`]s (the layout the VNNI tiles read, each group in one half of a
-/// register's bytes), and each group's eight rows then multiplied as the narrow tile does,
-/// its chunks loaded instead of formed from nibbles and fifth bits. On a Zen 3 the narrow
-/// tiles issue about three vector instructions a cycle whatever the mix, and forming a Q5_K
-/// chunk takes ten of them for every tile of up to four activation rows (docs/kernels.md,
-/// item 6); a load takes one, and the unpacking is paid once for the pass's 32 rows.
+/// The AVX2 tier's wide tiles: Q5_K rows unpacked once per pass of activation rows into
+/// [`UnpackedSub`]s (the layout the VNNI tiles read, each group in one half of a register's
+/// bytes), and each group's eight rows then multiplied as the narrow tile does, its chunks
+/// loaded instead of formed from nibbles and fifth bits. The AVX2 tiles issue about three
+/// vector instructions a cycle whatever the mix, and forming a Q5_K chunk takes ten of them
+/// for every tile of up to four activation rows; a load takes one, and the unpacking is paid
+/// once for the pass's 32 rows (docs/kernels.md, item 9). The code takes Q4_K too (`FIFTH`
+/// false), whose chunks cost four instructions to form; it measured no faster there.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
