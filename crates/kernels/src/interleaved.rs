@@ -985,7 +985,7 @@ mod x86 {
     /// Four activation bytes `4j..4j + 4` of `a` in every lane.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn broadcast(a: &ActBlock, j: usize) -> __m256i {
+    pub(super) fn broadcast(a: &ActBlock, j: usize) -> __m256i {
         let word = i32::from_le_bytes([
             a.qs[4 * j] as u8,
             a.qs[4 * j + 1] as u8,
@@ -1011,7 +1011,7 @@ mod x86 {
     /// so that all round alike.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    fn add_sums<const SPLIT: bool>(
+    pub(super) fn add_sums<const SPLIT: bool>(
         acc: __m256,
         d: __m256,
         sum_h: __m256i,
@@ -1064,7 +1064,7 @@ mod x86 {
     /// ([`field_lanes`]).
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn d_sum_lanes<const SPLIT: bool>(h: &ActBlock, l: &ActBlock) -> __m256 {
+    pub(super) fn d_sum_lanes<const SPLIT: bool>(h: &ActBlock, l: &ActBlock) -> __m256 {
         if SPLIT {
             _mm256_set1_ps(d_sum::<SPLIT>(h, l))
         } else {
@@ -1115,7 +1115,7 @@ mod x86 {
     /// The eight lanes of `v`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn store(v: __m256) -> [f32; GROUP] {
+    pub(super) fn store(v: __m256) -> [f32; GROUP] {
         let mut out = [0f32; GROUP];
         // SAFETY: `out` is eight f32 (`GROUP`), the unaligned store's width.
         unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
@@ -1145,14 +1145,14 @@ mod x86 {
     /// after each, which halves the tile's multiplies). The caller keeps the sum within `i16`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn dot_avx2_i16(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+    pub(super) fn dot_avx2_i16(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
         _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s))
     }
 
     /// A [`dot_avx2_i16`] sum as eight 32-bit lanes (each the sum of its two 16-bit lanes).
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn widen_avx2(acc: __m256i) -> __m256i {
+    pub(super) fn widen_avx2(acc: __m256i) -> __m256i {
         _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
     }
 
@@ -1171,7 +1171,7 @@ mod x86 {
     /// within ±127 one 16-bit lane can add without passing `i16::MAX` (each product's lane is a
     /// pair: at most `2 × max_weight × 127`): 8 for nibbles (15), 4 for five bits (31), 18 for
     /// Q3_K's three (7).
-    const fn i16_fit(max_weight: i32) -> usize {
+    pub(super) const fn i16_fit(max_weight: i32) -> usize {
         (i16::MAX as i32 / (2 * max_weight * 127)) as usize
     }
 
@@ -1187,7 +1187,7 @@ mod x86 {
     /// AVX2's products end in an add of one cycle, so one sum per row and pass suffices (and
     /// its 16 registers hold no more), unless the eight products of a sub-block would pass
     /// what a 16-bit sum holds (`fit` of them): then the fewest sums that hold them.
-    const fn avx2_parts(_: usize, fit: usize) -> usize {
+    pub(super) const fn avx2_parts(_: usize, fit: usize) -> usize {
         8_usize.div_ceil(fit)
     }
 
@@ -1248,7 +1248,7 @@ mod x86 {
     /// bits across bytes only into bits that the mask clears.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn fifth_bits_at_4(bits: __m256i, j: usize) -> (__m256i, __m256i) {
+    pub(super) fn fifth_bits_at_4(bits: __m256i, j: usize) -> (__m256i, __m256i) {
         let (first, second) = match j {
             0 => (_mm256_slli_epi16(bits, 4), _mm256_slli_epi16(bits, 3)),
             1 => (_mm256_slli_epi16(bits, 2), _mm256_slli_epi16(bits, 1)),
@@ -1315,88 +1315,10 @@ mod x86 {
                     q_offset, q4_sizes,
                 };
 
-                /// Chunk `j`'s values of a Q4_1-ordered block of nibbles of eight rows at `p`,
-                /// with `FIFTH` the Q5_K fifth bits `fifth_bits` (the 32 bytes after the
-                /// nibbles) joined as bit 4: the values that activation bytes `4 j .. 4 j + 4`
-                /// multiply (the low nibbles), then those that bytes `16 + 4 j ..` multiply.
-                ///
-                /// # Safety
-                /// `j < 4`, and the 32 bytes at `p + 32 j` must be readable.
-                #[inline]
-                #[target_feature(enable = $features)]
-                pub(in crate::interleaved) unsafe fn nibble_chunk<const FIFTH: bool>(
-                    p: *const u8,
-                    fifth_bits: __m256i,
-                    j: usize,
-                ) -> [__m256i; 2] {
-                    let mask = _mm256_set1_epi8(0x0F);
-                    // SAFETY: the caller's contract: 32 readable bytes at `p + 32 j`.
-                    let raw = unsafe { _mm256_loadu_si256(p.add(32 * j).cast()) };
-                    let mut low = _mm256_and_si256(raw, mask);
-                    let mut high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-                    if FIFTH {
-                        let (first, second) = fifth_bits_at_4(fifth_bits, j);
-                        low = _mm256_or_si256(low, first);
-                        high = _mm256_or_si256(high, second);
-                    }
-                    [low, high]
-                }
-
-                /// Adds chunk `j`'s products to `N` rows' sums: `low` times activation bytes
-                /// `4 j ..` of each `hi` row (and of its `lo` row with `SPLIT`), `high` times
-                /// bytes `16 + 4 j ..`, into partial sums `2 j % parts` and `(2 j + 1) % parts`
-                /// of `parts` per row and pass.
-                #[inline]
-                #[target_feature(enable = $features)]
-                #[allow(clippy::too_many_arguments)]
-                pub(in crate::interleaved) fn add_chunk<const N: usize, const SPLIT: bool>(
-                    sh: &mut [[__m256i; 4]; N],
-                    sl: &mut [[__m256i; 4]; N],
-                    j: usize,
-                    [low, high]: [__m256i; 2],
-                    h: [&ActBlock; N],
-                    l: [&ActBlock; N],
-                    parts: usize,
-                ) {
-                    let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
-                    // Each of the `parts` sums takes at most `8 / parts` products, which the
-                    // caller's `parts` keeps within what `$dot16`'s sums hold.
-                    for i in 0..N {
-                        sh[i][k_low] = $dot16(sh[i][k_low], low, broadcast(h[i], j));
-                        sh[i][k_high] = $dot16(sh[i][k_high], high, broadcast(h[i], 4 + j));
-                        if SPLIT {
-                            sl[i][k_low] = $dot16(sl[i][k_low], low, broadcast(l[i], j));
-                            sl[i][k_high] = $dot16(sl[i][k_high], high, broadcast(l[i], 4 + j));
-                        }
-                    }
-                }
-
-                /// The first `parts` of a row's partial sums from [`add_chunk`] as one sum of
-                /// eight 32-bit lanes.
-                #[inline]
-                #[target_feature(enable = $features)]
-                pub(in crate::interleaved) fn join_parts(
-                    sums: [__m256i; 4],
-                    parts: usize,
-                ) -> __m256i {
-                    let mut total = $widen(sums[0]);
-                    for &sum in &sums[1..parts] {
-                        total = _mm256_add_epi32(total, $widen(sum));
-                    }
-                    total
-                }
-
-                /// The parts that hold a sub-block's eight chunk products for `N` rows of a
-                /// Q4_K (`FIFTH` false) or Q5_K tile.
-                pub(in crate::interleaved) const fn k_parts<const N: usize, const FIFTH: bool>()
-                -> usize {
-                    $parts(N, $fit(if FIFTH { 31 } else { 15 }))
-                }
-
                 /// The integer sums of `N` two-pass activation rows with a Q4_1-ordered block
-                /// of nibbles of eight rows at `p`, with `FIFTH` the Q5_K fifth bits after
-                /// them: per row, the `hi` and the `lo` pass's. Each chunk is unpacked once
-                /// for all the rows.
+                /// of nibbles of eight rows at `p` (four chunks of 32 bytes), with `FIFTH` the
+                /// Q5_K fifth bits after them: per row, the `hi` and the `lo` pass's. Each
+                /// chunk is unpacked once for all the rows.
                 ///
                 /// # Safety
                 /// 128 bytes at `p` must be readable, 160 with `FIFTH`.
@@ -1407,7 +1329,8 @@ mod x86 {
                     h: [&ActBlock; N],
                     l: [&ActBlock; N],
                 ) -> [(__m256i, __m256i); N] {
-                    let parts = const { k_parts::<N, FIFTH>() };
+                    let parts = const { $parts(N, $fit(if FIFTH { 31 } else { 15 })) };
+                    let mask = _mm256_set1_epi8(0x0F);
                     let fifth_bits = if FIFTH {
                         // SAFETY: with `FIFTH` the caller vouches for 160 bytes: the fifth
                         // bits are the last 32.
@@ -1420,10 +1343,38 @@ mod x86 {
                     for j in 0..4 {
                         // SAFETY: `j < 4`: chunk `j` is bytes `32 j .. 32 j + 32` of the 128
                         // the caller vouches for.
-                        let values = unsafe { nibble_chunk::<FIFTH>(p, fifth_bits, j) };
-                        add_chunk::<N, SPLIT>(&mut sh, &mut sl, j, values, h, l, parts);
+                        let raw = unsafe { _mm256_loadu_si256(p.add(32 * j).cast()) };
+                        let mut low = _mm256_and_si256(raw, mask);
+                        let mut high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                        if FIFTH {
+                            let (first, second) = fifth_bits_at_4(fifth_bits, j);
+                            low = _mm256_or_si256(low, first);
+                            high = _mm256_or_si256(high, second);
+                        }
+                        let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
+                        // Each of the `parts` sums takes at most `8 / parts` products,
+                        // which `$parts` keeps within what `$dot16`'s sums hold.
+                        for i in 0..N {
+                            sh[i][k_low] = $dot16(sh[i][k_low], low, broadcast(h[i], j));
+                            sh[i][k_high] = $dot16(sh[i][k_high], high, broadcast(h[i], 4 + j));
+                            if SPLIT {
+                                sl[i][k_low] = $dot16(sl[i][k_low], low, broadcast(l[i], j));
+                                sl[i][k_high] = $dot16(sl[i][k_high], high, broadcast(l[i], 4 + j));
+                            }
+                        }
                     }
-                    std::array::from_fn(|i| (join_parts(sh[i], parts), join_parts(sl[i], parts)))
+                    let widen = |sums: [__m256i; 4]| {
+                        let mut total = $widen(sums[0]);
+                        for &sum in &sums[1..parts] {
+                            total = _mm256_add_epi32(total, $widen(sum));
+                        }
+                        total
+                    };
+                    let mut sums = [(_mm256_setzero_si256(), _mm256_setzero_si256()); N];
+                    for i in 0..N {
+                        sums[i] = (widen(sh[i]), widen(sl[i]));
+                    }
+                    sums
                 }
 
                 /// The integer sums of `N` two-pass activation rows with a Q4_0-ordered block
@@ -1756,48 +1707,25 @@ mod x86 {
                             };
                             let scale = _mm256_mul_ps(d, scales);
                             let min = _mm256_mul_ps(dmin, mins_s);
-                            add_k_sub::<N, SPLIT>(&mut acc, &mut mins, sums, [scale, min], h, l);
+                            for i in 0..N {
+                                let (sum_h, sum_l) = sums[i];
+                                acc[i] = add_sums::<SPLIT>(acc[i], scale, sum_h, sum_l, h[i], l[i]);
+                                let d_sum = d_sum_lanes::<SPLIT>(h[i], l[i]);
+                                if SPLIT {
+                                    mins[i] = _mm256_fmadd_ps(min, d_sum, mins[i]);
+                                } else {
+                                    // One pass: the minimums come off as they go, which
+                                    // frees a register per row (`mins` stays zero).
+                                    acc[i] = _mm256_fnmadd_ps(min, d_sum, acc[i]);
+                                }
+                            }
                         }
                     }
-                    k_outputs(acc, mins)
-                }
-
-                /// A Q4_K or Q5_K sub-block's float steps for `N` rows, given its integer
-                /// sums and its `d × scale` and `dmin × min` per row lane: `acc` gains the
-                /// scaled sums and the minimums times `d × Σ a` go to `mins` (with `SPLIT`)
-                /// or come off `acc` as they go, which frees a register per row (`mins`
-                /// stays zero). Every Q4_K and Q5_K tile of the tier runs these steps, so all
-                /// give the same bits.
-                #[inline]
-                #[target_feature(enable = $features)]
-                pub(in crate::interleaved) fn add_k_sub<const N: usize, const SPLIT: bool>(
-                    acc: &mut [__m256; N],
-                    mins: &mut [__m256; N],
-                    sums: [(__m256i, __m256i); N],
-                    [scale, min]: [__m256; 2],
-                    h: [&ActBlock; N],
-                    l: [&ActBlock; N],
-                ) {
-                    for i in 0..N {
-                        let (sum_h, sum_l) = sums[i];
-                        acc[i] = add_sums::<SPLIT>(acc[i], scale, sum_h, sum_l, h[i], l[i]);
-                        let d_sum = d_sum_lanes::<SPLIT>(h[i], l[i]);
-                        if SPLIT {
-                            mins[i] = _mm256_fmadd_ps(min, d_sum, mins[i]);
-                        } else {
-                            acc[i] = _mm256_fnmadd_ps(min, d_sum, acc[i]);
-                        }
+                    let mut out = [[0f32; GROUP]; N];
+                    for ((out, acc), mins) in out.iter_mut().zip(acc).zip(mins) {
+                        *out = store(_mm256_sub_ps(acc, mins));
                     }
-                }
-
-                /// The eight outputs per row of a Q4_K or Q5_K tile's sums.
-                #[inline]
-                #[target_feature(enable = $features)]
-                pub(in crate::interleaved) fn k_outputs<const N: usize>(
-                    acc: [__m256; N],
-                    mins: [__m256; N],
-                ) -> [[f32; GROUP]; N] {
-                    std::array::from_fn(|i| store(_mm256_sub_ps(acc[i], mins[i])))
+                    out
                 }
 
                 /// Eight Q6_K rows × `N` two-pass activation rows ([`super::super::TileFn`]).

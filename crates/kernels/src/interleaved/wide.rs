@@ -139,9 +139,9 @@ macro_rules! wide_kernels {
 }
 
 /// The fewest activation rows for AVX2's unpacked tiles: with fewer, unpacking a pair of
-/// groups costs about what the tiles then save, or more (docs/benchmarks.md: against the
-/// narrow tiles, 16 rows took 1.02-1.12x their time on a Zen 4, 32 and 64 rows 0.98-1.03x,
-/// 512 rows 0.96x).
+/// groups costs about what the tiles then save (docs/kernels.md, item 9: on a Zen 4 at the
+/// AVX2 tier with one activation pass, 32 rows took 0.94-1.06x the narrow tiles' time, 64
+/// rows 0.91-0.96x, 512 rows 0.93-0.95x).
 const AVX2_MIN_ROWS: usize = 64;
 
 /// Whether the eight-row one-pass Q4_K and Q5_K tiles keep one integer sum per activation
@@ -1234,11 +1234,114 @@ mod avx2 {
 
     use super::{UnpackedSub, WIDE_ROWS, unpacked};
     use crate::act::ActBlock;
-    use crate::interleaved::x86::avx2::{
-        add_chunk, add_k_sub, join_parts, k_outputs, k_parts, nibble_chunk,
+    use crate::interleaved::x86::{
+        add_sums, avx2_parts, blocks_at, broadcast, d_sum_lanes, dot_avx2_i16, fifth_bits_at_4,
+        halves, i16_fit, store, u8_lanes, widen_avx2,
     };
-    use crate::interleaved::x86::{blocks_at, halves, u8_lanes};
     use crate::interleaved::{GROUP, K_QUANTS, k_sizes};
+
+    // The steps below repeat the narrow AVX2 tile's (`nibble_sums` and the float steps of
+    // `k_tile` in interleaved.rs) instruction for instruction, which is what makes the bits
+    // the same. The narrow tile does not call them: written as shared functions, the narrow
+    // one-pass Q5_K tile compiled to code 1-7 % slower (docs/kernels.md, item 9).
+
+    /// Chunk `j`'s values of a Q4_1-ordered block of nibbles of eight rows at `p`, with
+    /// `FIFTH` the Q5_K fifth bits `fifth_bits` joined as bit 4: the values that activation
+    /// bytes `4 j .. 4 j + 4` multiply (the low nibbles), then those that bytes `16 + 4 j ..`
+    /// multiply.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `j < 4`, and the 32 bytes at `p + 32 j` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn nibble_chunk<const FIFTH: bool>(
+        p: *const u8,
+        fifth_bits: __m256i,
+        j: usize,
+    ) -> [__m256i; 2] {
+        let mask = _mm256_set1_epi8(0x0F);
+        // SAFETY: the caller's contract: 32 readable bytes at `p + 32 j`.
+        let raw = unsafe { _mm256_loadu_si256(p.add(32 * j).cast()) };
+        let mut low = _mm256_and_si256(raw, mask);
+        let mut high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        if FIFTH {
+            let (first, second) = fifth_bits_at_4(fifth_bits, j);
+            low = _mm256_or_si256(low, first);
+            high = _mm256_or_si256(high, second);
+        }
+        [low, high]
+    }
+
+    /// The 16-bit partial sums per row and pass that a sub-block's eight chunk products
+    /// take for Q4_K (`FIFTH` false) or Q5_K, as the narrow tile splits them.
+    const fn k_parts<const FIFTH: bool>() -> usize {
+        avx2_parts(0, i16_fit(if FIFTH { 31 } else { 15 }))
+    }
+
+    /// Adds chunk `j`'s products to `N` rows' sums: `low` times activation bytes `4 j ..` of
+    /// each `hi` row (and of its `lo` row with `SPLIT`), `high` times bytes `16 + 4 j ..`,
+    /// into partial sums `2 j % parts` and `(2 j + 1) % parts` of `parts` per row and pass.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    fn add_chunk<const N: usize, const SPLIT: bool>(
+        sh: &mut [[__m256i; 4]; N],
+        sl: &mut [[__m256i; 4]; N],
+        j: usize,
+        [low, high]: [__m256i; 2],
+        h: [&ActBlock; N],
+        l: [&ActBlock; N],
+        parts: usize,
+    ) {
+        let (k_low, k_high) = ((2 * j) % parts, (2 * j + 1) % parts);
+        // Each of the `parts` sums takes at most `8 / parts` products, which `k_parts` keeps
+        // within what a 16-bit lane holds.
+        for i in 0..N {
+            sh[i][k_low] = dot_avx2_i16(sh[i][k_low], low, broadcast(h[i], j));
+            sh[i][k_high] = dot_avx2_i16(sh[i][k_high], high, broadcast(h[i], 4 + j));
+            if SPLIT {
+                sl[i][k_low] = dot_avx2_i16(sl[i][k_low], low, broadcast(l[i], j));
+                sl[i][k_high] = dot_avx2_i16(sl[i][k_high], high, broadcast(l[i], 4 + j));
+            }
+        }
+    }
+
+    /// The first `parts` of a row's partial sums from [`add_chunk`] as one sum of eight
+    /// 32-bit lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn join_parts(sums: [__m256i; 4], parts: usize) -> __m256i {
+        let mut total = widen_avx2(sums[0]);
+        for &sum in &sums[1..parts] {
+            total = _mm256_add_epi32(total, widen_avx2(sum));
+        }
+        total
+    }
+
+    /// A sub-block's float steps for `N` rows, given its integer sums and its `d × scale`
+    /// and `dmin × min` per row lane: `acc` gains the scaled sums and the minimums times
+    /// `d × Σ a` go to `mins` (with `SPLIT`) or come off `acc` as they go (`mins` stays zero).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn add_k_sub<const N: usize, const SPLIT: bool>(
+        acc: &mut [__m256; N],
+        mins: &mut [__m256; N],
+        sums: [(__m256i, __m256i); N],
+        [scale, min]: [__m256; 2],
+        h: [&ActBlock; N],
+        l: [&ActBlock; N],
+    ) {
+        for i in 0..N {
+            let (sum_h, sum_l) = sums[i];
+            acc[i] = add_sums::<SPLIT>(acc[i], scale, sum_h, sum_l, h[i], l[i]);
+            let d_sum = d_sum_lanes::<SPLIT>(h[i], l[i]);
+            if SPLIT {
+                mins[i] = _mm256_fmadd_ps(min, d_sum, mins[i]);
+            } else {
+                acc[i] = _mm256_fnmadd_ps(min, d_sum, acc[i]);
+            }
+        }
+    }
 
     /// Two groups of Q4_K (`FIFTH` false) or Q5_K unpacked ([`super::UnpackFn`], on AVX2):
     /// each sub-block's chunks as the narrow tile forms them ([`nibble_chunk`]), the first
@@ -1315,7 +1418,7 @@ mod avx2 {
         let blocks = hi[0].len();
         debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
         debug_assert_eq!(subs.len(), blocks);
-        let parts = const { k_parts::<N, FIFTH>() };
+        let parts = const { k_parts::<FIFTH>() };
         let mut out = [[0f32; WIDE_ROWS]; N];
         for half in 0..2 {
             let mut acc = [_mm256_setzero_ps(); N];
@@ -1341,8 +1444,9 @@ mod avx2 {
                     .map(|k| unsafe { _mm256_load_ps(sub.scales[k][GROUP * half..].as_ptr()) });
                 add_k_sub::<N, SPLIT>(&mut acc, &mut mins, sums, scales, h, l);
             }
-            for (out, y) in out.iter_mut().zip(k_outputs(acc, mins)) {
-                out[GROUP * half..GROUP * (half + 1)].copy_from_slice(&y);
+            for i in 0..N {
+                let y = store(_mm256_sub_ps(acc[i], mins[i]));
+                out[i][GROUP * half..GROUP * (half + 1)].copy_from_slice(&y);
             }
         }
         out
