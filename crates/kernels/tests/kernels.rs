@@ -313,8 +313,8 @@ proptest! {
 /// tiles add `vpmaddubsw`'s 16-bit pair sums before widening them) saturates and shows.
 #[test]
 fn products_of_the_largest_values_do_not_saturate_on_any_tier() {
-    // 65 activation rows: at least what every tier's wide tiles need (AVX2's 64), and one
-    // left over for a narrow tile.
+    // 65 activation rows: at least what every tier's wide tiles need (AVX2's 64), the last
+    // pass of one row on the wide tile of one.
     let (rows, cols, m) = (16, 512, 65);
     let pool = ThreadPool::new(2);
     let scalar_bits = |w: &QuantMatrix, x: &[f32]| {

@@ -1,6 +1,6 @@
-//! Prefill's tiles on AVX-512 VNNI (and, for Q4_K and Q5_K, on AVX2: the [`avx2`] module):
-//! two neighbouring groups (16 weight rows) times up to
-//! [`WIDE_TILE`] activation rows, in 512-bit registers.
+//! Prefill's tiles on AVX-512 VNNI: two neighbouring groups (16 weight rows) times up to
+//! [`WIDE_TILE`] activation rows, in 512-bit registers. (On AVX2, Q5_K's groups are unpacked
+//! the same way and then multiplied eight rows at a time: the [`avx2`] module.)
 //!
 //! The groups keep their layout ([`super`]); a 512-bit register holds chunk `j` of the first
 //! group in its low half and of the second in its high half, so one `vpdpbusd` with four
@@ -36,10 +36,10 @@ pub const WIDE_TILE: usize = 8;
 ///
 /// # Safety
 /// The CPU must support the tier the function was chosen for ([`WideKernels::new`]); `w`
-/// must be two groups of the function's type, each holding exactly the block columns that `hi[i].len()` activation blocks cover (one per
-/// eight blocks) for every `i`, and `lo[i].len() == hi[i].len()`. For the types
-/// [`WideKernels`] unpacks, `w` is instead the bytes of the two groups' [`UnpackedSub`]s, one
-/// per activation block.
+/// must be two groups of the function's type, each holding exactly the block columns that
+/// `hi[i].len()` activation blocks cover (one per eight blocks) for every `i`, and
+/// `lo[i].len() == hi[i].len()`. For the types [`WideKernels`] unpacks, `w` is instead the
+/// bytes of the two groups' [`UnpackedSub`]s, one per activation block.
 pub(crate) type WideFn<const N: usize> = AnyTileFn<N, WIDE_ROWS>;
 
 /// One sub-block (32 values) of a wide tile's sixteen weight rows unpacked: the registers
@@ -163,7 +163,7 @@ fn one_sum_per_row() -> bool {
 impl WideKernels {
     /// The wide tiles of `ty` at `tier` for activations in `passes`, if it has them: on
     /// AVX-512 VNNI, the K-quants but Q2_K, IQ4's, Q8_0, and Q4_0, Q4_1, Q5_0, Q5_1; on AVX2,
-    /// Q4_K and Q5_K. One pass asks for zero `lo` rows, as [`super::TileKernels::new`] says.
+    /// Q5_K. One pass asks for zero `lo` rows, as [`super::TileKernels::new`] says.
     pub(crate) fn new(ty: GgmlType, tier: Tier, passes: ActPasses) -> Option<Self> {
         match passes {
             ActPasses::One => Self::select::<false>(ty, tier),
