@@ -211,6 +211,96 @@ impl<'a, T: KvElement> HeadKv<'a, T> {
         &self.kv.v[at..at + self.row_units]
     }
 
+    /// Prefetches the key rows (into L1) and the value rows (into L2) of keys `span`, found
+    /// through the block table: a head's blocks are not adjacent in a paged cache (the pool
+    /// interleaves the KV heads' blocks), so neither a fixed distance ahead nor the hardware
+    /// prefetchers find the next block's rows. The values are read after the whole partition's
+    /// scores, so they only need to be near. Keys past the table's last block are skipped; a
+    /// prefetch never faults, whatever the address.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    fn prefetch_rows(&self, span: std::ops::Range<usize>) {
+        use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
+        let block_keys = self.kv.block_keys;
+        let end = span.end.min(self.blocks.len() * block_keys);
+        let row_bytes = self.row_units * size_of::<T>();
+        let mut key = span.start;
+        while key < end {
+            let (b, r) = (key / block_keys, key % block_keys);
+            let run = (block_keys - r).min(end - key);
+            let at = (self.blocks[b] * block_keys + r) * self.row_units;
+            let (k, v) = (
+                self.kv.k.as_ptr().wrapping_add(at).cast::<u8>(),
+                self.kv.v.as_ptr().wrapping_add(at).cast::<u8>(),
+            );
+            for line in (0..run * row_bytes).step_by(64) {
+                // SAFETY: SSE is part of x86_64; a prefetch reads nothing and cannot fault.
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>(k.wrapping_add(line).cast());
+                    _mm_prefetch::<_MM_HINT_T1>(v.wrapping_add(line).cast());
+                }
+            }
+            key += run;
+        }
+    }
+
+    /// A cursor at key `span.start` for [`Self::next_key`], which walks `span`.
+    #[cfg(target_arch = "x86_64")]
+    fn cursor(&self, span: std::ops::Range<usize>) -> KeyCursor {
+        let block_keys = self.kv.block_keys;
+        let (block, row) = (span.start / block_keys, span.start % block_keys);
+        let at = match self.blocks.get(block) {
+            Some(&b) if !span.is_empty() => (b * block_keys + row) * self.row_units,
+            _ => 0,
+        };
+        KeyCursor {
+            block,
+            row,
+            at,
+            left: span.len(),
+        }
+    }
+
+    /// The next key row of `cursor`'s span, `None` past its end: a table lookup at each new
+    /// block only.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    fn next_key(&self, cursor: &mut KeyCursor) -> Option<&'a [T]> {
+        if cursor.left == 0 {
+            return None;
+        }
+        let key = self.key(cursor.at);
+        cursor.left -= 1;
+        cursor.row += 1;
+        if cursor.row < self.kv.block_keys {
+            cursor.at += self.row_units;
+        } else if cursor.left > 0 {
+            cursor.block += 1;
+            cursor.row = 0;
+            cursor.at = self.blocks[cursor.block] * self.kv.block_keys * self.row_units;
+        }
+        Some(key)
+    }
+
+    /// Keys `span` as runs of keys that lie one after another (a block's, or a part of one),
+    /// in key order: (the run's first key, counted from `span.start`; the unit offset of its
+    /// first row; its length).
+    #[cfg(target_arch = "x86_64")]
+    fn runs(
+        &self,
+        span: std::ops::Range<usize>,
+    ) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        let block_keys = self.kv.block_keys;
+        let first = span.start / block_keys;
+        let last = span.end.div_ceil(block_keys);
+        (first..last).map(move |b| {
+            let from = span.start.max(b * block_keys);
+            let to = span.end.min((b + 1) * block_keys);
+            let at = (self.blocks[b] * block_keys + from - b * block_keys) * self.row_units;
+            (from - span.start, at, to - from)
+        })
+    }
+
     /// The unit offsets (into `k` and `v`) of keys `span`, in key order: walked block by
     /// block, so the inner loop pays no division per key.
     fn offsets(&self, span: std::ops::Range<usize>) -> impl Iterator<Item = usize> + '_ {
@@ -224,6 +314,16 @@ impl<'a, T: KvElement> HeadKv<'a, T> {
             rows.map(move |r| (base + r) * self.row_units)
         })
     }
+}
+
+/// Where [`HeadKv::next_key`] is in a span of keys: the block (of the head's table), the row
+/// in it, that row's unit offset, and the keys left.
+#[cfg(target_arch = "x86_64")]
+struct KeyCursor {
+    block: usize,
+    row: usize,
+    at: usize,
+    left: usize,
 }
 
 /// Query rows per task: small enough to spread a decode step's few rows over the threads,

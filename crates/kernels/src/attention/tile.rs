@@ -30,14 +30,13 @@
 mod avx2;
 mod avx512;
 
-use std::arch::x86_64::*;
 use std::cell::RefCell;
 use std::ops::Range;
 
 pub(super) use avx2::Avx2;
 pub(super) use avx512::Avx512;
 
-use super::{HeadKv, KvElement};
+use super::{HeadKv, KeyCursor, KvElement};
 use crate::SharedOut;
 
 /// Query rows per tile: four rows × two key chunks keep eight independent FMA chains in the
@@ -251,39 +250,22 @@ pub(super) unsafe fn attend_rows<T: KvElement, S: TileSimd>(
     SCRATCH.set((kt, probs));
 }
 
-/// How far ahead (in keys) the transpositions prefetch keys: they read a register's keys a
-/// column slice at a time, a pattern the hardware prefetcher follows late on a short run of
-/// keys, and a head's keys lie one after another (in a block of the paged cache, or the whole
-/// run of a dense one); decode gains most at short contexts (measured end to end on AVX-512:
-/// docs/benchmarks.md, "Figures that were in code comments"). Prefetching the values too was
-/// slower in a probe of the kernel alone (not tried end to end).
-const KEYS_AHEAD: usize = 32;
+/// How far ahead (in keys) the transpositions prefetch keys and values: they read a
+/// register's keys a column slice at a time, a pattern the hardware prefetcher follows late
+/// on a short run of keys (and not at all across a paged cache's blocks, which lie apart).
+pub(super) const KEYS_AHEAD: usize = 32;
 
-/// Prefetches the cache lines of `row`'s span moved `ahead` values on (the key `ahead /
-/// head_dim` rows later when the keys are contiguous; a hint only, so an address past the
-/// buffer or in another block costs nothing but the wasted fetch).
-#[inline]
-fn prefetch_ahead<T>(row: &[T], ahead: usize) {
-    let line_values = (64 / size_of::<T>()).max(1);
-    let base = row.as_ptr().wrapping_add(ahead);
-    for offset in (0..row.len()).step_by(line_values) {
-        // SAFETY: SSE is part of x86_64; a prefetch never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(offset).cast()) };
-    }
-}
-
-/// The `N` keys of one chunk from `offsets` (a zero row for each missing one), each row found
+/// The `N` keys of one chunk from `cursor` (a zero row for each missing one), each row found
 /// once per chunk so that the loads after it are plain loads the core can overlap (a lookup
-/// per load, through a call, serialized the cache misses), and prefetched [`KEYS_AHEAD`] keys
-/// on.
+/// per load, through a call, serialized the cache misses); the chunk [`KEYS_AHEAD`] keys on
+/// (`first` is this chunk's first key) is prefetched, its values too.
 fn chunk_keys<'a, const N: usize, T: KvElement>(
     kv: &HeadKv<'a, T>,
-    offsets: &mut impl Iterator<Item = usize>,
+    first: usize,
+    cursor: &mut KeyCursor,
     zeros: &'a [T],
 ) -> [&'a [T]; N] {
-    let keys: [&[T]; N] = std::array::from_fn(|_| offsets.next().map_or(zeros, |at| kv.key(at)));
-    for key in &keys {
-        prefetch_ahead(key, KEYS_AHEAD * kv.row_units);
-    }
+    let keys: [&[T]; N] = std::array::from_fn(|_| kv.next_key(cursor).unwrap_or(zeros));
+    kv.prefetch_rows(first + KEYS_AHEAD..first + KEYS_AHEAD + N);
     keys
 }

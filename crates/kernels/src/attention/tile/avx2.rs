@@ -5,7 +5,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{KeysSeen, Row, TILE_ROWS, TileSimd, chunk_keys};
+use super::{KEYS_AHEAD, KeysSeen, Row, TILE_ROWS, TileSimd, chunk_keys};
 use crate::SharedOut;
 use crate::attention::x86::exp8;
 use crate::attention::{HeadKv, KvElement};
@@ -70,9 +70,15 @@ unsafe fn transpose_keys<T: KvElement>(kv: &HeadKv<'_, T>, span: Range<usize>, k
     }
     // A missing key (past the span's end) reads zeros.
     let zeros = vec![T::ZERO; kv.row_units];
-    let mut offsets = kv.offsets(span);
-    for chunk in kt[..chunks * head_dim * LANES].chunks_exact_mut(head_dim * LANES) {
-        let keys: [&[T]; LANES] = chunk_keys(kv, &mut offsets, &zeros);
+    // The first chunks' rows, which no earlier chunk prefetched.
+    kv.prefetch_rows(span.start..span.start + KEYS_AHEAD.min(span.len()));
+    let mut cursor = kv.cursor(span.clone());
+    let chunk_values = head_dim * LANES;
+    for (c, chunk) in kt[..chunks * chunk_values]
+        .chunks_exact_mut(chunk_values)
+        .enumerate()
+    {
+        let keys: [&[T]; LANES] = chunk_keys(kv, span.start + c * LANES, &mut cursor, &zeros);
         for d0 in (0..head_dim).step_by(LANES) {
             let mut rows = [_mm256_setzero_ps(); LANES];
             for (row, key) in rows.iter_mut().zip(&keys) {
@@ -156,48 +162,70 @@ fn scores_to_probabilities<const R: usize>(
     probs: &mut [f32],
 ) -> ([f32; TILE_ROWS], [f32; TILE_ROWS]) {
     let tile = &tile[..R];
-    let start = seen.span.start;
     let chunks = seen.span.len().div_ceil(LANES);
     let stride = chunks * LANES;
     let head_dim = seen.head_dim;
-    let key_chunk = |c: usize, d: usize| &seen.kt[(c * head_dim + d) * LANES..][..LANES];
-    let scale8 = _mm256_set1_ps(seen.scale);
-    let minus_inf = _mm256_set1_ps(f32::NEG_INFINITY);
-    let mut maxes = [minus_inf; R];
+    let chunk_values = head_dim * LANES;
+    // The loop below reads through pointers (bounds checked here, once): indexing kept the
+    // sums of a three- or four-row tile from staying in registers.
+    assert!(seen.kt.len() >= chunks * chunk_values && probs.len() >= R * stride);
+    let queries: [*const f32; R] = std::array::from_fn(|r| q[tile[r].at..][..head_dim].as_ptr());
+    let kt = seen.kt.as_ptr();
+    let mut maxes = [_mm256_set1_ps(f32::NEG_INFINITY); R];
     // Scores, two chunks at a time where there are two (2R independent FMA chains).
     let mut c = 0;
     while c < chunks {
-        let pair = if c + 1 < chunks { 2 } else { 1 };
-        let mut s = [[_mm256_setzero_ps(); 2]; R];
-        for d in 0..head_dim {
-            // SAFETY: 8 values each (slices of that length).
-            let k0 = unsafe { _mm256_loadu_ps(key_chunk(c, d).as_ptr()) };
-            let k1 = if pair == 2 {
-                // SAFETY: 8 values (a slice of that length).
-                unsafe { _mm256_loadu_ps(key_chunk(c + 1, d).as_ptr()) }
-            } else {
-                _mm256_setzero_ps()
-            };
-            for r in 0..R {
-                let qd = _mm256_set1_ps(q[tile[r].at + d]);
-                s[r][0] = _mm256_fmadd_ps(qd, k0, s[r][0]);
-                s[r][1] = _mm256_fmadd_ps(qd, k1, s[r][1]);
+        let pair = c + 1 < chunks;
+        // SAFETY: chunk `c` lies in `kt` (asserted above).
+        let k0 = unsafe { kt.add(c * chunk_values) };
+        let mut s0 = [_mm256_setzero_ps(); R];
+        let mut s1 = [_mm256_setzero_ps(); R];
+        if pair {
+            // SAFETY: so does chunk `c + 1`.
+            let k1 = unsafe { kt.add((c + 1) * chunk_values) };
+            for d in 0..head_dim {
+                // SAFETY: `d < head_dim`: eight values of each chunk, one of each query.
+                unsafe {
+                    let (a, b) = (
+                        _mm256_loadu_ps(k0.add(d * LANES)),
+                        _mm256_loadu_ps(k1.add(d * LANES)),
+                    );
+                    for r in 0..R {
+                        let qd = _mm256_broadcast_ss(&*queries[r].add(d));
+                        s0[r] = _mm256_fmadd_ps(qd, a, s0[r]);
+                        s1[r] = _mm256_fmadd_ps(qd, b, s1[r]);
+                    }
+                }
+            }
+        } else {
+            for d in 0..head_dim {
+                // SAFETY: as above, chunk `c` alone.
+                unsafe {
+                    let a = _mm256_loadu_ps(k0.add(d * LANES));
+                    for r in 0..R {
+                        let qd = _mm256_broadcast_ss(&*queries[r].add(d));
+                        s0[r] = _mm256_fmadd_ps(qd, a, s0[r]);
+                    }
+                }
             }
         }
-        for r in 0..R {
-            let row = &tile[r];
+        for (r, row) in tile.iter().enumerate() {
             let mask_row = &seen.mask[row.mask_at..row.mask_at + seen.keys];
-            for (h, &sum) in s[r].iter().enumerate().take(pair) {
-                let j0 = start + (c + h) * LANES;
-                let masked = masked_lanes(mask_row, j0, row.visible.end.min(seen.span.end));
-                let score = _mm256_blendv_ps(_mm256_mul_ps(sum, scale8), minus_inf, masked);
-                maxes[r] = _mm256_max_ps(maxes[r], score);
+            let sums: &[__m256] = if pair { &[s0[r], s1[r]] } else { &[s0[r]] };
+            for (h, &sum) in sums.iter().enumerate() {
                 let at = r * stride + (c + h) * LANES;
-                // SAFETY: 8 values (a slice of that length).
-                unsafe { _mm256_storeu_ps(probs[at..][..LANES].as_mut_ptr(), score) };
+                maxes[r] = score_chunk(
+                    sum,
+                    seen,
+                    mask_row,
+                    row,
+                    c + h,
+                    &mut probs[at..at + LANES],
+                    maxes[r],
+                );
             }
         }
-        c += pair;
+        c += if pair { 2 } else { 1 };
     }
     // Probabilities and their sums.
     let mut row_maxes = [f32::NEG_INFINITY; TILE_ROWS];
@@ -227,9 +255,46 @@ fn scores_to_probabilities<const R: usize>(
     (row_maxes, row_sums)
 }
 
-/// [`TileSimd::weighted_sum`]: `W` registers of columns a pass over the keys, at most eight
-/// accumulators in all (eight registers for one row, four for two, two for three or four),
-/// so that the values and the probability fit beside them in AVX2's sixteen.
+/// One chunk's scores of one row (its dot products `sum`): scaled, its masked keys and keys
+/// past its last visible one at -inf, stored in `out`; returns the running maximum `max`
+/// with them.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn score_chunk(
+    sum: __m256,
+    seen: &KeysSeen<'_>,
+    mask_row: &[bool],
+    row: &Row,
+    chunk: usize,
+    out: &mut [f32],
+    max: __m256,
+) -> __m256 {
+    let j0 = seen.span.start + chunk * LANES;
+    let masked = masked_lanes(mask_row, j0, row.visible.end.min(seen.span.end));
+    let score = _mm256_blendv_ps(
+        _mm256_mul_ps(sum, _mm256_set1_ps(seen.scale)),
+        _mm256_set1_ps(f32::NEG_INFINITY),
+        masked,
+    );
+    // SAFETY: 8 values (a slice of that length, the caller's).
+    unsafe { _mm256_storeu_ps(out[..LANES].as_mut_ptr(), score) };
+    _mm256_max_ps(max, score)
+}
+
+/// Keys a pass of [`weighted_sum`] takes before the next pass over the same keys: their
+/// values (4 KB in f16 at a head width of 64) stay in L1 for every pass.
+const SUB_RUN: usize = 32;
+
+/// Registers of columns [`weighted_sum`] keeps per row between its sub-runs (128 columns).
+const WINDOW: usize = 16;
+
+/// [`TileSimd::weighted_sum`]: `W` registers of columns a pass, at most eight accumulators in
+/// all (eight registers for one row, four for two, two for three or four), so that the values
+/// and the probability fit beside them in AVX2's sixteen. The keys are walked in sub-runs of
+/// [`SUB_RUN`] that lie one after another, every pass over one sub-run before the next (each
+/// accumulator still takes its keys in key order), and a key no row of the tile sees is
+/// skipped (adding `0 × v` would change nothing: the values past a sequence's end may be
+/// stale, and are never multiplied).
 ///
 /// # Safety
 /// As [`TileSimd::weighted_sum`].
@@ -242,72 +307,127 @@ unsafe fn weighted_sum<const R: usize, T: KvElement>(
     inv: &[f32; TILE_ROWS],
     out: &SharedOut<f32>,
 ) {
-    let widest = match R {
+    let stride = span.len().div_ceil(LANES) * LANES;
+    assert!(probs.len() >= R * stride);
+    let row_probs: [&[f32]; R] = std::array::from_fn(|r| &probs[r * stride..(r + 1) * stride]);
+    let width = match R {
         1 => 8,
         2 => 4,
         _ => 2,
     };
-    let mut column = 0;
-    while column < kv.head_dim {
-        let registers = ((kv.head_dim - column) / LANES).min(widest);
-        // SAFETY: `columns` needs this function's contract, and gets the same tile; each
-        // call covers `W` registers of columns that the row still has.
-        unsafe {
-            column += match registers {
-                8.. => columns::<R, 8, T>(tile, kv, span.clone(), column, probs, inv, out),
-                4..=7 => columns::<R, 4, T>(tile, kv, span.clone(), column, probs, inv, out),
-                2 | 3 => columns::<R, 2, T>(tile, kv, span.clone(), column, probs, inv, out),
-                _ => columns::<R, 1, T>(tile, kv, span.clone(), column, probs, inv, out),
+    let registers = kv.head_dim / LANES;
+    for window in (0..registers).step_by(WINDOW) {
+        let window_registers = (registers - window).min(WINDOW);
+        let mut acc = [[_mm256_setzero_ps(); WINDOW]; R];
+        for (first, at, len) in kv.runs(span.clone()) {
+            let run = &kv.kv.v[at..at + len * kv.row_units];
+            for sub in (0..len).step_by(SUB_RUN) {
+                let keys = first + sub..first + (sub + SUB_RUN).min(len);
+                let live = live_keys(&row_probs, keys.clone());
+                let values = run[sub * kv.row_units..].as_ptr();
+                // One pass of `W` registers of columns from `column`.
+                macro_rules! pass {
+                    ($w:literal, $column:expr) => {
+                        pass::<R, $w, T>(
+                            &mut acc,
+                            $column,
+                            window + $column,
+                            values,
+                            kv.row_units,
+                            &row_probs,
+                            keys.clone(),
+                            live,
+                        )
+                    };
+                }
+                let mut column = 0;
+                while column < window_registers {
+                    // SAFETY: this function's contract; the pass's registers are the window's
+                    // and the head's (it takes at most what is left of both), `values` the
+                    // sub-run's rows.
+                    column += unsafe {
+                        match (window_registers - column).min(width) {
+                            8.. => pass!(8, column),
+                            4..=7 => pass!(4, column),
+                            2 | 3 => pass!(2, column),
+                            _ => pass!(1, column),
+                        }
+                    };
+                }
             }
-        };
+        }
+        for (r, row) in tile[..R].iter().enumerate() {
+            let inv8 = _mm256_set1_ps(inv[r]);
+            for (w, &a) in acc[r][..window_registers].iter().enumerate() {
+                // SAFETY: the row's record is this task's (the caller's contract), and its
+                // eight columns from `8 (window + w)` lie inside it.
+                unsafe {
+                    let dest = out.slice(row.dest + (window + w) * LANES, LANES);
+                    _mm256_storeu_ps(dest.as_mut_ptr(), _mm256_mul_ps(a, inv8));
+                }
+            }
+        }
     }
 }
 
-/// [`weighted_sum`] for `W` registers of columns from `column`; returns how many columns.
+/// Which of `keys` (at most 32, from the first) some row sees with a probability other than
+/// zero, one bit per key.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn live_keys<const R: usize>(row_probs: &[&[f32]; R], keys: Range<usize>) -> u32 {
+    let mut live = 0u32;
+    for (bit, i) in keys.enumerate() {
+        if row_probs.iter().any(|p| p[i] != 0.0) {
+            live |= 1 << bit;
+        }
+    }
+    live
+}
+
+/// One pass of [`weighted_sum`] over one sub-run: registers `column..column + W` of the
+/// window's accumulators (`from..from + W` of the head) take keys `keys` (`values` the first
+/// one's row, `row_units` apart), those whose bit in `live` is set; returns `W`.
 ///
 /// # Safety
-/// As [`TileSimd::weighted_sum`], and `column + 8 W <= head_dim`.
+/// As [`TileSimd::weighted_sum`]; `column + W <= WINDOW`, `8 (from + W) <= head_dim`, and
+/// `values` the start of `keys.len()` rows one after another.
+#[allow(clippy::too_many_arguments)]
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn columns<const R: usize, const W: usize, T: KvElement>(
-    tile: &[Row],
-    kv: &HeadKv<'_, T>,
-    span: Range<usize>,
+unsafe fn pass<const R: usize, const W: usize, T: KvElement>(
+    acc: &mut [[__m256; WINDOW]; R],
     column: usize,
-    probs: &[f32],
-    inv: &[f32; TILE_ROWS],
-    out: &SharedOut<f32>,
+    from: usize,
+    values: *const T,
+    row_units: usize,
+    row_probs: &[&[f32]; R],
+    keys: Range<usize>,
+    live: u32,
 ) -> usize {
-    let stride = span.len().div_ceil(LANES) * LANES;
-    let mut acc = [[_mm256_setzero_ps(); W]; R];
-    for (i, at) in kv.offsets(span).enumerate() {
-        // A key no row of the tile sees adds nothing (and its values may be stale).
-        if (0..R).all(|r| probs[r * stride + i] == 0.0) {
+    let mut a: [[__m256; W]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|w| acc[r][column + w]));
+    debug_assert!((1..=32).contains(&keys.len()));
+    let all = live == u32::MAX >> (32 - keys.len());
+    let probs: [*const f32; R] = std::array::from_fn(|r| row_probs[r][keys.clone()].as_ptr());
+    for key in 0..keys.len() {
+        if !all && live & (1 << key) == 0 {
             continue;
         }
-        let row = kv.value(at);
-        let mut values = [_mm256_setzero_ps(); W];
-        for (w, x) in values.iter_mut().enumerate() {
-            // SAFETY: `column + 8 (w + 1) <= head_dim`, the row's values; this function has
-            // F16C.
-            *x = unsafe { T::load8(row.as_ptr(), column + w * LANES) };
-        }
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let p = _mm256_set1_ps(probs[r * stride + i]);
-            for (a, &x) in acc.iter_mut().zip(&values) {
-                *a = _mm256_fmadd_ps(p, x, *a);
+        // SAFETY: row `key` of the sub-run, its values `8 from..8 (from + W)` (the caller's
+        // contract); one probability of each row's `keys`.
+        unsafe {
+            let row = values.add(key * row_units);
+            let v: [__m256; W] = std::array::from_fn(|w| T::load8(row, (from + w) * LANES));
+            for r in 0..R {
+                let p = _mm256_broadcast_ss(&*probs[r].add(key));
+                for w in 0..W {
+                    a[r][w] = _mm256_fmadd_ps(p, v[w], a[r][w]);
+                }
             }
         }
     }
-    for (r, row) in tile[..R].iter().enumerate() {
-        let inv8 = _mm256_set1_ps(inv[r]);
-        for (w, &a) in acc[r].iter().enumerate() {
-            // SAFETY: the row's record is this task's (the caller's contract), and its eight
-            // columns from `column + 8 w` lie inside it (`column + 8 W <= head_dim`).
-            unsafe {
-                let dest = out.slice(row.dest + column + w * LANES, LANES);
-                _mm256_storeu_ps(dest.as_mut_ptr(), _mm256_mul_ps(a, inv8));
-            }
-        }
+    for r in 0..R {
+        acc[r][column..column + W].copy_from_slice(&a[r]);
     }
-    W * LANES
+    W
 }
