@@ -711,6 +711,7 @@ impl<T: KvElement> Job<'_, T> {
                 &records[r * parts * record..][..parts * record],
                 head_dim,
                 out,
+                self.tier,
             );
         }
     }
@@ -719,7 +720,30 @@ impl<T: KvElement> Job<'_, T> {
 /// A row's output from its partials (`[parts, head_dim + 2]`, see [`record_len`]): the one
 /// partition that saw keys as it is; several weighted by `Σ exp(score)` relative to the largest
 /// score of all, in partition order; zeros when none saw a key.
-fn merge_partials(records: &[f32], head_dim: usize, out: &mut [f32]) {
+fn merge_partials(records: &[f32], head_dim: usize, out: &mut [f32], tier: Tier) {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(tier, Tier::Avx2 | Tier::Avx512Vnni) {
+        // SAFETY: both tiers have FMA.
+        return unsafe { merge_partials_fma(records, head_dim, out) };
+    }
+    let _ = tier;
+    merge_partials_in(records, head_dim, out);
+}
+
+/// [`merge_partials`] where `mul_add` is one instruction (the same single rounding as the
+/// library call a baseline x86-64 build makes of it, per value).
+///
+/// # Safety
+/// The CPU must have FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+unsafe fn merge_partials_fma(records: &[f32], head_dim: usize, out: &mut [f32]) {
+    merge_partials_in(records, head_dim, out);
+}
+
+/// [`merge_partials`]'s arithmetic, inlined into each caller's instruction set.
+#[inline(always)]
+fn merge_partials_in(records: &[f32], head_dim: usize, out: &mut [f32]) {
     let record = record_len(head_dim);
     let seen = || {
         records

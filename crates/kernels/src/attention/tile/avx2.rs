@@ -371,14 +371,29 @@ unsafe fn weighted_sum<const R: usize, T: KvElement>(
 }
 
 /// Which of `keys` (at most 32, from the first) some row sees with a probability other than
-/// zero, one bit per key.
+/// zero, one bit per key: eight keys of every row compared at once.
 #[inline]
 #[target_feature(enable = "avx2")]
 fn live_keys<const R: usize>(row_probs: &[&[f32]; R], keys: Range<usize>) -> u32 {
     let mut live = 0u32;
-    for (bit, i) in keys.enumerate() {
-        if row_probs.iter().any(|p| p[i] != 0.0) {
-            live |= 1 << bit;
+    let mut i = keys.start;
+    while i < keys.end {
+        let bit = i - keys.start;
+        if keys.end - i >= LANES {
+            let mut seen = _mm256_setzero_ps();
+            for p in row_probs {
+                // SAFETY: eight probabilities (a slice of that length).
+                let p = unsafe { _mm256_loadu_ps(p[i..i + LANES].as_ptr()) };
+                // Unordered: a NaN counts as seen, as `!=` has it.
+                seen = _mm256_or_ps(seen, _mm256_cmp_ps::<_CMP_NEQ_UQ>(p, _mm256_setzero_ps()));
+            }
+            live |= (_mm256_movemask_ps(seen) as u32) << bit;
+            i += LANES;
+        } else {
+            if row_probs.iter().any(|p| p[i] != 0.0) {
+                live |= 1 << bit;
+            }
+            i += 1;
         }
     }
     live
