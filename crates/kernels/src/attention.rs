@@ -221,14 +221,9 @@ impl<'a, T: KvElement> HeadKv<'a, T> {
     #[inline]
     fn prefetch_rows(&self, span: std::ops::Range<usize>) {
         use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
-        let block_keys = self.kv.block_keys;
-        let end = span.end.min(self.blocks.len() * block_keys);
+        let end = span.end.min(self.blocks.len() * self.kv.block_keys);
         let row_bytes = self.row_units * size_of::<T>();
-        let mut key = span.start;
-        while key < end {
-            let (b, r) = (key / block_keys, key % block_keys);
-            let run = (block_keys - r).min(end - key);
-            let at = (self.blocks[b] * block_keys + r) * self.row_units;
+        for (_, at, run) in self.runs(span.start.min(end)..end) {
             let (k, v) = (
                 self.kv.k.as_ptr().wrapping_add(at).cast::<u8>(),
                 self.kv.v.as_ptr().wrapping_add(at).cast::<u8>(),
@@ -240,7 +235,6 @@ impl<'a, T: KvElement> HeadKv<'a, T> {
                     _mm_prefetch::<_MM_HINT_T1>(v.wrapping_add(line).cast());
                 }
             }
-            key += run;
         }
     }
 
@@ -285,7 +279,6 @@ impl<'a, T: KvElement> HeadKv<'a, T> {
     /// Keys `span` as runs of keys that lie one after another (a block's, or a part of one),
     /// in key order: (the run's first key, counted from `span.start`; the unit offset of its
     /// first row; its length).
-    #[cfg(target_arch = "x86_64")]
     fn runs(
         &self,
         span: std::ops::Range<usize>,
@@ -301,18 +294,11 @@ impl<'a, T: KvElement> HeadKv<'a, T> {
         })
     }
 
-    /// The unit offsets (into `k` and `v`) of keys `span`, in key order: walked block by
-    /// block, so the inner loop pays no division per key.
+    /// The unit offsets (into `k` and `v`) of keys `span`, in key order: walked run by run
+    /// ([`Self::runs`]), so the inner loop pays no division per key.
     fn offsets(&self, span: std::ops::Range<usize>) -> impl Iterator<Item = usize> + '_ {
-        let block_keys = self.kv.block_keys;
-        let first = span.start / block_keys;
-        let last = span.end.div_ceil(block_keys);
-        (first..last).flat_map(move |b| {
-            let base = self.blocks[b] * block_keys;
-            let rows = span.start.max(b * block_keys) - b * block_keys
-                ..span.end.min((b + 1) * block_keys) - b * block_keys;
-            rows.map(move |r| (base + r) * self.row_units)
-        })
+        self.runs(span)
+            .flat_map(move |(_, at, len)| (0..len).map(move |i| at + i * self.row_units))
     }
 }
 

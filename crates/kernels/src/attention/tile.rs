@@ -253,19 +253,39 @@ pub(super) unsafe fn attend_rows<T: KvElement, S: TileSimd>(
 /// How far ahead (in keys) the transpositions prefetch keys and values: they read a
 /// register's keys a column slice at a time, a pattern the hardware prefetcher follows late
 /// on a short run of keys (and not at all across a paged cache's blocks, which lie apart).
-pub(super) const KEYS_AHEAD: usize = 32;
+const KEYS_AHEAD: usize = 32;
 
-/// The `N` keys of one chunk from `cursor` (a zero row for each missing one), each row found
-/// once per chunk so that the loads after it are plain loads the core can overlap (a lookup
-/// per load, through a call, serialized the cache misses); the chunk [`KEYS_AHEAD`] keys on
-/// (`first` is this chunk's first key) is prefetched, its values too.
-fn chunk_keys<'a, const N: usize, T: KvElement>(
-    kv: &HeadKv<'a, T>,
+/// A transposition's walk over a span of keys, a chunk at a time: each chunk's rows are found
+/// once (a cursor over the block table), so the loads after it are plain loads the core can
+/// overlap (a lookup per load, through a call, serialized the cache misses); the rows
+/// [`KEYS_AHEAD`] keys on are prefetched, their values too.
+pub(super) struct KeyChunks<T> {
+    cursor: KeyCursor,
+    /// The next chunk's first key.
     first: usize,
-    cursor: &mut KeyCursor,
-    zeros: &'a [T],
-) -> [&'a [T]; N] {
-    let keys: [&[T]; N] = std::array::from_fn(|_| kv.next_key(cursor).unwrap_or(zeros));
-    kv.prefetch_rows(first + KEYS_AHEAD..first + KEYS_AHEAD + N);
-    keys
+    /// What a missing key (past the span's end) reads.
+    zeros: Vec<T>,
+}
+
+impl<T: KvElement> KeyChunks<T> {
+    /// The walk over `span`, its first [`KEYS_AHEAD`] keys' rows prefetched (no earlier chunk
+    /// did).
+    pub(super) fn new(kv: &HeadKv<'_, T>, span: Range<usize>) -> Self {
+        kv.prefetch_rows(span.start..span.start + KEYS_AHEAD.min(span.len()));
+        Self {
+            cursor: kv.cursor(span.clone()),
+            first: span.start,
+            zeros: vec![T::ZERO; kv.row_units],
+        }
+    }
+
+    /// The next chunk's `N` key rows (a zero row for each missing one).
+    pub(super) fn next<'s, const N: usize>(&'s mut self, kv: &HeadKv<'s, T>) -> [&'s [T]; N] {
+        let (cursor, zeros) = (&mut self.cursor, &self.zeros);
+        let keys: [&[T]; N] =
+            std::array::from_fn(|_| kv.next_key(cursor).unwrap_or(zeros.as_slice()));
+        kv.prefetch_rows(self.first + KEYS_AHEAD..self.first + KEYS_AHEAD + N);
+        self.first += N;
+        keys
+    }
 }

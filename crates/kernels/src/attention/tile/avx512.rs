@@ -4,7 +4,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::{KEYS_AHEAD, KeysSeen, Row, TILE_ROWS, TileSimd, chunk_keys};
+use super::{KeyChunks, KeysSeen, Row, TILE_ROWS, TileSimd};
 use crate::SharedOut;
 use crate::attention::{EXP_MIN, EXP_POLY, HeadKv, KvElement, LN2_HI, LN2_LO};
 
@@ -61,17 +61,9 @@ fn transpose_keys<T: KvElement>(kv: &HeadKv<'_, T>, span: Range<usize>, kt: &mut
     if kt.len() < chunks * head_dim * LANES {
         kt.resize(chunks * head_dim * LANES, 0.0);
     }
-    // A missing key (past the span's end) reads zeros.
-    let zeros = vec![T::ZERO; kv.row_units];
-    // The first chunks' rows, which no earlier chunk prefetched.
-    kv.prefetch_rows(span.start..span.start + KEYS_AHEAD.min(span.len()));
-    let mut cursor = kv.cursor(span.clone());
-    let chunk_values = head_dim * LANES;
-    for (c, chunk) in kt[..chunks * chunk_values]
-        .chunks_exact_mut(chunk_values)
-        .enumerate()
-    {
-        let keys: [&[T]; LANES] = chunk_keys(kv, span.start + c * LANES, &mut cursor, &zeros);
+    let mut walk = KeyChunks::new(kv, span);
+    for chunk in kt[..chunks * head_dim * LANES].chunks_exact_mut(head_dim * LANES) {
+        let keys: [&[T]; LANES] = walk.next(kv);
         for d0 in (0..head_dim).step_by(LANES) {
             let mut rows = [_mm512_setzero_ps(); LANES];
             for (row, key) in rows.iter_mut().zip(&keys) {
