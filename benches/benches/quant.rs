@@ -1,8 +1,8 @@
 //! Quantized products at the Llama-3.2-1B shape (2048 hidden, 8192 feed forward): the `gate`
 //! projection (`[8192, 2048]`) and `down` (`[2048, 8192]`) in Q4_K, Q5_K, Q6_K, Q8_0 and
 //! IQ4_XS, for a 512-token prefill (512 rows: the wide tiles on AVX-512 VNNI) and a decoding
-//! step (1 row), every thread, best tier, with the activations in two 8-bit passes (`q8x2`)
-//! and in one (`q8`). Throughput is in multiply-adds of the real product (done once per
+//! step (1 row), every thread, best tier, with the activations in two 8-bit passes (`q8x2`),
+//! in one (`q8`), and for Q8_0 in one 16-bit pass (`q16`). Throughput is in multiply-adds of the real product (done once per
 //! pass).
 //! Run: `cargo bench -p kiln-benches --bench quant`.
 
@@ -56,13 +56,20 @@ fn quant(c: &mut Criterion) {
         for (rows, cols) in SHAPES {
             let two = random_matrix(ty, rows, cols, &mut rng);
             let one = two.clone().with_activation_passes(ActPasses::One);
+            // Only Q8_0 keeps 16-bit activations (the others take two passes for them).
+            let sixteen = two.clone().with_activation_passes(ActPasses::Q16);
+            let precisions = if sixteen.activation_passes() == ActPasses::Q16 {
+                vec![&two, &one, &sixteen]
+            } else {
+                vec![&two, &one]
+            };
             for m in [1, 512] {
                 let x: Vec<f32> = (0..m * cols)
                     .map(|_| rng.random::<f32>() * 2.0 - 1.0)
                     .collect();
                 let mut out = vec![0f32; m * rows];
                 group.throughput(Throughput::Elements((m * rows * cols) as u64));
-                for w in [&two, &one] {
+                for &w in &precisions {
                     let passes = w.activation_passes().name();
                     let id = format!("{} {passes} m={m} {rows}x{cols}", ty.name());
                     group.bench_function(BenchmarkId::from_parameter(id), |b| {

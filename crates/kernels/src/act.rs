@@ -33,7 +33,8 @@ pub const ACT_BLOCK: usize = 32;
 /// what [`ActBlock::q6_k_starts`] takes off: one constant for both.
 pub(crate) const Q6_K_OFFSET: i32 = 32;
 
-/// How many 8-bit passes a quantized product gives its activations.
+/// How a quantized product quantizes its activations: in one or two 8-bit passes, or (for
+/// Q8_0 weights) in one 16-bit pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum ActPasses {
     /// One ([`ActBlock::quantize`]), as llama.cpp multiplies every type (`Q8_0`, `Q8_1` and
@@ -44,15 +45,69 @@ pub enum ActPasses {
     /// 16-bit activations; the products track the exact path to ~1e-7 in KL.
     #[default]
     Two,
+    /// One pass of 16-bit values ([`Act16Block`]): within `amax / 65534` of the activations,
+    /// [`Two`](Self::Two)'s precision in one integer product. Only interleaved Q8_0 matrices
+    /// have its kernels (`vpmaddwd` on sign-free widened weights, where AVX2 multiplies bytes
+    /// only through the sign trick); any other matrix given it takes [`Two`](Self::Two).
+    Q16,
 }
 
 impl ActPasses {
-    /// `q8` (one pass) or `q8x2` (two).
+    /// `q8` (one pass), `q8x2` (two) or `q16`.
     pub fn name(self) -> &'static str {
         match self {
             ActPasses::One => "q8",
             ActPasses::Two => "q8x2",
+            ActPasses::Q16 => "q16",
         }
+    }
+}
+
+/// 32 activations as `d × q` with `q` in `[-32767, 32767]`: [`ActPasses::Q16`]'s form, for
+/// Q8_0 weights.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C, align(8))]
+pub struct Act16Block {
+    /// The quantized values.
+    pub qs: [i16; ACT_BLOCK],
+    /// The scale: the block's largest magnitude / 32767 (0 for an all-zero block).
+    pub d: f32,
+    /// `−128 × Σ qs`: where a Q8_0 tile's integer sums start, its quants being stored as
+    /// `w + 128` (unsigned, what the tiles widen without a sign).
+    pub q8_0_start: i32,
+}
+
+/// What the interleaved Q8_0 layout adds to each quant, and so what [`Act16Block::q8_0_start`]
+/// takes off per unit of `Σ qs`.
+const Q8_0_OFFSET: i32 = 128;
+
+impl Act16Block {
+    /// The all-zero block.
+    pub const ZERO: Self = Self::new([0; ACT_BLOCK], 0.0, 0);
+
+    /// The block of the values `qs` at scale `d`, whose sum is `sum`: the one place the derived
+    /// field is formed, for every tier's quantizer.
+    #[inline]
+    pub const fn new(qs: [i16; ACT_BLOCK], d: f32, sum: i32) -> Self {
+        Self {
+            qs,
+            d,
+            q8_0_start: -Q8_0_OFFSET * sum,
+        }
+    }
+
+    /// Quantizes 32 values (round to nearest, ties to even), as [`ActBlock::quantize`] does to
+    /// 8 bits.
+    pub fn quantize(x: &[f32; ACT_BLOCK]) -> Self {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 32767.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut qs = [0i16; ACT_BLOCK];
+        for (q, v) in qs.iter_mut().zip(x) {
+            *q = round(v * inv) as i16;
+        }
+        let sum = qs.iter().map(|&q| i32::from(q)).sum();
+        Self::new(qs, d, sum)
     }
 }
 
@@ -215,6 +270,35 @@ pub fn quantize_row(x: &[f32], hi: &mut [ActBlock], tier: Tier) {
     }
 }
 
+/// [`Act16Block::quantize`] over a row: `x` (`32 × out.len()` values) into `out`, on `tier`
+/// (AVX2 and AVX-512 VNNI run the AVX2 code: the scalar code's operations in its order, so
+/// its bits for finite input; a test asserts it).
+///
+/// # Panics
+/// If `x.len() != 32 × out.len()` or this CPU cannot run `tier`.
+pub fn quantize_row_16(x: &[f32], out: &mut [Act16Block], tier: Tier) {
+    assert!(
+        x.len() == out.len() * ACT_BLOCK,
+        "{} activations for {} blocks",
+        x.len(),
+        out.len()
+    );
+    assert!(
+        tier.is_supported(),
+        "kernel tier {tier} is not supported on this CPU"
+    );
+    match tier {
+        // SAFETY: both tiers have AVX2, checked above.
+        #[cfg(target_arch = "x86_64")]
+        Tier::Avx2 | Tier::Avx512Vnni => unsafe { x86::avx2::row_16(x, out) },
+        _ => {
+            for (chunk, o) in x.chunks_exact(ACT_BLOCK).zip(out) {
+                *o = Act16Block::quantize(chunk.try_into().expect("chunks of 32"));
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -289,8 +373,51 @@ mod x86 {
     pub(super) mod avx2 {
         use std::arch::x86_64::*;
 
-        use super::super::{ACT_BLOCK, ActBlock};
+        use super::super::{ACT_BLOCK, Act16Block, ActBlock};
         use crate::lanes::{hmax, hsum_i32};
+
+        /// [`super::super::quantize_row_16`] on AVX2.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2; the lengths are checked by the caller.
+        #[target_feature(enable = "avx2")]
+        pub(in crate::act) unsafe fn row_16(x: &[f32], out: &mut [Act16Block]) {
+            for (chunk, o) in x.chunks_exact(ACT_BLOCK).zip(out) {
+                *o = quantize_16(load(chunk));
+            }
+        }
+
+        /// [`Act16Block::quantize`] of the 32 values `v`.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn quantize_16(v: [__m256; 4]) -> Act16Block {
+            let sign = _mm256_set1_ps(-0.0);
+            let abs = v.map(|x| _mm256_andnot_ps(sign, x));
+            let amax = hmax(_mm256_max_ps(
+                _mm256_max_ps(abs[0], abs[1]),
+                _mm256_max_ps(abs[2], abs[3]),
+            ));
+            let d = amax / 32767.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let inv = _mm256_set1_ps(inv);
+            // Round to nearest, ties to even (the default MXCSR mode), as the scalar code does.
+            let q = v.map(|x| _mm256_cvtps_epi32(_mm256_mul_ps(x, inv)));
+            let sum = hsum_i32(_mm256_add_epi32(
+                _mm256_add_epi32(q[0], q[1]),
+                _mm256_add_epi32(q[2], q[3]),
+            ));
+            // Finite values quantize within ±32767, so the saturating packs keep them; each
+            // packs the 128-bit halves apart (values 0-3, 8-11, 4-7, 12-15 of its sixteen),
+            // which the 64-bit permutation undoes.
+            let order = |a, b| _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(a, b));
+            let mut qs = [0i16; ACT_BLOCK];
+            // SAFETY: two 32-byte stores into the 64 bytes of `qs`.
+            unsafe {
+                _mm256_storeu_si256(qs.as_mut_ptr().cast(), order(q[0], q[1]));
+                _mm256_storeu_si256(qs.as_mut_ptr().add(16).cast(), order(q[2], q[3]));
+            }
+            Act16Block::new(qs, d, sum)
+        }
 
         /// [`super::super::quantize_split_row`] on AVX2.
         ///

@@ -54,8 +54,10 @@ use crate::ggml::{
 use crate::pool::ThreadPool;
 use crate::tier::Tier;
 
+mod q16;
 mod wide;
 
+pub(crate) use q16::Q16Tiles;
 pub(crate) use wide::{WIDE_ROWS, WideKernels};
 
 /// Rows per group.
@@ -565,6 +567,8 @@ impl TileKernels {
         match passes {
             ActPasses::One => Self::select::<false>(ty, tier),
             ActPasses::Two => Self::select::<true>(ty, tier),
+            // Its tiles take other activations: `Q16Tiles`.
+            ActPasses::Q16 => None,
         }
     }
 
@@ -1068,7 +1072,7 @@ mod x86 {
         if SPLIT {
             _mm256_set1_ps(d_sum::<SPLIT>(h, l))
         } else {
-            field_lanes::<{ offset_of!(ActBlock, d_sum) }>(h)
+            field_lanes::<_, { offset_of!(ActBlock, d_sum) }>(h)
         }
     }
 
@@ -1079,8 +1083,8 @@ mod x86 {
     /// item 6).
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn field_lanes<const OFFSET: usize>(a: &ActBlock) -> __m256 {
-        const { assert!(OFFSET + 4 <= size_of::<ActBlock>()) };
+    pub(super) fn field_lanes<T, const OFFSET: usize>(a: &T) -> __m256 {
+        const { assert!(OFFSET + 4 <= size_of::<T>()) };
         let out;
         // SAFETY: reads four bytes inside `*a` (the assertion above), a valid reference;
         // writes only `out`.
@@ -1101,15 +1105,15 @@ mod x86 {
     /// load too, and split them in general registers).
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn int_field_lanes<const OFFSET: usize>(a: &ActBlock) -> __m256i {
-        _mm256_castps_si256(field_lanes::<OFFSET>(a))
+    pub(super) fn int_field_lanes<T, const OFFSET: usize>(a: &T) -> __m256i {
+        _mm256_castps_si256(field_lanes::<T, OFFSET>(a))
     }
 
     /// `a.d` in every lane ([`field_lanes`]).
     #[inline]
     #[target_feature(enable = "avx2")]
     fn scale_lanes(a: &ActBlock) -> __m256 {
-        field_lanes::<{ offset_of!(ActBlock, d) }>(a)
+        field_lanes::<_, { offset_of!(ActBlock, d) }>(a)
     }
 
     /// The eight lanes of `v`.
@@ -1212,7 +1216,7 @@ mod x86 {
     /// a line (64 bytes) at a time: consecutive blocks' requests cover the stream (a hint: an
     /// address past the weights is harmless, `prefetcht0` does not fault).
     #[inline(always)]
-    fn prefetch_ahead(p: *const u8, block_bytes: usize) {
+    pub(super) fn prefetch_ahead(p: *const u8, block_bytes: usize) {
         let ahead = p.wrapping_add(PREFETCH_AHEAD);
         for line in 0..block_bytes.div_ceil(64) {
             // SAFETY: SSE is part of x86_64; a prefetch reads nothing and cannot fault.
@@ -1285,10 +1289,7 @@ mod x86 {
     /// # Safety
     /// `b` must be below every row's length.
     #[inline(always)]
-    pub(super) unsafe fn blocks_at<const N: usize>(
-        rows: [&[ActBlock]; N],
-        b: usize,
-    ) -> [&ActBlock; N] {
+    pub(super) unsafe fn blocks_at<T, const N: usize>(rows: [&[T]; N], b: usize) -> [&T; N] {
         // SAFETY: `b` is below every row's length (the caller's contract).
         std::array::from_fn(|i| unsafe { rows[i].get_unchecked(b) })
     }
@@ -2016,8 +2017,8 @@ mod x86 {
             let ones = _mm256_set1_epi16(1);
             const STARTS: usize = offset_of!(ActBlock, q6_k_starts);
             let mut sums = [
-                int_field_lanes::<STARTS>(a),
-                int_field_lanes::<{ STARTS + 4 }>(a),
+                int_field_lanes::<_, STARTS>(a),
+                int_field_lanes::<_, { STARTS + 4 }>(a),
             ];
             for pair in [0, 2] {
                 for (half, sum) in sums.iter_mut().enumerate() {

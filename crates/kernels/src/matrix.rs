@@ -7,13 +7,16 @@
 
 use crate::SharedOut;
 use std::borrow::Cow;
+use std::ops::Range;
 
-use crate::act::{ACT_BLOCK, ActBlock, ActPasses, quantize_row, quantize_split_row};
+use crate::act::{
+    ACT_BLOCK, Act16Block, ActBlock, ActPasses, quantize_row, quantize_row_16, quantize_split_row,
+};
 use crate::error::KernelError;
 use crate::ggml::{GgmlType, dequantize};
 use crate::interleaved::{
-    GROUP, MAX_TILE, TileKernels, WIDE_ROWS, WideKernels, group_block_bytes, pack, unpack_row,
-    zeroed_on_huge_pages,
+    GROUP, MAX_TILE, Q16Tiles, TILE, TileKernels, WIDE_ROWS, WideKernels, group_block_bytes, pack,
+    unpack_row, zeroed_on_huge_pages,
 };
 use crate::pool::ThreadPool;
 use crate::quant::{DotKernel, has_kernel};
@@ -50,6 +53,10 @@ impl std::fmt::Debug for QuantMatrix {
 /// two-pass blocks, which stay in a core's L2 while the task's groups read them.
 const ACT_ROWS_PER_PASS: usize = 32;
 
+/// What [`QuantMatrix::for_each_tile`] hands a group (or a pair of groups) of weights: their
+/// bytes, the (first) group's index, and the activation rows to multiply them with.
+type GroupWork<'a> = dyn Fn(&[u8], usize, Range<usize>) + Sync + 'a;
+
 /// Output rows per task: enough tasks to balance the threads, few enough that claiming one
 /// costs nothing next to its work.
 fn rows_per_task(rows: usize, threads: usize) -> usize {
@@ -58,8 +65,13 @@ fn rows_per_task(rows: usize, threads: usize) -> usize {
 
 impl QuantMatrix {
     /// This matrix with its products' activations quantized in `passes` (two unless set).
+    /// [`ActPasses::Q16`] has kernels for interleaved Q8_0 matrices only; any other matrix
+    /// given it takes two passes, its precision.
     pub fn with_activation_passes(mut self, passes: ActPasses) -> Self {
-        self.passes = passes;
+        self.passes = match passes {
+            ActPasses::Q16 if !(self.ty == GgmlType::Q8_0 && self.interleaved) => ActPasses::Two,
+            passes => passes,
+        };
         self
     }
 
@@ -89,7 +101,7 @@ impl QuantMatrix {
         rows: usize,
         cols: usize,
         data: &[u8],
-        consumed: &mut dyn FnMut(std::ops::Range<usize>),
+        consumed: &mut dyn FnMut(Range<usize>),
     ) -> Result<Self, KernelError> {
         Self::build(ty, rows, cols, Cow::Borrowed(data), consumed)
     }
@@ -99,7 +111,7 @@ impl QuantMatrix {
         rows: usize,
         cols: usize,
         data: Cow<'_, [u8]>,
-        consumed: &mut dyn FnMut(std::ops::Range<usize>),
+        consumed: &mut dyn FnMut(Range<usize>),
     ) -> Result<Self, KernelError> {
         if !has_kernel(ty) {
             return Err(KernelError::NoKernel(ty.name()));
@@ -288,18 +300,42 @@ impl QuantMatrix {
             tier.is_supported(),
             "kernel tier {tier} is not supported on this CPU"
         );
-        let (hi, lo) = quantize_activations(x, m, self.cols, self.passes, tier, pool);
         let per_row = self.cols / ACT_BLOCK;
+        let chunk = rows_per_task(self.rows, pool.threads());
+        let out = SharedOut::new(out);
+        // Hands a tile's eight outputs for activation row `t` and group `g` to `out`.
+        let write = |t: usize, g: usize, y: &[f32]| {
+            // One copy of the group's adjacent outputs.
+            // SAFETY: every (t, row) is written by exactly one task.
+            unsafe {
+                out.slice(t * self.rows + g * GROUP, y.len())
+                    .copy_from_slice(y)
+            };
+        };
+        if self.interleaved && self.passes == ActPasses::Q16 {
+            let acts = quantize_activations_16(x, m, self.cols, tier, pool);
+            let row = |t: usize| &acts[t * per_row..(t + 1) * per_row];
+            let tiles = Q16Tiles::new(tier);
+            self.for_each_tile(m, pool, chunk, tiles.rows(), None, |w, g, rows| {
+                // An array (no allocation per tile): the slots past the tile's rows repeat
+                // its last and are not passed on.
+                let tile: [_; TILE] =
+                    std::array::from_fn(|i| row(rows.start + i.min(rows.len() - 1)));
+                // SAFETY: the tier was checked above; `w` is one group of `cols / 32` block
+                // columns, each activation row as many blocks.
+                unsafe { tiles.run(w, &tile[..rows.len()], |i, y| write(rows.start + i, g, &y)) };
+            });
+            return;
+        }
+        let (hi, lo) = quantize_activations(x, m, self.cols, self.passes, tier, pool);
         let acts = |t: usize| {
             let span = t * per_row..(t + 1) * per_row;
             match self.passes {
-                ActPasses::Two => (&hi[span.clone()], &lo[span]),
                 // One row of zero blocks stands for every row's second pass.
                 ActPasses::One => (&hi[span], &lo[..]),
+                ActPasses::Two | ActPasses::Q16 => (&hi[span.clone()], &lo[span]),
             }
         };
-        let chunk = rows_per_task(self.rows, pool.threads());
-        let out = SharedOut::new(out);
         if self.interleaved {
             let tiles = TileKernels::new(self.ty, tier, self.passes)
                 .expect("interleaved types have tile kernels");
@@ -307,68 +343,30 @@ impl QuantMatrix {
             // more than a narrow tile takes) multiply two groups at once where the type has
             // wide tiles; their outputs are the narrow tiles' bits.
             let wide = WideKernels::new(self.ty, tier, self.passes).filter(|w| m >= w.min_rows());
-            let tile_rows = tiles.rows();
-            let group_bytes = self.group_bytes();
-            let mut groups_per_task = chunk.div_ceil(GROUP);
-            if wide.is_some() {
-                groups_per_task = groups_per_task.next_multiple_of(2);
-            }
-            let groups = self.rows / GROUP;
-            pool.run(groups.div_ceil(groups_per_task), &|task| {
-                let task_groups =
-                    task * groups_per_task..((task + 1) * groups_per_task).min(groups);
-                // A task's groups meet one pass of activation rows at a time, so the rows
-                // stay in cache while every group reads them (a prompt's whole activations
-                // would not).
-                for pass in (0..m).step_by(ACT_ROWS_PER_PASS) {
-                    let pass = pass..(pass + ACT_ROWS_PER_PASS).min(m);
-                    // The pass's rows for the wide tiles (the slots past its end repeat its
-                    // last row and are not passed on); none for decoding's narrow products.
-                    let pass_rows: Option<[_; ACT_ROWS_PER_PASS]> = wide
-                        .map(|_| std::array::from_fn(|i| acts((pass.start + i).min(pass.end - 1))));
-                    let mut g = task_groups.start;
-                    while g < task_groups.end {
-                        if let (Some(wide), Some(pass_rows)) = (wide, &pass_rows)
-                            && g + 1 < task_groups.end
-                        {
-                            let w = &self.data[g * group_bytes..(g + 2) * group_bytes];
-                            let write = |i: usize, y: [f32; WIDE_ROWS]| {
-                                // SAFETY: every (t, row) is written by exactly one task.
-                                unsafe {
-                                    out.slice((pass.start + i) * self.rows + g * GROUP, WIDE_ROWS)
-                                        .copy_from_slice(&y)
-                                };
-                            };
-                            // SAFETY: the tier was checked above (wide tiles exist only for
-                            // it); `w` is groups `g` and `g + 1`, each of `cols / 32` blocks'
-                            // columns, each row of `hi` and `lo` as many blocks.
-                            unsafe { wide.run_pass(w, &pass_rows[..pass.len()], write) };
-                            g += 2;
-                            continue;
-                        }
-                        let w = &self.data[g * group_bytes..(g + 1) * group_bytes];
-                        for start in pass.clone().step_by(tile_rows) {
-                            let n = (pass.end - start).min(tile_rows);
-                            // An array (no allocation per tile): the slots past `n` repeat
-                            // the last row and are not passed on.
-                            let tile: [_; MAX_TILE] =
-                                std::array::from_fn(|i| acts(start + i.min(n - 1)));
-                            let write = |i: usize, y: [f32; GROUP]| {
-                                // One copy of the group's eight adjacent outputs.
-                                // SAFETY: every (t, row) is written by exactly one task.
-                                unsafe {
-                                    out.slice((start + i) * self.rows + g * GROUP, GROUP)
-                                        .copy_from_slice(&y)
-                                };
-                            };
-                            // SAFETY: the tier was checked above; `w` is one group of
-                            // `cols / 32` block columns, each row of `hi` and `lo` as many
-                            // blocks.
-                            unsafe { tiles.run(w, &tile[..n], write) };
-                        }
-                        g += 1;
-                    }
-                }
+            let run_wide = |w: &[u8], g: usize, pass: Range<usize>| {
+                let wide = wide.expect("wide tiles when asked for");
+                // The pass's rows (the slots past its end repeat its last row and are not
+                // passed on).
+                let pass_rows: [_; ACT_ROWS_PER_PASS] =
+                    std::array::from_fn(|i| acts((pass.start + i).min(pass.end - 1)));
+                // SAFETY: the tier was checked above (wide tiles exist only for it); `w` is
+                // groups `g` and `g + 1`, each of `cols / 32` blocks' columns, each row of `hi`
+                // and `lo` as many blocks.
+                unsafe {
+                    wide.run_pass(w, &pass_rows[..pass.len()], |i, y: [f32; WIDE_ROWS]| {
+                        write(pass.start + i, g, &y)
+                    })
+                };
+            };
+            let wide_pairs: Option<&GroupWork<'_>> = wide.is_some().then_some(&run_wide);
+            self.for_each_tile(m, pool, chunk, tiles.rows(), wide_pairs, |w, g, rows| {
+                // An array (no allocation per tile): the slots past the tile's rows repeat
+                // its last and are not passed on.
+                let tile: [_; MAX_TILE] =
+                    std::array::from_fn(|i| acts(rows.start + i.min(rows.len() - 1)));
+                // SAFETY: the tier was checked above; `w` is one group of `cols / 32` block
+                // columns, each row of `hi` and `lo` as many blocks.
+                unsafe { tiles.run(w, &tile[..rows.len()], |i, y| write(rows.start + i, g, &y)) };
             });
             return;
         }
@@ -384,7 +382,8 @@ impl QuantMatrix {
                     let v = unsafe {
                         match self.passes {
                             ActPasses::One => kernel.dot_unchecked(w, hi),
-                            ActPasses::Two => {
+                            // Rows kept apart take two passes for Q16 (no kernels of theirs).
+                            ActPasses::Two | ActPasses::Q16 => {
                                 kernel.dot_unchecked(w, hi) + kernel.dot_unchecked(w, lo)
                             }
                         }
@@ -395,6 +394,87 @@ impl QuantMatrix {
             }
         });
     }
+
+    /// The schedule of an interleaved product: tasks of `chunk` output rows (whole groups,
+    /// pairs of them where there are wide tiles) over the pool; each task meets one pass of
+    /// [`ACT_ROWS_PER_PASS`] activation rows at a time, so that the rows stay in cache while
+    /// each of its groups reads them (a prompt's whole activations would not), and hands
+    /// `narrow` a group (its bytes, its index) with a tile of at most `tile_rows` of the
+    /// pass's rows, or `wide` a pair of groups (the first one's index) with the whole pass.
+    fn for_each_tile(
+        &self,
+        m: usize,
+        pool: &ThreadPool,
+        chunk: usize,
+        tile_rows: usize,
+        wide: Option<&GroupWork<'_>>,
+        narrow: impl Fn(&[u8], usize, Range<usize>) + Sync,
+    ) {
+        let group_bytes = self.group_bytes();
+        let mut groups_per_task = chunk.div_ceil(GROUP);
+        if wide.is_some() {
+            groups_per_task = groups_per_task.next_multiple_of(2);
+        }
+        let groups = self.rows / GROUP;
+        pool.run(groups.div_ceil(groups_per_task), &|task| {
+            let task_groups = task * groups_per_task..((task + 1) * groups_per_task).min(groups);
+            for pass in (0..m).step_by(ACT_ROWS_PER_PASS) {
+                let pass = pass..(pass + ACT_ROWS_PER_PASS).min(m);
+                let mut g = task_groups.start;
+                while g < task_groups.end {
+                    if let Some(wide) = wide
+                        && g + 1 < task_groups.end
+                    {
+                        wide(
+                            &self.data[g * group_bytes..(g + 2) * group_bytes],
+                            g,
+                            pass.clone(),
+                        );
+                        g += 2;
+                        continue;
+                    }
+                    let w = &self.data[g * group_bytes..(g + 1) * group_bytes];
+                    for start in pass.clone().step_by(tile_rows) {
+                        narrow(w, g, start..(start + tile_rows).min(pass.end));
+                    }
+                    g += 1;
+                }
+            }
+        });
+    }
+}
+
+/// Runs `quantize_row` for each of `m` activation rows, in parallel when there are many.
+fn for_each_row(m: usize, pool: &ThreadPool, quantize_row: impl Fn(usize) + Sync) {
+    if m < 8 {
+        (0..m).for_each(quantize_row);
+    } else {
+        let rows_per_task = m.div_ceil(pool.threads() * 2);
+        pool.run(m.div_ceil(rows_per_task), &|task| {
+            for row in task * rows_per_task..((task + 1) * rows_per_task).min(m) {
+                quantize_row(row);
+            }
+        });
+    }
+}
+
+/// `x` (`[m, cols]`) as 16-bit activation blocks ([`ActPasses::Q16`]).
+fn quantize_activations_16(
+    x: &[f32],
+    m: usize,
+    cols: usize,
+    tier: Tier,
+    pool: &ThreadPool,
+) -> Vec<Act16Block> {
+    let per_row = cols / ACT_BLOCK;
+    let mut blocks = vec![Act16Block::ZERO; m * per_row];
+    let out = SharedOut::new(&mut blocks);
+    for_each_row(m, pool, |row| {
+        // SAFETY: each row is quantized by exactly one task.
+        let out = unsafe { out.slice(row * per_row, per_row) };
+        quantize_row_16(&x[row * cols..(row + 1) * cols], out, tier);
+    });
+    blocks
 }
 
 /// `x` (`[m, cols]`) as activation blocks in `passes` (for one, `lo` is a single row of zero
@@ -411,34 +491,23 @@ fn quantize_activations(
     let empty = ActBlock::ZERO;
     let lo_rows = match passes {
         ActPasses::One => 1,
-        ActPasses::Two => m,
+        ActPasses::Two | ActPasses::Q16 => m,
     };
     let (mut hi, mut lo) = (vec![empty; m * per_row], vec![empty; lo_rows * per_row]);
-    let quantize_row = |row: usize, hi: &SharedOut<ActBlock>, lo: &SharedOut<ActBlock>| {
+    let (hi_out, lo_out) = (SharedOut::new(&mut hi), SharedOut::new(&mut lo));
+    for_each_row(m, pool, |row| {
+        let (hi, lo) = (&hi_out, &lo_out);
         // SAFETY: each row is quantized by exactly one task.
         let hi = unsafe { hi.slice(row * per_row, per_row) };
         let x = &x[row * cols..(row + 1) * cols];
         match passes {
             ActPasses::One => quantize_row(x, hi, tier),
-            ActPasses::Two => {
+            ActPasses::Two | ActPasses::Q16 => {
                 // SAFETY: as `hi`'s: row `row` of `lo` is this task's alone.
                 let lo = unsafe { lo.slice(row * per_row, per_row) };
                 quantize_split_row(x, hi, lo, tier)
             }
         }
-    };
-    let (hi_out, lo_out) = (SharedOut::new(&mut hi), SharedOut::new(&mut lo));
-    if m < 8 {
-        for row in 0..m {
-            quantize_row(row, &hi_out, &lo_out);
-        }
-    } else {
-        let rows_per_task = m.div_ceil(pool.threads() * 2);
-        pool.run(m.div_ceil(rows_per_task), &|task| {
-            for row in task * rows_per_task..((task + 1) * rows_per_task).min(m) {
-                quantize_row(row, &hi_out, &lo_out);
-            }
-        });
-    }
+    });
     (hi, lo)
 }

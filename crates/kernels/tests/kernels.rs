@@ -3,7 +3,8 @@
 
 use half::f16;
 use kiln_kernels::act::{
-    ActBlock, quantize_row, quantize_rows, quantize_split, quantize_split_row,
+    Act16Block, ActBlock, quantize_row, quantize_row_16, quantize_rows, quantize_split,
+    quantize_split_row,
 };
 use kiln_kernels::dense::{matmul_in_out_with, matmul_out_in_with};
 use kiln_kernels::gemm::gemm_in_out_with;
@@ -161,6 +162,17 @@ proptest! {
             let mut first = vec![empty; blocks];
             quantize_row(&x, &mut first, tier);
             prop_assert_eq!(bits(&first), bits(&hi), "{} one pass", tier);
+            // The 16-bit blocks: every tier the scalar bits, the scalar row the block function's.
+            let bits_16 = |b: &[Act16Block]| -> Vec<(Vec<i16>, u32, i32)> {
+                b.iter().map(|b| (b.qs.to_vec(), b.d.to_bits(), b.q8_0_start)).collect()
+            };
+            let mut sixteen = vec![Act16Block::ZERO; blocks];
+            quantize_row_16(&x, &mut sixteen, tier);
+            let expected: Vec<Act16Block> = x
+                .chunks_exact(32)
+                .map(|c| Act16Block::quantize(c.try_into().unwrap()))
+                .collect();
+            prop_assert_eq!(bits_16(&sixteen), bits_16(&expected), "{} 16-bit", tier);
         }
     }
 
@@ -194,15 +206,21 @@ proptest! {
         }
         let one = two.clone().with_activation_passes(ActPasses::One);
         prop_assert_eq!(one.activation_passes(), ActPasses::One);
-        for w in [&two, &one] {
+        // 16-bit activations where they have kernels (interleaved Q8_0), two passes elsewhere.
+        let sixteen = two.clone().with_activation_passes(ActPasses::Q16);
+        let has_q16 = ty == GgmlType::Q8_0 && two.is_interleaved();
+        prop_assert_eq!(sixteen.activation_passes(),
+            if has_q16 { ActPasses::Q16 } else { ActPasses::Two });
+        for w in [&two, &one, &sixteen] {
             let passes = w.activation_passes();
             let mut simd_bits: Option<(Tier, Vec<u32>)> = None;
             for tier in Tier::supported() {
                 let mut out = vec![f32::NAN; m * rows];
                 w.matmul_with(&x, m, &mut out, tier, &pool);
                 // The SIMD tiers differ only in how they form exact integer sums (VNNI's Q8_0
-                // even without the sign trick), so their outputs are the same bits.
-                if tier != Tier::Scalar {
+                // even without the sign trick), so their outputs are the same bits; with 16-bit
+                // activations the scalar reference rounds as they do (one FMA a block and row).
+                if tier != Tier::Scalar || passes == ActPasses::Q16 {
                     let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
                     match &simd_bits {
                         Some((first, expected)) => prop_assert!(*expected == bits,
@@ -225,20 +243,24 @@ proptest! {
                         let row = w.row(r);
                         let (_, magnitude) = reference_dot(ty, &row, h);
                         let expected = match passes {
-                            ActPasses::Two => scalar.dot(&row, h) + scalar.dot(&row, l),
-                            ActPasses::One => scalar.dot(&row, h),
+                            ActPasses::Two => Some(scalar.dot(&row, h) + scalar.dot(&row, l)),
+                            ActPasses::One => Some(scalar.dot(&row, h)),
+                            // No row kernel: the bits above and the exact product below.
+                            ActPasses::Q16 => None,
                         };
                         let got = out[t * rows + r];
-                        prop_assert!((got - expected).abs() as f64 <= 2e-5 * magnitude + 1e-6,
-                            "{} {passes:?} {tier} [{t}, {r}]: {got} vs {expected}", ty.name());
-                        if passes == ActPasses::Two {
+                        if let Some(expected) = expected {
+                            prop_assert!((got - expected).abs() as f64 <= 2e-5 * magnitude + 1e-6,
+                                "{} {passes:?} {tier} [{t}, {r}]: {got} vs {expected}", ty.name());
+                        }
+                        if passes != ActPasses::One {
                             let exact: f64 = (0..cols)
                                 .map(|i| {
                                     f64::from(dequantized[r * cols + i]) * f64::from(x[t * cols + i])
                                 })
                                 .sum();
                             prop_assert!((f64::from(got) - exact).abs() <= 1e-4 * magnitude + 1e-6,
-                                "{} {tier} [{t}, {r}]: {got} vs exact {exact}", ty.name());
+                                "{} {passes:?} {tier} [{t}, {r}]: {got} vs exact {exact}", ty.name());
                         }
                     }
                 }
@@ -330,6 +352,7 @@ fn products_of_the_largest_values_do_not_saturate_on_any_tier() {
         let data = block.repeat(rows * cols / ty.block_size());
         let two = QuantMatrix::new(ty, rows, cols, data).expect("valid matrix");
         let one = two.clone().with_activation_passes(ActPasses::One);
+        let sixteen = two.clone().with_activation_passes(ActPasses::Q16);
         // Rows of +1, -1, and (what quantizes to ±127 with a remainder) 0.7 and -0.9 beside a
         // 1 in each block.
         let x: Vec<f32> = (0..m * cols)
@@ -341,7 +364,7 @@ fn products_of_the_largest_values_do_not_saturate_on_any_tier() {
                 _ => -0.9,
             })
             .collect();
-        for w in [&two, &one] {
+        for w in [&two, &one, &sixteen] {
             let expected = scalar_bits(w, &x);
             for tier in Tier::supported() {
                 let mut out = vec![f32::NAN; m * rows];

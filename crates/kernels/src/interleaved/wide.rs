@@ -168,6 +168,8 @@ impl WideKernels {
         match passes {
             ActPasses::One => Self::select::<false>(ty, tier),
             ActPasses::Two => Self::select::<true>(ty, tier),
+            // Q8_0's 16-bit tiles are narrow: `super::Q16Tiles`.
+            ActPasses::Q16 => None,
         }
     }
 
