@@ -9,7 +9,7 @@ use kiln_core::backend::QuantWeight;
 use kiln_core::kv_cache::{KvCache, StepPlan};
 use kiln_core::tensor::int_tensor;
 use kiln_core::{Batch, CausalLm, CoreError, Dtype, InferenceBackend, LogitsFor, ModelShape};
-use kiln_kernels::{ActPasses, GgmlType, QuantMatrix};
+use kiln_kernels::{ActPasses, GgmlType, QuantMatrix, Tier};
 
 use crate::config::{PositionKind, RopeConfig, RopeScaling, TransformerConfig};
 use crate::error::{ModelError, Result};
@@ -458,13 +458,15 @@ pub enum WeightStorage {
 }
 
 /// How finely kiln's CPU kernels quantize a quantized product's activations (8 bits per block
-/// of 32, in one pass or two: [`kiln_kernels::ActPasses`]).
+/// of 32 in one pass or two, or 16 bits: [`kiln_kernels::ActPasses`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Activations {
     /// By weight type: one pass for the K-quants (Q2_K to Q6_K) and IQ4_NL/IQ4_XS, whose
     /// files carry weight errors far above the pass's and which llama.cpp multiplies against
-    /// 8-bit activations too; two for Q8_0 and the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1).
-    /// docs/kernels.md states both precisions' accuracy per type.
+    /// 8-bit activations too; two for the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1); for Q8_0
+    /// two on AVX-512 VNNI and otherwise their precision as one 16-bit pass, which the AVX2
+    /// tier multiplies in half the instructions. docs/kernels.md states each precision's
+    /// accuracy per type.
     #[default]
     Auto,
     /// One pass for every type (llama.cpp's precision): about half the integer work.
@@ -496,6 +498,7 @@ impl Activations {
                 | GgmlType::Q6K
                 | GgmlType::Iq4Nl
                 | GgmlType::Iq4Xs => ActPasses::One,
+                GgmlType::Q8_0 if Tier::active() != Tier::Avx512Vnni => ActPasses::Q16,
                 _ => ActPasses::Two,
             },
         }
