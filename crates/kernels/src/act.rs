@@ -99,9 +99,7 @@ impl Act16Block {
     /// Quantizes 32 values (round to nearest, ties to even), as [`ActBlock::quantize`] does to
     /// 8 bits.
     pub fn quantize(x: &[f32; ACT_BLOCK]) -> Self {
-        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 32767.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let (d, inv) = scale_for(x.iter().fold(0f32, |m, v| m.max(v.abs())), 32767.0);
         let mut qs = [0i16; ACT_BLOCK];
         for (q, v) in qs.iter_mut().zip(x) {
             *q = round(v * inv) as i16;
@@ -146,9 +144,7 @@ impl ActBlock {
     /// Quantizes 32 values (round to nearest, as llama.cpp's `quantize_row_q8_1`, with ties to
     /// even).
     pub fn quantize(x: &[f32; ACT_BLOCK]) -> Self {
-        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let (d, inv) = scale_for(x.iter().fold(0f32, |m, v| m.max(v.abs())), 127.0);
         let mut qs = [0i8; ACT_BLOCK];
         for (q, v) in qs.iter_mut().zip(x) {
             *q = round(v * inv) as i8;
@@ -157,6 +153,14 @@ impl ActBlock {
         let sum = sum_first_half + qs[16..].iter().map(|&q| i32::from(q)).sum::<i32>();
         Self::new(qs, d, sum, sum_first_half)
     }
+}
+
+/// The scale of a block whose largest magnitude is `amax`, quantized to `±q_max`, and its
+/// inverse (both 0 for an all-zero block): every tier's quantizers form them this way.
+#[inline(always)]
+fn scale_for(amax: f32, q_max: f32) -> (f32, f32) {
+    let d = amax / q_max;
+    (d, if d > 0.0 { 1.0 / d } else { 0.0 })
 }
 
 /// `x` rounded to the nearest integer, ties to even, for `|x| ≤ 2²²`: adding and taking away
@@ -349,8 +353,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     fn quantize(a: __m512, b: __m512) -> (ActBlock, __m512, __m512) {
         let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        let d = amax / 127.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let (d, inv) = super::scale_for(amax, 127.0);
         let inv = _mm512_set1_ps(inv);
         // Round to nearest, ties to even (the default MXCSR mode), as the scalar code does.
         let qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
@@ -391,17 +394,7 @@ mod x86 {
         #[inline]
         #[target_feature(enable = "avx2")]
         fn quantize_16(v: [__m256; 4]) -> Act16Block {
-            let sign = _mm256_set1_ps(-0.0);
-            let abs = v.map(|x| _mm256_andnot_ps(sign, x));
-            let amax = hmax(_mm256_max_ps(
-                _mm256_max_ps(abs[0], abs[1]),
-                _mm256_max_ps(abs[2], abs[3]),
-            ));
-            let d = amax / 32767.0;
-            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let inv = _mm256_set1_ps(inv);
-            // Round to nearest, ties to even (the default MXCSR mode), as the scalar code does.
-            let q = v.map(|x| _mm256_cvtps_epi32(_mm256_mul_ps(x, inv)));
+            let (d, q) = scale_and_round(v, 32767.0);
             let sum = hsum_i32(_mm256_add_epi32(
                 _mm256_add_epi32(q[0], q[1]),
                 _mm256_add_epi32(q[2], q[3]),
@@ -456,22 +449,30 @@ mod x86 {
             std::array::from_fn(|i| unsafe { _mm256_loadu_ps(chunk.as_ptr().add(8 * i)) })
         }
 
-        /// [`ActBlock::quantize`] of the 32 values `v`, and what it leaves over (`x - d q`,
-        /// a multiply then a subtraction, as the scalar code rounds them).
+        /// The scale of the 32 values `v` (their largest magnitude over `q_max`) and the values
+        /// over it rounded to integers, as [`super::super::scale_for`] and the scalar
+        /// quantizers' rounding do.
         #[inline]
         #[target_feature(enable = "avx2")]
-        fn quantize(v: [__m256; 4]) -> (ActBlock, [__m256; 4]) {
+        fn scale_and_round(v: [__m256; 4], q_max: f32) -> (f32, [__m256i; 4]) {
             let sign = _mm256_set1_ps(-0.0);
             let abs = v.map(|x| _mm256_andnot_ps(sign, x));
             let amax = hmax(_mm256_max_ps(
                 _mm256_max_ps(abs[0], abs[1]),
                 _mm256_max_ps(abs[2], abs[3]),
             ));
-            let d = amax / 127.0;
-            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let (d, inv) = super::super::scale_for(amax, q_max);
             let inv = _mm256_set1_ps(inv);
             // Round to nearest, ties to even (the default MXCSR mode), as the scalar code does.
-            let q = v.map(|x| _mm256_cvtps_epi32(_mm256_mul_ps(x, inv)));
+            (d, v.map(|x| _mm256_cvtps_epi32(_mm256_mul_ps(x, inv))))
+        }
+
+        /// [`ActBlock::quantize`] of the 32 values `v`, and what it leaves over (`x - d q`,
+        /// a multiply then a subtraction, as the scalar code rounds them).
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn quantize(v: [__m256; 4]) -> (ActBlock, [__m256; 4]) {
+            let (d, q) = scale_and_round(v, 127.0);
             let sum_first_half = hsum_i32(_mm256_add_epi32(q[0], q[1]));
             let sum = sum_first_half + hsum_i32(_mm256_add_epi32(q[2], q[3]));
             // Finite values quantize within ±127, so the saturating packs keep them; they come
