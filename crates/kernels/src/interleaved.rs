@@ -2032,6 +2032,48 @@ mod x86 {
             sums
         }
 
+        /// Sub-block `s` of the Q6_K column of eight rows at `p` (whose eight `d` are `d`): its
+        /// values ([`unpack`]) and the `d × scale` of its two halves per row lane, what
+        /// [`add_row`] takes (the narrow tile forms them per tile, AVX2's wide Q6_K tiles once
+        /// per pass of activation rows).
+        ///
+        /// # Safety
+        /// `s < 8`, and the `Q6_K_BYTES` at `p` must be readable.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(in crate::interleaved) unsafe fn sub_block(
+            p: *const u8,
+            d: __m256,
+            s: usize,
+        ) -> ([[__m256i; 2]; 4], [__m256; 2]) {
+            // SAFETY: `s < 8`: sub-block `s` (192 bytes at `Q6_K_QUANTS + 192 s`) ends by the
+            // column's end; the scales of halves `2 s` and `2 s + 1` (eight bytes each at
+            // `16 + 8 (2 s + half)`) lie in bytes 16-143.
+            unsafe {
+                (
+                    unpack(p.add(Q6_K_QUANTS + Q6_K_SUB * s)),
+                    [
+                        _mm256_mul_ps(d, i8_lanes(p.add(16 + 8 * (2 * s)))),
+                        _mm256_mul_ps(d, i8_lanes(p.add(16 + 8 * (2 * s + 1)))),
+                    ],
+                )
+            }
+        }
+
+        /// `acc` plus one activation row's products with a sub-block's `values` and half
+        /// `scales` ([`sub_block`]): its integer sums, then the float steps.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(in crate::interleaved) fn add_row(
+            acc: &mut __m256,
+            values: &[[__m256i; 2]; 4],
+            scales: [__m256; 2],
+            a: &ActBlock,
+        ) {
+            let [first, second] = row_sums(values, a);
+            *acc = one_pass_halves(*acc, scales, first, second, a);
+        }
+
         /// Eight Q6_K rows × `N` activation rows ([`super::super::TileFn`]); with two passes
         /// (`SPLIT`), the shared tile.
         #[target_feature(enable = "avx2,fma,f16c")]
@@ -2059,21 +2101,10 @@ mod x86 {
                     prefetch_ahead(p.wrapping_add(eighth * s), eighth);
                     // SAFETY: `8 c + s < blocks`, every row's length (the `TileFn` contract).
                     let h = unsafe { blocks_at(hi, 8 * c + s) };
-                    // SAFETY: `s < 8`: sub-block `s` (192 bytes at `Q6_K_QUANTS + 192 s`)
-                    // ends by the column's end; the scales of halves `2 s` and `2 s + 1`
-                    // (eight bytes each at `16 + 8 (2 s + half)`) lie in bytes 16-143.
-                    let (values, scales) = unsafe {
-                        (
-                            unpack(p.add(Q6_K_QUANTS + Q6_K_SUB * s)),
-                            [
-                                _mm256_mul_ps(d, i8_lanes(p.add(16 + 8 * (2 * s)))),
-                                _mm256_mul_ps(d, i8_lanes(p.add(16 + 8 * (2 * s + 1)))),
-                            ],
-                        )
-                    };
+                    // SAFETY: `p` is a whole column, `d` its scales, `s < 8`.
+                    let (values, scales) = unsafe { sub_block(p, d, s) };
                     for i in 0..N {
-                        let [first, second] = row_sums(&values, h[i]);
-                        acc[i] = one_pass_halves(acc[i], scales, first, second, h[i]);
+                        add_row(&mut acc[i], &values, scales, h[i]);
                     }
                 }
             }

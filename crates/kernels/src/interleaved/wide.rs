@@ -163,7 +163,7 @@ fn one_sum_per_row() -> bool {
 impl WideKernels {
     /// The wide tiles of `ty` at `tier` for activations in `passes`, if it has them: on
     /// AVX-512 VNNI, the K-quants but Q2_K, IQ4's, Q8_0, and Q4_0, Q4_1, Q5_0, Q5_1; on AVX2,
-    /// Q5_K. One pass asks for zero `lo` rows, as [`super::TileKernels::new`] says.
+    /// Q5_K, and Q6_K with one pass. One pass asks for zero `lo` rows, as [`super::TileKernels::new`] says.
     pub(crate) fn new(ty: GgmlType, tier: Tier, passes: ActPasses) -> Option<Self> {
         match passes {
             ActPasses::One => Self::select::<false>(ty, tier),
@@ -228,6 +228,11 @@ impl WideKernels {
                         avx2::k_wide,
                         true
                     )
+                }),
+                // One pass only: two run the shared narrow tile, as in `TileKernels`.
+                GgmlType::Q6K if !SPLIT => Some(WideKernels {
+                    min_rows: AVX2_MIN_ROWS,
+                    ..wide_kernels!(WIDE_TILE, Some(avx2::unpack_q6_k), avx2::q6_k_wide)
                 }),
                 _ => None,
             };
@@ -1238,9 +1243,9 @@ mod avx2 {
     use crate::act::ActBlock;
     use crate::interleaved::x86::{
         add_sums, avx2_parts, blocks_at, broadcast, d_sum_lanes, dot_avx2_i16, fifth_bits_at_4,
-        halves, i16_fit, store, u8_lanes, widen_avx2,
+        halves, i16_fit, q6_k_one_pass, store, u8_lanes, widen_avx2,
     };
-    use crate::interleaved::{GROUP, K_QUANTS, k_sizes};
+    use crate::interleaved::{GROUP, K_QUANTS, Q6_K_BYTES, k_sizes};
 
     // The steps below repeat the narrow AVX2 tile's (`nibble_sums` and the float steps of
     // `k_tile` in interleaved.rs) instruction for instruction, which is what makes the bits
@@ -1401,6 +1406,95 @@ mod avx2 {
                 }
             }
         }
+    }
+
+    /// Two groups of Q6_K unpacked ([`super::UnpackFn`], on AVX2, for one activation pass):
+    /// each sub-block's eight registers and the `d × scale` of its halves as the narrow
+    /// one-pass tile forms them (`q6_k_one_pass::sub_block`), the first group's in the low 32
+    /// bytes of each register (the low eight lanes of each scale) and the second's in the high.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `w` must be two Q6_K groups, each holding
+    /// exactly the block columns of `out.len()` sub-blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn unpack_q6_k(w: &[u8], out: &mut [UnpackedSub]) {
+        let group_bytes = w.len() / 2;
+        debug_assert_eq!(group_bytes, out.len() / 8 * Q6_K_BYTES);
+        for (c, column) in out.chunks_exact_mut(8).enumerate() {
+            for half in 0..2 {
+                // SAFETY: column `c < out.len() / 8` lies in group `half` (the caller's
+                // contract); its first 16 bytes are the eight f16 `d`.
+                let (p, d) = unsafe {
+                    let p = w.as_ptr().add(group_bytes * half + Q6_K_BYTES * c);
+                    (p, halves(p))
+                };
+                for (s, sub) in column.iter_mut().enumerate() {
+                    // SAFETY: `p` is a whole column, `d` its scales, `s < 8`.
+                    let (values, scales) = unsafe { q6_k_one_pass::sub_block(p, d, s) };
+                    for (out, values) in sub.values.iter_mut().zip(values) {
+                        for (out, v) in out.iter_mut().zip(values) {
+                            // SAFETY: 32 bytes of `out` (64) at offset 0 or 32.
+                            unsafe { _mm256_storeu_si256(out[32 * half..].as_mut_ptr().cast(), v) };
+                        }
+                    }
+                    for (out, v) in sub.scales.iter_mut().zip(scales) {
+                        // SAFETY: eight f32 of `out` (sixteen) at offset 0 or 8.
+                        unsafe { _mm256_storeu_ps(out[GROUP * half..].as_mut_ptr(), v) };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sixteen Q6_K rows, unpacked ([`unpack_q6_k`]), × `N` activation rows in one pass
+    /// ([`super::WideFn`], on AVX2; `lo` is not read, and `SPLIT` is not taken): one group
+    /// after the other, each row through the narrow one-pass tile's `add_row`, so the same
+    /// bits, the sub-block's registers loaded once per tile instead of formed.
+    ///
+    /// # Safety
+    /// As [`super::WideFn`] for an unpacked type, on a CPU with AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q6_k_wide<const N: usize, const SPLIT: bool>(
+        w: &[u8],
+        hi: [&[ActBlock]; N],
+        _lo: [&[ActBlock]; N],
+    ) -> [[f32; WIDE_ROWS]; N] {
+        debug_assert!(!SPLIT, "AVX2's wide Q6_K tiles take one activation pass");
+        // SAFETY: the `WideFn` contract of an unpacked type: `w` is its sub-blocks' bytes.
+        let subs = unsafe { unpacked(w) };
+        debug_assert!(hi.iter().all(|a| a.len() == subs.len()));
+        let mut out = [[0f32; WIDE_ROWS]; N];
+        for half in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); N];
+            for (b, sub) in subs.iter().enumerate() {
+                // SAFETY: `b < subs.len()`, every row's length (the `WideFn` contract).
+                let h = unsafe { blocks_at(hi, b) };
+                // Loops, not `array::from_fn` and `map`: those closures were compiled apart
+                // (a call per load).
+                let mut values = [[_mm256_setzero_si256(); 2]; 4];
+                let mut scales = [_mm256_setzero_ps(); 2];
+                for k in 0..2 {
+                    for (j, v) in values.iter_mut().enumerate() {
+                        // SAFETY: 32 bytes of a register's 64 at offset 0 or 32, 32-aligned
+                        // since `UnpackedSub` is 64-aligned and each register a multiple of 64
+                        // into it.
+                        v[k] = unsafe {
+                            _mm256_load_si256(sub.values[j][k][32 * half..].as_ptr().cast())
+                        };
+                    }
+                    // SAFETY: eight f32 of sixteen at offset 0 or 8: 32 bytes, 32-aligned as
+                    // above.
+                    scales[k] = unsafe { _mm256_load_ps(sub.scales[k][GROUP * half..].as_ptr()) };
+                }
+                for i in 0..N {
+                    q6_k_one_pass::add_row(&mut acc[i], &values, scales, h[i]);
+                }
+            }
+            for i in 0..N {
+                out[i][GROUP * half..GROUP * (half + 1)].copy_from_slice(&store(acc[i]));
+            }
+        }
+        out
     }
 
     /// Sixteen Q4_K (`FIFTH` false) or Q5_K rows, unpacked ([`unpack_k`]), × `N` two-pass
@@ -1625,5 +1719,64 @@ mod tests {
             check!(3, true);
             check!(4, true);
         }
+    }
+
+    /// AVX2's wide Q6_K tiles on unpacked groups give the narrow one-pass tile's bits, for
+    /// one to eight activation rows.
+    #[test]
+    fn avx2_unpacked_q6_k_tiles_give_the_narrow_tiles_bits() {
+        if !Tier::Avx2.is_supported() {
+            return;
+        }
+        use crate::interleaved::Q6_K_BYTES;
+        use crate::interleaved::x86::q6_k_one_pass;
+        let mut next = stream();
+        let columns = 3;
+        let mut w: Vec<u8> = (0..2 * columns * Q6_K_BYTES)
+            .map(|_| next() as u8)
+            .collect();
+        // Each column's eight `d`.
+        for column in w.chunks_exact_mut(Q6_K_BYTES) {
+            for scale in column[..16].chunks_exact_mut(2) {
+                let value = f16::from_f32(0.001 + (next() % 100) as f32 * 1e-4);
+                scale.copy_from_slice(&value.to_le_bytes());
+            }
+        }
+        let group_bytes = w.len() / 2;
+        let rows = act_rows(8, 8 * columns, &mut next);
+        let zeros = vec![ActBlock::ZERO; 8 * columns];
+        let mut subs = vec![UnpackedSub::ZERO; 8 * columns];
+        // SAFETY: AVX2, FMA and F16C are supported (the AVX2 tier); `w` is two Q6_K groups of
+        // `columns` block columns, `subs` one per sub-block.
+        unsafe { avx2::unpack_q6_k(&w, &mut subs) };
+        let bytes = bytes_of(&subs);
+        macro_rules! check {
+            ($n:literal) => {{
+                let hi: [&[ActBlock]; $n] = std::array::from_fn(|i| rows[i].as_slice());
+                let lo: [&[ActBlock]; $n] = [zeros.as_slice(); $n];
+                // SAFETY: the AVX2 tier is supported; `bytes` are the unpacked sub-blocks of
+                // `w`'s two groups, each group `columns` block columns of Q6_K, and every row
+                // one block per sub-block.
+                let (wide, narrow) = unsafe {
+                    let wide = avx2::q6_k_wide::<$n, false>(bytes, hi, lo);
+                    let narrow: [[[f32; GROUP]; $n]; 2] = std::array::from_fn(|g| {
+                        let group = &w[g * group_bytes..(g + 1) * group_bytes];
+                        q6_k_one_pass::tile::<$n, false>(group, hi, lo)
+                    });
+                    (wide, narrow)
+                };
+                for i in 0..$n {
+                    let expected: Vec<u32> =
+                        narrow.iter().flat_map(|g| g[i].map(f32::to_bits)).collect();
+                    let got: Vec<u32> = wide[i].iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got, expected, "{} rows, row {i}", $n);
+                    assert!(wide[i].iter().any(|&v| v != 0.0), "a product of nothing");
+                }
+            }};
+        }
+        check!(1);
+        check!(3);
+        check!(6);
+        check!(8);
     }
 }
