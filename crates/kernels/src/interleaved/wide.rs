@@ -1,6 +1,7 @@
 //! Prefill's tiles on AVX-512 VNNI: two neighbouring groups (16 weight rows) times up to
-//! [`WIDE_TILE`] activation rows, in 512-bit registers. (On AVX2, Q5_K's groups are unpacked
-//! the same way and then multiplied eight rows at a time: the [`avx2`] module.)
+//! [`WIDE_TILE`] activation rows, in 512-bit registers. (On AVX2, Q5_K's groups, and Q6_K's
+//! with one activation pass, are unpacked the same way and then multiplied eight rows at a
+//! time: the [`avx2`] module.)
 //!
 //! The groups keep their layout ([`super`]); a 512-bit register holds chunk `j` of the first
 //! group in its low half and of the second in its high half, so one `vpdpbusd` with four
