@@ -2,8 +2,8 @@
 //! projection (`[8192, 2048]`) and `down` (`[2048, 8192]`) in Q4_K, Q5_K, Q6_K, Q8_0 and
 //! IQ4_XS, for a 512-token prefill (512 rows: the wide tiles on AVX-512 VNNI) and a decoding
 //! step (1 row), every thread, best tier, with the activations in two 8-bit passes (`q8x2`),
-//! in one (`q8`), and for Q8_0 in one 16-bit pass (`q16`). Throughput is in multiply-adds of the real product (done once per
-//! pass).
+//! in one (`q8`), and for Q8_0 in one 16-bit pass (`q16`). Throughput is in multiply-adds of
+//! the real product (done once per pass).
 //! Run: `cargo bench -p kiln-benches --bench quant`.
 
 // criterion_group! generates undocumented items.

@@ -249,16 +249,7 @@ pub fn quantize_split_row(x: &[f32], hi: &mut [ActBlock], lo: &mut [ActBlock], t
 /// # Panics
 /// If `x.len() != 32 × hi.len()` or this CPU cannot run `tier`.
 pub fn quantize_row(x: &[f32], hi: &mut [ActBlock], tier: Tier) {
-    assert!(
-        x.len() == hi.len() * ACT_BLOCK,
-        "{} activations for {} blocks",
-        x.len(),
-        hi.len()
-    );
-    assert!(
-        tier.is_supported(),
-        "kernel tier {tier} is not supported on this CPU"
-    );
+    check_row(x.len(), hi.len(), tier);
     match tier {
         // SAFETY: the tier's features were checked above.
         #[cfg(target_arch = "x86_64")]
@@ -281,16 +272,7 @@ pub fn quantize_row(x: &[f32], hi: &mut [ActBlock], tier: Tier) {
 /// # Panics
 /// If `x.len() != 32 × out.len()` or this CPU cannot run `tier`.
 pub fn quantize_row_16(x: &[f32], out: &mut [Act16Block], tier: Tier) {
-    assert!(
-        x.len() == out.len() * ACT_BLOCK,
-        "{} activations for {} blocks",
-        x.len(),
-        out.len()
-    );
-    assert!(
-        tier.is_supported(),
-        "kernel tier {tier} is not supported on this CPU"
-    );
+    check_row(x.len(), out.len(), tier);
     match tier {
         // SAFETY: both tiers have AVX2, checked above.
         #[cfg(target_arch = "x86_64")]
@@ -301,6 +283,19 @@ pub fn quantize_row_16(x: &[f32], out: &mut [Act16Block], tier: Tier) {
             }
         }
     }
+}
+
+/// The one-pass quantizers' checks: `values` activations fill `blocks` blocks, and this CPU
+/// can run `tier`.
+fn check_row(values: usize, blocks: usize, tier: Tier) {
+    assert!(
+        values == blocks * ACT_BLOCK,
+        "{values} activations for {blocks} blocks"
+    );
+    assert!(
+        tier.is_supported(),
+        "kernel tier {tier} is not supported on this CPU"
+    );
 }
 
 #[cfg(target_arch = "x86_64")]

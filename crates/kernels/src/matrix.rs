@@ -382,7 +382,7 @@ impl QuantMatrix {
                     let v = unsafe {
                         match self.passes {
                             ActPasses::One => kernel.dot_unchecked(w, hi),
-                            // Rows kept apart take two passes for Q16 (no kernels of theirs).
+                            // Q16 is not kept by a matrix of rows (`with_activation_passes`).
                             ActPasses::Two | ActPasses::Q16 => {
                                 kernel.dot_unchecked(w, hi) + kernel.dot_unchecked(w, lo)
                             }

@@ -164,7 +164,8 @@ fn one_sum_per_row() -> bool {
 impl WideKernels {
     /// The wide tiles of `ty` at `tier` for activations in `passes`, if it has them: on
     /// AVX-512 VNNI, the K-quants but Q2_K, IQ4's, Q8_0, and Q4_0, Q4_1, Q5_0, Q5_1; on AVX2,
-    /// Q5_K, and Q6_K with one pass. One pass asks for zero `lo` rows, as [`super::TileKernels::new`] says.
+    /// Q5_K, and Q6_K with one pass. One pass asks for zero `lo` rows, as
+    /// [`super::TileKernels::new`] says.
     pub(crate) fn new(ty: GgmlType, tier: Tier, passes: ActPasses) -> Option<Self> {
         match passes {
             ActPasses::One => Self::select::<false>(ty, tier),
