@@ -4,6 +4,7 @@
 //! Every weight type shares this one activation format: blocks of 32 are the sub-block size
 //! of Q4_0/Q4_1/Q8_0 and of Q4_K, and Q6_K's 16-value groups are halves of one.
 
+use crate::ggml::GgmlType;
 use crate::tier::Tier;
 
 /// 32 activations as `d × q`, with `q` in `[-127, 127]`.
@@ -59,6 +60,22 @@ impl ActPasses {
             ActPasses::One => "q8",
             ActPasses::Two => "q8x2",
             ActPasses::Q16 => "q16",
+        }
+    }
+
+    /// [`Two`](Self::Two)'s precision in the fastest form the active tier has for `ty`
+    /// ([`Self::precise_at`]).
+    pub fn precise_for(ty: GgmlType) -> ActPasses {
+        Self::precise_at(ty, Tier::active())
+    }
+
+    /// [`Two`](Self::Two)'s precision in the fastest form `tier` has for `ty`: [`Q16`](Self::Q16)
+    /// for Q8_0 below AVX-512 VNNI (whose `vpdpbusd` multiplies bytes at the rate `vpdpwssd`
+    /// multiplies words, so the two 8-bit passes cost it no more), else two passes.
+    pub fn precise_at(ty: GgmlType, tier: Tier) -> ActPasses {
+        match ty {
+            GgmlType::Q8_0 if tier != Tier::Avx512Vnni => ActPasses::Q16,
+            _ => ActPasses::Two,
         }
     }
 }
@@ -494,6 +511,23 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_two_passes_precision_is_one_16_bit_pass_for_q8_0_below_vnni_only() {
+        for tier in Tier::ALL {
+            let q8_0 = ActPasses::precise_at(GgmlType::Q8_0, tier);
+            let q16 = tier != Tier::Avx512Vnni;
+            assert_eq!(q8_0 == ActPasses::Q16, q16, "{tier:?}");
+            assert!(matches!(q8_0, ActPasses::Q16 | ActPasses::Two), "{tier:?}");
+            for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q4K, GgmlType::Q6K] {
+                assert_eq!(
+                    ActPasses::precise_at(ty, tier),
+                    ActPasses::Two,
+                    "{ty:?} {tier:?}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn quantization_keeps_the_largest_value_exact_and_sums_what_it_stores() {

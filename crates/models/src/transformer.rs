@@ -9,7 +9,7 @@ use kiln_core::backend::QuantWeight;
 use kiln_core::kv_cache::{KvCache, StepPlan};
 use kiln_core::tensor::int_tensor;
 use kiln_core::{Batch, CausalLm, CoreError, Dtype, InferenceBackend, LogitsFor, ModelShape};
-use kiln_kernels::{ActPasses, GgmlType, QuantMatrix, Tier};
+use kiln_kernels::{ActPasses, GgmlType, QuantMatrix};
 
 use crate::config::{PositionKind, RopeConfig, RopeScaling, TransformerConfig};
 use crate::error::{ModelError, Result};
@@ -498,8 +498,7 @@ impl Activations {
                 | GgmlType::Q6K
                 | GgmlType::Iq4Nl
                 | GgmlType::Iq4Xs => ActPasses::One,
-                GgmlType::Q8_0 if Tier::active() != Tier::Avx512Vnni => ActPasses::Q16,
-                _ => ActPasses::Two,
+                _ => ActPasses::precise_for(ty),
             },
         }
     }
