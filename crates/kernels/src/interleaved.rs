@@ -155,16 +155,9 @@ fn fifth_bit_at(e: usize, r: usize) -> (usize, u32) {
     (Q4_K_SUB + 4 * r + e % 4, bit as u32)
 }
 
-/// Value `v` (0..256) of a GGUF Q6_K block: its six bits, `q + 32`.
-fn q6_k_value(block: &[u8], v: usize) -> u8 {
-    let (half, k, l) = (v / 128, v % 128 / 32, v % 32);
-    let low = block[64 * half + l + 32 * (k % 2)];
-    let low = if k < 2 { low & 0xF } else { low >> 4 };
-    let high = (block[128 + 32 * half + l] >> (2 * k)) & 3;
-    low | (high << 4)
-}
-
-/// Sets value `v` of a GGUF Q6_K block (whose bits for it are zero) to `q` (six bits).
+/// Sets value `v` (0..256) of a GGUF Q6_K block (whose bits for it are zero) to `q` (its six
+/// bits, `q + 32`): value `v = 128 half + 32 k + l` keeps its low nibble in nibble `k / 2` of
+/// byte `64 half + 32 (k % 2) + l` and its high pair at bit `2 k` of byte `128 + 32 half + l`.
 fn set_q6_k_value(block: &mut [u8], v: usize, q: u8) {
     let (half, k, l) = (v / 128, v % 128 / 32, v % 32);
     let low = &mut block[64 * half + l + 32 * (k % 2)];
@@ -247,15 +240,38 @@ pub(crate) fn zeroed_on_huge_pages(len: usize) -> Vec<u8> {
     buf
 }
 
+/// Row `r`'s 32 values of a block or sub-block (`value(e)`, four bits each) as Q4_1-ordered
+/// nibbles in `dst`: values `e` and `16 + e` share the byte [`nibble_at`] names. Generic, not
+/// `&dyn Fn`, so that each type's reading of its values is inlined: loading an 8B file ran a
+/// dynamic call per weight.
+#[inline(always)]
+fn put_nibbles(dst: &mut [u8], r: usize, value: impl Fn(usize) -> u8) {
+    for e in 0..16 {
+        dst[nibble_at(e, r).0] = value(e) | (value(16 + e) << 4);
+    }
+}
+
+/// Four bytes of `src` from `at`, as a little-endian word.
+#[inline(always)]
+fn word(src: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([src[at], src[at + 1], src[at + 2], src[at + 3]])
+}
+
+/// [`put_nibbles`] for values that are nibble `shift / 4` of `src[e]` (the K-quants' and
+/// Q6_K's low bits), a chunk lane's four bytes at a time.
+#[inline(always)]
+fn put_nibble_words(dst: &mut [u8], r: usize, src: &[u8], shift: u32) {
+    for j in 0..4 {
+        let first = (word(src, 4 * j) >> shift) & 0x0F0F_0F0F;
+        let second = (word(src, 16 + 4 * j) >> shift) & 0x0F0F_0F0F;
+        dst[32 * j + 4 * r..][..4].copy_from_slice(&(first | second << 4).to_le_bytes());
+    }
+}
+
 /// One group: `src` its [`GROUP`] rows of `row_bytes`, `out` its repacked bytes.
 fn pack_group(ty: GgmlType, src_rows: &[u8], row_bytes: usize, out: &mut [u8]) {
     let out_block = group_block_bytes(ty).expect("a type with an interleaved layout");
     let in_block = ty.type_size();
-    let q4_1_nibbles = |dst: &mut [u8], r: usize, value: &dyn Fn(usize) -> u8| {
-        for e in 0..16 {
-            dst[nibble_at(e, r).0] = value(e) | (value(16 + e) << 4);
-        }
-    };
     let blocks = row_bytes / in_block;
     for b in 0..blocks {
         let dst = &mut out[b * out_block..][..out_block];
@@ -295,7 +311,7 @@ fn pack_group(ty: GgmlType, src_rows: &[u8], row_bytes: usize, out: &mut [u8]) {
                         }
                     };
                     let sub = &mut dst[quants..];
-                    q4_1_nibbles(sub, r, &value);
+                    put_nibbles(sub, r, value);
                     if fifth {
                         for e in 0..32 {
                             let (at, bit) = fifth_bit_at(e, r);
@@ -320,11 +336,15 @@ fn pack_group(ty: GgmlType, src_rows: &[u8], row_bytes: usize, out: &mut [u8]) {
                         let sub = &mut dst[K_QUANTS + sub_bytes * s..][..sub_bytes];
                         // Sub-block `s`: nibble `s % 2` of the 32 bytes of group `s / 2`,
                         // and for Q5_K bit `s` of each `qh` byte.
-                        let value = |e: usize| (qs[32 * (s / 2) + e] >> (4 * (s % 2))) & 0xF;
-                        q4_1_nibbles(sub, r, &value);
-                        for (e, h) in qh.iter().enumerate() {
-                            let (at, bit) = fifth_bit_at(e, r);
-                            sub[at] |= ((h >> s) & 1) << bit;
+                        put_nibble_words(sub, r, &qs[32 * (s / 2)..], 4 * (s % 2) as u32);
+                        if fifth {
+                            // Lane `r`'s byte `t` takes value `4 j + t`'s bit at `2 j` and
+                            // value `16 + 4 j + t`'s at `2 j + 1` ([`fifth_bit_at`]).
+                            let bits = |e: usize| (word(qh, e) >> s) & 0x0101_0101;
+                            let lane = (0..4).fold(0, |lane, j| {
+                                lane | bits(4 * j) << (2 * j) | bits(16 + 4 * j) << (2 * j + 1)
+                            });
+                            sub[Q4_K_SUB + 4 * r..][..4].copy_from_slice(&lane.to_le_bytes());
                         }
                     }
                 }
@@ -340,7 +360,7 @@ fn pack_group(ty: GgmlType, src_rows: &[u8], row_bytes: usize, out: &mut [u8]) {
                                 qs[e - 16] >> 4
                             }
                         };
-                        q4_1_nibbles(&mut dst[IQ4_XS_QUANTS + 128 * s..], r, &value);
+                        put_nibbles(&mut dst[IQ4_XS_QUANTS + 128 * s..], r, value);
                     }
                 }
                 GgmlType::Q3K => {
@@ -351,7 +371,7 @@ fn pack_group(ty: GgmlType, src_rows: &[u8], row_bytes: usize, out: &mut [u8]) {
                     for s in 0..8 {
                         let sub = &mut dst[Q6_K_QUANTS + Q3_K_SUB * s..][..Q3_K_SUB];
                         let value = |e: usize| (q3_k_value(src, 32 * s + e) + 4) as u8;
-                        q4_1_nibbles(sub, r, &value);
+                        put_nibbles(sub, r, value);
                     }
                 }
                 GgmlType::Q6K => {
@@ -361,11 +381,23 @@ fn pack_group(ty: GgmlType, src_rows: &[u8], row_bytes: usize, out: &mut [u8]) {
                     }
                     for s in 0..8 {
                         let sub = &mut dst[Q6_K_QUANTS + Q6_K_SUB * s..][..Q6_K_SUB];
-                        let value = |e: usize| q6_k_value(src, 32 * s + e);
-                        q4_1_nibbles(sub, r, &|e| value(e) & 0xF);
-                        for e in 0..32 {
-                            let (at, shift) = q6_k_high_bits_at(e, r);
-                            sub[at] |= (value(e) >> 4) << shift;
+                        // Values `32 s ..` as [`set_q6_k_value`] places them: low nibbles in
+                        // nibble `k / 2` of `ql`, high bit pairs at bit `2 k` of `qh`.
+                        let (half, k) = (s / 4, s % 4);
+                        let ql = &src[64 * half + 32 * (k % 2)..][..32];
+                        let qh = &src[128 + 32 * half..][..32];
+                        put_nibble_words(sub, r, ql, 4 * (k / 2) as u32);
+                        // Lane `r`'s byte `t` of high-bit word `p` holds, from bit 0, the
+                        // pairs of values `8 p + t`, `16 + 8 p + t`, `8 p + 4 + t` and
+                        // `16 + 8 p + 4 + t` ([`q6_k_high_bits_at`]).
+                        let pairs = |e: usize| (word(qh, e) >> (2 * k)) & 0x0303_0303;
+                        for p in 0..2 {
+                            let e = 8 * p;
+                            let lane = pairs(e)
+                                | pairs(16 + e) << 2
+                                | pairs(e + 4) << 4
+                                | pairs(16 + e + 4) << 6;
+                            sub[128 + 32 * p + 4 * r..][..4].copy_from_slice(&lane.to_le_bytes());
                         }
                     }
                 }
