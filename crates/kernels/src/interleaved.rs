@@ -192,27 +192,56 @@ pub fn pack(
     row_bytes: usize,
     consumed: &mut dyn FnMut(std::ops::Range<usize>),
 ) -> Vec<u8> {
+    assert_eq!(data.len(), rows * row_bytes);
+    pack_parts(ty, &[data], row_bytes, &mut |_, span| consumed(span))
+}
+
+/// [`pack`] for several matrices of one type and width stacked (their rows one after the
+/// other) into one buffer, each repacked once from its own blocks: `consumed` gets the index
+/// of the part with each span of it.
+///
+/// # Panics
+/// If `ty` has no interleaved layout, or a part is not a whole number of groups of rows of
+/// `row_bytes`.
+pub fn pack_parts(
+    ty: GgmlType,
+    parts: &[&[u8]],
+    row_bytes: usize,
+    consumed: &mut dyn FnMut(usize, std::ops::Range<usize>),
+) -> Vec<u8> {
     let out_block = group_block_bytes(ty).expect("a type with an interleaved layout");
-    assert!(rows.is_multiple_of(GROUP) && data.len() == rows * row_bytes);
     let group_in = GROUP * row_bytes;
+    if group_in == 0 {
+        // Rows of no values: nothing to repack.
+        return Vec::new();
+    }
+    assert!(
+        parts.iter().all(|p| p.len().is_multiple_of(group_in)),
+        "parts of whole groups of rows"
+    );
     let group_out = row_bytes / ty.type_size() * out_block;
-    let groups = rows / GROUP;
+    let groups: usize = parts.iter().map(|p| p.len() / group_in).sum();
     let mut out = zeroed_on_huge_pages(groups * group_out);
-    let groups_per_chunk = (PACK_CHUNK_BYTES / group_in.max(1)).max(1);
+    let groups_per_chunk = (PACK_CHUNK_BYTES / group_in).max(1);
     let pool = ThreadPool::global();
     let shared = SharedOut::new(&mut out);
-    for first in (0..groups).step_by(groups_per_chunk) {
-        let chunk = first..(first + groups_per_chunk).min(groups);
-        let per_task = chunk.len().div_ceil(pool.threads() * 4).max(1);
-        pool.run(chunk.len().div_ceil(per_task), &|task| {
-            let start = chunk.start + task * per_task;
-            for g in start..(start + per_task).min(chunk.end) {
-                // SAFETY: each group's output span is written by exactly one task.
-                let dst = unsafe { shared.slice(g * group_out, group_out) };
-                pack_group(ty, &data[g * group_in..(g + 1) * group_in], row_bytes, dst);
-            }
-        });
-        consumed(chunk.start * group_in..chunk.end * group_in);
+    let mut first_out = 0;
+    for (index, data) in parts.iter().enumerate() {
+        let part_groups = data.len() / group_in;
+        for first in (0..part_groups).step_by(groups_per_chunk) {
+            let chunk = first..(first + groups_per_chunk).min(part_groups);
+            let per_task = chunk.len().div_ceil(pool.threads() * 4).max(1);
+            pool.run(chunk.len().div_ceil(per_task), &|task| {
+                let start = chunk.start + task * per_task;
+                for g in start..(start + per_task).min(chunk.end) {
+                    // SAFETY: each group's output span is written by exactly one task.
+                    let dst = unsafe { shared.slice((first_out + g) * group_out, group_out) };
+                    pack_group(ty, &data[g * group_in..(g + 1) * group_in], row_bytes, dst);
+                }
+            });
+            consumed(index, chunk.start * group_in..chunk.end * group_in);
+        }
+        first_out += part_groups;
     }
     out
 }

@@ -16,7 +16,7 @@ use crate::error::KernelError;
 use crate::ggml::{GgmlType, dequantize};
 use crate::interleaved::{
     GROUP, MAX_TILE, Q16Tiles, TILE, TileKernels, WIDE_ROWS, WideKernels, group_block_bytes, pack,
-    unpack_row, zeroed_on_huge_pages,
+    pack_parts, unpack_row, zeroed_on_huge_pages,
 };
 use crate::pool::ThreadPool;
 use crate::quant::{DotKernel, has_kernel};
@@ -104,6 +104,52 @@ impl QuantMatrix {
         consumed: &mut dyn FnMut(Range<usize>),
     ) -> Result<Self, KernelError> {
         Self::build(ty, rows, cols, Cow::Borrowed(data), consumed)
+    }
+
+    /// Several matrices of type `ty` and width `cols` stacked, their rows one after the other
+    /// (`[Σ rows, cols]`), repacked once from their borrowed blocks (a mapped file's) where
+    /// [`Self::concat_rows`] would repack each and then copy them: for projections of one
+    /// input run as one product (Q, K and V; gate and up). `consumed` gets the index of the
+    /// part with each span of it once read, as [`Self::from_slice`]'s does.
+    ///
+    /// # Errors
+    /// As [`Self::new`], and [`KernelError::Shape`] when `parts` is empty, `ty` has no
+    /// interleaved layout or a part's height is not a multiple of eight rows (each part would
+    /// not be whole groups; [`Self::concat_rows`] takes those).
+    pub fn from_slices(
+        ty: GgmlType,
+        cols: usize,
+        parts: &[&[u8]],
+        consumed: &mut dyn FnMut(usize, Range<usize>),
+    ) -> Result<Self, KernelError> {
+        if !has_kernel(ty) {
+            return Err(KernelError::NoKernel(ty.name()));
+        }
+        let row_bytes = ty.bytes_for(cols).filter(|&b| b > 0).ok_or_else(|| {
+            KernelError::Shape(format!(
+                "a row of {cols} values is not a whole, non-zero number of {} blocks of {}",
+                ty.name(),
+                ty.block_size()
+            ))
+        })?;
+        let whole_groups = |p: &&[u8]| p.len().is_multiple_of(GROUP * row_bytes);
+        if parts.is_empty() || group_block_bytes(ty).is_none() || !parts.iter().all(whole_groups) {
+            return Err(KernelError::Shape(format!(
+                "cannot stack {} {} parts of {cols} values a row as whole groups of {GROUP} rows",
+                parts.len(),
+                ty.name()
+            )));
+        }
+        let rows = parts.iter().map(|p| p.len() / row_bytes).sum();
+        Ok(Self {
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            interleaved: true,
+            passes: ActPasses::default(),
+            data: pack_parts(ty, parts, row_bytes, consumed),
+        })
     }
 
     fn build(

@@ -459,6 +459,69 @@ fn matrices_from_slices_hand_back_their_input_in_order() {
     }
 }
 
+/// A stack repacked once from its parts' borrowed blocks (`from_slices`, the loader's fused
+/// projections) equals the parts repacked one by one and then stacked, reads back as the
+/// blocks it was given, and hands back every byte of each part in order; parts that are not
+/// whole groups of eight rows, or a type without an interleaved layout, are refused.
+#[test]
+fn stacks_from_slices_equal_their_parts_stacked() {
+    let mut rng = Rng(19);
+    for (ty, heights, cols) in [
+        (GgmlType::Q4K, vec![16, 8, 8], 512),
+        (GgmlType::Q6K, vec![8, 24], 256),
+        (GgmlType::Q5K, vec![8], 256),
+        // Over one 8 MiB repacking chunk.
+        (GgmlType::Q8_0, vec![4224, 64], 2048),
+    ] {
+        let blocks: Vec<Vec<u8>> = heights
+            .iter()
+            .map(|&rows| {
+                (0..rows * cols / ty.block_size())
+                    .flat_map(|_| random_block(ty, &mut rng))
+                    .collect()
+            })
+            .collect();
+        let slices: Vec<&[u8]> = blocks.iter().map(Vec::as_slice).collect();
+        let mut spans = vec![Vec::new(); slices.len()];
+        let stack =
+            QuantMatrix::from_slices(ty, cols, &slices, &mut |part, span| spans[part].push(span))
+                .unwrap();
+        let parts: Vec<QuantMatrix> = (0..slices.len())
+            .map(|i| QuantMatrix::new(ty, heights[i], cols, blocks[i].clone()).unwrap())
+            .collect();
+        let stacked = QuantMatrix::concat_rows(&parts.iter().collect::<Vec<_>>()).unwrap();
+        assert!(stack == stacked, "{}: the two stacks differ", ty.name());
+        let row_bytes = ty.bytes_for(cols).unwrap();
+        let given: Vec<&[u8]> = slices
+            .iter()
+            .flat_map(|p| p.chunks_exact(row_bytes))
+            .collect();
+        for (r, row) in given.iter().enumerate() {
+            assert_eq!(&*stack.row(r), *row, "{} row {r}", ty.name());
+        }
+        for (part, spans) in spans.iter().enumerate() {
+            let mut at = 0;
+            for span in spans {
+                assert_eq!(span.start, at, "{} part {part}: {spans:?}", ty.name());
+                at = span.end;
+            }
+            assert_eq!(
+                at,
+                slices[part].len(),
+                "{} part {part}: {spans:?}",
+                ty.name()
+            );
+        }
+    }
+    let q4k = |rows: usize| vec![0u8; rows * GgmlType::Q4K.type_size()];
+    let (whole, partial) = (q4k(8), q4k(4));
+    for parts in [vec![&whole[..], &partial[..]], vec![]] {
+        assert!(QuantMatrix::from_slices(GgmlType::Q4K, 256, &parts, &mut |_, _| {}).is_err());
+    }
+    let q2k = vec![0u8; 8 * GgmlType::Q2K.type_size()];
+    assert!(QuantMatrix::from_slices(GgmlType::Q2K, 256, &[&q2k], &mut |_, _| {}).is_err());
+}
+
 /// Stacked matrices (fused projections) give each part's outputs with the same bits, whether
 /// the parts are interleaved (rows a multiple of 8) or not; a stack that would change a
 /// part's kernel is refused.

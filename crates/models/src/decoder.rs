@@ -932,6 +932,23 @@ pub fn load<B: InferenceBackend>(
             heads,
         )
     };
+    // Projections of one input, without biases, as one quantized layer repacked once from
+    // the file where it can stack them (`WeightLoader::stacked_out_in`).
+    let stacked = |i: usize, parts: &[(Part, usize, Option<usize>)], bias: bool| {
+        if bias {
+            return Ok(None);
+        }
+        let names: Vec<String> = parts
+            .iter()
+            .map(|&(part, ..)| format!("{}.weight", names.layer(i, part)))
+            .collect();
+        let parts: Vec<(&str, usize, Option<usize>)> = parts
+            .iter()
+            .zip(&names)
+            .map(|(&(_, d_out, heads), name)| (name.as_str(), d_out, heads))
+            .collect();
+        w.stacked_out_in(&parts, d)
+    };
     let norm = |name: &str, len: usize| -> Result<Norm<B>> {
         let mut gamma = w.host(name, &[len])?;
         if config.norm_unit_offset {
@@ -977,6 +994,16 @@ pub fn load<B: InferenceBackend>(
                 ));
             }
             QkvProjection::Fused(linear(i, Qkv, d, q_out + 2 * kv_out, qkv_b, None)?)
+        } else if let Some(qkv) = stacked(
+            i,
+            &[
+                (Q, q_out, permute(config.n_heads)),
+                (K, kv_out, permute(config.n_kv_heads)),
+                (V, kv_out, None),
+            ],
+            qkv_b,
+        )? {
+            QkvProjection::Fused(qkv)
         } else {
             QkvProjection::fuse_or_split(
                 linear(i, Q, d, q_out, qkv_b, permute(config.n_heads))?,
@@ -988,6 +1015,12 @@ pub fn load<B: InferenceBackend>(
             Mlp::GatedFused {
                 activation,
                 gate_up: linear(i, GateUp, d, 2 * ff, mlp_b, None)?,
+                down: linear(i, Down, ff, d, mlp_b, None)?,
+            }
+        } else if let Some(gate_up) = stacked(i, &[(Gate, ff, None), (Up, ff, None)], mlp_b)? {
+            Mlp::GatedFused {
+                activation,
+                gate_up,
                 down: linear(i, Down, ff, d, mlp_b, None)?,
             }
         } else {

@@ -20,7 +20,7 @@ use crate::layers::linear::{Linear, LinearWeight};
 use crate::layers::mlp::Mlp;
 use crate::layers::norm::Norm;
 use crate::layers::rope::{RopeTables, attention_factor, inverse_frequencies};
-use crate::weights::TensorSource;
+use crate::weights::{StackPart, TensorSource};
 
 /// One transformer block: pre-norm attention and pre-norm MLP, each with a residual, and
 /// where the family has them (Gemma) norms on each one's output before the residual.
@@ -632,6 +632,42 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
             (false, true) => w.transposed().upload(self.dtype, self.device),
             (false, false) => w.upload(self.dtype, self.device),
         }
+    }
+
+    /// Layers stored `[d_out, d_in]` that share their input (Q, K and V; gate and up), given
+    /// as `(weight, d_out, interleaved_heads)` as [`Self::linear_out_in`] takes each, as one
+    /// quantized layer without a bias, their rows one after the other, repacked once from the
+    /// file ([`TensorSource::read_quantized_stack`]). `None` when the weights are not kept
+    /// quantized or the source cannot stack them: the caller loads the parts one by one (and
+    /// [`Linear::fuse_outputs`] fuses what it can, the same matrix, repacked then copied).
+    ///
+    /// # Errors
+    /// A corrupt tensor.
+    pub fn stacked_out_in(
+        &self,
+        parts: &[(&str, usize, Option<usize>)],
+        d_in: usize,
+    ) -> Result<Option<Linear<B>>> {
+        if self.storage != WeightStorage::Quantized {
+            return Ok(None);
+        }
+        let parts: Vec<StackPart<'_>> = parts
+            .iter()
+            .map(|&(name, d_out, heads)| StackPart {
+                name,
+                shape: [d_out, d_in],
+                order: heads.map(|heads| half_split_order(d_out, heads)),
+            })
+            .collect();
+        let Some(tensor) = self.source.read_quantized_stack(&parts)? else {
+            return Ok(None);
+        };
+        let passes = self.activations.passes_for(tensor.matrix.ty());
+        let matrix = tensor.matrix.with_activation_passes(passes);
+        Ok(Some(Linear {
+            weight: LinearWeight::Quantized(B::QuantWeight::new(Arc::new(matrix))),
+            bias: None,
+        }))
     }
 
     /// A layer stored `[d_out, d_in]` (PyTorch `nn.Linear`), transposed on load. With

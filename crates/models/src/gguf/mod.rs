@@ -18,7 +18,7 @@ pub use value::{Items, MetaArray, MetaItem, MetaValue, Strings};
 
 use crate::error::{ModelError, Result};
 use crate::host::HostTensor;
-use crate::weights::{QuantizedTensor, TensorSource};
+use crate::weights::{QuantizedTensor, StackPart, TensorSource};
 use kiln_kernels::QuantMatrix;
 
 /// A memory-mapped GGUF file with its parsed header.
@@ -272,6 +272,68 @@ impl TensorSource for GgufFile {
         Ok(Some(QuantizedTensor {
             file: self.describe(),
             shape: info.shape.clone(),
+            matrix,
+        }))
+    }
+
+    fn read_quantized_stack(&self, parts: &[StackPart<'_>]) -> Result<Option<QuantizedTensor>> {
+        let mut infos: Vec<&TensorInfo> = Vec::with_capacity(parts.len());
+        for part in parts {
+            let Some(info) = self.tensor_info(part.name) else {
+                return Ok(None);
+            };
+            let [rows, cols] = part.shape;
+            let first_type = infos.first().map_or(info.ggml_type, |i| i.ggml_type);
+            let fits = info.shape == part.shape
+                && info.ggml_type == first_type
+                && cols == parts[0].shape[1]
+                && rows.is_multiple_of(kiln_kernels::interleaved::GROUP)
+                && kiln_kernels::quant::has_kernel(info.ggml_type)
+                && kiln_kernels::interleaved::group_block_bytes(info.ggml_type).is_some()
+                && part.order.as_ref().is_none_or(|o| o.len() == rows);
+            if !fits {
+                return Ok(None);
+            }
+            infos.push(info);
+        }
+        let (Some(first), Some(part)) = (infos.first(), parts.first()) else {
+            return Ok(None);
+        };
+        let (ty, cols) = (first.ggml_type, part.shape[1]);
+        let row_bytes = ty.bytes_for(cols).unwrap_or(0);
+        // Each part's blocks: borrowed from the mapping, or its rows reordered into a copy,
+        // after which its mapped pages can go.
+        let blocks: Vec<std::borrow::Cow<'_, [u8]>> = parts
+            .iter()
+            .zip(&infos)
+            .map(|(part, info)| {
+                let bytes = self.tensor_bytes(info);
+                match &part.order {
+                    None => std::borrow::Cow::Borrowed(bytes),
+                    Some(order) => {
+                        let mut rows = Vec::with_capacity(bytes.len());
+                        for &r in order {
+                            rows.extend_from_slice(&bytes[r * row_bytes..][..row_bytes]);
+                        }
+                        self.release_pages(info, 0..bytes.len());
+                        std::borrow::Cow::Owned(rows)
+                    }
+                }
+            })
+            .collect();
+        let slices: Vec<&[u8]> = blocks.iter().map(|b| b.as_ref()).collect();
+        let matrix = QuantMatrix::from_slices(ty, cols, &slices, &mut |i, span| {
+            if parts[i].order.is_none() {
+                self.release_pages(infos[i], span);
+            }
+        })
+        .map_err(|e| {
+            let names: Vec<&str> = parts.iter().map(|p| p.name).collect();
+            ModelError::corrupt(&self.path, format!("tensors {}: {e}", names.join(", ")))
+        })?;
+        Ok(Some(QuantizedTensor {
+            file: self.describe(),
+            shape: vec![matrix.rows(), cols],
             matrix,
         }))
     }

@@ -44,12 +44,40 @@ pub trait TensorSource {
         Ok(None)
     }
 
+    /// Several 2-D tensors stored in one quantized type with an interleaved layout
+    /// ([`kiln_kernels::interleaved::group_block_bytes`]), each of the `[rows, cols]` its part
+    /// names (one width, heights multiples of eight), as one `[Σ rows, cols]` matrix of their
+    /// rows one after the other, each part's in its `order`: projections of one input run as
+    /// one product (Q, K and V; gate and up), repacked once from the file rather than repacked,
+    /// reordered and stacked. `None` when they are not all such tensors (the default: formats
+    /// without quantized types); the caller then reads them one by one, which also names what
+    /// is wrong with any of them.
+    ///
+    /// # Errors
+    /// A corrupt tensor.
+    fn read_quantized_stack(&self, parts: &[StackPart<'_>]) -> Result<Option<QuantizedTensor>> {
+        let _ = parts;
+        Ok(None)
+    }
+
     /// All tensor names.
     fn names(&self) -> Vec<String>;
 
     /// How many elements are stored in each storage type (`F32`, `BF16`, `Q4_1`…), most
     /// first.
     fn stored_types(&self) -> Vec<(String, usize)>;
+}
+
+/// One tensor of a [`TensorSource::read_quantized_stack`].
+#[derive(Debug, Clone)]
+pub struct StackPart<'a> {
+    /// Its name.
+    pub name: &'a str,
+    /// The `[rows, cols]` the model expects of it.
+    pub shape: [usize; 2],
+    /// Row `i` of the part is the tensor's row `order[i]` (Q and K from Meta's interleaved
+    /// RoPE order); `None`: the tensor's rows in order.
+    pub order: Option<Vec<usize>>,
 }
 
 /// A tensor read in its quantized blocks.
@@ -138,6 +166,16 @@ impl TensorSource for LanguageModelSource<'_> {
         self.inner.read_quantized(&self.stored_name(name))
     }
 
+    fn read_quantized_stack(&self, parts: &[StackPart<'_>]) -> Result<Option<QuantizedTensor>> {
+        let names: Vec<String> = parts.iter().map(|p| self.stored_name(p.name)).collect();
+        let stored: Vec<StackPart<'_>> = parts
+            .iter()
+            .zip(&names)
+            .map(|(p, name)| StackPart { name, ..p.clone() })
+            .collect();
+        self.inner.read_quantized_stack(&stored)
+    }
+
     fn names(&self) -> Vec<String> {
         self.inner.names()
     }
@@ -217,6 +255,14 @@ impl TensorSource for Reporting<'_> {
         let tensor = self.inner.read_quantized(name)?;
         if tensor.is_some() {
             self.tick();
+        }
+        Ok(tensor)
+    }
+
+    fn read_quantized_stack(&self, parts: &[StackPart<'_>]) -> Result<Option<QuantizedTensor>> {
+        let tensor = self.inner.read_quantized_stack(parts)?;
+        if tensor.is_some() {
+            parts.iter().for_each(|_| self.tick());
         }
         Ok(tensor)
     }
