@@ -681,6 +681,14 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
         d_out: usize,
         interleaved_heads: Option<usize>,
     ) -> Result<Linear<B>> {
+        if interleaved_heads.is_some() && bias.is_none() {
+            // Reordered as it is repacked, where the source can: a stack of one.
+            if let Some(linear) =
+                self.stacked_out_in(&[(weight, d_out, interleaved_heads)], d_in)?
+            {
+                return Ok(linear);
+            }
+        }
         let mut b = bias.map(|b| self.host(b, &[d_out])).transpose()?;
         if let Some(matrix) = self.quantized(weight, d_out, d_in)? {
             let matrix = match interleaved_heads {
