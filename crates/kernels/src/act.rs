@@ -25,6 +25,9 @@ pub struct ActBlock {
     /// are stored as `q + 32`), each read by one broadcast from memory (docs/kernels.md,
     /// item 6).
     pub q6_k_starts: [i32; 2],
+    /// `Σ qs` over each half as 16-bit integers side by side (each within ±2,032): the Q2_K
+    /// tiles multiply a lane's two minimums by both in one `vpmaddwd`.
+    pub half_sums: [i16; 2],
 }
 
 /// Values per activation block.
@@ -144,6 +147,7 @@ impl ActBlock {
                 -Q6_K_OFFSET * sum_first_half,
                 -Q6_K_OFFSET * (sum - sum_first_half),
             ],
+            half_sums: [sum_first_half as i16, (sum - sum_first_half) as i16],
         }
     }
 

@@ -5,8 +5,8 @@
 //! Q5_1 (Q4_0's and Q4_1's with Q5_K's fifth bits after the nibbles: the fallbacks
 //! llama-quantize writes for matrices whose width is not a multiple of 256, most of a small
 //! model's Q4_K_M or Q5_K_M file), IQ4_NL (Q4_0's layout, its nibbles indices into ggml's
-//! table) and IQ4_XS, and for the K-quants Q3_K, Q4_K, Q5_K and Q6_K (the types of the Q3_K_M,
-//! Q4_K_M, Q5_K_M and Q6_K files users download).
+//! table) and IQ4_XS, and for the K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (the types of the
+//! Q2_K, Q3_K_M, Q4_K_M, Q5_K_M and Q6_K files users download).
 //!
 //! Layout of a group of eight rows: for each block column `b` (32 values of every row), the
 //! eight f16 scales, for Q4_1 the eight f16 minimums, then the quants as 4-byte lanes: lane `r`
@@ -34,6 +34,12 @@
 //!   (unsigned), and `32 × Σ a` over each half ([`ActBlock::sum_first_half`]) comes off.
 //! - Q3_K: Q6_K's `d` and scales, then per sub-block 128 bytes of Q4_1-ordered nibbles holding
 //!   `q + 4` (three bits; `4 × Σ a` per half comes off).
+//! - Q2_K: the eight f16 `d`, the eight `dmin`, GGUF's scale-and-minimum bytes (scale in the
+//!   low nibble, minimum in the high) as `[sub-block][row][half]` (128 bytes), then per
+//!   sub-block 64 bytes of two-bit values laid out as Q6_K's high pairs: lane `r` of vector
+//!   `k` holds, for chunk `j = 2k + i`, value `4j + t`'s two bits at bit `4i` and value
+//!   `16 + 4j + t`'s at `4i + 2` (672 bytes, GGUF's 8 × 84). A row's two half-scales and two
+//!   minimums then sit side by side in one 32-bit lane once widened to 16 bits.
 //! - IQ4_XS: the eight `d`, the sub-block scales `ls − 32` as signed bytes (`[sub-block][row]`,
 //!   64 bytes), then eight sub-blocks of 128 bytes of Q4_1-ordered table indices.
 //!
@@ -48,7 +54,7 @@ use half::f16;
 use crate::SharedOut;
 use crate::act::{ActBlock, ActPasses};
 use crate::ggml::{
-    GgmlType, IQ4_VALUES, iq4_xs_scale, pack_scale_min_k4, q3_k_scales, q3_k_value,
+    GgmlType, IQ4_VALUES, iq4_xs_scale, pack_scale_min_k4, q2_k_sub, q3_k_scales, q3_k_value,
     scale_min_k4_bits,
 };
 use crate::pool::ThreadPool;
@@ -90,6 +96,14 @@ const Q3_K_SUB: usize = 128;
 /// Bytes of Q3_K's block column: Q6_K's header (`d`, the 16 scales as signed bytes), eight
 /// sub-blocks of nibbles: 1,168 bytes for GGUF's 880.
 const Q3_K_BYTES: usize = Q6_K_QUANTS + 8 * Q3_K_SUB;
+
+/// Where Q2_K's eight sub-blocks start in a block column, after the eight `d`, the eight
+/// `dmin` and the scale-and-minimum bytes (`[sub-block][row][half]`).
+const Q2_K_QUANTS: usize = 2 * 8 + 2 * 8 + 16 * 8;
+/// Bytes of one Q2_K sub-block of a group: two 32-byte vectors of two-bit values.
+const Q2_K_SUB: usize = 64;
+/// Bytes of Q2_K's block column: 672, GGUF's 8 × 84.
+const Q2_K_BYTES: usize = Q2_K_QUANTS + 8 * Q2_K_SUB;
 
 /// Q6_K's (`q3` false) or Q3_K's block column and sub-block bytes, and the offset their
 /// stored values carry.
@@ -136,6 +150,7 @@ pub fn group_block_bytes(ty: GgmlType) -> Option<usize> {
         GgmlType::Q5K => Some(k_sizes(true).0),
         GgmlType::Q6K => Some(Q6_K_BYTES),
         GgmlType::Q3K => Some(Q3_K_BYTES),
+        GgmlType::Q2K => Some(Q2_K_BYTES),
         _ => None,
     }
 }
@@ -165,12 +180,21 @@ fn set_q6_k_value(block: &mut [u8], v: usize, q: u8) {
     block[128 + 32 * half + l] |= (q >> 4) << (2 * k);
 }
 
+/// Where two bits of value `e` (0..32) of a sub-block sit for row `r` in 64 bytes of bit
+/// pairs (Q6_K's high bits, Q2_K's values): the byte and the shift. Lane `r`'s byte `t` of
+/// vector `k` holds, for chunk `j = 2k + i`, value `4j + t`'s pair at bit `4i` and value
+/// `16 + 4j + t`'s at `4i + 2`.
+fn bit_pair_at(e: usize, r: usize) -> (usize, u32) {
+    let j = e % 16 / 4;
+    let shift = 4 * (j % 2) + if e >= 16 { 2 } else { 0 };
+    (32 * (j / 2) + 4 * r + e % 4, shift as u32)
+}
+
 /// Where the high two bits of value `e` (0..32) of a Q6_K sub-block of a group sit for row
 /// `r`: the byte (from the sub-block's start) and the shift.
 fn q6_k_high_bits_at(e: usize, r: usize) -> (usize, u32) {
-    let j = e % 16 / 4;
-    let shift = 4 * (j % 2) + if e >= 16 { 2 } else { 0 };
-    (128 + 32 * (j / 2) + 4 * r + e % 4, shift as u32)
+    let (at, shift) = bit_pair_at(e, r);
+    (128 + at, shift)
 }
 
 /// Input bytes [`pack`] repacks between two calls of its `consumed` callback: a few
@@ -403,6 +427,28 @@ fn pack_group(ty: GgmlType, src_rows: &[u8], row_bytes: usize, out: &mut [u8]) {
                         put_nibbles(sub, r, value);
                     }
                 }
+                GgmlType::Q2K => {
+                    dst[2 * r..2 * r + 2].copy_from_slice(&src[80..82]);
+                    dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[82..84]);
+                    for s in 0..8 {
+                        // The scale-and-minimum bytes of the sub-block's two halves.
+                        dst[32 + 16 * s + 2 * r..][..2].copy_from_slice(&src[2 * s..2 * s + 2]);
+                        // Half `half`'s values `4 j ..` as GGUF keeps them ([`q2_k_sub`]):
+                        // four bytes from `at + 4 j`, two bits each at `shift`.
+                        let pairs = |half: usize, j: usize| {
+                            let (_, _, at, shift) = q2_k_sub(src, 2 * s + half);
+                            (word(src, at + 4 * j) >> shift) & 0x0303_0303
+                        };
+                        for k in 0..2 {
+                            let lane = (0..2).fold(0, |lane, i| {
+                                let j = 2 * k + i;
+                                lane | pairs(0, j) << (4 * i) | pairs(1, j) << (4 * i + 2)
+                            });
+                            dst[Q2_K_QUANTS + Q2_K_SUB * s + 32 * k + 4 * r..][..4]
+                                .copy_from_slice(&lane.to_le_bytes());
+                        }
+                    }
+                }
                 GgmlType::Q6K => {
                     dst[2 * r..2 * r + 2].copy_from_slice(&src[208..210]);
                     for i in 0..16 {
@@ -524,6 +570,20 @@ pub fn unpack_row(ty: GgmlType, group: &[u8], r: usize, out: &mut Vec<u8>) {
                     block[104 + i % 4] |= (scale >> 4) << (2 * (i / 4));
                 }
                 block[108..110].copy_from_slice(&dst[2 * r..2 * r + 2]);
+                out.extend_from_slice(&block);
+            }
+            GgmlType::Q2K => {
+                let mut block = [0u8; 84];
+                for s in 0..8 {
+                    block[2 * s..2 * s + 2].copy_from_slice(&dst[32 + 16 * s + 2 * r..][..2]);
+                    let sub = &dst[Q2_K_QUANTS + Q2_K_SUB * s..][..Q2_K_SUB];
+                    for e in 0..32 {
+                        let (_, _, at, shift) = q2_k_sub(&block, 2 * s + e / 16);
+                        block[at + e % 16] |= q2_k_group_value(sub, e, r) << shift;
+                    }
+                }
+                block[80..82].copy_from_slice(&dst[2 * r..2 * r + 2]);
+                block[82..84].copy_from_slice(&dst[16 + 2 * r..16 + 2 * r + 2]);
                 out.extend_from_slice(&block);
             }
             GgmlType::Q6K => {
@@ -648,6 +708,7 @@ impl TileKernels {
                 (Tier::Avx512Vnni, GgmlType::Q5K) => Some(tile_kernels!(x86::vnni::q5_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q6K) => Some(tile_kernels!(x86::vnni::q6_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q3K) => Some(tile_kernels!(x86::vnni::q3_k_tile)),
+                (Tier::Avx512Vnni, GgmlType::Q2K) => Some(tile_kernels!(x86::vnni::q2_k_tile)),
                 (Tier::Avx512Vnni, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_offset::tile)),
                 (Tier::Avx2, GgmlType::Q4_0) => Some(tile_kernels!(x86::avx2::q4_0_tile)),
                 (Tier::Avx2, GgmlType::Q4_1) => Some(tile_kernels!(x86::avx2::q4_1_tile)),
@@ -659,6 +720,7 @@ impl TileKernels {
                 (Tier::Avx2, GgmlType::Q5K) => Some(tile_kernels!(x86::avx2::q5_k_tile)),
                 (Tier::Avx2, GgmlType::Q6K) => Some(tile_kernels!(x86::q6_k_one_pass::tile, six)),
                 (Tier::Avx2, GgmlType::Q3K) => Some(tile_kernels!(x86::avx2::q3_k_tile)),
+                (Tier::Avx2, GgmlType::Q2K) => Some(tile_kernels!(x86::avx2::q2_k_tile)),
                 (Tier::Avx2, GgmlType::Q8_0) => Some(tile_kernels!(x86::q8_0_sign::tile)),
                 _ => None,
             };
@@ -678,6 +740,7 @@ impl TileKernels {
             GgmlType::Q5K => Some(tile_kernels!(scalar scalar_tile_q5_k)),
             GgmlType::Q6K => Some(tile_kernels!(scalar scalar_tile_q6_k)),
             GgmlType::Q3K => Some(tile_kernels!(scalar scalar_tile_q3_k)),
+            GgmlType::Q2K => Some(tile_kernels!(scalar scalar_tile_q2_k)),
             GgmlType::Q8_0 => Some(tile_kernels!(scalar scalar_tile_q8_0)),
             _ => None,
         }
@@ -843,6 +906,15 @@ fn scalar_tile_q3_k<const N: usize>(
 }
 
 /// The scalar tile: the scalar reference row by row.
+fn scalar_tile_q2_k<const N: usize>(
+    w: &[u8],
+    hi: [&[ActBlock]; N],
+    lo: [&[ActBlock]; N],
+) -> [[f32; GROUP]; N] {
+    std::array::from_fn(|i| q2_k_scalar(w, hi[i], lo[i]))
+}
+
+/// The scalar tile: the scalar reference row by row.
 fn scalar_tile_q8_0<const N: usize>(
     w: &[u8],
     hi: [&[ActBlock]; N],
@@ -869,6 +941,12 @@ fn nibble(quants: &[u8], e: usize, r: usize) -> u8 {
 fn q6_k_group_value(sub: &[u8], e: usize, r: usize) -> u8 {
     let (at, shift) = q6_k_high_bits_at(e, r);
     nibble(sub, e, r) | (((sub[at] >> shift) & 3) << 4)
+}
+
+/// Value `e` of row `r` (two bits) in a Q2_K sub-block of a group.
+fn q2_k_group_value(sub: &[u8], e: usize, r: usize) -> u8 {
+    let (at, shift) = bit_pair_at(e, r);
+    (sub[at] >> shift) & 3
 }
 
 /// The integer sums of the 32 values `value(e)` with both activation passes.
@@ -1014,6 +1092,38 @@ fn half_scaled_scalar<const Q3: bool>(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]
                     );
                     *y += scale * (h.d * sum_h as f32 + l.d * sum_l as f32);
                 }
+            }
+        }
+    }
+    out
+}
+
+/// The scalar reference for Q2_K groups: per half of a sub-block, `d × scale × Σ q a −
+/// dmin × min × Σ a` with the scale and minimum 4-bit integers, both sums over the
+/// sub-block's halves kept in integers until one float step per pass.
+fn q2_k_scalar(w: &[u8], hi: &[ActBlock], lo: &[ActBlock]) -> [f32; GROUP] {
+    let mut out = [0f32; GROUP];
+    for (c, (hs, ls)) in hi.chunks_exact(8).zip(lo.chunks_exact(8)).enumerate() {
+        let column = &w[c * Q2_K_BYTES..(c + 1) * Q2_K_BYTES];
+        for (r, y) in out.iter_mut().enumerate() {
+            let (d, dmin) = (f16_at(column, r), f16_at(&column[16..], r));
+            for (s, (h, l)) in hs.iter().zip(ls).enumerate() {
+                let sub = &column[Q2_K_QUANTS + Q2_K_SUB * s..][..Q2_K_SUB];
+                // Per pass: Σ scale × Σ q a and Σ min × Σ a over the two halves.
+                let (mut scaled, mut mins) = ([0i32; 2], [0i32; 2]);
+                for half in 0..2 {
+                    let byte = column[32 + 16 * s + 2 * r + half];
+                    let (scale, min) = (i32::from(byte & 0xF), i32::from(byte >> 4));
+                    for (pass, a) in [h, l].into_iter().enumerate() {
+                        let sum: i32 = (16 * half..16 * half + 16)
+                            .map(|e| i32::from(q2_k_group_value(sub, e, r)) * i32::from(a.qs[e]))
+                            .sum();
+                        scaled[pass] += scale * sum;
+                        mins[pass] += min * a.half_sum(half);
+                    }
+                }
+                *y += d * (h.d * scaled[0] as f32 + l.d * scaled[1] as f32)
+                    - dmin * (h.d * mins[0] as f32 + l.d * mins[1] as f32);
             }
         }
     }
@@ -1373,8 +1483,8 @@ mod x86 {
             pub(super) mod $tier {
                 use super::*;
                 use crate::interleaved::{
-                    IQ4_XS_BYTES, IQ4_XS_QUANTS, K_QUANTS, Q6_K_QUANTS, half_scaled_sizes, k_sizes,
-                    q_offset, q4_sizes,
+                    IQ4_XS_BYTES, IQ4_XS_QUANTS, K_QUANTS, Q2_K_BYTES, Q2_K_QUANTS, Q2_K_SUB,
+                    Q6_K_QUANTS, half_scaled_sizes, k_sizes, q_offset, q4_sizes,
                 };
 
                 /// The integer sums of `N` two-pass activation rows with a Q4_1-ordered block
@@ -1935,6 +2045,136 @@ mod x86 {
                                         l[i],
                                     );
                                 }
+                            }
+                        }
+                    }
+                    let mut out = [[0f32; GROUP]; N];
+                    for (out, acc) in out.iter_mut().zip(acc) {
+                        *out = store(acc);
+                    }
+                    out
+                }
+
+                /// Eight Q2_K rows × `N` two-pass activation rows ([`super::super::TileFn`]):
+                /// a chunk's two-bit values are formed once for all the rows (a shift and a
+                /// mask each), and each half's 16-bit sums meet the half's scale in the
+                /// `vpmaddwd` that widens them; the minimums' term `Σ min × Σ a` is one more
+                /// `vpmaddwd` of the row's two minimums with the block's two half sums. Both
+                /// stay integers until the block's float steps. Every tier runs these
+                /// 16-bit sums (at most 8 × 3 × 127 a lane), so they agree bit for bit.
+                #[target_feature(enable = $features)]
+                pub(in crate::interleaved) unsafe fn q2_k_tile<
+                    const N: usize,
+                    const SPLIT: bool,
+                >(
+                    w: &[u8],
+                    hi: [&[ActBlock]; N],
+                    lo: [&[ActBlock]; N],
+                ) -> [[f32; GROUP]; N] {
+                    let blocks = hi[0].len();
+                    debug_assert!(hi.iter().chain(&lo).all(|a| a.len() == blocks));
+                    let mask = _mm256_set1_epi8(0x03);
+                    let nibble = _mm256_set1_epi16(0x0F);
+                    // Copies each lane's first (second) 16-bit scale into both its halves.
+                    let (first_scale, second_scale) = (
+                        _mm256_setr_epi8(
+                            0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5,
+                            4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                        ),
+                        _mm256_setr_epi8(
+                            2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6,
+                            7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
+                        ),
+                    );
+                    let half_sums =
+                        |a: &ActBlock| int_field_lanes::<_, { offset_of!(ActBlock, half_sums) }>(a);
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    for c in 0..blocks / 8 {
+                        // SAFETY: column `c < blocks / 8` of `Q2_K_BYTES` lies in `w`; its
+                        // first 32 bytes are the eight f16 `d`, then the eight `dmin`.
+                        let (p, d, dmin) = unsafe {
+                            let p = w.as_ptr().add(Q2_K_BYTES * c);
+                            (p, halves(p), halves(p.add(16)))
+                        };
+                        // `−dmin` (exactly), so that the minimums' step is `add_sums`' too.
+                        let neg_dmin = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0));
+                        for s in 0..8 {
+                            let eighth = Q2_K_BYTES / 8;
+                            prefetch_ahead(p.wrapping_add(eighth * s), eighth);
+                            let b = 8 * c + s;
+                            // SAFETY: `b = 8 c + s < blocks`, every row's length (the `TileFn`
+                            // contract).
+                            let (h, l) = unsafe { (blocks_at(hi, b), blocks_at(lo, b)) };
+                            // SAFETY: `s < 8`: the sub-block's 16 scale-and-minimum bytes at
+                            // `32 + 16 s` lie before `Q2_K_QUANTS`, and its 64 bytes of values
+                            // at `Q2_K_QUANTS + 64 s` end by the column's end.
+                            let (bytes, q) = unsafe {
+                                (
+                                    _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                                        p.add(32 + 16 * s).cast(),
+                                    )),
+                                    [
+                                        _mm256_loadu_si256(
+                                            p.add(Q2_K_QUANTS + Q2_K_SUB * s).cast(),
+                                        ),
+                                        _mm256_loadu_si256(
+                                            p.add(Q2_K_QUANTS + Q2_K_SUB * s + 32).cast(),
+                                        ),
+                                    ],
+                                )
+                            };
+                            // Lane `r`: its halves' scales, each in both 16-bit halves, and
+                            // its two minimums side by side.
+                            let scales = _mm256_and_si256(bytes, nibble);
+                            let scales = [
+                                _mm256_shuffle_epi8(scales, first_scale),
+                                _mm256_shuffle_epi8(scales, second_scale),
+                            ];
+                            let mins = _mm256_srli_epi16(bytes, 4);
+                            // Per row: [first half, second half] of the hi pass, then the lo's.
+                            let mut sums = [[_mm256_setzero_si256(); 4]; N];
+                            for j in 0..4 {
+                                let shifted = if j % 2 == 0 {
+                                    q[j / 2]
+                                } else {
+                                    _mm256_srli_epi16(q[j / 2], 4)
+                                };
+                                let first = _mm256_and_si256(shifted, mask);
+                                let second = _mm256_and_si256(_mm256_srli_epi16(shifted, 2), mask);
+                                for i in 0..N {
+                                    let [f_h, s_h, f_l, s_l] = &mut sums[i];
+                                    *f_h = dot_avx2_i16(*f_h, first, broadcast(h[i], j));
+                                    *s_h = dot_avx2_i16(*s_h, second, broadcast(h[i], 4 + j));
+                                    if SPLIT {
+                                        *f_l = dot_avx2_i16(*f_l, first, broadcast(l[i], j));
+                                        *s_l = dot_avx2_i16(*s_l, second, broadcast(l[i], 4 + j));
+                                    }
+                                }
+                            }
+                            let scaled = |first: __m256i, second: __m256i| {
+                                _mm256_add_epi32(
+                                    _mm256_madd_epi16(first, scales[0]),
+                                    _mm256_madd_epi16(second, scales[1]),
+                                )
+                            };
+                            for i in 0..N {
+                                let [f_h, s_h, f_l, s_l] = sums[i];
+                                let (scaled_l, mins_l) = if SPLIT {
+                                    (scaled(f_l, s_l), _mm256_madd_epi16(mins, half_sums(l[i])))
+                                } else {
+                                    (_mm256_setzero_si256(), _mm256_setzero_si256())
+                                };
+                                acc[i] = add_sums::<SPLIT>(
+                                    acc[i],
+                                    d,
+                                    scaled(f_h, s_h),
+                                    scaled_l,
+                                    h[i],
+                                    l[i],
+                                );
+                                let mins_h = _mm256_madd_epi16(mins, half_sums(h[i]));
+                                acc[i] =
+                                    add_sums::<SPLIT>(acc[i], neg_dmin, mins_h, mins_l, h[i], l[i]);
                             }
                         }
                     }
