@@ -1,6 +1,6 @@
 //! Quantized products at the Llama-3.2-1B shape (2048 hidden, 8192 feed forward): the `gate`
-//! projection (`[8192, 2048]`) and `down` (`[2048, 8192]`) in Q4_K, Q5_K, Q6_K, Q8_0 and
-//! IQ4_XS, for a 512-token prefill (512 rows: the wide tiles on AVX-512 VNNI) and a decoding
+//! projection (`[8192, 2048]`) and `down` (`[2048, 8192]`) in Q4_K, Q5_K, Q6_K, Q8_0, IQ4_XS
+//! and Q2_K, for a 512-token prefill (512 rows: the wide tiles on AVX-512 VNNI) and a decoding
 //! step (1 row), every thread, best tier, with the activations in two 8-bit passes (`q8x2`),
 //! in one (`q8`), and for Q8_0 in one 16-bit pass (`q16`). Throughput is in multiply-adds of
 //! the real product (done once per pass).
@@ -24,6 +24,7 @@ fn scale_offsets(ty: GgmlType) -> &'static [usize] {
         GgmlType::Q8_0 | GgmlType::Iq4Xs => &[0],
         GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
         GgmlType::Q6K => &[208],
+        GgmlType::Q2K => &[80, 82],
         other => panic!("no random blocks of {}", other.name()),
     }
 }
@@ -52,6 +53,7 @@ fn quant(c: &mut Criterion) {
         GgmlType::Q6K,
         GgmlType::Q8_0,
         GgmlType::Iq4Xs,
+        GgmlType::Q2K,
     ] {
         for (rows, cols) in SHAPES {
             let two = random_matrix(ty, rows, cols, &mut rng);

@@ -1,7 +1,7 @@
 //! [`QuantMatrix`]: a weight matrix kept in its ggml blocks, and its product with f32
-//! activations. Types with an interleaved kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) are
-//! repacked eight rows at a time at construction ([`crate::interleaved`]) when the rows come in
-//! eights; other matrices stay one output row after another (the layout of a GGUF tensor).
+//! activations. Every quantized type has an interleaved layout ([`crate::interleaved`]): a
+//! matrix whose rows come in eights is repacked eight rows at a time at construction; others
+//! stay one output row after another (the layout of a GGUF tensor) on the row kernels.
 //! Activations are quantized in two 8-bit passes ([`crate::act::quantize_split`]) unless the
 //! matrix was given one ([`ActPasses`]).
 

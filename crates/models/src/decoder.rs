@@ -26,7 +26,9 @@ use crate::gguf::GgufFile;
 use crate::layers::attention::{Attention, HeadNorms, QkvProjection};
 use crate::layers::mlp::{GateActivation, Mlp};
 use crate::layers::norm::Norm;
-use crate::transformer::{Activations, Block, Transformer, WeightLoader, WeightStorage};
+use crate::transformer::{
+    Activations, Block, LinearPart, Transformer, WeightLoader, WeightStorage,
+};
 use crate::weights::TensorSource;
 
 /// A family's `PretrainedConfig` defaults: what a `config.json` that leaves a key out means, as
@@ -932,20 +934,26 @@ pub fn load<B: InferenceBackend>(
             heads,
         )
     };
-    // Projections of one input, without biases, as one quantized layer repacked once from
-    // the file where it can stack them (`WeightLoader::stacked_out_in`).
+    // Projections of one input as one quantized layer repacked once from the file where it
+    // can stack them (`WeightLoader::stacked_out_in`).
     let stacked = |i: usize, parts: &[(Part, usize, Option<usize>)], bias: bool| {
-        if bias {
-            return Ok(None);
-        }
-        let names: Vec<String> = parts
+        let bases: Vec<String> = parts
             .iter()
-            .map(|&(part, ..)| format!("{}.weight", names.layer(i, part)))
+            .map(|&(part, ..)| names.layer(i, part))
             .collect();
-        let parts: Vec<(&str, usize, Option<usize>)> = parts
+        let (weights, biases): (Vec<String>, Vec<String>) = bases
             .iter()
-            .zip(&names)
-            .map(|(&(_, d_out, heads), name)| (name.as_str(), d_out, heads))
+            .map(|base| (format!("{base}.weight"), format!("{base}.bias")))
+            .unzip();
+        let parts: Vec<LinearPart<'_>> = parts
+            .iter()
+            .enumerate()
+            .map(|(k, &(_, d_out, interleaved_heads))| LinearPart {
+                weight: &weights[k],
+                bias: bias.then_some(biases[k].as_str()),
+                d_out,
+                interleaved_heads,
+            })
             .collect();
         w.stacked_out_in(&parts, d)
     };

@@ -529,6 +529,21 @@ impl WeightStorage {
     }
 }
 
+/// One layer of a stack [`WeightLoader::stacked_out_in`] loads, named as
+/// [`WeightLoader::linear_out_in`] takes it.
+#[derive(Debug, Clone, Copy)]
+pub struct LinearPart<'a> {
+    /// The weight, stored `[d_out, d_in]`.
+    pub weight: &'a str,
+    /// Its bias, `[d_out]`, if it has one.
+    pub bias: Option<&'a str>,
+    /// Output rows.
+    pub d_out: usize,
+    /// `Some(n)`: the rows are in Meta's interleaved RoPE order for `n` heads, and are
+    /// permuted to rotate-half order.
+    pub interleaved_heads: Option<usize>,
+}
+
 /// Reads tensors from a [`TensorSource`], checks their shapes against the configuration, and
 /// uploads them in the model's dtype.
 pub struct WeightLoader<'a, B: InferenceBackend> {
@@ -634,39 +649,63 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
         }
     }
 
-    /// Layers stored `[d_out, d_in]` that share their input (Q, K and V; gate and up), given
-    /// as `(weight, d_out, interleaved_heads)` as [`Self::linear_out_in`] takes each, as one
-    /// quantized layer without a bias, their rows one after the other, repacked once from the
-    /// file ([`TensorSource::read_quantized_stack`]). `None` when the weights are not kept
-    /// quantized or the source cannot stack them: the caller loads the parts one by one (and
-    /// [`Linear::fuse_outputs`] fuses what it can, the same matrix, repacked then copied).
+    /// Layers stored `[d_out, d_in]` that share their input (Q, K and V; gate and up), each
+    /// given as [`Self::linear_out_in`] takes it, as one quantized layer, their rows (and
+    /// biases) one after the other, the weights repacked once from the file
+    /// ([`TensorSource::read_quantized_stack`]). `None` when the weights are not kept
+    /// quantized, some parts have a bias and others not, or the source cannot stack them: the
+    /// caller loads the parts one by one (and [`Linear::fuse_outputs`] fuses what it can, the
+    /// same matrix, repacked then copied).
     ///
     /// # Errors
-    /// A corrupt tensor.
+    /// A corrupt tensor, or a bias of the wrong shape.
     pub fn stacked_out_in(
         &self,
-        parts: &[(&str, usize, Option<usize>)],
+        parts: &[LinearPart<'_>],
         d_in: usize,
     ) -> Result<Option<Linear<B>>> {
         if self.storage != WeightStorage::Quantized {
             return Ok(None);
         }
-        let parts: Vec<StackPart<'_>> = parts
+        let with_bias = parts.iter().filter(|p| p.bias.is_some()).count();
+        if with_bias != 0 && with_bias != parts.len() {
+            return Ok(None);
+        }
+        let stack: Vec<StackPart<'_>> = parts
             .iter()
-            .map(|&(name, d_out, heads)| StackPart {
-                name,
-                shape: [d_out, d_in],
-                order: heads.map(|heads| half_split_order(d_out, heads)),
+            .map(|part| StackPart {
+                name: part.weight,
+                shape: [part.d_out, d_in],
+                order: part
+                    .interleaved_heads
+                    .map(|heads| half_split_order(part.d_out, heads)),
             })
             .collect();
-        let Some(tensor) = self.source.read_quantized_stack(&parts)? else {
+        let Some(tensor) = self.source.read_quantized_stack(&stack)? else {
             return Ok(None);
         };
         let passes = self.activations.passes_for(tensor.matrix.ty());
         let matrix = tensor.matrix.with_activation_passes(passes);
+        // The parts' biases one after the other, as their rows are.
+        let mut bias: Option<HostTensor> = None;
+        for part in parts {
+            let Some(name) = part.bias else { continue };
+            let mut b = self.host(name, &[part.d_out])?;
+            if let Some(heads) = part.interleaved_heads {
+                b = b.interleaved_to_half_split(heads);
+            }
+            match &mut bias {
+                Some(all) => {
+                    all.data.extend_from_slice(&b.data);
+                    all.shape[0] += part.d_out;
+                }
+                None => bias = Some(b),
+            }
+        }
+        let bias = bias.map(|b| b.upload(self.dtype, self.device));
         Ok(Some(Linear {
             weight: LinearWeight::Quantized(B::QuantWeight::new(Arc::new(matrix))),
-            bias: None,
+            bias,
         }))
     }
 
@@ -681,11 +720,15 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
         d_out: usize,
         interleaved_heads: Option<usize>,
     ) -> Result<Linear<B>> {
-        if interleaved_heads.is_some() && bias.is_none() {
+        if interleaved_heads.is_some() {
             // Reordered as it is repacked, where the source can: a stack of one.
-            if let Some(linear) =
-                self.stacked_out_in(&[(weight, d_out, interleaved_heads)], d_in)?
-            {
+            let part = LinearPart {
+                weight,
+                bias,
+                d_out,
+                interleaved_heads,
+            };
+            if let Some(linear) = self.stacked_out_in(&[part], d_in)? {
                 return Ok(linear);
             }
         }
