@@ -48,7 +48,7 @@ pub struct ModelArgs {
     /// How the cpu backend's kernels quantize activations for quantized weights: q8 (one
     /// 8-bit pass per block of 32, llama.cpp's precision: 1.5-1.8x the prefill speed on
     /// K-quant files), q8x2 (two passes: within ~1e-7 KL of the exact path) or auto (q8 for
-    /// the K-quants and IQ4, q8x2 for Q4_0, Q4_1, Q5_0 and Q5_1; for Q8_0 q8x2 on AVX-512
+    /// the K-quants, IQ4 and Q4_0, q8x2 for Q4_1, Q5_0 and Q5_1; for Q8_0 q8x2 on AVX-512
     /// VNNI, else q8x2's precision as one 16-bit pass, 1.6-1.8x the prefill speed on AVX2).
     /// Accuracy per type: docs/kernels.md.
     #[arg(long, value_name = "PRECISION")]

@@ -461,9 +461,9 @@ pub enum WeightStorage {
 /// of 32 in one pass or two, or 16 bits: [`kiln_kernels::ActPasses`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Activations {
-    /// By weight type: one pass for the K-quants (Q2_K to Q6_K) and IQ4_NL/IQ4_XS, whose
+    /// By weight type: one pass for the K-quants (Q2_K to Q6_K), IQ4_NL/IQ4_XS and Q4_0, whose
     /// files carry weight errors far above the pass's and which llama.cpp multiplies against
-    /// 8-bit activations too; two for the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1); for Q8_0
+    /// 8-bit activations too; two for Q4_1 (the default model's type), Q5_0 and Q5_1; for Q8_0
     /// two on AVX-512 VNNI and otherwise their precision as one 16-bit pass, which the AVX2
     /// tier multiplies in half the instructions. docs/kernels.md states each precision's
     /// accuracy per type.
@@ -497,7 +497,8 @@ impl Activations {
                 | GgmlType::Q5K
                 | GgmlType::Q6K
                 | GgmlType::Iq4Nl
-                | GgmlType::Iq4Xs => ActPasses::One,
+                | GgmlType::Iq4Xs
+                | GgmlType::Q4_0 => ActPasses::One,
                 _ => ActPasses::precise_for(ty),
             },
         }
