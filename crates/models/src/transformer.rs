@@ -691,10 +691,7 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
         let mut bias: Option<HostTensor> = None;
         for part in parts {
             let Some(name) = part.bias else { continue };
-            let mut b = self.host(name, &[part.d_out])?;
-            if let Some(heads) = part.interleaved_heads {
-                b = b.interleaved_to_half_split(heads);
-            }
+            let b = self.bias(name, part.d_out, part.interleaved_heads)?;
             match &mut bias {
                 Some(all) => {
                     all.data.extend_from_slice(&b.data);
@@ -708,6 +705,21 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
             weight: LinearWeight::Quantized(B::QuantWeight::new(Arc::new(matrix))),
             bias,
         }))
+    }
+
+    /// A layer's bias `[d_out]`, with `interleaved_heads = Some(n)` permuted from Meta's
+    /// interleaved RoPE order to rotate-half order for `n` heads, as its weight's rows are.
+    fn bias(
+        &self,
+        name: &str,
+        d_out: usize,
+        interleaved_heads: Option<usize>,
+    ) -> Result<HostTensor> {
+        let b = self.host(name, &[d_out])?;
+        Ok(match interleaved_heads {
+            Some(heads) => b.interleaved_to_half_split(heads),
+            None => b,
+        })
     }
 
     /// A layer stored `[d_out, d_in]` (PyTorch `nn.Linear`), transposed on load. With
@@ -733,13 +745,12 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
                 return Ok(linear);
             }
         }
-        let mut b = bias.map(|b| self.host(b, &[d_out])).transpose()?;
+        let b = bias
+            .map(|b| self.bias(b, d_out, interleaved_heads))
+            .transpose()?;
         if let Some(matrix) = self.quantized(weight, d_out, d_in)? {
             let matrix = match interleaved_heads {
-                Some(heads) => {
-                    b = b.map(|b| b.interleaved_to_half_split(heads));
-                    matrix.permute_rows(&half_split_order(d_out, heads))
-                }
+                Some(heads) => matrix.permute_rows(&half_split_order(d_out, heads)),
                 None => matrix,
             };
             return Ok(Linear {
@@ -750,7 +761,6 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
         let mut w = self.host(weight, &[d_out, d_in])?;
         if let Some(heads) = interleaved_heads {
             w = w.interleaved_to_half_split(heads);
-            b = b.map(|b| b.interleaved_to_half_split(heads));
         }
         Ok(Linear::dense(
             self.dense_weight(w, true),
