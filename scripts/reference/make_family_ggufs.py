@@ -8,6 +8,8 @@ builds), and quantizes with that build's llama-quantize:
   gguf/<name>.f32.gguf            every tensor F32: kiln's logits and greedy tokens must equal transformers'
   gguf/<name>.q8_0.gguf           llama-quantize Q8_0 of the F32 file: kiln states its KL divergence against
                                   the F32 file
+  gguf/<name>.f16.gguf,           llama-quantize F16 / BF16 of the F32 file (SIXTEEN_BIT: qwen2-tiny F16,
+  gguf/<name>.bf16.gguf           phi3-tiny BF16): kept in 16 bits they must give the same file's exact path
   gguf/<name>.reference.json,     transformers on the model the GGUF holds: the HF fixture's prompts, greedy
   gguf/<name>.logits.safetensors  continuations and full logits. llama.cpp's converter drops Qwen2's sliding
                                   window (as it does Mistral's), so the model is the HF folder with
@@ -58,6 +60,8 @@ FAMILIES = {"qwen2-tiny": ("qwen2", True), "qwen3-tiny": ("qwen2", True), "llama
             "phi3-tiny": (None, True), "gemma2-tiny": (None, True), "gemma3-tiny": (None, True),
             "gpt2-tiny": ("gpt-2", True), "gpt-bigcode-tiny": ("gpt-2", True),
             "qwen2-yarn-tiny": ("qwen2", False)}
+# 16-bit files: (family, llama-quantize's type name).
+SIXTEEN_BIT = {"qwen2-tiny": "F16", "phi3-tiny": "BF16"}
 # GGUF-only variants: (the HF fixture they start from, what changes in its config.json). YaRN with
 # an original context of 32 stretched 4x to the fixture's 128 positions: the converter writes
 # llama.cpp's `rope.scaling.*` keys, and the reference is transformers on the changed folder.
@@ -243,6 +247,11 @@ def main():
             q8 = os.path.join(out_dir, f"{name}.q8_0.gguf")
             subprocess.run([args.quantize, f32, q8, "Q8_0"], check=True, capture_output=True)
             written.append(q8)
+        if name in SIXTEEN_BIT:
+            ty = SIXTEEN_BIT[name]
+            half = os.path.join(out_dir, f"{name}.{ty.lower()}.gguf")
+            subprocess.run([args.quantize, f32, half, ty], check=True, capture_output=True)
+            written.append(half)
         extra = None
         hf_reference = json.load(open(os.path.join(hf_folder, "reference.json")))
         tokenize = os.path.join(os.path.dirname(args.quantize), "llama-tokenize")

@@ -197,8 +197,8 @@ fn rows(info: &ModelInfo) -> Vec<(&'static str, String)> {
     ]
 }
 
-/// Which storage types the cpu backend keeps quantized (kiln's kernels multiply them as they
-/// are) and which it dequantizes to f32 at load, by default.
+/// Which storage types the cpu backend keeps as stored (kiln's kernels multiply quantized
+/// blocks and 16-bit floats as they are) and which it dequantizes to f32 at load, by default.
 fn cpu_path(info: &ModelInfo) -> String {
     let (kept, converted): (Vec<&str>, Vec<&str>) = info
         .stored_types
@@ -208,12 +208,12 @@ fn cpu_path(info: &ModelInfo) -> String {
         .partition(|t| {
             kiln_models::gguf::GgmlType::ALL
                 .iter()
-                .any(|g| g.name() == *t && kiln_models::gguf::has_kernel(*g))
+                .any(|g| g.name() == *t && kiln_kernels::QuantMatrix::takes(*g))
         });
     let mut parts = Vec::new();
     if !kept.is_empty() && info.format == kiln_models::ModelFormat::Gguf {
         parts.push(format!(
-            "{} kept quantized (kiln's kernels)",
+            "{} kept as stored (kiln's kernels)",
             kept.join(", ")
         ));
     }

@@ -1,5 +1,7 @@
 //! f32 matrix products with many activation rows (a prefill's hundreds of tokens) on the
-//! exact path, `out = x · w` with `w` in kiln's `Linear` layout `[d_in, d_out]`.
+//! exact path, `out = x · w` with `w` in kiln's `Linear` layout `[d_in, d_out]`, and the same
+//! walk for 16-bit float weights ([`crate::float16`]), whose columns are widened as they are
+//! packed.
 //!
 //! Register blocking as in BLIS: each task owns 32 or 64 output columns (and all rows, unless
 //! the columns alone make too few tasks for the threads; `Blocks`), copies those weight
@@ -19,7 +21,7 @@ use crate::pool::ThreadPool;
 use crate::tier::Tier;
 
 /// Columns of a packed panel: two AVX-512 registers.
-const PANEL: usize = 32;
+pub(crate) const PANEL: usize = 32;
 
 /// Rows of the widest tile (AVX-512: 12 × 2 accumulators + 2 panel loads + 1 broadcast of the
 /// 32 registers).
@@ -79,6 +81,36 @@ pub fn gemm_in_out_with(
     pool: &ThreadPool,
 ) {
     crate::dense::check_shapes(w, k, n, x, m, out, tier);
+    gemm_packed_with(k, n, x, m, out, tier, pool, &|cols, packed| {
+        pack_in_out(w, k, n, cols, packed)
+    });
+}
+
+/// What a product's weights give the tile walk: the columns `cols` of the `[k, n]` weight
+/// matrix written into `packed` as `[panel][k][PANEL]` panels, zero past the last column
+/// (`packed` is `cols.len().div_ceil(PANEL) × k × PANEL` long). f32 `[k, n]` weights copy
+/// them ([`pack_in_out`]); 16-bit `[n, k]` rows widen them ([`crate::float16`]).
+pub(crate) type PackPanels<'a> = dyn Fn(std::ops::Range<usize>, &mut [f32]) + Sync + 'a;
+
+/// `out = x · w` for a weight matrix `[k, n]` that `pack` lays out in panels, on `tier`
+/// and `pool`: the product every store of weights shares, so that each gives the same bits
+/// for the same values.
+///
+/// # Shapes
+/// - `x`: `[m, k]` → `out`: `[m, n]`
+///
+/// The caller checks the shapes and the tier.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_packed_with(
+    k: usize,
+    n: usize,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    tier: Tier,
+    pool: &ThreadPool,
+    pack: &PackPanels<'_>,
+) {
     if m == 0 || n == 0 {
         return;
     }
@@ -87,7 +119,12 @@ pub fn gemm_in_out_with(
     pool.run(blocks.tasks(), &|task| {
         let (cols, rows) = blocks.task(task);
         PACKED.with_borrow_mut(|scratch| {
-            let packed = pack_panels(w, k, n, cols.clone(), scratch);
+            let len = cols.len().div_ceil(PANEL) * k * PANEL;
+            if scratch.len() < len {
+                scratch.resize(len, 0.0);
+            }
+            let packed = &mut scratch[..len];
+            pack(cols.clone(), packed);
             let job = Task {
                 x,
                 k,
@@ -99,7 +136,7 @@ pub fn gemm_in_out_with(
             };
             match tier {
                 Tier::Scalar => job.run_portable(),
-                // SAFETY: the tier's features were checked above.
+                // SAFETY: the tier's features were checked by the caller.
                 #[cfg(target_arch = "x86_64")]
                 Tier::Avx2 => unsafe { job.run_avx2() },
                 // SAFETY: as above; this tier includes AVX-512F.
@@ -158,31 +195,17 @@ impl Blocks {
     }
 }
 
-/// Copies the columns `cols` of `w` into `[panel][k][PANEL]` panels in `scratch`, zero past
-/// the last column, and returns them.
-fn pack_panels<'s>(
-    w: &[f32],
-    k: usize,
-    n: usize,
-    cols: std::ops::Range<usize>,
-    scratch: &'s mut Vec<f32>,
-) -> &'s [f32] {
-    let panels = cols.len().div_ceil(PANEL);
-    let len = panels * k * PANEL;
-    if scratch.len() < len {
-        scratch.resize(len, 0.0);
-    }
-    let packed = &mut scratch[..len];
-    for p in 0..panels {
+/// Copies the columns `cols` of the `[k, n]` matrix `w` into `packed`'s `[panel][k][PANEL]`
+/// panels, zero past the last column.
+fn pack_in_out(w: &[f32], k: usize, n: usize, cols: std::ops::Range<usize>, packed: &mut [f32]) {
+    for (p, panel) in packed.chunks_exact_mut(k * PANEL).enumerate() {
         let start = cols.start + p * PANEL;
         let width = (cols.end - start).min(PANEL);
-        let panel = &mut packed[p * k * PANEL..(p + 1) * k * PANEL];
         for (i, dst) in panel.chunks_exact_mut(PANEL).enumerate() {
             dst[..width].copy_from_slice(&w[i * n + start..i * n + start + width]);
             dst[width..].fill(0.0);
         }
     }
-    packed
 }
 
 /// One task: output rows `rows` × columns `cols`, with those columns' weights packed.

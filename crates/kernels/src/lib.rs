@@ -28,6 +28,7 @@ pub mod act;
 pub mod attention;
 pub mod dense;
 mod error;
+pub mod float16;
 pub mod gemm;
 pub mod ggml;
 pub mod interleaved;

@@ -3,7 +3,8 @@
 //! matrix whose rows come in eights is repacked eight rows at a time at construction; others
 //! stay one output row after another (the layout of a GGUF tensor) on the row kernels.
 //! Activations are quantized in two 8-bit passes ([`crate::act::quantize_split`]) unless the
-//! matrix was given one ([`ActPasses`]).
+//! matrix was given one ([`ActPasses`]). The 16-bit float types (F16, BF16) stay in rows and
+//! multiply f32 activations as they are ([`crate::float16`]).
 
 use crate::SharedOut;
 use std::borrow::Cow;
@@ -13,6 +14,7 @@ use crate::act::{
     ACT_BLOCK, Act16Block, ActBlock, ActPasses, quantize_row, quantize_row_16, quantize_split_row,
 };
 use crate::error::KernelError;
+use crate::float16::{self, is_float16};
 use crate::ggml::{GgmlType, dequantize};
 use crate::interleaved::{
     GROUP, MAX_TILE, Q16Tiles, TILE, TileKernels, WIDE_ROWS, WideKernels, group_block_bytes, pack,
@@ -22,7 +24,8 @@ use crate::pool::ThreadPool;
 use crate::quant::{DotKernel, has_kernel};
 use crate::tier::Tier;
 
-/// A quantized `[rows, cols]` matrix: row `r` is `cols / block` ggml blocks of its type. A
+/// A `[rows, cols]` matrix kept in its storage type ([`QuantMatrix::takes`]): row `r` is
+/// `cols / block` ggml blocks of its type (one 16-bit value a block for F16 and BF16). A
 /// linear layer's weight is stored `[d_out, d_in]` this way, as in GGUF and PyTorch.
 #[derive(Clone, PartialEq, Eq)]
 pub struct QuantMatrix {
@@ -64,6 +67,12 @@ fn rows_per_task(rows: usize, threads: usize) -> usize {
 }
 
 impl QuantMatrix {
+    /// Whether a matrix can be kept in `ty` and multiplied as it is stored: the quantized
+    /// types with kernels ([`has_kernel`]) and the 16-bit floats ([`is_float16`]).
+    pub fn takes(ty: GgmlType) -> bool {
+        has_kernel(ty) || is_float16(ty)
+    }
+
     /// This matrix with its products' activations quantized in `passes` (two unless set).
     /// [`ActPasses::Q16`] has kernels for interleaved Q8_0 matrices only; any other matrix
     /// given it takes two passes, its precision.
@@ -159,7 +168,7 @@ impl QuantMatrix {
         data: Cow<'_, [u8]>,
         consumed: &mut dyn FnMut(Range<usize>),
     ) -> Result<Self, KernelError> {
-        if !has_kernel(ty) {
+        if !Self::takes(ty) {
             return Err(KernelError::NoKernel(ty.name()));
         }
         let row_bytes = ty.bytes_for(cols).ok_or_else(|| {
@@ -220,6 +229,16 @@ impl QuantMatrix {
     fn group_bytes(&self) -> usize {
         let column = group_block_bytes(self.ty).expect("an interleaved type");
         self.cols / self.ty.block_size() * column
+    }
+
+    /// How the matrix keeps its values, for people: `"quantized"` (ggml blocks) or
+    /// `"16-bit"` (F16, BF16).
+    pub fn storage_kind(&self) -> &'static str {
+        if is_float16(self.ty) {
+            "16-bit"
+        } else {
+            "quantized"
+        }
     }
 
     /// Whether the rows are stored in interleaved groups (the fast layout for decoding).
@@ -346,6 +365,11 @@ impl QuantMatrix {
             tier.is_supported(),
             "kernel tier {tier} is not supported on this CPU"
         );
+        if is_float16(self.ty) {
+            let (k, n) = (self.cols, self.rows);
+            float16::matmul_with(self.ty, &self.data, k, n, x, m, out, tier, pool);
+            return;
+        }
         let per_row = self.cols / ACT_BLOCK;
         let chunk = rows_per_task(self.rows, pool.threads());
         let out = SharedOut::new(out);

@@ -576,7 +576,8 @@ fn matrices_of_the_wrong_size_or_type_are_refused() {
     assert!(QuantMatrix::new(GgmlType::Q8_0, 2, 32, vec![0; 67]).is_err());
     assert!(QuantMatrix::new(GgmlType::Q4K, 1, 32, vec![0; 144]).is_err());
     assert!(QuantMatrix::new(GgmlType::Q5_0, 1, 32, vec![0; 21]).is_err());
-    assert!(QuantMatrix::new(GgmlType::F16, 1, 32, vec![0; 64]).is_err());
+    assert!(QuantMatrix::new(GgmlType::F32, 1, 32, vec![0; 128]).is_err());
+    assert!(QuantMatrix::new(GgmlType::F16, 2, 32, vec![0; 64]).is_err());
 }
 
 /// A decode-sized product (one activation row, a 1536 × 576 matrix like SmolLM2's MLP) runs

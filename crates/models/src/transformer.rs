@@ -136,8 +136,8 @@ impl<B: InferenceBackend> Transformer<B> {
     }
 
     /// How the linear layers' weights are held: `(storage, count, bytes)` per kind, e.g.
-    /// `("Q4_1 (quantized)", 210, …)` or `("f32", 211, …)`, most bytes first. A tied head is
-    /// counted once more (it reads the embedding's table).
+    /// `("Q4_1 (quantized)", 210, …)`, `("F16 (16-bit)", 211, …)` or `("f32", 211, …)`, most
+    /// bytes first. A tied head is counted once more (it reads the embedding's table).
     pub fn weight_summary(&self) -> Vec<(String, usize, usize)> {
         let mut kinds: Vec<(String, usize, usize)> = Vec::new();
         for w in self.linear_weights() {
@@ -147,7 +147,7 @@ impl<B: InferenceBackend> Transformer<B> {
                     t.dims().iter().product::<usize>() * self.dtype.size_bytes(),
                 ),
                 LinearWeight::Quantized(m) => (
-                    format!("{} (quantized)", m.host().ty().name()),
+                    format!("{} ({})", m.host().ty().name(), m.host().storage_kind()),
                     m.host().bytes(),
                 ),
             };

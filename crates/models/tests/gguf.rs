@@ -300,6 +300,74 @@ fn tiny_llama_quantized_on_cuda_matches_transformers() {
     }
 }
 
+/// Families' F16 and BF16 files (llama-quantize of the F32 files, `make_family_ggufs.py`):
+/// kept in 16 bits (`WeightStorage::Quantized`: the cpu backend's own products, a GPU
+/// backend's dense tensors) every weight widens exactly and the sums run in f32, so the logits
+/// are the same file's on the exact path (weights widened to f32 at load) within 1e-4, with
+/// the same greedy tokens. Against transformers on the F32 model they carry the weights' own
+/// rounding: mean KL printed, and within docs/kernels.md's bound. qwen2-tiny's file has Q/K/V
+/// biases; phi3-tiny's fused QKV and gate/up projections.
+fn sixteen_bit_ggufs_compute_as_their_widened_weights<B: InferenceBackend>() {
+    let options = |weights| kiln_models::LoadOptions {
+        dtype: Dtype::F32,
+        weights,
+        ..Default::default()
+    };
+    let device = B::inference_device();
+    for (name, ty) in [("qwen2-tiny", "F16"), ("phi3-tiny", "BF16")] {
+        let path = fixture(&format!("gguf/{name}.{}.gguf", ty.to_lowercase()));
+        let kept_options = options(kiln_models::WeightStorage::Quantized);
+        let kept = kiln_models::load::<B>(&path, &kept_options, &device).unwrap();
+        let kinds = kept.model.weight_summary();
+        assert!(
+            kinds
+                .iter()
+                .all(|(kind, _, _)| *kind == format!("{ty} (16-bit)")),
+            "{name}: {kinds:?}"
+        );
+        let exact_options = options(kiln_models::WeightStorage::Dequantized);
+        let exact = kiln_models::load::<B>(&path, &exact_options, &device).unwrap();
+        assert!(!exact.model.holds_quantized_weights());
+        let dir = fixture("gguf");
+        let (_, cases) = reference_at(
+            &dir.join(format!("{name}.reference.json")),
+            &dir.join(format!("{name}.logits.safetensors")),
+        );
+        let vocab = kept.model.config().vocab;
+        let (mut kl, mut agree, mut positions) = (0.0, 0, 0);
+        for (i, case) in cases.iter().enumerate() {
+            let ours = all_logits(&kept.model, &case.prompt);
+            let diff = max_abs_diff(&ours, &all_logits(&exact.model, &case.prompt));
+            assert!(diff <= 1e-4, "{name} {ty} case {i}: max |diff| {diff}");
+            let n = case.greedy.len();
+            assert_eq!(
+                greedy_cached(&kept.model, &case.prompt, n),
+                greedy_cached(&exact.model, &case.prompt, n),
+                "{name} {ty} case {i}"
+            );
+            let (k, a, p) = divergence(&case.logits, &ours, vocab);
+            (kl, agree, positions) = (kl + k, agree + a, positions + p);
+        }
+        let (kl, top1) = (kl / positions as f64, agree as f64 / positions as f64);
+        eprintln!(
+            "{name} {ty} against transformers on the F32 model: mean KL {kl:.2e}, top-1 {:.1} % \
+             of {positions} positions",
+            top1 * 100.0
+        );
+        assert!(kl <= 2e-3, "{name} {ty}: mean KL {kl}");
+    }
+}
+
+#[test]
+fn sixteen_bit_ggufs_compute_as_their_widened_weights_on_cpu() {
+    sixteen_bit_ggufs_compute_as_their_widened_weights::<burn::backend::Flex>();
+}
+
+#[test]
+fn sixteen_bit_ggufs_compute_as_their_widened_weights_on_wgpu() {
+    sixteen_bit_ggufs_compute_as_their_widened_weights::<burn::backend::Wgpu>();
+}
+
 /// Each family's GGUF as llama.cpp's converter writes it (`make_family_ggufs.py`), from its HF
 /// fixture: the F32 file gives transformers' logits on every position (within 1e-4) and its
 /// greedy tokens, with the family's names, key prefix and Q/K row order. Its vocabulary

@@ -254,10 +254,11 @@ impl TensorSource for GgufFile {
         })
     }
 
-    /// The tensor's blocks as they are in the file, for 2-D tensors of a type with a kernel.
+    /// The tensor's blocks as they are in the file, for 2-D tensors of a type kiln's kernels
+    /// multiply as stored.
     fn read_quantized(&self, name: &str) -> Result<Option<QuantizedTensor>> {
         let info = self.required_tensor(name)?;
-        if !kiln_kernels::quant::has_kernel(info.ggml_type) || info.shape.len() != 2 {
+        if !QuantMatrix::takes(info.ggml_type) || info.shape.len() != 2 {
             return Ok(None);
         }
         let (rows, cols) = (info.shape[0], info.shape[1]);

@@ -33,9 +33,10 @@ pub trait TensorSource {
     /// [`ModelError::MissingTensor`], or a corrupt or unsupported tensor.
     fn read(&self, name: &str) -> Result<HostTensor>;
 
-    /// Reads one 2-D tensor in its quantized blocks, `[rows, cols]` row-major, when it is
-    /// stored in a type kiln's kernels multiply ([`kiln_kernels::quant::has_kernel`]); `None`
-    /// for any other tensor (the default: formats without quantized types).
+    /// Reads one 2-D tensor in its stored blocks, `[rows, cols]` row-major, when it is stored
+    /// in a type kiln's kernels multiply as stored ([`kiln_kernels::QuantMatrix::takes`]: the
+    /// quantized types with kernels, and F16 and BF16); `None` for any other tensor (the
+    /// default: formats whose tensors are read as f32).
     ///
     /// # Errors
     /// [`ModelError::MissingTensor`], or a corrupt tensor.
