@@ -228,48 +228,120 @@ fn pack_rows(
     packed: &mut [f32],
     tier: Tier,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if tier != Tier::Scalar {
+        // SAFETY: the tier includes AVX2 and F16C (checked by the caller); `w` holds the
+        // rows `cols` of `k` words and `packed` their panels.
+        unsafe { pack_rows_avx2(half, w, k, cols, packed) };
+        return;
+    }
+    let _ = tier;
     let row_bytes = 2 * k;
-    let mut row = vec![0f32; k];
     for (p, panel) in packed.chunks_exact_mut(k * PANEL).enumerate() {
         let start = cols.start + p * PANEL;
         let width = (cols.end - start).min(PANEL);
-        for c in 0..PANEL {
-            if c < width {
-                let r = start + c;
-                widen_row(half, &w[r * row_bytes..(r + 1) * row_bytes], &mut row, tier);
-                for (i, &v) in row.iter().enumerate() {
-                    panel[i * PANEL + c] = v;
+        for (i, dst) in panel.chunks_exact_mut(PANEL).enumerate() {
+            for (c, d) in dst.iter_mut().enumerate() {
+                *d = if c < width {
+                    half.widen(word(&w[(start + c) * row_bytes..], i))
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+}
+
+/// [`pack_rows`] in eight-by-eight blocks: eight rows' next eight values widened, transposed
+/// in registers and stored as eight steps of eight adjacent columns.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C; `w` must hold rows `cols` of `k` words and `packed`
+/// be `cols.len().div_ceil(PANEL) × k × PANEL` long.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn pack_rows_avx2(
+    half: Half,
+    w: &[u8],
+    k: usize,
+    cols: std::ops::Range<usize>,
+    packed: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let row_bytes = 2 * k;
+    let whole = k - k % 8;
+    for (p, panel) in packed.chunks_exact_mut(k * PANEL).enumerate() {
+        let start = cols.start + p * PANEL;
+        let width = (cols.end - start).min(PANEL);
+        for c0 in (0..PANEL).step_by(8) {
+            let present = width.saturating_sub(c0).min(8);
+            let rows: [&[u8]; 8] = std::array::from_fn(|j| {
+                let r = start + c0 + j.min(present.max(1) - 1);
+                if present == 0 {
+                    &[][..]
+                } else {
+                    &w[r * row_bytes..(r + 1) * row_bytes]
                 }
-            } else {
-                for i in 0..k {
-                    panel[i * PANEL + c] = 0.0;
+            });
+            for i0 in (0..whole).step_by(8) {
+                let values: [__m256; 8] = std::array::from_fn(|j| {
+                    if j < present {
+                        // SAFETY: i0 + 8 <= k: 16 bytes of row j.
+                        unsafe { widen8(half, rows[j].as_ptr().add(2 * i0)) }
+                    } else {
+                        _mm256_setzero_ps()
+                    }
+                });
+                for (u, steps) in transpose8(values).into_iter().enumerate() {
+                    let at = (i0 + u) * PANEL + c0;
+                    // SAFETY: at + 8 <= k × PANEL, the panel's length (c0 + 8 <= PANEL).
+                    unsafe { _mm256_storeu_ps(panel.as_mut_ptr().add(at), steps) };
+                }
+            }
+            for i in whole..k {
+                for j in 0..8 {
+                    panel[i * PANEL + c0 + j] = if j < present {
+                        half.widen(word(rows[j], i))
+                    } else {
+                        0.0
+                    };
                 }
             }
         }
     }
 }
 
-/// The 16-bit words `src` widened into `dst` (as long as `src` has words).
-fn widen_row(half: Half, src: &[u8], dst: &mut [f32], tier: Tier) {
-    debug_assert_eq!(src.len(), 2 * dst.len());
-    #[cfg(target_arch = "x86_64")]
-    if tier != Tier::Scalar {
-        let whole = dst.len() - dst.len() % 8;
-        for i in (0..whole).step_by(8) {
-            // SAFETY: the tier includes AVX2 and F16C (checked by the caller); values
-            // `i..i + 8` lie in both slices.
-            unsafe {
-                let v = widen8(half, src.as_ptr().add(2 * i));
-                std::arch::x86_64::_mm256_storeu_ps(dst.as_mut_ptr().add(i), v);
-            }
-        }
-        for (i, d) in dst.iter_mut().enumerate().skip(whole) {
-            *d = half.widen(word(src, i));
-        }
-        return;
-    }
-    let _ = tier;
-    for (i, d) in dst.iter_mut().enumerate() {
-        *d = half.widen(word(src, i));
-    }
+/// The 8 × 8 transpose of `rows`: lane `j` of the result's vector `i` is lane `i` of
+/// `rows[j]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+#[inline]
+fn transpose8(rows: [std::arch::x86_64::__m256; 8]) -> [std::arch::x86_64::__m256; 8] {
+    use std::arch::x86_64::*;
+    let t0 = _mm256_unpacklo_ps(rows[0], rows[1]);
+    let t1 = _mm256_unpackhi_ps(rows[0], rows[1]);
+    let t2 = _mm256_unpacklo_ps(rows[2], rows[3]);
+    let t3 = _mm256_unpackhi_ps(rows[2], rows[3]);
+    let t4 = _mm256_unpacklo_ps(rows[4], rows[5]);
+    let t5 = _mm256_unpackhi_ps(rows[4], rows[5]);
+    let t6 = _mm256_unpacklo_ps(rows[6], rows[7]);
+    let t7 = _mm256_unpackhi_ps(rows[6], rows[7]);
+    let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(s0, s4),
+        _mm256_permute2f128_ps::<0x20>(s1, s5),
+        _mm256_permute2f128_ps::<0x20>(s2, s6),
+        _mm256_permute2f128_ps::<0x20>(s3, s7),
+        _mm256_permute2f128_ps::<0x31>(s0, s4),
+        _mm256_permute2f128_ps::<0x31>(s1, s5),
+        _mm256_permute2f128_ps::<0x31>(s2, s6),
+        _mm256_permute2f128_ps::<0x31>(s3, s7),
+    ]
 }

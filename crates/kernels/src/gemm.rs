@@ -38,15 +38,24 @@ const AVX2_TILE_ROWS: usize = 6;
 #[cfg(target_arch = "x86_64")]
 const AVX2_TILE_COLS: usize = 16;
 
-/// Where an AVX2 tile lies: its first row `t`, its first output column `col` and how many
-/// of its 16 columns are outputs (`width`), and where those columns start in the panel.
+/// Rows of an AVX2 block: their steps of `k` (`AVX2_BLOCK_K × 4` bytes each, 96 KiB in
+/// all) stay in L2 while each half of the panel walks them. A multiple of the tile's 6.
 #[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-struct Avx2Tile {
+const AVX2_BLOCK_ROWS: usize = 96;
+
+/// Steps of `k` an AVX2 block sums before the next: a 16-column half of the panel over them
+/// is 16 KiB, half of L1.
+#[cfg(target_arch = "x86_64")]
+const AVX2_BLOCK_K: usize = 256;
+
+/// One AVX2 tile's work: its first row `t`, the steps of `k` it adds, where its 16 columns
+/// start in the panel, and its rows' running sums (`[R][PANEL]`).
+#[cfg(target_arch = "x86_64")]
+struct Avx2Tile<'a> {
     t: usize,
-    col: usize,
-    width: usize,
+    steps: std::ops::Range<usize>,
     offset: usize,
+    sums: &'a mut [f32],
 }
 
 thread_local! {
@@ -257,84 +266,121 @@ impl Task<'_> {
         }
     }
 
-    /// The AVX2 tile walk: each panel as two halves of 16 columns, each half's rows in
-    /// 6-row tiles, then one tile of the rows left. (Compiled for AVX2, the portable walk
+    /// The AVX2 tile walk, blocked as BLIS blocks it: per block of [`AVX2_BLOCK_ROWS`] rows
+    /// and [`AVX2_BLOCK_K`] steps of `k`, each 16-column half of the panel is walked in 6-row
+    /// tiles (then one tile of the rows left), so that the half's slice of the panel (16 KiB)
+    /// and a tile's rows of `x` stay in L1 and the block's rows in L2. A tile's sums wait in
+    /// `sums` between blocks of `k` (stored and loaded unrounded), so each output is still one
+    /// fused multiply-add per term in order of `k`. (Compiled for AVX2, the portable walk
     /// stayed scalar: LLVM did not vectorize its row loop of run-time length.)
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn run_avx2(&self) {
+        let mut sums = vec![0f32; AVX2_BLOCK_ROWS * PANEL];
         for (col, width, panel) in self.panels() {
-            for half in (0..width).step_by(AVX2_TILE_COLS) {
-                let half_width = (width - half).min(AVX2_TILE_COLS);
-                let mut t = self.rows.start;
-                while t < self.rows.end {
-                    let rows = (self.rows.end - t).min(AVX2_TILE_ROWS);
-                    let tile = Avx2Tile {
-                        t,
-                        col: col + half,
-                        width: half_width,
-                        offset: half,
-                    };
-                    // SAFETY: rows `t..t + rows` of x and out exist; the panel is
-                    // `[k][PANEL]` and `half + 16 <= PANEL`.
-                    unsafe {
-                        match rows {
-                            6 => self.tile_avx2::<6>(tile, panel),
-                            5 => self.tile_avx2::<5>(tile, panel),
-                            4 => self.tile_avx2::<4>(tile, panel),
-                            3 => self.tile_avx2::<3>(tile, panel),
-                            2 => self.tile_avx2::<2>(tile, panel),
-                            _ => self.tile_avx2::<1>(tile, panel),
+            for block in (self.rows.start..self.rows.end).step_by(AVX2_BLOCK_ROWS) {
+                let block_rows = (self.rows.end - block).min(AVX2_BLOCK_ROWS);
+                sums[..block_rows * PANEL].fill(0.0);
+                for k0 in (0..self.k).step_by(AVX2_BLOCK_K) {
+                    let steps = k0..(k0 + AVX2_BLOCK_K).min(self.k);
+                    for half in (0..width).step_by(AVX2_TILE_COLS) {
+                        let mut t = block;
+                        while t < block + block_rows {
+                            let rows = (block + block_rows - t).min(AVX2_TILE_ROWS);
+                            let tile = Avx2Tile {
+                                t,
+                                steps: steps.clone(),
+                                offset: half,
+                                sums: &mut sums[(t - block) * PANEL..(t - block + rows) * PANEL],
+                            };
+                            // SAFETY: rows `t..t + rows` of x exist; the panel is `[k][PANEL]`,
+                            // `steps` lie in `0..k` and `half + 16 <= PANEL`; `sums` holds
+                            // the tile's rows of PANEL values.
+                            unsafe {
+                                match rows {
+                                    6 => self.tile_avx2::<6>(tile, panel),
+                                    5 => self.tile_avx2::<5>(tile, panel),
+                                    4 => self.tile_avx2::<4>(tile, panel),
+                                    3 => self.tile_avx2::<3>(tile, panel),
+                                    2 => self.tile_avx2::<2>(tile, panel),
+                                    _ => self.tile_avx2::<1>(tile, panel),
+                                }
+                            }
+                            t += rows;
                         }
                     }
-                    t += rows;
+                }
+                for (r, row_sums) in sums.chunks_exact(PANEL).take(block_rows).enumerate() {
+                    // SAFETY: the row's columns col..col + width belong to this task alone.
+                    let dst = unsafe { self.out.slice((block + r) * self.n + col, width) };
+                    dst.copy_from_slice(&row_sums[..width]);
                 }
             }
         }
     }
 
-    /// Rows `tile.t..tile.t + R` × 16 of the panel's columns (from `tile.offset`, output
-    /// columns `tile.col..tile.col + tile.width`), summed over all of `k` in 2R registers
-    /// (12 of the 16 with 6 rows, beside two panel loads and a broadcast) and stored once.
+    /// Adds steps `tile.steps` of rows `tile.t..tile.t + R` × 16 of the panel's columns (from
+    /// `tile.offset`) to the tile's sums, in 2R registers (12 of the 16 with 6 rows, beside
+    /// two panel loads and a broadcast).
     ///
     /// # Safety
     /// AVX2 and FMA must be available; rows `tile.t..tile.t + R` must exist; `panel` is
-    /// `[k][PANEL]` and `tile.offset + 16 <= PANEL`.
+    /// `[k][PANEL]`, `tile.steps` lie in `0..k`, `tile.offset + 16 <= PANEL` and `tile.sums`
+    /// holds `R` rows of `PANEL` values.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn tile_avx2<const R: usize>(&self, tile: Avx2Tile, panel: &[f32]) {
+    unsafe fn tile_avx2<const R: usize>(&self, tile: Avx2Tile<'_>, panel: &[f32]) {
         use std::arch::x86_64::*;
         let (k, t) = (self.k, tile.t);
         debug_assert!(panel.len() == k * PANEL && (t + R) * k <= self.x.len());
-        debug_assert!(tile.offset + AVX2_TILE_COLS <= PANEL && tile.width <= AVX2_TILE_COLS);
-        let mut lo = [_mm256_setzero_ps(); R];
-        let mut hi = [_mm256_setzero_ps(); R];
-        let x = self.x.as_ptr();
+        debug_assert!(tile.offset + AVX2_TILE_COLS <= PANEL && tile.steps.end <= k);
+        debug_assert!(tile.sums.len() == R * PANEL);
+        let sums = tile.sums.as_mut_ptr();
+        // SAFETY: `sums` holds R rows of PANEL values and `offset + 16 <= PANEL`.
+        let mut lo: [__m256; R] =
+            std::array::from_fn(|r| unsafe { _mm256_loadu_ps(sums.add(r * PANEL + tile.offset)) });
+        // SAFETY: as above.
+        let mut hi: [__m256; R] = std::array::from_fn(|r| unsafe {
+            _mm256_loadu_ps(sums.add(r * PANEL + tile.offset + 8))
+        });
+        // SAFETY: rows t..t + R of x exist (the contract).
+        let x_rows: [*const f32; R] =
+            std::array::from_fn(|r| unsafe { self.x.as_ptr().add((t + r) * k) });
         // SAFETY: `offset + 16 <= PANEL`, so every load below lies in row `i` of the panel.
         let b = unsafe { panel.as_ptr().add(tile.offset) };
-        for i in 0..k {
+        // One step of k: two panel loads, a broadcast and two fused multiply-adds per row.
+        let step = |i: usize, lo: &mut [__m256; R], hi: &mut [__m256; R]| {
             // SAFETY: i < k, so both loads lie in the panel and every x read in row t + r.
             unsafe {
                 let b_lo = _mm256_loadu_ps(b.add(i * PANEL));
                 let b_hi = _mm256_loadu_ps(b.add(i * PANEL + 8));
                 for r in 0..R {
-                    let a = _mm256_broadcast_ss(&*x.add((t + r) * k + i));
+                    let a = _mm256_broadcast_ss(&*x_rows[r].add(i));
                     lo[r] = _mm256_fmadd_ps(a, b_lo, lo[r]);
                     hi[r] = _mm256_fmadd_ps(a, b_hi, hi[r]);
                 }
             }
+        };
+        // Four steps a turn: the loop's own instructions, not the multiply-adds, limited
+        // the one-step loop.
+        let mut i = tile.steps.start;
+        while i + 4 <= tile.steps.end {
+            step(i, &mut lo, &mut hi);
+            step(i + 1, &mut lo, &mut hi);
+            step(i + 2, &mut lo, &mut hi);
+            step(i + 3, &mut lo, &mut hi);
+            i += 4;
+        }
+        for i in i..tile.steps.end {
+            step(i, &mut lo, &mut hi);
         }
         for r in 0..R {
-            let mut sums = [0f32; AVX2_TILE_COLS];
-            // SAFETY: `sums` holds 16 f32, the two unaligned stores' width.
+            // SAFETY: as for the loads.
             unsafe {
-                _mm256_storeu_ps(sums.as_mut_ptr(), lo[r]);
-                _mm256_storeu_ps(sums.as_mut_ptr().add(8), hi[r]);
+                _mm256_storeu_ps(sums.add(r * PANEL + tile.offset), lo[r]);
+                _mm256_storeu_ps(sums.add(r * PANEL + tile.offset + 8), hi[r]);
             }
-            // SAFETY: the row's columns col..col + width belong to this task alone.
-            let dst = unsafe { self.out.slice((t + r) * self.n + tile.col, tile.width) };
-            dst.copy_from_slice(&sums[..tile.width]);
         }
     }
 
