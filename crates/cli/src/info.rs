@@ -197,9 +197,16 @@ fn rows(info: &ModelInfo) -> Vec<(&'static str, String)> {
     ]
 }
 
-/// Which storage types the cpu backend keeps as stored (kiln's kernels multiply quantized
-/// blocks and 16-bit floats as they are) and which it dequantizes to f32 at load, by default.
+/// Which storage types the cpu backend keeps as stored (kiln's kernels multiply a GGUF file's
+/// quantized blocks and 16-bit floats, and a safetensors checkpoint's 16-bit floats, as they
+/// are) and which it dequantizes to f32 at load, by default.
 fn cpu_path(info: &ModelInfo) -> String {
+    use kiln_models::ModelFormat;
+    let kept_here = |ty: kiln_models::gguf::GgmlType| match info.format {
+        ModelFormat::Gguf => kiln_kernels::QuantMatrix::takes(ty),
+        ModelFormat::HuggingFace => kiln_kernels::float16::is_float16(ty),
+        ModelFormat::MetaOriginal | ModelFormat::TorchDistributed => false,
+    };
     let (kept, converted): (Vec<&str>, Vec<&str>) = info
         .stored_types
         .iter()
@@ -208,20 +215,15 @@ fn cpu_path(info: &ModelInfo) -> String {
         .partition(|t| {
             kiln_models::gguf::GgmlType::ALL
                 .iter()
-                .any(|g| g.name() == *t && kiln_kernels::QuantMatrix::takes(*g))
+                .any(|g| g.name() == *t && kept_here(*g))
         });
     let mut parts = Vec::new();
-    if !kept.is_empty() && info.format == kiln_models::ModelFormat::Gguf {
+    if !kept.is_empty() {
         parts.push(format!(
             "{} kept as stored (kiln's kernels)",
             kept.join(", ")
         ));
     }
-    let converted: Vec<&str> = if info.format == kiln_models::ModelFormat::Gguf {
-        converted
-    } else {
-        kept.into_iter().chain(converted).collect()
-    };
     if !converted.is_empty() {
         parts.push(format!(
             "{} dequantized to f32 at load",

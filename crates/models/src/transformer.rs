@@ -584,9 +584,17 @@ impl<B: InferenceBackend> WeightLoader<'_, B> {
     }
 
     /// `name` in its quantized blocks, when [`WeightStorage::Quantized`] is asked for and the
-    /// file stores it in a type with a kernel; its shape checked against `[rows, cols]`.
+    /// file stores it in a type with a kernel (16-bit floats only where the backend keeps them:
+    /// [`InferenceBackend::KEEPS_16_BIT_WEIGHTS`]); its shape checked against `[rows, cols]`.
     fn quantized(&self, name: &str, rows: usize, cols: usize) -> Result<Option<QuantMatrix>> {
         if self.storage != WeightStorage::Quantized {
+            return Ok(None);
+        }
+        let sixteen_bit = self
+            .source
+            .stored_type(name)
+            .is_some_and(kiln_kernels::float16::is_float16);
+        if sixteen_bit && !B::KEEPS_16_BIT_WEIGHTS {
             return Ok(None);
         }
         let Some(tensor) = self.source.read_quantized(name)? else {

@@ -132,3 +132,105 @@ fn wgpu_f16_runs_within_tolerance() {
     let worst = worst_diff::<B>(Dtype::F16, &["gpt2-tiny", "llama-tiny"]);
     assert!(worst <= 0.03, "f16 on wgpu: {worst}");
 }
+
+/// `fixture`'s folder copied into `dir` with every f32 tensor of its safetensors files stored
+/// in `dtype` (F16 or BF16), as most checkpoints are published.
+fn sixteen_bit_copy(fixture_name: &str, dtype: safetensors::Dtype, dir: &std::path::Path) {
+    for entry in std::fs::read_dir(fixture(fixture_name)).unwrap() {
+        let path = entry.unwrap().path();
+        let target = dir.join(path.file_name().unwrap());
+        let is_weights = path.extension().is_some_and(|e| e == "safetensors")
+            && path.file_name().is_some_and(|n| n != "logits.safetensors");
+        if !is_weights {
+            std::fs::copy(&path, &target).unwrap();
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let tensors: Vec<(String, Vec<usize>, safetensors::Dtype, Vec<u8>)> = file
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                if view.dtype() != safetensors::Dtype::F32 {
+                    return (
+                        name,
+                        view.shape().to_vec(),
+                        view.dtype(),
+                        view.data().to_vec(),
+                    );
+                }
+                let words: Vec<u8> = view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .flat_map(|v| match dtype {
+                        safetensors::Dtype::F16 => half::f16::from_f32(v).to_le_bytes(),
+                        _ => half::bf16::from_f32(v).to_le_bytes(),
+                    })
+                    .collect();
+                (name, view.shape().to_vec(), dtype, words)
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .map(|(name, shape, dtype, data)| {
+                let view =
+                    safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap();
+                (name.clone(), view)
+            })
+            .collect();
+        std::fs::write(&target, safetensors::serialize(views, None).unwrap()).unwrap();
+    }
+}
+
+/// Checkpoints saved in F16 or BF16, kept in 16 bits on the cpu backend (what `kiln` does
+/// without `--dtype`: `WeightStorage::Quantized`): every weight widens exactly and the sums
+/// run in f32, so each family's logits are the same checkpoint's widened to f32 at load (the
+/// exact path) within 1e-4, with the same greedy tokens. GPT-2's `Conv1D` weights (stored
+/// `[d_in, d_out]`) stay dense; its token table, read by the tied head, is kept.
+#[test]
+fn sixteen_bit_checkpoints_kept_as_stored_compute_as_widened() {
+    type B = burn::backend::Flex;
+    let options = |weights| kiln_models::LoadOptions {
+        dtype: Dtype::F32,
+        weights,
+        ..Default::default()
+    };
+    let device = <B as InferenceBackend>::inference_device();
+    for (name, dtype, label) in [
+        ("llama-tiny", safetensors::Dtype::BF16, "BF16"),
+        ("llama-tiny-tied", safetensors::Dtype::F16, "F16"),
+        ("mistral-tiny", safetensors::Dtype::BF16, "BF16"),
+        ("qwen2-tiny", safetensors::Dtype::F16, "F16"),
+        ("qwen3-tiny", safetensors::Dtype::BF16, "BF16"),
+        ("phi3-tiny", safetensors::Dtype::BF16, "BF16"),
+        ("gemma2-tiny", safetensors::Dtype::BF16, "BF16"),
+        ("gemma3-tiny", safetensors::Dtype::F16, "F16"),
+        ("gpt2-tiny", safetensors::Dtype::BF16, "BF16"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        sixteen_bit_copy(name, dtype, dir.path());
+        let kept_options = options(kiln_models::WeightStorage::Quantized);
+        let kept = kiln_models::load::<B>(dir.path(), &kept_options, &device).unwrap();
+        let kinds = kept.model.weight_summary();
+        // (A fixture already stored in 16 bits keeps its own type.)
+        assert!(
+            kinds.iter().any(|(kind, _, _)| kind.ends_with(" (16-bit)")),
+            "{name}: {kinds:?}"
+        );
+        let exact_options = options(kiln_models::WeightStorage::Dequantized);
+        let exact = kiln_models::load::<B>(dir.path(), &exact_options, &device).unwrap();
+        assert!(!exact.model.holds_quantized_weights(), "{name}");
+        for (i, case) in reference(name).1.iter().enumerate() {
+            let ours = all_logits(&kept.model, &case.prompt);
+            let diff = max_abs_diff(&ours, &all_logits(&exact.model, &case.prompt));
+            assert!(diff <= 1e-4, "{name} {label} case {i}: max |diff| {diff}");
+            let n = case.greedy.len();
+            assert_eq!(
+                greedy_cached(&kept.model, &case.prompt, n),
+                greedy_cached(&exact.model, &case.prompt, n),
+                "{name} {label} case {i}"
+            );
+        }
+    }
+}

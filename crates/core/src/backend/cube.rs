@@ -304,18 +304,7 @@ where
 #[derive(Clone)]
 pub struct DeviceQuant<R: CubeRuntime> {
     host: Arc<QuantMatrix>,
-    device: Arc<OnceLock<Option<OnDevice<R>>>>,
-}
-
-/// A [`DeviceQuant`]'s copy on the device.
-#[derive(Clone)]
-enum OnDevice<R: CubeRuntime> {
-    /// Blocks kiln-cube's quantized kernels multiply.
-    Blocks(QuantWeights<R>),
-    /// A 16-bit float matrix (F16, BF16) as a dense tensor in the dtype of the activations
-    /// it first met, `[d_out, d_in]` held as its transposed view: what the dense path holds
-    /// ([`super::InferenceBackend::DENSE_WEIGHTS_OUT_IN`]) and multiplies.
-    Dense(CubeTensor<R>),
+    device: Arc<OnceLock<Option<QuantWeights<R>>>>,
 }
 
 impl<R: CubeRuntime> std::fmt::Debug for DeviceQuant<R> {
@@ -351,32 +340,8 @@ fn block_type(ty: GgmlType) -> Option<BlockType> {
         GgmlType::Q6K => BlockType::Q6K,
         // No device kernels yet: their products run on the host (`linear_quantized`).
         GgmlType::Q2K | GgmlType::Q3K | GgmlType::Iq4Nl | GgmlType::Iq4Xs => return None,
-        // F16 and BF16 go to the device as dense tensors (`upload`).
         GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => return None,
     })
-}
-
-/// `w` on `x`'s device: its blocks where kiln-cube has a kernel for them, a dense tensor in
-/// `x`'s dtype for 16-bit floats; `None` otherwise (or when the upload failed).
-///
-/// # Shapes
-/// - `x`: `[n, d_in]`; `w`: `[d_out, d_in]`
-fn upload<R: CubeRuntime, BT: BoolElement>(
-    w: &QuantMatrix,
-    x: &Tensor<Cube<R, BT>, 2>,
-) -> Option<OnDevice<R>> {
-    if kiln_kernels::float16::is_float16(w.ty()) {
-        let mut values = vec![0f32; w.rows() * w.cols()];
-        for (r, row) in values.chunks_exact_mut(w.cols().max(1)).enumerate() {
-            w.dequantize_row(r, row);
-        }
-        let data = burn::tensor::TensorData::new(values, [w.rows(), w.cols()]);
-        let dense = Tensor::<Cube<R, BT>, 2>::from_data(data, &x.device())
-            .cast(burn::tensor::FloatDType::from(x.dtype()))
-            .transpose();
-        return Some(OnDevice::Dense(raw(dense)));
-    }
-    upload_blocks(w, &raw(x.clone())).map(OnDevice::Blocks)
 }
 
 /// `w`'s blocks in GGUF's row-after-row layout (the host may keep them interleaved for its
@@ -394,15 +359,13 @@ pub(super) fn linear_quantized<R: CubeRuntime, BT: BoolElement>(
     x: Tensor<Cube<R, BT>, 2>,
     w: &DeviceQuant<R>,
 ) -> Tensor<Cube<R, BT>, 2> {
-    let device = w.device.get_or_init(|| upload(&w.host, &x));
+    let x_raw = raw(x.clone());
+    let device = w.device.get_or_init(|| upload_blocks(&w.host, &x_raw));
     match device {
-        Some(OnDevice::Blocks(weights)) => {
-            match kiln_cube::quant::matmul(raw(x.clone()), weights) {
-                Ok(out) => return wrap(out),
-                Err(err) => fell_back(&err),
-            }
-        }
-        Some(OnDevice::Dense(weights)) => return linear_dense(x, &wrap(weights.clone())),
+        Some(weights) => match kiln_cube::quant::matmul(x_raw, weights) {
+            Ok(out) => return wrap(out),
+            Err(err) => fell_back(&err),
+        },
         None => fell_back_because(|| {
             format!(
                 "{} weights are not on the device (no kernel for the type, or the upload \

@@ -107,6 +107,13 @@ pub trait InferenceBackend: Backend {
     /// kernels).
     const QUANTIZED_ANY_DTYPE: bool = false;
 
+    /// Whether weights a file stores as 16-bit floats (F16, BF16) stay in them, multiplied by
+    /// [`linear_quantized`](Self::linear_quantized) (the cpu backend: its kernels widen each
+    /// weight as they read it, half the bytes of f32), rather than held dense in the model's
+    /// dtype (the GPU backends, where a 16-bit dtype costs no more and runs their dense
+    /// kernels).
+    const KEEPS_16_BIT_WEIGHTS: bool = false;
+
     /// `x · wᵀ` for a weight kept in its quantized blocks. The default reads `x` back to the
     /// host, runs kiln's CPU kernel and uploads the result
     /// ([`linear_quantized_on_host`]): correct on every backend, fast where tensors live in

@@ -34,6 +34,8 @@ impl InferenceBackend for burn::backend::Flex {
 
     type QuantWeight = std::sync::Arc<kiln_kernels::QuantMatrix>;
 
+    const KEEPS_16_BIT_WEIGHTS: bool = true;
+
     fn linear_quantized(
         x: burn::tensor::Tensor<Self, 2>,
         w: &Self::QuantWeight,

@@ -254,6 +254,10 @@ impl TensorSource for GgufFile {
         })
     }
 
+    fn stored_type(&self, name: &str) -> Option<GgmlType> {
+        self.tensor_info(name).map(|info| info.ggml_type)
+    }
+
     /// The tensor's blocks as they are in the file, for 2-D tensors of a type kiln's kernels
     /// multiply as stored.
     fn read_quantized(&self, name: &str) -> Result<Option<QuantizedTensor>> {

@@ -227,12 +227,19 @@ pub(super) fn load<B: InferenceBackend>(
         None => &files,
     };
     let source = Reporting::new(files, progress);
+    // A checkpoint's F16/BF16 matrices are kept as stored where asked and the backend's
+    // products take the dtype; otherwise (nothing here is quantized) they are converted.
+    let weights = if options.dtype == kiln_core::Dtype::F32 || B::QUANTIZED_ANY_DTYPE {
+        options.weights
+    } else {
+        super::WeightStorage::Dequantized
+    };
     let model = family::load_weights(
         untie_if_head_present(config, &source),
         TensorNames::HuggingFace,
         &source,
         options.dtype,
-        super::WeightStorage::Dequantized,
+        weights,
         options.activations,
         device,
     )?;

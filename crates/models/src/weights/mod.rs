@@ -45,6 +45,13 @@ pub trait TensorSource {
         Ok(None)
     }
 
+    /// The ggml type `name` is stored in, where the format names one (GGUF's types;
+    /// safetensors' F32, F16 and BF16); `None` for other tensors and formats (the default).
+    fn stored_type(&self, name: &str) -> Option<kiln_kernels::GgmlType> {
+        let _ = name;
+        None
+    }
+
     /// Several 2-D tensors stored in one quantized type with an interleaved layout
     /// ([`kiln_kernels::interleaved::group_block_bytes`]), each of the `[rows, cols]` its part
     /// names (one width, heights multiples of eight), as one `[Σ rows, cols]` matrix of their
@@ -167,6 +174,10 @@ impl TensorSource for LanguageModelSource<'_> {
         self.inner.read_quantized(&self.stored_name(name))
     }
 
+    fn stored_type(&self, name: &str) -> Option<kiln_kernels::GgmlType> {
+        self.inner.stored_type(&self.stored_name(name))
+    }
+
     fn read_quantized_stack(&self, parts: &[StackPart<'_>]) -> Result<Option<QuantizedTensor>> {
         let names: Vec<String> = parts.iter().map(|p| self.stored_name(p.name)).collect();
         let stored: Vec<StackPart<'_>> = parts
@@ -258,6 +269,10 @@ impl TensorSource for Reporting<'_> {
             self.tick();
         }
         Ok(tensor)
+    }
+
+    fn stored_type(&self, name: &str) -> Option<kiln_kernels::GgmlType> {
+        self.inner.stored_type(name)
     }
 
     fn read_quantized_stack(&self, parts: &[StackPart<'_>]) -> Result<Option<QuantizedTensor>> {
@@ -442,6 +457,48 @@ impl TensorSource for SafetensorsSource {
             shape: shape.to_vec(),
             data,
         })
+    }
+
+    fn stored_type(&self, name: &str) -> Option<kiln_kernels::GgmlType> {
+        let file = &self.files[*self.index.get(name)?];
+        match file.tensor(name)?.0 {
+            StDtype::F32 => Some(kiln_kernels::GgmlType::F32),
+            StDtype::F16 => Some(kiln_kernels::GgmlType::F16),
+            StDtype::BF16 => Some(kiln_kernels::GgmlType::Bf16),
+            _ => None,
+        }
+    }
+
+    /// F16 and BF16 matrices as stored (`[rows, cols]`: PyTorch's `[d_out, d_in]`), for the
+    /// cpu backend's 16-bit products; `None` for every other tensor.
+    fn read_quantized(&self, name: &str) -> Result<Option<QuantizedTensor>> {
+        let file = self
+            .index
+            .get(name)
+            .map(|&i| &self.files[i])
+            .ok_or_else(|| ModelError::MissingTensor {
+                file: self.describe(),
+                tensor: name.to_string(),
+            })?;
+        let (dtype, shape, bytes) = file.tensor(name).ok_or_else(|| {
+            ModelError::corrupt(
+                &file.path,
+                format!("tensor `{name}`: its bytes are missing"),
+            )
+        })?;
+        let ty = match (dtype, shape) {
+            (StDtype::F16, [_, _]) => kiln_kernels::GgmlType::F16,
+            (StDtype::BF16, [_, _]) => kiln_kernels::GgmlType::Bf16,
+            _ => return Ok(None),
+        };
+        let matrix =
+            kiln_kernels::QuantMatrix::from_slice(ty, shape[0], shape[1], bytes, &mut |_| {})
+                .map_err(|e| ModelError::corrupt(&file.path, format!("tensor `{name}`: {e}")))?;
+        Ok(Some(QuantizedTensor {
+            file: file.path.display().to_string(),
+            shape: shape.to_vec(),
+            matrix,
+        }))
     }
 
     fn names(&self) -> Vec<String> {
