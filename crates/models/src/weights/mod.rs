@@ -396,6 +396,28 @@ impl SafetensorsSource {
         self.files.iter().map(|f| f.path.clone()).collect()
     }
 
+    /// `name`'s file, dtype, shape and bytes.
+    ///
+    /// # Errors
+    /// [`ModelError::MissingTensor`], or a file whose header names bytes it lacks.
+    fn tensor(&self, name: &str) -> Result<(&SafetensorsFile, StDtype, &[usize], &[u8])> {
+        let file = self
+            .index
+            .get(name)
+            .map(|&i| &self.files[i])
+            .ok_or_else(|| ModelError::MissingTensor {
+                file: self.describe(),
+                tensor: name.to_string(),
+            })?;
+        let (dtype, shape, bytes) = file.tensor(name).ok_or_else(|| {
+            ModelError::corrupt(
+                &file.path,
+                format!("tensor `{name}`: its bytes are missing"),
+            )
+        })?;
+        Ok((file, dtype, shape, bytes))
+    }
+
     fn open_files(paths: &[PathBuf]) -> Result<Self> {
         let mut files = Vec::new();
         let mut index = HashMap::new();
@@ -431,21 +453,8 @@ impl TensorSource for SafetensorsSource {
     }
 
     fn read(&self, name: &str) -> Result<HostTensor> {
-        let file = self
-            .index
-            .get(name)
-            .map(|&i| &self.files[i])
-            .ok_or_else(|| ModelError::MissingTensor {
-                file: self.describe(),
-                tensor: name.to_string(),
-            })?;
+        let (file, dtype, shape, bytes) = self.tensor(name)?;
         let file_name = file.path.display().to_string();
-        let (dtype, shape, bytes) = file.tensor(name).ok_or_else(|| {
-            ModelError::corrupt(
-                &file.path,
-                format!("tensor `{name}`: its bytes are missing"),
-            )
-        })?;
         let data = to_f32(dtype, bytes).ok_or_else(|| ModelError::UnsupportedTensorDtype {
             file: file_name.clone(),
             tensor: name.to_string(),
@@ -472,20 +481,7 @@ impl TensorSource for SafetensorsSource {
     /// F16 and BF16 matrices as stored (`[rows, cols]`: PyTorch's `[d_out, d_in]`), for the
     /// cpu backend's 16-bit products; `None` for every other tensor.
     fn read_quantized(&self, name: &str) -> Result<Option<QuantizedTensor>> {
-        let file = self
-            .index
-            .get(name)
-            .map(|&i| &self.files[i])
-            .ok_or_else(|| ModelError::MissingTensor {
-                file: self.describe(),
-                tensor: name.to_string(),
-            })?;
-        let (dtype, shape, bytes) = file.tensor(name).ok_or_else(|| {
-            ModelError::corrupt(
-                &file.path,
-                format!("tensor `{name}`: its bytes are missing"),
-            )
-        })?;
+        let (file, dtype, shape, bytes) = self.tensor(name)?;
         let ty = match (dtype, shape) {
             (StDtype::F16, [_, _]) => kiln_kernels::GgmlType::F16,
             (StDtype::BF16, [_, _]) => kiln_kernels::GgmlType::Bf16,
