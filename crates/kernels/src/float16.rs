@@ -63,16 +63,17 @@ fn word(row: &[u8], i: usize) -> u16 {
     u16::from_le_bytes([row[2 * i], row[2 * i + 1]])
 }
 
-/// `out = x · wᵀ` for the `[n, k]` 16-bit rows `w` of type `ty`, on `tier` and `pool`.
+/// `out = x · wᵀ` for the `[n, k]` 16-bit rows `w` of type `ty`, on `tier` and `pool`:
+/// [`crate::QuantMatrix::matmul_with`] for F16 and BF16 matrices, which checks the shapes
+/// and the tier.
 ///
 /// # Shapes
 /// - `w`: `n × k` words, `x`: `[m, k]` → `out`: `[m, n]`
 ///
 /// # Panics
-/// If `ty` is not F16 or BF16, the lengths disagree with the shapes, or this CPU cannot run
-/// `tier`.
+/// If `ty` is not F16 or BF16.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_with(
+pub(crate) fn matmul_with(
     ty: GgmlType,
     w: &[u8],
     k: usize,
@@ -84,13 +85,7 @@ pub fn matmul_with(
     pool: &ThreadPool,
 ) {
     let half = Half::of(ty);
-    assert_eq!(w.len(), 2 * k * n, "weights are not n × k 16-bit words");
-    assert_eq!(x.len(), m * k, "activations are not [m, k]");
-    assert_eq!(out.len(), m * n, "output is not [m, n]");
-    assert!(
-        tier.is_supported(),
-        "kernel tier {tier} is not supported on this CPU"
-    );
+    debug_assert!(w.len() == 2 * k * n && x.len() == m * k && out.len() == m * n);
     if m == 0 || n == 0 {
         return;
     }
@@ -122,7 +117,7 @@ pub fn matmul_with(
                     std::array::from_fn(|j| &x[(t + j.min(usize::from(pair))) * k..][..k]);
                 let sums = match tier {
                     Tier::Scalar => dots_scalar(half, ws, xs),
-                    // SAFETY: the tier was checked above (both include AVX2, FMA and F16C);
+                    // SAFETY: the caller checked the tier (both include AVX2, FMA and F16C);
                     // every weight row is `k` words and every activation row `k` values.
                     #[cfg(target_arch = "x86_64")]
                     Tier::Avx2 | Tier::Avx512Vnni => unsafe {

@@ -469,8 +469,7 @@ impl TensorSource for SafetensorsSource {
     }
 
     fn stored_type(&self, name: &str) -> Option<kiln_kernels::GgmlType> {
-        let file = &self.files[*self.index.get(name)?];
-        match file.tensor(name)?.0 {
+        match self.tensor(name).ok()?.1 {
             StDtype::F32 => Some(kiln_kernels::GgmlType::F32),
             StDtype::F16 => Some(kiln_kernels::GgmlType::F16),
             StDtype::BF16 => Some(kiln_kernels::GgmlType::Bf16),
