@@ -233,7 +233,7 @@ fn scores_to_probabilities<const R: usize>(
 /// registers per row: sixteen accumulators for a full tile), fewer for the last columns.
 ///
 /// # Safety
-/// As [`attend_rows`].
+/// As [`TileSimd::weighted_sum`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 unsafe fn weighted_sum<const R: usize, T: KvElement>(
     tile: &[Row],
@@ -245,7 +245,7 @@ unsafe fn weighted_sum<const R: usize, T: KvElement>(
 ) {
     let mut column = 0;
     while column < kv.head_dim {
-        // SAFETY: `columns` needs this function's contract (`attend_rows`'s: AVX-512, the
+        // SAFETY: `columns` needs this function's contract (`TileSimd::weighted_sum`'s: AVX-512, the
         // tile's records this task's alone), and gets the same tile.
         unsafe {
             column += match (kv.head_dim - column) / LANES {
@@ -261,7 +261,7 @@ unsafe fn weighted_sum<const R: usize, T: KvElement>(
 /// [`weighted_sum`] for `W` registers of columns from `column`; returns how many columns.
 ///
 /// # Safety
-/// As [`attend_rows`].
+/// As [`TileSimd::weighted_sum`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 unsafe fn columns<const R: usize, const W: usize, T: KvElement>(
     tile: &[Row],
@@ -307,8 +307,8 @@ unsafe fn columns<const R: usize, const W: usize, T: KvElement>(
     W * LANES
 }
 
-/// [`super::x86::exp8`] on sixteen lanes: the same operations in the same order, so the same
-/// value for each lane.
+/// [`crate::attention::x86::exp8`] on sixteen lanes: the same operations in the same order,
+/// so the same value for each lane.
 #[inline]
 #[target_feature(enable = "avx512f,fma")]
 fn exp16(x: __m512) -> __m512 {
