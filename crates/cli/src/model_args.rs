@@ -262,6 +262,22 @@ impl ModelArgs {
         });
         bar.finish_and_clear();
         let loaded = loaded.context("loading the model")?;
+        if let (Some(activations), false) = (self.activations, loaded.model.quantizes_activations())
+        {
+            return Err(UsageError(format!(
+                "--activations {} applies to quantized weights, and {name} keeps none (its \
+                 matrices are {}): no product would quantize activations",
+                activations.name(),
+                loaded
+                    .model
+                    .weight_summary()
+                    .iter()
+                    .map(|(kind, _, _)| kind.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+            .into());
+        }
         // Only the host backends stream the weights from this process's heap every step.
         if matches!(self.backend, BackendKind::Cpu | BackendKind::Ndarray) {
             let collapsed = crate::memory::collapse_heap_into_huge_pages();

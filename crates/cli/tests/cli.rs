@@ -698,8 +698,8 @@ fn a_q8_0_kv_cache_runs_on_the_cpu_and_is_refused_where_it_cannot() {
 }
 
 /// `--activations q8` (one 8-bit pass) generates on the default model; where no product
-/// quantizes activations (`--dtype` dequantizes the weights) the flag is refused in one line,
-/// exit code 2, as is a precision kiln does not have.
+/// quantizes activations (`--dtype` dequantizes the weights; a file of F16 or f32 matrices)
+/// the flag is refused in one line, exit code 2, as is a precision kiln does not have.
 #[test]
 fn one_activation_pass_runs_on_the_cpu_and_is_refused_where_nothing_quantizes() {
     eight_tokens_from_the_default_model(&["--activations", "q8"]);
@@ -708,6 +708,28 @@ fn one_activation_pass_runs_on_the_cpu_and_is_refused_where_nothing_quantizes() 
         stderr.contains("--activations q8 sets how the cpu backend's kernels"),
         "{stderr}"
     );
+    for (file, kind) in [
+        ("qwen2-tiny.f16.gguf", "F16 (16-bit)"),
+        ("qwen2-tiny.f32.gguf", "f32"),
+    ] {
+        let model = fixture(&format!("gguf/{file}"));
+        let args = [
+            "generate",
+            "--model",
+            &model,
+            "--token-ids",
+            "1,2",
+            "--max-tokens",
+            "1",
+        ];
+        let stderr = usage_error(&[&args[..], &["--activations", "q8x2"]].concat());
+        assert!(
+            stderr.contains("--activations q8x2 applies to quantized weights")
+                && stderr.contains(&format!("{file} keeps none (its matrices are {kind})")),
+            "{file}: {stderr}"
+        );
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    }
     let unknown = usage_error(&["generate", "hi", "--activations", "q4"]);
     assert!(unknown.contains("auto, q8 or q8x2"), "{unknown}");
 }

@@ -135,6 +135,16 @@ impl<B: InferenceBackend> Transformer<B> {
             .any(|w| matches!(w, LinearWeight::Quantized(_)))
     }
 
+    /// Whether any linear layer's product quantizes its activations (`LoadOptions::
+    /// activations`): one kept in quantized blocks. 16-bit float matrices, also kept as
+    /// stored, and dense ones take f32 activations.
+    pub fn quantizes_activations(&self) -> bool {
+        self.linear_weights().any(|w| match w {
+            LinearWeight::Quantized(m) => !kiln_kernels::float16::is_float16(m.host().ty()),
+            LinearWeight::Dense(_) => false,
+        })
+    }
+
     /// How the linear layers' weights are held: `(storage, count, bytes)` per kind, e.g.
     /// `("Q4_1 (quantized)", 210, …)`, `("F16 (16-bit)", 211, …)` or `("f32", 211, …)`, most
     /// bytes first. A tied head is counted once more (it reads the embedding's table).
