@@ -5,12 +5,13 @@
 //!
 //! Register blocking as in BLIS: each task owns 32 or 64 output columns (and all rows, unless
 //! the columns alone make too few tasks for the threads; `Blocks`), copies those weight
-//! columns once into a scratch buffer of 32-wide panels (`[panel][k][32]`, contiguous,
-//! zero-padded past `n`: 74 KiB a panel at k = 576, 197 KiB at k = 1536, in L2), then walks
-//! its rows in tiles (AVX-512: 12 rows × 32 columns, 24 accumulator registers; AVX2: 6 rows ×
-//! 16 columns, 12 of its 16 registers; the scalar reference, 3 × 32): per step of `k`, two
-//! loads of the panel, one broadcast per row, two fused multiply-adds per row. The whole `k`
-//! is summed in registers and each output is written once.
+//! columns once into a scratch buffer of 32-wide panels (`[panel][k][32]`, contiguous from a
+//! cache line's start, zero-padded past `n`: 74 KiB a panel at k = 576, 197 KiB at k = 1536,
+//! in L2), then walks its rows in tiles (AVX-512: 12 rows × 32 columns, 24 accumulator
+//! registers; AVX2: 6 rows × 16 columns, 12 of its 16 registers; the scalar reference,
+//! 3 × 32): per step of `k`, two loads of the panel, one broadcast per row, two fused
+//! multiply-adds per row. The whole `k` is summed in registers (AVX2: in blocks of `k`) and
+//! each output is written once.
 //!
 //! Every output element is `Σ_i x[t, i] · w[i, j]` summed in order of `i` with one fused
 //! multiply-add per term, in every tier, so the tiers agree bit for bit with the scalar
@@ -57,6 +58,9 @@ struct Avx2Tile<'a> {
     offset: usize,
     sums: &'a mut [f32],
 }
+
+/// f32 values in a 64-byte cache line.
+const LINE_FLOATS: usize = 16;
 
 thread_local! {
     /// Each thread's packed weight panels, reused across calls.
@@ -129,10 +133,13 @@ pub(crate) fn gemm_packed_with(
         let (cols, rows) = blocks.task(task);
         PACKED.with_borrow_mut(|scratch| {
             let len = cols.len().div_ceil(PANEL) * k * PANEL;
-            if scratch.len() < len {
-                scratch.resize(len, 0.0);
+            // A panel row's 16-column halves each fill one cache line only from a 64-byte
+            // boundary (the allocator promises 16).
+            if scratch.len() < len + LINE_FLOATS {
+                scratch.resize(len + LINE_FLOATS, 0.0);
             }
-            let packed = &mut scratch[..len];
+            let start = scratch.as_ptr().align_offset(64).min(LINE_FLOATS);
+            let packed = &mut scratch[start..start + len];
             pack(cols.clone(), packed);
             let job = Task {
                 x,
