@@ -231,6 +231,7 @@ impl BackendTask for Task {
             ),
             None => {
                 let loaded = args.model.load::<B>(&device)?;
+                args.model.refuse_idle_activations(&loaded)?;
                 let draft = args
                     .speculation
                     .load_draft(args.model.backend, &loaded, &device)?;

@@ -274,6 +274,7 @@ impl BackendTask for Task {
     fn run<B: InferenceBackend>(self, device: B::Device) -> Result<()> {
         let Task(args, engine) = self;
         let loaded: LoadedModel<B> = args.model.load(&device)?;
+        args.model.refuse_idle_activations(&loaded)?;
         let tokenizer = loaded.tokenizer.as_ref().ok_or_else(|| {
             UsageError(format!(
                 "{} has no tokenizer; chat needs one",

@@ -214,6 +214,7 @@ impl BackendTask for Task {
     fn run<B: InferenceBackend>(self, device: B::Device) -> Result<()> {
         let args = &self.args;
         let loaded: LoadedModel<B> = args.model.load(&device)?;
+        args.model.refuse_idle_activations(&loaded)?;
         let draft = args
             .speculation
             .load_draft(args.model.backend, &loaded, &device)?;

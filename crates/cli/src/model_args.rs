@@ -262,22 +262,6 @@ impl ModelArgs {
         });
         bar.finish_and_clear();
         let loaded = loaded.context("loading the model")?;
-        if let (Some(activations), false) = (self.activations, loaded.model.quantizes_activations())
-        {
-            return Err(UsageError(format!(
-                "--activations {} applies to quantized weights, and {name} keeps none (its \
-                 matrices are {}): no product would quantize activations",
-                activations.name(),
-                loaded
-                    .model
-                    .weight_summary()
-                    .iter()
-                    .map(|(kind, _, _)| kind.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))
-            .into());
-        }
         // Only the host backends stream the weights from this process's heap every step.
         if matches!(self.backend, BackendKind::Cpu | BackendKind::Ndarray) {
             let collapsed = crate::memory::collapse_heap_into_huge_pages();
@@ -287,6 +271,41 @@ impl ModelArgs {
             eprintln!("warning: {}: {warning}", path.display());
         }
         Ok(loaded)
+    }
+
+    /// Fails when `--activations` was given and `loaded` keeps no matrix whose products
+    /// quantize activations (an F16, BF16 or f32 file): the flag would do nothing. `kiln serve`
+    /// with several models skips it, since the flag applies to those that quantize.
+    ///
+    /// # Errors
+    /// [`UsageError`], naming what the file holds.
+    pub fn refuse_idle_activations<B: InferenceBackend>(
+        &self,
+        loaded: &LoadedModel<B>,
+    ) -> Result<()> {
+        let Some(activations) = self.activations else {
+            return Ok(());
+        };
+        if loaded.model.quantizes_activations() {
+            return Ok(());
+        }
+        let name = loaded.path.file_name().map_or_else(
+            || loaded.path.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        Err(UsageError(format!(
+            "--activations {} applies to quantized weights, and {name} keeps none (its \
+             matrices are {}): no product would quantize activations",
+            activations.name(),
+            loaded
+                .model
+                .weight_summary()
+                .iter()
+                .map(|(kind, _, _)| kind.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+        .into())
     }
 }
 

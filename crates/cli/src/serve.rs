@@ -503,6 +503,9 @@ impl<B: InferenceBackend> Loader<B> {
         let model_args = args.model.for_model(path);
         let backend = model_args.backend;
         let loaded = model_args.load::<B>(device)?;
+        if self.models.len() == 1 {
+            model_args.refuse_idle_activations(&loaded)?;
+        }
         let dtype = model_args.kv_dtype(&loaded.model)?;
         // Requests arrive over time, each up to the full context.
         let run = engine_args::run_for(&loaded.model, dtype, backend);

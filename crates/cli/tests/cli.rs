@@ -730,6 +730,9 @@ fn one_activation_pass_runs_on_the_cpu_and_is_refused_where_nothing_quantizes() 
         );
         assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     }
+    let f16 = fixture("gguf/qwen2-tiny.f16.gguf");
+    let bench = usage_error(&["bench", "--model", &f16, "--activations", "q8", "--quick"]);
+    assert!(bench.contains("keeps none"), "{bench}");
     let unknown = usage_error(&["generate", "hi", "--activations", "q4"]);
     assert!(unknown.contains("auto, q8 or q8x2"), "{unknown}");
 }
