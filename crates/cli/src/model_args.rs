@@ -251,10 +251,7 @@ impl ModelArgs {
     pub fn load<B: InferenceBackend>(&self, device: &B::Device) -> Result<LoadedModel<B>> {
         self.check_activations()?;
         let path = self.path()?;
-        let name = path.file_name().map_or_else(
-            || path.display().to_string(),
-            |n| n.to_string_lossy().into_owned(),
-        );
+        let name = file_label(&path);
         let bar = progress::bar(0, format!("loading {name}"), "tensors");
         let loaded = kiln_models::load_with_progress(&path, &self.options(), device, &mut |p| {
             bar.set_length(p.tensors_total as u64);
@@ -289,10 +286,7 @@ impl ModelArgs {
         if loaded.model.quantizes_activations() {
             return Ok(());
         }
-        let name = loaded.path.file_name().map_or_else(
-            || loaded.path.display().to_string(),
-            |n| n.to_string_lossy().into_owned(),
-        );
+        let name = file_label(&loaded.path);
         Err(UsageError(format!(
             "--activations {} applies to quantized weights, and {name} keeps none (its \
              matrices are {}): no product would quantize activations",
@@ -307,6 +301,14 @@ impl ModelArgs {
         ))
         .into())
     }
+}
+
+/// A model path's file name, for messages (the whole path when it has none).
+fn file_label(path: &Path) -> String {
+    path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
 }
 
 /// `model`, or the embedded default's cached path, fetched first if need be (with a spinner and

@@ -245,8 +245,8 @@ unsafe fn weighted_sum<const R: usize, T: KvElement>(
 ) {
     let mut column = 0;
     while column < kv.head_dim {
-        // SAFETY: `columns` needs this function's contract (`TileSimd::weighted_sum`'s: AVX-512, the
-        // tile's records this task's alone), and gets the same tile.
+        // SAFETY: `columns` needs this function's contract (`TileSimd::weighted_sum`'s:
+        // AVX-512, the tile's records this task's alone), and gets the same tile.
         unsafe {
             column += match (kv.head_dim - column) / LANES {
                 1 => columns::<R, 1, T>(tile, kv, span.clone(), column, probs, inv, out),
