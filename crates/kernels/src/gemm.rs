@@ -10,7 +10,9 @@
 //! in L2), then walks its rows in tiles (AVX-512: 12 rows × 32 columns, 24 accumulator
 //! registers; AVX2: 6 rows × 16 columns, 12 of its 16 registers; the scalar reference,
 //! 3 × 32): per step of `k`, two loads of the panel, one broadcast per row, two fused
-//! multiply-adds per row. The whole `k` is summed in registers (AVX2: in blocks of `k`) and
+//! multiply-adds per row. On AVX2 the broadcasts come from a copy of `x` packed once per
+//! product as BLIS packs its A (`[m / 6][k][6]`: a tile's six values of a step side by side,
+//! one pointer for all six). The whole `k` is summed in registers (AVX2: in blocks of `k`) and
 //! each output is written once.
 //!
 //! Every output element is `Σ_i x[t, i] · w[i, j]` summed in order of `i` with one fused
@@ -65,6 +67,10 @@ const LINE_FLOATS: usize = 16;
 thread_local! {
     /// Each thread's packed weight panels, reused across calls.
     static PACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The calling thread's activations packed in AVX2 tiles ([`pack_x_tiles`]), reused
+    /// across calls: as long as the widest `x` this thread has multiplied.
+    #[cfg(target_arch = "x86_64")]
+    static X_TILES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `out = x · w` on the active tier and the global pool.
@@ -127,6 +133,31 @@ pub(crate) fn gemm_packed_with(
     if m == 0 || n == 0 {
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if tier == Tier::Avx2 {
+        X_TILES.with_borrow_mut(|x_tiles| {
+            pack_x_tiles(x, m, k, x_tiles, pool);
+            run_tasks(k, n, x, x_tiles, m, out, tier, pool, pack);
+        });
+        return;
+    }
+    run_tasks(k, n, x, &[], m, out, tier, pool, pack);
+}
+
+/// The tasks of [`gemm_packed_with`]; `x_tiles` is `x` packed in AVX2 tiles
+/// ([`pack_x_tiles`]) on the AVX2 tier, empty on the others.
+#[allow(clippy::too_many_arguments)]
+fn run_tasks(
+    k: usize,
+    n: usize,
+    x: &[f32],
+    x_tiles: &[f32],
+    m: usize,
+    out: &mut [f32],
+    tier: Tier,
+    pool: &ThreadPool,
+    pack: &PackPanels<'_>,
+) {
     let blocks = Blocks::new(m, n, pool.threads());
     let out = SharedOut::new(out);
     pool.run(blocks.tasks(), &|task| {
@@ -143,6 +174,7 @@ pub(crate) fn gemm_packed_with(
             pack(cols.clone(), packed);
             let job = Task {
                 x,
+                x_tiles,
                 k,
                 n,
                 packed,
@@ -224,9 +256,49 @@ fn pack_in_out(w: &[f32], k: usize, n: usize, cols: std::ops::Range<usize>, pack
     }
 }
 
+/// `x` (`[m, k]`) packed for the AVX2 tile walk as `[m / 6][k][6]` (the rows past `m` in the
+/// last tile zero): a tile's six broadcasts per step of `k` then come from one pointer at
+/// constant offsets, as BLIS packs its A. Packed once per product, by the pool.
+#[cfg(target_arch = "x86_64")]
+fn pack_x_tiles(x: &[f32], m: usize, k: usize, x_tiles: &mut Vec<f32>, pool: &ThreadPool) {
+    const R: usize = AVX2_TILE_ROWS;
+    let tiles = m.div_ceil(R);
+    // Every value is written below (the last tile's missing rows as zeros): no clearing.
+    if x_tiles.len() < tiles * k * R {
+        x_tiles.resize(tiles * k * R, 0.0);
+    }
+    let x_tiles = &mut x_tiles[..tiles * k * R];
+    let dst = SharedOut::new(x_tiles);
+    // Eight tiles a task: 48 rows, tens of microseconds of copying at prefill's widths.
+    const TILES_PER_TASK: usize = 8;
+    pool.run(tiles.div_ceil(TILES_PER_TASK), &|task| {
+        for tile in task * TILES_PER_TASK..((task + 1) * TILES_PER_TASK).min(tiles) {
+            // SAFETY: each tile's `k × 6` values are written by exactly one task.
+            let packed = unsafe { dst.slice(tile * k * R, k * R) };
+            let rows = R.min(m - tile * R);
+            let x = &x[tile * R * k..(tile * R + rows) * k];
+            if rows == R {
+                for (i, step) in packed.chunks_exact_mut(R).enumerate() {
+                    for (r, v) in step.iter_mut().enumerate() {
+                        *v = x[r * k + i];
+                    }
+                }
+            } else {
+                for (i, step) in packed.chunks_exact_mut(R).enumerate() {
+                    for (r, v) in step.iter_mut().enumerate() {
+                        *v = if r < rows { x[r * k + i] } else { 0.0 };
+                    }
+                }
+            }
+        }
+    });
+}
+
 /// One task: output rows `rows` × columns `cols`, with those columns' weights packed.
 struct Task<'a> {
     x: &'a [f32],
+    /// `x` packed in AVX2 tiles ([`pack_x_tiles`]) on the AVX2 tier; empty on the others.
+    x_tiles: &'a [f32],
     k: usize,
     n: usize,
     packed: &'a [f32],
@@ -328,10 +400,12 @@ impl Task<'_> {
 
     /// Adds steps `tile.steps` of rows `tile.t..tile.t + R` × 16 of the panel's columns (from
     /// `tile.offset`) to the tile's sums, in 2R registers (12 of the 16 with 6 rows, beside
-    /// two panel loads and a broadcast).
+    /// two panel loads and a broadcast). The rows' values come from `x_tiles`, a tile's six of
+    /// a step of `k` side by side, so that the broadcasts share one pointer.
     ///
     /// # Safety
-    /// AVX2 and FMA must be available; rows `tile.t..tile.t + R` must exist; `panel` is
+    /// AVX2 and FMA must be available; `x_tiles` is `x` packed by [`pack_x_tiles`] and
+    /// `tile.t` a multiple of 6 with rows `tile.t..tile.t + R` in `x`; `panel` is
     /// `[k][PANEL]`, `tile.steps` lie in `0..k`, `tile.offset + 16 <= PANEL` and `tile.sums`
     /// holds `R` rows of `PANEL` values.
     #[cfg(target_arch = "x86_64")]
@@ -339,8 +413,9 @@ impl Task<'_> {
     #[inline]
     unsafe fn tile_avx2<const R: usize>(&self, tile: Avx2Tile<'_>, panel: &[f32]) {
         use std::arch::x86_64::*;
+        const STRIDE: usize = AVX2_TILE_ROWS;
         let (k, t) = (self.k, tile.t);
-        debug_assert!(panel.len() == k * PANEL && (t + R) * k <= self.x.len());
+        debug_assert!(t % STRIDE == 0 && (t / STRIDE + 1) * k * STRIDE <= self.x_tiles.len());
         debug_assert!(tile.offset + AVX2_TILE_COLS <= PANEL && tile.steps.end <= k);
         debug_assert!(tile.sums.len() == R * PANEL);
         let sums = tile.sums.as_mut_ptr();
@@ -351,26 +426,23 @@ impl Task<'_> {
         let mut hi: [__m256; R] = std::array::from_fn(|r| unsafe {
             _mm256_loadu_ps(sums.add(r * PANEL + tile.offset + 8))
         });
-        // SAFETY: rows t..t + R of x exist (the contract).
-        let x_rows: [*const f32; R] =
-            std::array::from_fn(|r| unsafe { self.x.as_ptr().add((t + r) * k) });
+        // SAFETY: tile t / 6 of x_tiles exists (the contract).
+        let xt = unsafe { self.x_tiles.as_ptr().add(t / STRIDE * k * STRIDE) };
         // SAFETY: `offset + 16 <= PANEL`, so every load below lies in row `i` of the panel.
         let b = unsafe { panel.as_ptr().add(tile.offset) };
-        // One step of k: two panel loads, a broadcast and two fused multiply-adds per row.
         let step = |i: usize, lo: &mut [__m256; R], hi: &mut [__m256; R]| {
-            // SAFETY: i < k, so both loads lie in the panel and every x read in row t + r.
+            // SAFETY: i < k, so both loads lie in the panel and every x read in the tile.
             unsafe {
                 let b_lo = _mm256_loadu_ps(b.add(i * PANEL));
                 let b_hi = _mm256_loadu_ps(b.add(i * PANEL + 8));
+                let a_row = xt.add(i * STRIDE);
                 for r in 0..R {
-                    let a = _mm256_broadcast_ss(&*x_rows[r].add(i));
+                    let a = _mm256_broadcast_ss(&*a_row.add(r));
                     lo[r] = _mm256_fmadd_ps(a, b_lo, lo[r]);
                     hi[r] = _mm256_fmadd_ps(a, b_hi, hi[r]);
                 }
             }
         };
-        // Four steps a turn: the loop's own instructions, not the multiply-adds, limited
-        // the one-step loop.
         let mut i = tile.steps.start;
         while i + 4 <= tile.steps.end {
             step(i, &mut lo, &mut hi);
