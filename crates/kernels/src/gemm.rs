@@ -51,6 +51,17 @@ const AVX2_BLOCK_ROWS: usize = 96;
 #[cfg(target_arch = "x86_64")]
 const AVX2_BLOCK_K: usize = 256;
 
+/// From this size of `x` (bytes) on, past what a core's share of L3 keeps, the AVX2 walk
+/// reads each block of `x` once for all of its task's panels ([`Task::run_avx2_long`])
+/// instead of once per panel, and its tasks take four panels where there are enough.
+#[cfg(target_arch = "x86_64")]
+const AVX2_LONG_X_BYTES: usize = 8 << 20;
+
+/// Rows of a block in the long walk: their steps of a `k` block (192 KiB) and the task's
+/// four panels over those steps (128 KiB) share L2.
+#[cfg(target_arch = "x86_64")]
+const AVX2_LONG_BLOCK_ROWS: usize = 192;
+
 /// One AVX2 tile's work: its first row `t`, the steps of `k` it adds, where its 16 columns
 /// start in the panel, and its rows' running sums (`[R][PANEL]`).
 #[cfg(target_arch = "x86_64")]
@@ -135,30 +146,33 @@ pub(crate) fn gemm_packed_with(
     }
     #[cfg(target_arch = "x86_64")]
     if tier == Tier::Avx2 {
+        let long = m * k * size_of::<f32>() >= AVX2_LONG_X_BYTES;
         X_TILES.with_borrow_mut(|x_tiles| {
             pack_x_tiles(x, m, k, x_tiles, pool);
-            run_tasks(k, n, x, x_tiles, m, out, tier, pool, pack);
+            run_tasks(k, n, x, x_tiles, long, m, out, tier, pool, pack);
         });
         return;
     }
-    run_tasks(k, n, x, &[], m, out, tier, pool, pack);
+    run_tasks(k, n, x, &[], false, m, out, tier, pool, pack);
 }
 
 /// The tasks of [`gemm_packed_with`]; `x_tiles` is `x` packed in AVX2 tiles
-/// ([`pack_x_tiles`]) on the AVX2 tier, empty on the others.
+/// ([`pack_x_tiles`]) on the AVX2 tier, empty on the others; `long` (AVX2 only) takes the
+/// walk's order for a large `x` ([`Task::run_avx2_long`]).
 #[allow(clippy::too_many_arguments)]
 fn run_tasks(
     k: usize,
     n: usize,
     x: &[f32],
     x_tiles: &[f32],
+    long: bool,
     m: usize,
     out: &mut [f32],
     tier: Tier,
     pool: &ThreadPool,
     pack: &PackPanels<'_>,
 ) {
-    let blocks = Blocks::new(m, n, pool.threads());
+    let blocks = Blocks::new(m, n, pool.threads(), long);
     let out = SharedOut::new(out);
     pool.run(blocks.tasks(), &|task| {
         let (cols, rows) = blocks.task(task);
@@ -175,6 +189,7 @@ fn run_tasks(
             let job = Task {
                 x,
                 x_tiles,
+                long,
                 k,
                 n,
                 packed,
@@ -210,11 +225,15 @@ struct Blocks {
 }
 
 impl Blocks {
-    fn new(m: usize, n: usize, threads: usize) -> Self {
+    /// `long`: the walk reads each block of `x` once for all of a task's panels, so tasks
+    /// take four panels where there are enough of them.
+    fn new(m: usize, n: usize, threads: usize, long: bool) -> Self {
         // Two-panel tasks halve the number of tasks (each a claim on the pool and a scratch
         // borrow) where there are plenty; one-panel tasks halve the granularity where two
         // would leave threads unevenly loaded.
-        let cols = if n.div_ceil(2 * PANEL) >= 8 * threads {
+        let cols = if long && n.div_ceil(4 * PANEL) >= 8 * threads {
+            4 * PANEL
+        } else if n.div_ceil(2 * PANEL) >= 8 * threads {
             2 * PANEL
         } else {
             PANEL
@@ -299,6 +318,8 @@ struct Task<'a> {
     x: &'a [f32],
     /// `x` packed in AVX2 tiles ([`pack_x_tiles`]) on the AVX2 tier; empty on the others.
     x_tiles: &'a [f32],
+    /// `x` is large enough for the AVX2 walk's long order ([`AVX2_LONG_X_BYTES`]).
+    long: bool,
     k: usize,
     n: usize,
     packed: &'a [f32],
@@ -355,46 +376,108 @@ impl Task<'_> {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn run_avx2(&self) {
+        if self.long {
+            // SAFETY: as this function's.
+            unsafe { self.run_avx2_long() };
+            return;
+        }
         let mut sums = vec![0f32; AVX2_BLOCK_ROWS * PANEL];
         for (col, width, panel) in self.panels() {
             for block in (self.rows.start..self.rows.end).step_by(AVX2_BLOCK_ROWS) {
-                let block_rows = (self.rows.end - block).min(AVX2_BLOCK_ROWS);
-                sums[..block_rows * PANEL].fill(0.0);
+                let rows = block..(block + AVX2_BLOCK_ROWS).min(self.rows.end);
+                sums[..rows.len() * PANEL].fill(0.0);
                 for k0 in (0..self.k).step_by(AVX2_BLOCK_K) {
                     let steps = k0..(k0 + AVX2_BLOCK_K).min(self.k);
-                    for half in (0..width).step_by(AVX2_TILE_COLS) {
-                        let mut t = block;
-                        while t < block + block_rows {
-                            let rows = (block + block_rows - t).min(AVX2_TILE_ROWS);
-                            let tile = Avx2Tile {
-                                t,
-                                steps: steps.clone(),
-                                offset: half,
-                                sums: &mut sums[(t - block) * PANEL..(t - block + rows) * PANEL],
-                            };
-                            // SAFETY: rows `t..t + rows` of x exist; the panel is `[k][PANEL]`,
-                            // `steps` lie in `0..k` and `half + 16 <= PANEL`; `sums` holds
-                            // the tile's rows of PANEL values.
-                            unsafe {
-                                match rows {
-                                    6 => self.tile_avx2::<6>(tile, panel),
-                                    5 => self.tile_avx2::<5>(tile, panel),
-                                    4 => self.tile_avx2::<4>(tile, panel),
-                                    3 => self.tile_avx2::<3>(tile, panel),
-                                    2 => self.tile_avx2::<2>(tile, panel),
-                                    _ => self.tile_avx2::<1>(tile, panel),
-                                }
-                            }
-                            t += rows;
-                        }
-                    }
+                    // SAFETY: as this function's; `sums` holds the block's rows.
+                    unsafe { self.block_avx2(panel, width, rows.clone(), steps, &mut sums) };
                 }
-                for (r, row_sums) in sums.chunks_exact(PANEL).take(block_rows).enumerate() {
-                    // SAFETY: the row's columns col..col + width belong to this task alone.
-                    let dst = unsafe { self.out.slice((block + r) * self.n + col, width) };
-                    dst.copy_from_slice(&row_sums[..width]);
+                self.store_block(col, width, rows, &sums);
+            }
+        }
+    }
+
+    /// The AVX2 walk for a large `x`: per block of [`AVX2_LONG_BLOCK_ROWS`] rows and
+    /// [`AVX2_BLOCK_K`] steps of `k`, every panel of the task, so that each block of `x`
+    /// comes from memory once per task rather than once per panel; otherwise as
+    /// [`Self::run_avx2`].
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_avx2_long(&self) {
+        let panels: Vec<_> = self.panels().collect();
+        let panel_sums = AVX2_LONG_BLOCK_ROWS * PANEL;
+        let mut sums = vec![0f32; panel_sums * panels.len()];
+        for block in (self.rows.start..self.rows.end).step_by(AVX2_LONG_BLOCK_ROWS) {
+            let rows = block..(block + AVX2_LONG_BLOCK_ROWS).min(self.rows.end);
+            sums.fill(0.0);
+            for k0 in (0..self.k).step_by(AVX2_BLOCK_K) {
+                let steps = k0..(k0 + AVX2_BLOCK_K).min(self.k);
+                for (&(_, width, panel), sums) in
+                    panels.iter().zip(sums.chunks_exact_mut(panel_sums))
+                {
+                    // SAFETY: as this function's; `sums` holds the block's rows.
+                    unsafe { self.block_avx2(panel, width, rows.clone(), steps.clone(), sums) };
                 }
             }
+            for (&(col, width, _), sums) in panels.iter().zip(sums.chunks_exact(panel_sums)) {
+                self.store_block(col, width, rows.clone(), sums);
+            }
+        }
+    }
+
+    /// Adds steps `steps` of the block of rows `rows` × one panel's `width` columns to the
+    /// block's sums (`[rows.len()][PANEL]` at the start of `sums`): each 16-column half of
+    /// the panel walked in 6-row tiles, then one tile of the rows left.
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available; `rows` start at a multiple of 6 and lie in `x`,
+    /// `steps` in `0..k`; `panel` is `[k][PANEL]`; `sums` holds at least `rows.len()` rows of
+    /// `PANEL` values.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn block_avx2(
+        &self,
+        panel: &[f32],
+        width: usize,
+        rows: std::ops::Range<usize>,
+        steps: std::ops::Range<usize>,
+        sums: &mut [f32],
+    ) {
+        for half in (0..width).step_by(AVX2_TILE_COLS) {
+            let mut t = rows.start;
+            while t < rows.end {
+                let tile_rows = (rows.end - t).min(AVX2_TILE_ROWS);
+                let at = (t - rows.start) * PANEL;
+                let tile = Avx2Tile {
+                    t,
+                    steps: steps.clone(),
+                    offset: half,
+                    sums: &mut sums[at..at + tile_rows * PANEL],
+                };
+                // SAFETY: the contract, and `half + 16 <= PANEL`; `tile.sums` holds the
+                // tile's rows of PANEL values.
+                unsafe {
+                    match tile_rows {
+                        6 => self.tile_avx2::<6>(tile, panel),
+                        5 => self.tile_avx2::<5>(tile, panel),
+                        4 => self.tile_avx2::<4>(tile, panel),
+                        3 => self.tile_avx2::<3>(tile, panel),
+                        2 => self.tile_avx2::<2>(tile, panel),
+                        _ => self.tile_avx2::<1>(tile, panel),
+                    }
+                }
+                t += tile_rows;
+            }
+        }
+    }
+
+    /// Writes a block's finished sums (`[rows.len()][PANEL]`) to the output's rows `rows`,
+    /// columns `col..col + width`.
+    #[cfg(target_arch = "x86_64")]
+    fn store_block(&self, col: usize, width: usize, rows: std::ops::Range<usize>, sums: &[f32]) {
+        for (row, row_sums) in rows.zip(sums.chunks_exact(PANEL)) {
+            // SAFETY: the row's columns col..col + width belong to this task alone.
+            let dst = unsafe { self.out.slice(row * self.n + col, width) };
+            dst.copy_from_slice(&row_sums[..width]);
         }
     }
 
@@ -548,5 +631,85 @@ impl Task<'_> {
                 _mm512_mask_storeu_ps(dst.add(16), mask_hi, hi[r]);
             }
         }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// Values in [-1, 1) from a fixed sequence.
+    fn values(len: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed | 1;
+        (0..len)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+            })
+            .collect()
+    }
+
+    /// The in-order fused sum every tier gives.
+    fn reference(w: &[f32], k: usize, n: usize, x: &[f32], m: usize) -> Vec<f32> {
+        (0..m * n)
+            .map(|o| (0..k).fold(0f32, |s, i| x[(o / n) * k + i].mul_add(w[i * n + o % n], s)))
+            .collect()
+    }
+
+    /// The long order (blocks of 192 rows, every panel of a task per block of `x`, four-panel
+    /// tasks) gives the in-order sum's bits; shapes small enough for the reference, with
+    /// partial row blocks, `k` blocks, panels and tiles.
+    #[test]
+    fn the_long_avx2_walk_gives_the_in_order_sums() {
+        if !Tier::Avx2.is_supported() {
+            return;
+        }
+        for (threads, m, k, n) in [(1, 200, 300, 1030), (2, 397, 520, 2100), (3, 13, 40, 75)] {
+            let pool = ThreadPool::new(threads);
+            let (w, x) = (values(k * n, 7), values(m * k, 11));
+            let mut x_tiles = Vec::new();
+            pack_x_tiles(&x, m, k, &mut x_tiles, &pool);
+            let mut out = vec![f32::NAN; m * n];
+            run_tasks(
+                k,
+                n,
+                &x,
+                &x_tiles,
+                true,
+                m,
+                &mut out,
+                Tier::Avx2,
+                &pool,
+                &|cols, p| pack_in_out(&w, k, n, cols, p),
+            );
+            let want = reference(&w, k, n, &x, m);
+            let same = out
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "threads {threads}, [{m}, {k}] x [{k}, {n}]");
+        }
+    }
+
+    /// An `x` past [`AVX2_LONG_X_BYTES`] takes the long walk through the public entry, with
+    /// the same bits.
+    #[test]
+    fn a_large_x_takes_the_long_walk_with_the_same_bits() {
+        if !Tier::Avx2.is_supported() {
+            return;
+        }
+        let (m, n) = (100, 40);
+        let k = (AVX2_LONG_X_BYTES / size_of::<f32>()).div_ceil(m);
+        let (w, x) = (values(k * n, 3), values(m * k, 5));
+        let mut out = vec![f32::NAN; m * n];
+        gemm_in_out_with(&w, k, n, &x, m, &mut out, Tier::Avx2, &ThreadPool::new(2));
+        let want = reference(&w, k, n, &x, m);
+        assert!(
+            out.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+        );
     }
 }
