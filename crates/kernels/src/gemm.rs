@@ -513,6 +513,7 @@ impl Task<'_> {
         let xt = unsafe { self.x_tiles.as_ptr().add(t / STRIDE * k * STRIDE) };
         // SAFETY: `offset + 16 <= PANEL`, so every load below lies in row `i` of the panel.
         let b = unsafe { panel.as_ptr().add(tile.offset) };
+        // One step of k: two panel loads, a broadcast and two fused multiply-adds per row.
         let step = |i: usize, lo: &mut [__m256; R], hi: &mut [__m256; R]| {
             // SAFETY: i < k, so both loads lie in the panel and every x read in the tile.
             unsafe {
@@ -526,6 +527,8 @@ impl Task<'_> {
                 }
             }
         };
+        // Four steps a turn: the loop's own instructions, not the multiply-adds, limited
+        // the one-step loop.
         let mut i = tile.steps.start;
         while i + 4 <= tile.steps.end {
             step(i, &mut lo, &mut hi);
