@@ -52,7 +52,7 @@ const AVX2_BLOCK_ROWS: usize = 96;
 const AVX2_BLOCK_K: usize = 256;
 
 /// From this size of `x` (bytes) on, past what a core's share of L3 keeps, the AVX2 walk
-/// reads each block of `x` once for all of its task's panels ([`Task::run_avx2_long`])
+/// reads each block of `x` once for all of its task's panels ([`Task::run_avx2`])
 /// instead of once per panel, and its tasks take four panels where there are enough.
 #[cfg(target_arch = "x86_64")]
 const AVX2_LONG_X_BYTES: usize = 8 << 20;
@@ -158,7 +158,7 @@ pub(crate) fn gemm_packed_with(
 
 /// The tasks of [`gemm_packed_with`]; `x_tiles` is `x` packed in AVX2 tiles
 /// ([`pack_x_tiles`]) on the AVX2 tier, empty on the others; `long` (AVX2 only) takes the
-/// walk's order for a large `x` ([`Task::run_avx2_long`]).
+/// walk's order for a large `x` ([`Task::run_avx2`]).
 #[allow(clippy::too_many_arguments)]
 fn run_tasks(
     k: usize,
@@ -296,17 +296,9 @@ fn pack_x_tiles(x: &[f32], m: usize, k: usize, x_tiles: &mut Vec<f32>, pool: &Th
             let packed = unsafe { dst.slice(tile * k * R, k * R) };
             let rows = R.min(m - tile * R);
             let x = &x[tile * R * k..(tile * R + rows) * k];
-            if rows == R {
-                for (i, step) in packed.chunks_exact_mut(R).enumerate() {
-                    for (r, v) in step.iter_mut().enumerate() {
-                        *v = x[r * k + i];
-                    }
-                }
-            } else {
-                for (i, step) in packed.chunks_exact_mut(R).enumerate() {
-                    for (r, v) in step.iter_mut().enumerate() {
-                        *v = if r < rows { x[r * k + i] } else { 0.0 };
-                    }
+            for (i, step) in packed.chunks_exact_mut(R).enumerate() {
+                for (r, v) in step.iter_mut().enumerate() {
+                    *v = if r < rows { x[r * k + i] } else { 0.0 };
                 }
             }
         }
@@ -373,41 +365,37 @@ impl Task<'_> {
     /// `sums` between blocks of `k` (stored and loaded unrounded), so each output is still one
     /// fused multiply-add per term in order of `k`. (Compiled for AVX2, the portable walk
     /// stayed scalar: LLVM did not vectorize its row loop of run-time length.)
+    ///
+    /// A large `x` (`long`) is walked in blocks of [`AVX2_LONG_BLOCK_ROWS`] rows, each block
+    /// and block of `k` serving every panel of the task, so that each block of `x` comes from
+    /// memory once per task rather than once per panel.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn run_avx2(&self) {
+        let panels: Vec<_> = self.panels().collect();
         if self.long {
             // SAFETY: as this function's.
-            unsafe { self.run_avx2_long() };
-            return;
-        }
-        let mut sums = vec![0f32; AVX2_BLOCK_ROWS * PANEL];
-        for (col, width, panel) in self.panels() {
-            for block in (self.rows.start..self.rows.end).step_by(AVX2_BLOCK_ROWS) {
-                let rows = block..(block + AVX2_BLOCK_ROWS).min(self.rows.end);
-                sums[..rows.len() * PANEL].fill(0.0);
-                for k0 in (0..self.k).step_by(AVX2_BLOCK_K) {
-                    let steps = k0..(k0 + AVX2_BLOCK_K).min(self.k);
-                    // SAFETY: as this function's; `sums` holds the block's rows.
-                    unsafe { self.block_avx2(panel, width, rows.clone(), steps, &mut sums) };
-                }
-                self.store_block(col, width, rows, &sums);
+            unsafe { self.walk_avx2(&panels, AVX2_LONG_BLOCK_ROWS) };
+        } else {
+            for panel in panels.chunks(1) {
+                // SAFETY: as this function's.
+                unsafe { self.walk_avx2(panel, AVX2_BLOCK_ROWS) };
             }
         }
     }
 
-    /// The AVX2 walk for a large `x`: per block of [`AVX2_LONG_BLOCK_ROWS`] rows and
-    /// [`AVX2_BLOCK_K`] steps of `k`, every panel of the task, so that each block of `x`
-    /// comes from memory once per task rather than once per panel; otherwise as
-    /// [`Self::run_avx2`].
+    /// The task's rows past `panels` (as [`Self::panels`] gives them) in blocks of
+    /// `block_rows` rows: per block and block of `k`, every panel in turn.
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available; `block_rows` is a multiple of 6.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2_long(&self) {
-        let panels: Vec<_> = self.panels().collect();
-        let panel_sums = AVX2_LONG_BLOCK_ROWS * PANEL;
+    unsafe fn walk_avx2(&self, panels: &[(usize, usize, &[f32])], block_rows: usize) {
+        let panel_sums = block_rows * PANEL;
         let mut sums = vec![0f32; panel_sums * panels.len()];
-        for block in (self.rows.start..self.rows.end).step_by(AVX2_LONG_BLOCK_ROWS) {
-            let rows = block..(block + AVX2_LONG_BLOCK_ROWS).min(self.rows.end);
+        for block in (self.rows.start..self.rows.end).step_by(block_rows) {
+            let rows = block..(block + block_rows).min(self.rows.end);
             sums.fill(0.0);
             for k0 in (0..self.k).step_by(AVX2_BLOCK_K) {
                 let steps = k0..(k0 + AVX2_BLOCK_K).min(self.k);
