@@ -4,11 +4,12 @@
 //! types are subsets of f32) and multiplied with f32 activations, summed in f32: the exact
 //! path's arithmetic, with no quantization of the activations.
 //!
-//! - Few activation rows (decoding, [`DOT_MAX_ROWS`] at most): each task owns a run of
-//!   output rows and takes dot products of four weight rows at a time with one or two
-//!   activation rows (four or eight independent sums in eight lanes each), so the weights
-//!   stream from memory once per call; the SIMD tiers differ from the scalar reference's
-//!   in-order sums by rounding.
+//! - Few activation rows (decoding, [`DOT_MAX_ROWS`] at most): each thread streams its share
+//!   of the output rows, the last of them taken from the other threads' backs
+//!   ([`ThreadPool::run_split`]), and takes dot products of four weight rows at a time with
+//!   one or two activation rows (four or eight independent sums in eight lanes each), so the
+//!   weights stream from memory once per call; the SIMD tiers differ from the scalar
+//!   reference's in-order sums by rounding.
 //! - More rows (a prefill): [`crate::gemm`]'s register-blocked walk, its panels widened from
 //!   the 16-bit rows as they are packed, so that every tier gives the bits of the f32
 //!   product [`crate::gemm::gemm_in_out`] computes on the widened matrix.
@@ -25,6 +26,10 @@ pub const DOT_MAX_ROWS: usize = 16;
 
 /// Weight rows that share a pass over the activation rows in the dot products.
 const ROW_STEP: usize = 4;
+
+/// Steps of [`ROW_STEP`] rows a thread claims at a time in the dot products: 64 KB of a
+/// 2,048-wide F16 matrix.
+const SPLIT_STEPS: usize = 4;
 
 /// Whether `ty` is a 16-bit float type these products take.
 pub fn is_float16(ty: GgmlType) -> bool {
@@ -95,16 +100,13 @@ pub(crate) fn matmul_with(
         });
         return;
     }
-    let chunk = n
-        .div_ceil(pool.threads() * 4)
-        .clamp(8, 256)
-        .next_multiple_of(ROW_STEP);
     let row_bytes = 2 * k;
     let out = SharedOut::new(out);
-    pool.run(n.div_ceil(chunk), &|task| {
-        let rows = task * chunk..((task + 1) * chunk).min(n);
-        for r0 in rows.clone().step_by(ROW_STEP) {
-            let count = (rows.end - r0).min(ROW_STEP);
+    // Each thread streams its share of the rows, the last steps taken from the other's back
+    // ([`ThreadPool::run_split`]).
+    pool.run_split(n.div_ceil(ROW_STEP), SPLIT_STEPS, &|claim| {
+        for r0 in claim.map(|step| step * ROW_STEP) {
+            let count = (n - r0).min(ROW_STEP);
             // The slots past the last row repeat it; their sums are not written.
             let ws: [&[u8]; ROW_STEP] = std::array::from_fn(|i| {
                 let r = r0 + i.min(count - 1);

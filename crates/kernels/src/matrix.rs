@@ -56,6 +56,11 @@ impl std::fmt::Debug for QuantMatrix {
 /// two-pass blocks, which stay in a core's L2 while the task's groups read them.
 const ACT_ROWS_PER_PASS: usize = 32;
 
+/// Groups a thread claims at a time in a product of one activation pass
+/// ([`ThreadPool::run_split`]): two are 18 KB of a 2,048-wide Q4_K matrix, a claim's
+/// compare-and-swap nothing next to them.
+const SPLIT_GROUPS: usize = 2;
+
 /// What [`QuantMatrix::for_each_tile`] hands a group (or a pair of groups) of weights: their
 /// bytes, the (first) group's index, and the activation rows to multiply them with.
 type GroupWork<'a> = dyn Fn(&[u8], usize, Range<usize>) + Sync + 'a;
@@ -471,6 +476,8 @@ impl QuantMatrix {
     /// each of its groups reads them (a prompt's whole activations would not), and hands
     /// `narrow` a group (its bytes, its index) with a tile of at most `tile_rows` of the
     /// pass's rows, or `wide` a pair of groups (the first one's index) with the whole pass.
+    /// A product of one pass without wide tiles (decoding) has no tasks of `chunk` rows: the
+    /// groups are split into one share a thread ([`ThreadPool::run_split`]).
     fn for_each_tile(
         &self,
         m: usize,
@@ -486,6 +493,19 @@ impl QuantMatrix {
             groups_per_task = groups_per_task.next_multiple_of(2);
         }
         let groups = self.rows / GROUP;
+        if wide.is_none() && m <= ACT_ROWS_PER_PASS {
+            // One pass of activation rows (decoding): each thread streams its share of the
+            // groups and takes the last ones from the other's back ([`ThreadPool::run_split`]).
+            pool.run_split(groups, SPLIT_GROUPS, &|claim| {
+                for g in claim {
+                    let w = &self.data[g * group_bytes..(g + 1) * group_bytes];
+                    for start in (0..m).step_by(tile_rows) {
+                        narrow(w, g, start..(start + tile_rows).min(m));
+                    }
+                }
+            });
+            return;
+        }
         pool.run(groups.div_ceil(groups_per_task), &|task| {
             let task_groups = task * groups_per_task..((task + 1) * groups_per_task).min(groups);
             for pass in (0..m).step_by(ACT_ROWS_PER_PASS) {

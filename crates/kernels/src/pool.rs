@@ -14,8 +14,9 @@
 //! else one thread per core).
 
 use std::cell::{Cell, UnsafeCell};
+use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -208,6 +209,104 @@ impl ThreadPool {
     }
 }
 
+impl ThreadPool {
+    /// Runs `work` over every index of `0..len` exactly once, in claims of at most `step`
+    /// indices, and returns when all have run. Each thread owns an equal share, which it
+    /// walks from the front (one run of adjacent indices, which for a matrix's rows is one
+    /// stream of weights the prefetchers follow); a thread done with its share takes claims
+    /// from the back of the others', so that the threads finish within one claim of each
+    /// other. (Tasks claimed from one counter end as unevenly as one task's length, and
+    /// shorter tasks start a new stream each.)
+    ///
+    /// # Panics
+    /// As [`run`](Self::run); and if `step` is 0 or `len` does not fit 32 bits.
+    pub fn run_split(&self, len: usize, step: usize, work: &(dyn Fn(Range<usize>) + Sync)) {
+        assert!(step > 0, "claims of no index");
+        if len == 0 {
+            return;
+        }
+        let shares = self.threads.min(len.div_ceil(step));
+        if shares == 1 || IN_TASK.with(Cell::get) {
+            work(0..len);
+            return;
+        }
+        let shares: Vec<TwoEnded> = (0..shares)
+            .map(|s| TwoEnded::new(len * s / shares..len * (s + 1) / shares))
+            .collect();
+        self.run(shares.len(), &|own| {
+            while let Some(claim) = shares[own].claim_front(step) {
+                work(claim);
+            }
+            for other in (1..shares.len()).map(|i| (own + i) % shares.len()) {
+                while let Some(claim) = shares[other].claim_back(step) {
+                    work(claim);
+                }
+            }
+        });
+    }
+}
+
+/// A range of indices claimed from both ends: by its owner from the front, by other threads
+/// from the back. Both ends live in one word (front in the high half), so that a claim is
+/// one compare-and-swap and the two ends never cross.
+struct TwoEnded(AtomicU64);
+
+impl TwoEnded {
+    fn new(range: Range<usize>) -> Self {
+        let (front, back) = (
+            u32::try_from(range.start).expect("a share's start fits 32 bits"),
+            u32::try_from(range.end).expect("a share's end fits 32 bits"),
+        );
+        Self(AtomicU64::new(Self::pack(front, back)))
+    }
+
+    fn pack(front: u32, back: u32) -> u64 {
+        (u64::from(front) << 32) | u64::from(back)
+    }
+
+    /// The next at most `step` indices from the front; `None` once the range is empty.
+    fn claim_front(&self, step: usize) -> Option<Range<usize>> {
+        self.claim(|front, back| {
+            let end = front
+                .saturating_add(u32::try_from(step).unwrap_or(u32::MAX))
+                .min(back);
+            (Self::pack(end, back), front..end)
+        })
+    }
+
+    /// The last at most `step` indices; `None` once the range is empty.
+    fn claim_back(&self, step: usize) -> Option<Range<usize>> {
+        self.claim(|front, back| {
+            let start = back
+                .saturating_sub(u32::try_from(step).unwrap_or(u32::MAX))
+                .max(front);
+            (Self::pack(front, start), start..back)
+        })
+    }
+
+    /// Takes what `take` carves out of the non-empty range (front, back): the new word and
+    /// the claim.
+    fn claim(&self, take: impl Fn(u32, u32) -> (u64, Range<u32>)) -> Option<Range<usize>> {
+        let mut word = self.0.load(Ordering::Relaxed);
+        loop {
+            let (front, back) = ((word >> 32) as u32, word as u32);
+            if front >= back {
+                return None;
+            }
+            let (new, claim) = take(front, back);
+            // Relaxed: the claim is all a thread learns from the word; the indices' results
+            // reach the caller through `run`'s end of job.
+            match self
+                .0
+                .compare_exchange_weak(word, new, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return Some(claim.start as usize..claim.end as usize),
+                Err(now) => word = now,
+            }
+        }
+    }
+}
+
 impl Drop for ThreadPool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
@@ -396,6 +495,75 @@ mod tests {
         for value in [None, Some("0"), Some("-1"), Some("many"), Some("")] {
             assert_eq!(threads_from_env(value), None, "{value:?}");
         }
+    }
+
+    #[test]
+    fn run_split_runs_every_index_once_and_shares_the_work() {
+        let pool = ThreadPool::new(3);
+        for (len, step) in [
+            (1, 1),
+            (2, 1),
+            (7, 2),
+            (64, 2),
+            (65, 3),
+            (1000, 7),
+            (5, 100),
+        ] {
+            let counts: Vec<AtomicUsize> = (0..len).map(|_| AtomicUsize::new(0)).collect();
+            pool.run_split(len, step, &|claim| {
+                assert!(
+                    !claim.is_empty() && claim.len() <= step,
+                    "{claim:?} of step {step}"
+                );
+                for i in claim {
+                    counts[i].fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            assert!(
+                counts.iter().all(|c| c.load(Ordering::Relaxed) == 1),
+                "len {len}, step {step}"
+            );
+        }
+        // Nested inside a task it runs inline, still every index once.
+        let total = AtomicUsize::new(0);
+        pool.run(4, &|_| {
+            pool.run_split(10, 3, &|claim| {
+                total.fetch_add(claim.len(), Ordering::Relaxed);
+            });
+        });
+        assert_eq!(total.load(Ordering::Relaxed), 40);
+    }
+
+    #[test]
+    fn two_ended_claims_meet_without_overlap() {
+        let range = TwoEnded::new(10..21);
+        assert_eq!(range.claim_front(4), Some(10..14));
+        assert_eq!(range.claim_back(4), Some(17..21));
+        assert_eq!(range.claim_back(4), Some(14..17));
+        assert_eq!(range.claim_front(4), None);
+        assert_eq!(range.claim_back(1), None);
+        // Claimed from both ends by many threads at once: every index once.
+        let range = TwoEnded::new(0..100_000);
+        let counts: Vec<AtomicUsize> = (0..100_000).map(|_| AtomicUsize::new(0)).collect();
+        std::thread::scope(|scope| {
+            for t in 0..4 {
+                let (range, counts) = (&range, &counts);
+                scope.spawn(move || {
+                    loop {
+                        let claim = if t % 2 == 0 {
+                            range.claim_front(3)
+                        } else {
+                            range.claim_back(5)
+                        };
+                        let Some(claim) = claim else { break };
+                        for i in claim {
+                            counts[i].fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1));
     }
 
     #[test]
