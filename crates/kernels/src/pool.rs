@@ -8,6 +8,11 @@
 //! runs two jobs at once: callers on other threads queue on a mutex, and a job started from
 //! inside a job runs inline on the calling thread.
 //!
+//! A job is either `tasks` indices claimed one at a time from a counter ([`ThreadPool::run`]),
+//! or a range split into one share a thread, each walked from its front and finished from
+//! the others' backs ([`ThreadPool::run_split`]: a decode step's products, whose threads
+//! then end within one claim of each other and each stream one run of weights).
+//!
 //! The process-wide pool ([`ThreadPool::global`]) is sized once, at start-up: by
 //! [`ThreadPool::init_global`] with the count the program was given (`kiln --threads N`), or,
 //! when nothing sized it before the first kernel ran, by [`default_threads`] (`KILN_THREADS`,
@@ -207,9 +212,7 @@ impl ThreadPool {
             panic!("a kernel task panicked");
         }
     }
-}
 
-impl ThreadPool {
     /// Runs `work` over every index of `0..len` exactly once, in claims of at most `step`
     /// indices, and returns when all have run. Each thread owns an equal share, which it
     /// walks from the front (one run of adjacent indices, which for a matrix's rows is one
@@ -498,7 +501,7 @@ mod tests {
     }
 
     #[test]
-    fn run_split_runs_every_index_once_and_shares_the_work() {
+    fn run_split_runs_every_index_once() {
         let pool = ThreadPool::new(3);
         for (len, step) in [
             (1, 1),
