@@ -488,23 +488,27 @@ impl QuantMatrix {
         narrow: impl Fn(&[u8], usize, Range<usize>) + Sync,
     ) {
         let group_bytes = self.group_bytes();
-        let mut groups_per_task = chunk.div_ceil(GROUP);
-        if wide.is_some() {
-            groups_per_task = groups_per_task.next_multiple_of(2);
-        }
         let groups = self.rows / GROUP;
+        // Group `g` with the activation rows `pass`, a tile of `tile_rows` at a time.
+        let narrow_group = |g: usize, pass: Range<usize>| {
+            let w = &self.data[g * group_bytes..(g + 1) * group_bytes];
+            for start in pass.clone().step_by(tile_rows) {
+                narrow(w, g, start..(start + tile_rows).min(pass.end));
+            }
+        };
         if wide.is_none() && m <= ACT_ROWS_PER_PASS {
             // One pass of activation rows (decoding): each thread streams its share of the
             // groups and takes the last ones from the other's back ([`ThreadPool::run_split`]).
             pool.run_split(groups, SPLIT_GROUPS, &|claim| {
                 for g in claim {
-                    let w = &self.data[g * group_bytes..(g + 1) * group_bytes];
-                    for start in (0..m).step_by(tile_rows) {
-                        narrow(w, g, start..(start + tile_rows).min(m));
-                    }
+                    narrow_group(g, 0..m);
                 }
             });
             return;
+        }
+        let mut groups_per_task = chunk.div_ceil(GROUP);
+        if wide.is_some() {
+            groups_per_task = groups_per_task.next_multiple_of(2);
         }
         pool.run(groups.div_ceil(groups_per_task), &|task| {
             let task_groups = task * groups_per_task..((task + 1) * groups_per_task).min(groups);
@@ -523,10 +527,7 @@ impl QuantMatrix {
                         g += 2;
                         continue;
                     }
-                    let w = &self.data[g * group_bytes..(g + 1) * group_bytes];
-                    for start in pass.clone().step_by(tile_rows) {
-                        narrow(w, g, start..(start + tile_rows).min(pass.end));
-                    }
+                    narrow_group(g, pass.clone());
                     g += 1;
                 }
             }
