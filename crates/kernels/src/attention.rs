@@ -211,34 +211,10 @@ impl<'a, T: KvElement> HeadKv<'a, T> {
         &self.kv.v[at..at + self.row_units]
     }
 
-    /// Prefetches the key rows (into L1) and the value rows (into L2) of keys `span`, found
-    /// through the block table: a head's blocks are not adjacent in a paged cache (the pool
-    /// interleaves the KV heads' blocks), so neither a fixed distance ahead nor the hardware
-    /// prefetchers find the next block's rows. The values are read after the whole partition's
-    /// scores, so they only need to be near. Keys past the table's last block are skipped; a
-    /// prefetch never faults, whatever the address.
-    #[cfg(target_arch = "x86_64")]
-    #[inline]
-    fn prefetch_rows(&self, span: std::ops::Range<usize>) {
-        use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
-        let end = span.end.min(self.blocks.len() * self.kv.block_keys);
-        let row_bytes = self.row_units * size_of::<T>();
-        for (_, at, run) in self.runs(span.start.min(end)..end) {
-            let (k, v) = (
-                self.kv.k.as_ptr().wrapping_add(at).cast::<u8>(),
-                self.kv.v.as_ptr().wrapping_add(at).cast::<u8>(),
-            );
-            for line in (0..run * row_bytes).step_by(64) {
-                // SAFETY: SSE is part of x86_64; a prefetch reads nothing and cannot fault.
-                unsafe {
-                    _mm_prefetch::<_MM_HINT_T0>(k.wrapping_add(line).cast());
-                    _mm_prefetch::<_MM_HINT_T1>(v.wrapping_add(line).cast());
-                }
-            }
-        }
-    }
-
-    /// A cursor at key `span.start` for [`Self::next_key`], which walks `span`.
+    /// A cursor at key `span.start` for [`Self::next_key`] and [`Self::next_run`], which walk
+    /// `span`. A head's blocks are not adjacent in a paged cache (the pool interleaves the KV
+    /// heads' blocks): the walk finds the next block through the table, and so can prefetch
+    /// what neither a fixed distance ahead nor the hardware prefetchers would find.
     #[cfg(target_arch = "x86_64")]
     fn cursor(&self, span: std::ops::Range<usize>) -> KeyCursor {
         let block_keys = self.kv.block_keys;
@@ -255,25 +231,68 @@ impl<'a, T: KvElement> HeadKv<'a, T> {
         }
     }
 
-    /// The next key row of `cursor`'s span, `None` past its end: a table lookup at each new
-    /// block only.
+    /// The next key row of `cursor`'s span, `None` past its end.
     #[cfg(target_arch = "x86_64")]
     #[inline]
     fn next_key(&self, cursor: &mut KeyCursor) -> Option<&'a [T]> {
-        if cursor.left == 0 {
+        self.next_run(cursor, 1).map(|(at, _)| self.key(at))
+    }
+
+    /// The next keys of `cursor`'s span that lie one after another, at most `most` of them
+    /// (`most > 0`): the unit offset of the first one's row and how many (up to the end of
+    /// its block), `None` past the span's end; a table lookup at each new block only.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    fn next_run(&self, cursor: &mut KeyCursor, most: usize) -> Option<(usize, usize)> {
+        let block_keys = self.kv.block_keys;
+        let n = most.min(cursor.left).min(block_keys - cursor.row);
+        if n == 0 {
             return None;
         }
-        let key = self.key(cursor.at);
-        cursor.left -= 1;
-        cursor.row += 1;
-        if cursor.row < self.kv.block_keys {
-            cursor.at += self.row_units;
+        let at = cursor.at;
+        cursor.left -= n;
+        cursor.row += n;
+        if cursor.row < block_keys {
+            cursor.at += n * self.row_units;
         } else if cursor.left > 0 {
             cursor.block += 1;
             cursor.row = 0;
-            cursor.at = self.blocks[cursor.block] * self.kv.block_keys * self.row_units;
+            cursor.at = self.blocks[cursor.block] * block_keys * self.row_units;
         }
-        Some(key)
+        Some((at, n))
+    }
+
+    /// Prefetches the rows of `rows` keys from unit offset `at`, one after another: the keys
+    /// into L1 and the values into L2 (the values are read after the whole partition's
+    /// scores, so they only need to be near).
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    fn prefetch_run(&self, at: usize, rows: usize) {
+        use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
+        let (k, v) = (
+            self.kv.k.as_ptr().wrapping_add(at).cast::<i8>(),
+            self.kv.v.as_ptr().wrapping_add(at).cast::<i8>(),
+        );
+        for line in (0..rows * self.row_units * size_of::<T>()).step_by(64) {
+            // SAFETY: SSE is part of x86_64; a prefetch reads nothing and cannot fault.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(k.wrapping_add(line));
+                _mm_prefetch::<_MM_HINT_T1>(v.wrapping_add(line));
+            }
+        }
+    }
+
+    /// Prefetches the value rows of `rows` keys from unit offset `at`, one after another,
+    /// into L1.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    fn prefetch_values(&self, at: usize, rows: usize) {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let v = self.kv.v.as_ptr().wrapping_add(at).cast::<i8>();
+        for line in (0..rows * self.row_units * size_of::<T>()).step_by(64) {
+            // SAFETY: SSE is part of x86_64; a prefetch reads nothing and cannot fault.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(v.wrapping_add(line)) };
+        }
     }
 
     /// Keys `span` as runs of keys that lie one after another (a block's, or a part of one),
@@ -302,7 +321,7 @@ impl<'a, T: KvElement> HeadKv<'a, T> {
     }
 }
 
-/// Where [`HeadKv::next_key`] is in a span of keys: the block (of the head's table), the row
+/// Where [`HeadKv::next_run`] is in a span of keys: the block (of the head's table), the row
 /// in it, that row's unit offset, and the keys left.
 #[cfg(target_arch = "x86_64")]
 struct KeyCursor {

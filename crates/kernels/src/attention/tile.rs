@@ -2,20 +2,23 @@
 //! time, sixteen keys on AVX-512 ([`Avx512`], head widths a multiple of 16), eight on AVX2
 //! ([`Avx2`], widths a multiple of 8).
 //!
-//! The row kernels read a KV head's keys once per query row and reduce every score across
-//! lanes; here a tile of query rows that see the same first key shares one pass over the keys,
-//! which are transposed (and widened to f32) once per task and partition into a scratch
-//! buffer (`[chunk][dim][LANES keys]`), so a score is a register's keys in its lanes and a row
-//! of values is loaded once for every row of the tile. This file holds what both widths share
-//! (which rows form a tile, which keys it covers, where its results go); `avx512.rs` and
-//! `avx2.rs` the transposition, the scores and the weighted sum in their registers
-//! ([`TileSimd`]).
+//! The row kernels read a KV head's keys once per query row; here a tile of query rows that
+//! see the same first key shares one pass over the keys: each key row is loaded (and widened
+//! to f32) once for every row of the tile, its dot products with the tile's queries taken a
+//! register of dimensions at a time, and a register of keys' products summed across lanes
+//! together (a tree of shuffles and adds whose result holds one key's score in each lane);
+//! likewise a row of values is loaded once for every row of the tile. This file holds what
+//! both widths share (which rows form a tile, which keys it covers, where its results go, how
+//! the keys are walked); `avx512.rs` and `avx2.rs` the scores and the weighted sum in their
+//! registers ([`TileSimd`]).
 //!
 //! A row's partial result for a partition (see `super`'s doc) still depends only on its
 //! visible keys: every number is computed in an order fixed relative to the partition's first
 //! key (`start`, a fixed distance from the row's first visible key), whatever else is in the
 //! tile, the task or the cache.
-//! - score of key `j`: `Σ_d q_d k_jd`, one FMA per `d` from 0 up, times `1/√head_dim`;
+//! - score of key `j`: lane `l` of a register takes `q_d k_jd` for `d ≡ l (mod LANES)`, one
+//!   FMA per register of dimensions from the first up; the lanes are then summed in a fixed
+//!   pairwise tree, and the sum multiplied by `1/√head_dim`;
 //! - masked keys (and keys past the row's last visible one) get probability exactly 0;
 //! - the denominator: `LANES` partial sums, lane `l` taking keys `start + LANES c + l` in
 //!   ascending `c`, then one fixed reduction;
@@ -25,7 +28,7 @@
 //!
 //! So a prompt alone, packed beside others or beside padding gives the same bits, as the
 //! property tests in `tests/attention.rs` check on each tier (the two widths round apart:
-//! their denominators sum in different orders).
+//! their sums run over different lanes).
 
 mod avx2;
 mod avx512;
@@ -39,14 +42,13 @@ pub(super) use avx512::Avx512;
 use super::{HeadKv, KeyCursor, KvElement};
 use crate::SharedOut;
 
-/// Query rows per tile: four rows × two key chunks keep eight independent FMA chains in the
-/// scores.
+/// Query rows per tile: a key row loaded once serves four rows' dot products.
 const TILE_ROWS: usize = 4;
 
 thread_local! {
-    /// Per worker thread: the transposed keys and the tile's scores / probabilities, grown
-    /// as needed and kept between tasks.
-    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// Per worker thread: the tile's scores / probabilities, grown as needed and kept
+    /// between tasks.
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// One query row of a task.
@@ -74,8 +76,6 @@ pub(super) struct Partition {
 
 /// What a tile's scores are computed over.
 pub(super) struct KeysSeen<'a> {
-    /// The transposed keys, from the tile's first key (`[chunks, head_dim, LANES]`).
-    pub kt: &'a [f32],
     /// As [`attend_rows`]'s.
     pub mask: &'a [bool],
     /// Keys per mask row.
@@ -84,8 +84,6 @@ pub(super) struct KeysSeen<'a> {
     pub span: Range<usize>,
     /// `1 / √head_dim`.
     pub scale: f32,
-    /// Width of a head.
-    pub head_dim: usize,
 }
 
 /// The parts of the tile kernel that depend on the register width. Every function needs the
@@ -95,30 +93,19 @@ pub(super) trait TileSimd {
     /// Keys per register.
     const LANES: usize;
 
-    /// `kt[c][d][l] = k[span.start + LANES c + l][d]` over `span`, the last chunk's missing
-    /// keys 0, widened to f32.
-    ///
-    /// # Safety
-    /// As the trait says.
-    unsafe fn transpose_keys<T: KvElement>(
-        kv: &HeadKv<'_, T>,
-        span: Range<usize>,
-        kt: &mut Vec<f32>,
-    );
-
     /// The scores of the tile's `R` rows over `seen.span` (`probs[r][c × LANES + l]`, then
     /// their probabilities in place), and each row's largest score and `Σ p` (-inf and 0 for
     /// a row that sees no key).
     ///
     /// # Shapes
-    /// - `seen.kt`: `[chunks ≥ span / LANES, head_dim, LANES]` from [`Self::transpose_keys`]
-    /// - `probs`: `[TILE_ROWS, chunks × LANES]`
+    /// - `probs`: `[TILE_ROWS, chunks × LANES]` (`chunks`: `seen.span`'s keys in registers)
     ///
     /// # Safety
     /// As the trait says.
-    unsafe fn scores_to_probabilities<const R: usize>(
+    unsafe fn scores_to_probabilities<const R: usize, T: KvElement>(
         tile: &[Row],
         q: &[f32],
+        kv: &HeadKv<'_, T>,
         seen: &KeysSeen<'_>,
         probs: &mut [f32],
     ) -> ([f32; TILE_ROWS], [f32; TILE_ROWS]);
@@ -160,9 +147,7 @@ pub(super) unsafe fn attend_rows<T: KvElement, S: TileSimd>(
 ) {
     let head_dim = kv.head_dim;
     debug_assert!(head_dim > 0 && head_dim.is_multiple_of(S::LANES));
-    let (mut kt, mut probs) = SCRATCH.take();
-    // The transposed keys cover `built`.
-    let mut built: Option<Range<usize>> = None;
+    let mut probs = SCRATCH.take();
     let mut r = 0;
     while r < rows.len() {
         let start = rows[r].visible.start;
@@ -188,45 +173,25 @@ pub(super) unsafe fn attend_rows<T: KvElement, S: TileSimd>(
             }
             continue;
         }
-        if !built
-            .as_ref()
-            .is_some_and(|b| b.start == span.start && b.end >= span.end)
-        {
-            // Build once for every row of the task that starts here.
-            let task_end = rows
-                .iter()
-                .filter(|row| row.visible.start == start)
-                .map(|row| row.visible.end)
-                .max()
-                .unwrap_or(end);
-            let task_span =
-                super::partition_span(&(start..task_end), partition.index, partition.keys);
-            // SAFETY: `S`'s features and `head_dim` are the caller's contract.
-            unsafe { S::transpose_keys(kv, task_span.clone(), &mut kt) };
-            built = Some(task_span);
-        }
-        let chunks = span.len().div_ceil(S::LANES);
         // Every value a tile reads is written first (each row's scores, then probabilities):
         // grown, never cleared.
-        let needed = TILE_ROWS * chunks * S::LANES;
+        let needed = TILE_ROWS * span.len().div_ceil(S::LANES) * S::LANES;
         if probs.len() < needed {
             probs.resize(needed, 0.0);
         }
-        let keys_seen = KeysSeen {
-            kt: &kt,
+        let seen = KeysSeen {
             mask,
             keys,
             span: span.clone(),
             scale,
-            head_dim,
         };
         // SAFETY: `S`'s features and `head_dim` are the caller's contract.
         let (maxes, sums) = unsafe {
             match tile.len() {
-                1 => S::scores_to_probabilities::<1>(tile, q, &keys_seen, &mut probs),
-                2 => S::scores_to_probabilities::<2>(tile, q, &keys_seen, &mut probs),
-                3 => S::scores_to_probabilities::<3>(tile, q, &keys_seen, &mut probs),
-                _ => S::scores_to_probabilities::<4>(tile, q, &keys_seen, &mut probs),
+                1 => S::scores_to_probabilities::<1, T>(tile, q, kv, &seen, &mut probs),
+                2 => S::scores_to_probabilities::<2, T>(tile, q, kv, &seen, &mut probs),
+                3 => S::scores_to_probabilities::<3, T>(tile, q, kv, &seen, &mut probs),
+                _ => S::scores_to_probabilities::<4, T>(tile, q, kv, &seen, &mut probs),
             }
         };
         let inv = sums.map(|s| if s > 0.0 { 1.0 / s } else { 0.0 });
@@ -247,22 +212,59 @@ pub(super) unsafe fn attend_rows<T: KvElement, S: TileSimd>(
             tail[1] = sums[i];
         }
     }
-    SCRATCH.set((kt, probs));
+    SCRATCH.set(probs);
 }
 
-/// How far ahead (in keys) the transpositions prefetch keys and values: they read a
-/// register's keys a column slice at a time, a pattern the hardware prefetcher follows late
-/// on a short run of keys (and not at all across a paged cache's blocks, which lie apart).
+/// How far ahead (in keys) the weighted sums prefetch values into L1: the scores' walk
+/// prefetched them only to L2.
+const VALUES_AHEAD: usize = 32;
+
+/// A weighted sum's prefetch of the values ahead of it over a span of keys.
+pub(super) struct ValuesAhead {
+    /// The next key whose values are not prefetched yet.
+    cursor: KeyCursor,
+    /// Keys (from the span's first) whose values are prefetched.
+    done: usize,
+}
+
+impl ValuesAhead {
+    /// The prefetch over `span`, its first [`VALUES_AHEAD`] keys' values prefetched.
+    pub(super) fn new<T: KvElement>(kv: &HeadKv<'_, T>, span: Range<usize>) -> Self {
+        let mut ahead = Self {
+            cursor: kv.cursor(span),
+            done: 0,
+        };
+        ahead.past(kv, 0);
+        ahead
+    }
+
+    /// The walk has reached key `at` (counted from the span's first): the values up to
+    /// [`VALUES_AHEAD`] keys on are prefetched.
+    pub(super) fn past<T: KvElement>(&mut self, kv: &HeadKv<'_, T>, at: usize) {
+        while self.done < at + VALUES_AHEAD {
+            let Some((row, n)) = kv.next_run(&mut self.cursor, at + VALUES_AHEAD - self.done)
+            else {
+                return;
+            };
+            kv.prefetch_values(row, n);
+            self.done += n;
+        }
+    }
+}
+
+/// How far ahead (in keys) the scores' walk prefetches keys and values: the hardware
+/// prefetcher follows a short run of keys late (and not at all across a paged cache's
+/// blocks, which lie apart).
 const KEYS_AHEAD: usize = 32;
 
-/// A transposition's walk over a span of keys, a chunk at a time: each chunk's rows are found
-/// once (a cursor over the block table), so the loads after it are plain loads the core can
-/// overlap (a lookup per load, through a call, serialized the cache misses); the rows
-/// [`KEYS_AHEAD`] keys on are prefetched, their values too.
+/// The scores' walk over a span of keys, a chunk at a time: each chunk's rows are found
+/// once (a cursor over the block table; a chunk inside one block as one run), so the loads
+/// after it are plain loads the core can overlap; the rows [`KEYS_AHEAD`] keys on are
+/// prefetched (a second cursor), their values too.
 pub(super) struct KeyChunks<T> {
     cursor: KeyCursor,
-    /// The next chunk's first key.
-    first: usize,
+    /// The first key not prefetched yet.
+    ahead: KeyCursor,
     /// What a missing key (past the span's end) reads.
     zeros: Vec<T>,
 }
@@ -271,21 +273,51 @@ impl<T: KvElement> KeyChunks<T> {
     /// The walk over `span`, its first [`KEYS_AHEAD`] keys' rows prefetched (no earlier chunk
     /// did).
     pub(super) fn new(kv: &HeadKv<'_, T>, span: Range<usize>) -> Self {
-        kv.prefetch_rows(span.start..span.start + KEYS_AHEAD.min(span.len()));
+        let mut ahead = kv.cursor(span.clone());
+        let mut first = 0;
+        while first < KEYS_AHEAD {
+            let Some((at, n)) = kv.next_run(&mut ahead, KEYS_AHEAD - first) else {
+                break;
+            };
+            kv.prefetch_run(at, n);
+            first += n;
+        }
         Self {
-            cursor: kv.cursor(span.clone()),
-            first: span.start,
+            cursor: kv.cursor(span),
+            ahead,
             zeros: vec![T::ZERO; kv.row_units],
         }
     }
 
     /// The next chunk's `N` key rows (a zero row for each missing one).
     pub(super) fn next<'s, const N: usize>(&'s mut self, kv: &HeadKv<'s, T>) -> [&'s [T]; N] {
-        let (cursor, zeros) = (&mut self.cursor, &self.zeros);
-        let keys: [&[T]; N] =
-            std::array::from_fn(|_| kv.next_key(cursor).unwrap_or(zeros.as_slice()));
-        kv.prefetch_rows(self.first + KEYS_AHEAD..self.first + KEYS_AHEAD + N);
-        self.first += N;
+        let units = kv.row_units;
+        let keys: [&[T]; N] = match kv.next_run(&mut self.cursor, N) {
+            Some((at, n)) if n == N => {
+                let run = &kv.kv.k[at..at + N * units];
+                std::array::from_fn(|i| &run[i * units..(i + 1) * units])
+            }
+            first => {
+                // The chunk crosses a block (or the span's end): row by row.
+                let (cursor, zeros) = (&mut self.cursor, &self.zeros);
+                let mut first = first.map(|(at, n)| (at, n, 0));
+                std::array::from_fn(|_| match &mut first {
+                    Some((at, n, i)) if *i < *n => {
+                        *i += 1;
+                        kv.key(*at + (*i - 1) * units)
+                    }
+                    _ => kv.next_key(cursor).unwrap_or(zeros.as_slice()),
+                })
+            }
+        };
+        let mut prefetched = 0;
+        while prefetched < N {
+            let Some((at, n)) = kv.next_run(&mut self.ahead, N - prefetched) else {
+                break;
+            };
+            kv.prefetch_run(at, n);
+            prefetched += n;
+        }
         keys
     }
 }

@@ -20,24 +20,16 @@ pub(in crate::attention) struct Avx2;
 impl TileSimd for Avx2 {
     const LANES: usize = LANES;
 
-    unsafe fn transpose_keys<T: KvElement>(
-        kv: &HeadKv<'_, T>,
-        span: Range<usize>,
-        kt: &mut Vec<f32>,
-    ) {
-        // SAFETY: the trait's contract: this CPU has AVX2, FMA and F16C, `head_dim` is a
-        // multiple of 8.
-        unsafe { transpose_keys(kv, span, kt) }
-    }
-
-    unsafe fn scores_to_probabilities<const R: usize>(
+    unsafe fn scores_to_probabilities<const R: usize, T: KvElement>(
         tile: &[Row],
         q: &[f32],
+        kv: &HeadKv<'_, T>,
         seen: &KeysSeen<'_>,
         probs: &mut [f32],
     ) -> ([f32; TILE_ROWS], [f32; TILE_ROWS]) {
-        // SAFETY: the trait's contract: this CPU has AVX2 and FMA.
-        unsafe { scores_to_probabilities::<R>(tile, q, seen, probs) }
+        // SAFETY: the trait's contract: this CPU has AVX2, FMA and F16C, `head_dim` is a
+        // multiple of 8.
+        unsafe { scores_to_probabilities::<R, T>(tile, q, kv, seen, probs) }
     }
 
     unsafe fn weighted_sum<const R: usize, T: KvElement>(
@@ -54,72 +46,102 @@ impl TileSimd for Avx2 {
     }
 }
 
-/// `kt[c][d][l] = k[start + 8c + l][d]` over `span`, the last chunk's missing keys 0: eight
-/// keys by eight dimensions at a time through [`transpose8`], widened to f32.
+/// The dot products of one key row with the tile's `R` queries, lane `l` of row `r`'s
+/// register summing `q_d k_d` for `d ≡ l (mod 8)`, one FMA per register of dimensions from
+/// the first up.
 ///
 /// # Safety
-/// `head_dim` must be a multiple of 8.
+/// `key` holds `head_dim` values and each of `queries` `head_dim` floats; `head_dim` is a
+/// multiple of 8, `W` its registers (or 0: any width).
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn transpose_keys<T: KvElement>(kv: &HeadKv<'_, T>, span: Range<usize>, kt: &mut Vec<f32>) {
-    let head_dim = kv.head_dim;
-    let chunks = span.len().div_ceil(LANES);
-    // Every value of the chunks is written below (missing keys as zeros): grown, never
-    // cleared.
-    if kt.len() < chunks * head_dim * LANES {
-        kt.resize(chunks * head_dim * LANES, 0.0);
-    }
-    let mut walk = KeyChunks::new(kv, span);
-    for chunk in kt[..chunks * head_dim * LANES].chunks_exact_mut(head_dim * LANES) {
-        let keys: [&[T]; LANES] = walk.next(kv);
-        for d0 in (0..head_dim).step_by(LANES) {
-            let mut rows = [_mm256_setzero_ps(); LANES];
-            for (row, key) in rows.iter_mut().zip(&keys) {
-                // SAFETY: `d0 + 8 <= head_dim` (a multiple of 8, the caller's contract), the
-                // values of every row in `keys`; this function has F16C.
-                *row = unsafe { T::load8(key.as_ptr(), d0) };
-            }
-            for (dd, column) in transpose8(rows).into_iter().enumerate() {
-                let at = (d0 + dd) * LANES;
-                // SAFETY: 8 values (a slice of that length).
-                unsafe { _mm256_storeu_ps(chunk[at..at + LANES].as_mut_ptr(), column) };
+unsafe fn key_dots<const R: usize, const W: usize, T: KvElement>(
+    queries: &[*const f32; R],
+    key: *const T,
+    head_dim: usize,
+) -> [__m256; R] {
+    let mut dots = [_mm256_setzero_ps(); R];
+    // A known width unrolls the loop (and keeps its registers out of memory).
+    let registers = if W > 0 { W } else { head_dim / LANES };
+    for d in (0..registers).map(|w| w * LANES) {
+        // SAFETY: `d + 8 <= head_dim` values of the key and of each query (the caller's
+        // contract).
+        unsafe {
+            let k = T::load8(key, d);
+            for (dot, query) in dots.iter_mut().zip(queries) {
+                *dot = _mm256_fmadd_ps(_mm256_loadu_ps(query.add(d)), k, *dot);
             }
         }
     }
+    dots
 }
 
-/// The transpose of an 8 × 8 block held as eight rows: unpacks and shuffles within 128-bit
-/// lanes, then one round of 128-bit lane permutes (24 shuffles for 64 values).
+/// The sums across lanes of two keys' registers `a` and `b`, halfway: within each 128-bit
+/// lane, `[a0 + a2, b0 + b2, a1 + a3, b1 + b3]`.
 #[inline]
 #[target_feature(enable = "avx")]
-fn transpose8(r: [__m256; LANES]) -> [__m256; LANES] {
-    // t[2p], t[2p + 1]: rows 2p and 2p + 1 interleaved (columns 0, 1 | 4, 5 and 2, 3 | 6, 7).
-    let t: [__m256; LANES] = std::array::from_fn(|i| {
-        let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
-        if i % 2 == 0 {
-            _mm256_unpacklo_ps(a, b)
-        } else {
-            _mm256_unpackhi_ps(a, b)
+fn sum_pairs(a: __m256, b: __m256) -> __m256 {
+    _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b))
+}
+
+/// Two results of [`sum_pairs`] (keys `0, 1` in `x`, `2, 3` in `y`) summed on: within each
+/// 128-bit lane, the four keys' sums over that lane's four values, in key order.
+#[inline]
+#[target_feature(enable = "avx")]
+fn sum_quads(x: __m256, y: __m256) -> __m256 {
+    _mm256_add_ps(
+        _mm256_shuffle_ps::<0x44>(x, y),
+        _mm256_shuffle_ps::<0xEE>(x, y),
+    )
+}
+
+/// The two 128-bit lanes of each register summed: `[x0 + x1, y0 + y1]` (lanes of four
+/// floats).
+#[inline]
+#[target_feature(enable = "avx")]
+fn sum_halves(x: __m256, y: __m256) -> __m256 {
+    _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(x, y),
+        _mm256_permute2f128_ps::<0x31>(x, y),
+    )
+}
+
+/// The eight keys' scores (before scaling) of the tile's `R` rows, key `l`'s in lane `l`:
+/// [`key_dots`] of each key, summed across lanes by [`sum_pairs`], [`sum_quads`] and
+/// [`sum_halves`] (the tree of the module doc), two keys at a time.
+///
+/// # Safety
+/// As [`key_dots`], for each of `keys`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn chunk_scores<const R: usize, const W: usize, T: KvElement>(
+    queries: &[*const f32; R],
+    keys: &[&[T]; LANES],
+    head_dim: usize,
+) -> [__m256; R] {
+    // Two keys at a time, summed down to one register per row (plain loops: closures would
+    // not inherit this function's features, and were not inlined).
+    let mut pairs = [[_mm256_setzero_ps(); R]; 4];
+    for (p, pair) in pairs.iter_mut().enumerate() {
+        // SAFETY: each key row and query holds `head_dim` values (the caller's contract).
+        let (a, b) = unsafe {
+            (
+                key_dots::<R, W, T>(queries, keys[2 * p].as_ptr(), head_dim),
+                key_dots::<R, W, T>(queries, keys[2 * p + 1].as_ptr(), head_dim),
+            )
+        };
+        for r in 0..R {
+            pair[r] = sum_pairs(a[r], b[r]);
         }
-    });
-    // u[4g + m]: rows 4g..4g + 4 at columns m (low lane) and m + 4 (high lane).
-    let u: [__m256; LANES] = std::array::from_fn(|i| {
-        let (g, m) = (i / 4, i % 4);
-        let (a, b) = (t[4 * g + m / 2], t[4 * g + 2 + m / 2]);
-        if m % 2 == 0 {
-            _mm256_shuffle_ps::<0x44>(a, b)
-        } else {
-            _mm256_shuffle_ps::<0xEE>(a, b)
-        }
-    });
-    // Column c: rows 0..4 from u[c % 4] and rows 4..8 from u[4 + c % 4], low lanes for c < 4.
-    std::array::from_fn(|c| {
-        let (a, b) = (u[c % 4], u[4 + c % 4]);
-        if c < 4 {
-            _mm256_permute2f128_ps::<0x20>(a, b)
-        } else {
-            _mm256_permute2f128_ps::<0x31>(a, b)
-        }
-    })
+    }
+    let mut sums = [_mm256_setzero_ps(); R];
+    for r in 0..R {
+        sums[r] = sum_halves(
+            sum_quads(pairs[0][r], pairs[1][r]),
+            sum_quads(pairs[2][r], pairs[3][r]),
+        );
+    }
+    sums
 }
 
 /// Which of keys `j0..j0 + 8` a row masks, as lanes of all ones: its mask entries, and every
@@ -145,79 +167,50 @@ fn masked_lanes(mask_row: &[bool], j0: usize, end: usize) -> __m256 {
     _mm256_castsi256_ps(_mm256_cmpgt_epi32(wide, _mm256_setzero_si256()))
 }
 
-/// [`TileSimd::scores_to_probabilities`] in eight lanes.
-#[target_feature(enable = "avx2,fma")]
-fn scores_to_probabilities<const R: usize>(
+/// [`TileSimd::scores_to_probabilities`] in eight lanes: a chunk of eight keys at a time
+/// ([`chunk_scores`]), walked through the block table.
+///
+/// # Safety
+/// `head_dim` must be a multiple of 8.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_to_probabilities<const R: usize, T: KvElement>(
     tile: &[Row],
     q: &[f32],
+    kv: &HeadKv<'_, T>,
     seen: &KeysSeen<'_>,
     probs: &mut [f32],
 ) -> ([f32; TILE_ROWS], [f32; TILE_ROWS]) {
     let tile = &tile[..R];
     let chunks = seen.span.len().div_ceil(LANES);
     let stride = chunks * LANES;
-    let head_dim = seen.head_dim;
-    let chunk_values = head_dim * LANES;
-    // The loop below reads through pointers (bounds checked here, once): indexing kept the
-    // sums of a three- or four-row tile from staying in registers.
-    assert!(seen.kt.len() >= chunks * chunk_values && probs.len() >= R * stride);
+    let head_dim = kv.head_dim;
     let queries: [*const f32; R] = std::array::from_fn(|r| q[tile[r].at..][..head_dim].as_ptr());
-    let kt = seen.kt.as_ptr();
     let mut maxes = [_mm256_set1_ps(f32::NEG_INFINITY); R];
-    // Scores, two chunks at a time where there are two (2R independent FMA chains).
-    let mut c = 0;
-    while c < chunks {
-        let pair = c + 1 < chunks;
-        // SAFETY: chunk `c` lies in `kt` (asserted above).
-        let k0 = unsafe { kt.add(c * chunk_values) };
-        let mut s0 = [_mm256_setzero_ps(); R];
-        let mut s1 = [_mm256_setzero_ps(); R];
-        if pair {
-            // SAFETY: so does chunk `c + 1`.
-            let k1 = unsafe { kt.add((c + 1) * chunk_values) };
-            for d in 0..head_dim {
-                // SAFETY: `d < head_dim`: eight values of each chunk, one of each query.
-                unsafe {
-                    let (a, b) = (
-                        _mm256_loadu_ps(k0.add(d * LANES)),
-                        _mm256_loadu_ps(k1.add(d * LANES)),
-                    );
-                    for r in 0..R {
-                        let qd = _mm256_broadcast_ss(&*queries[r].add(d));
-                        s0[r] = _mm256_fmadd_ps(qd, a, s0[r]);
-                        s1[r] = _mm256_fmadd_ps(qd, b, s1[r]);
-                    }
-                }
+    let mut walk = KeyChunks::new(kv, seen.span.clone());
+    for c in 0..chunks {
+        let keys: [&[T]; LANES] = walk.next(kv);
+        // SAFETY: every key row (a missing one is a row of zeros) and query holds `head_dim`
+        // values, a multiple of 8 (the caller's contract).
+        let sums = unsafe {
+            match head_dim / LANES {
+                4 => chunk_scores::<R, 4, T>(&queries, &keys, head_dim),
+                8 => chunk_scores::<R, 8, T>(&queries, &keys, head_dim),
+                _ => chunk_scores::<R, 0, T>(&queries, &keys, head_dim),
             }
-        } else {
-            for d in 0..head_dim {
-                // SAFETY: as above, chunk `c` alone.
-                unsafe {
-                    let a = _mm256_loadu_ps(k0.add(d * LANES));
-                    for r in 0..R {
-                        let qd = _mm256_broadcast_ss(&*queries[r].add(d));
-                        s0[r] = _mm256_fmadd_ps(qd, a, s0[r]);
-                    }
-                }
-            }
-        }
+        };
         for (r, row) in tile.iter().enumerate() {
             let mask_row = &seen.mask[row.mask_at..row.mask_at + seen.keys];
-            let sums: &[__m256] = if pair { &[s0[r], s1[r]] } else { &[s0[r]] };
-            for (h, &sum) in sums.iter().enumerate() {
-                let at = r * stride + (c + h) * LANES;
-                maxes[r] = score_chunk(
-                    sum,
-                    seen,
-                    mask_row,
-                    row,
-                    c + h,
-                    &mut probs[at..at + LANES],
-                    maxes[r],
-                );
-            }
+            let at = r * stride + c * LANES;
+            maxes[r] = score_chunk(
+                sums[r],
+                seen,
+                mask_row,
+                row,
+                c,
+                &mut probs[at..at + LANES],
+                maxes[r],
+            );
         }
-        c += if pair { 2 } else { 1 };
     }
     // Probabilities and their sums.
     let mut row_maxes = [f32::NEG_INFINITY; TILE_ROWS];
@@ -311,10 +304,12 @@ unsafe fn weighted_sum<const R: usize, T: KvElement>(
     for window in (0..registers).step_by(WINDOW) {
         let window_registers = (registers - window).min(WINDOW);
         let mut acc = [[_mm256_setzero_ps(); WINDOW]; R];
+        let mut ahead = super::ValuesAhead::new(kv, span.clone());
         for (first, at, len) in kv.runs(span.clone()) {
             let run = &kv.kv.v[at..at + len * kv.row_units];
             for sub in (0..len).step_by(SUB_RUN) {
                 let keys = first + sub..first + (sub + SUB_RUN).min(len);
+                ahead.past(kv, keys.end);
                 let live = live_keys(&row_probs, keys.clone());
                 let values = run[sub * kv.row_units..].as_ptr();
                 // One pass of `W` registers of columns from `column`.

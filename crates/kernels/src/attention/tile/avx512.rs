@@ -17,23 +17,16 @@ pub(in crate::attention) struct Avx512;
 impl TileSimd for Avx512 {
     const LANES: usize = LANES;
 
-    unsafe fn transpose_keys<T: KvElement>(
-        kv: &HeadKv<'_, T>,
-        span: Range<usize>,
-        kt: &mut Vec<f32>,
-    ) {
-        // SAFETY: the trait's contract: this CPU has AVX-512 F.
-        unsafe { transpose_keys(kv, span, kt) }
-    }
-
-    unsafe fn scores_to_probabilities<const R: usize>(
+    unsafe fn scores_to_probabilities<const R: usize, T: KvElement>(
         tile: &[Row],
         q: &[f32],
+        kv: &HeadKv<'_, T>,
         seen: &KeysSeen<'_>,
         probs: &mut [f32],
     ) -> ([f32; TILE_ROWS], [f32; TILE_ROWS]) {
-        // SAFETY: the trait's contract: this CPU has AVX-512 F, BW and VL and FMA.
-        unsafe { scores_to_probabilities::<R>(tile, q, seen, probs) }
+        // SAFETY: the trait's contract: this CPU has AVX-512 F, BW and VL and FMA, `head_dim`
+        // is a multiple of 16.
+        unsafe { scores_to_probabilities::<R, T>(tile, q, kv, seen, probs) }
     }
 
     unsafe fn weighted_sum<const R: usize, T: KvElement>(
@@ -50,79 +43,103 @@ impl TileSimd for Avx512 {
     }
 }
 
-/// `kt[c][d][l] = k[start + 16c + l][d]` over `span`, the last chunk's missing keys 0:
-/// sixteen keys by sixteen dimensions at a time through [`transpose16`], widened to f32.
-#[target_feature(enable = "avx512f")]
-fn transpose_keys<T: KvElement>(kv: &HeadKv<'_, T>, span: Range<usize>, kt: &mut Vec<f32>) {
-    let head_dim = kv.head_dim;
-    let chunks = span.len().div_ceil(LANES);
-    // Every value of the chunks is written below (missing keys as zeros): grown, never
-    // cleared.
-    if kt.len() < chunks * head_dim * LANES {
-        kt.resize(chunks * head_dim * LANES, 0.0);
-    }
-    let mut walk = KeyChunks::new(kv, span);
-    for chunk in kt[..chunks * head_dim * LANES].chunks_exact_mut(head_dim * LANES) {
-        let keys: [&[T]; LANES] = walk.next(kv);
-        for d0 in (0..head_dim).step_by(LANES) {
-            let mut rows = [_mm512_setzero_ps(); LANES];
-            for (row, key) in rows.iter_mut().zip(&keys) {
-                // SAFETY: `d0 + 16 <= head_dim`, the values of every row in `keys`.
-                *row = unsafe { T::load16(key.as_ptr(), d0) };
-            }
-            for (dd, column) in transpose16(rows).into_iter().enumerate() {
-                let at = (d0 + dd) * LANES;
-                // SAFETY: 16 values (a slice of that length).
-                unsafe { _mm512_storeu_ps(chunk[at..at + LANES].as_mut_ptr(), column) };
+/// The dot products of one key row with the tile's `R` queries, lane `l` of row `r`'s
+/// register summing `q_d k_d` for `d ≡ l (mod 16)`, one FMA per register of dimensions from
+/// the first up.
+///
+/// # Safety
+/// `key` holds `head_dim` values and each of `queries` `head_dim` floats; `head_dim` is a
+/// multiple of 16, `W` its registers (or 0: any width).
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn key_dots<const R: usize, const W: usize, T: KvElement>(
+    queries: &[*const f32; R],
+    key: *const T,
+    head_dim: usize,
+) -> [__m512; R] {
+    let mut dots = [_mm512_setzero_ps(); R];
+    // A known width unrolls the loop (and keeps its registers out of memory).
+    let registers = if W > 0 { W } else { head_dim / LANES };
+    for d in (0..registers).map(|w| w * LANES) {
+        // SAFETY: `d + 16 <= head_dim` values of the key and of each query (the caller's
+        // contract).
+        unsafe {
+            let k = T::load16(key, d);
+            for (dot, query) in dots.iter_mut().zip(queries) {
+                *dot = _mm512_fmadd_ps(_mm512_loadu_ps(query.add(d)), k, *dot);
             }
         }
     }
+    dots
 }
 
-/// The transpose of a 16 × 16 block held as sixteen rows: unpacks within 128-bit lanes, then
-/// two rounds of 128-bit lane shuffles (64 shuffles for 256 values).
+/// The sums across lanes of two keys' registers `a` and `b`, halfway: within each 128-bit
+/// lane, `[a0 + a2, b0 + b2, a1 + a3, b1 + b3]`.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn transpose16(r: [__m512; LANES]) -> [__m512; LANES] {
-    // t: pairs of rows interleaved within each 128-bit lane.
-    let t: [__m512; LANES] = std::array::from_fn(|i| {
-        let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
-        if i % 2 == 0 {
-            _mm512_unpacklo_ps(a, b)
-        } else {
-            _mm512_unpackhi_ps(a, b)
+fn sum_pairs(a: __m512, b: __m512) -> __m512 {
+    _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
+}
+
+/// Two results of [`sum_pairs`] (keys `0, 1` in `x`, `2, 3` in `y`) summed on: within each
+/// 128-bit lane, the four keys' sums over that lane's four values, in key order.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn sum_quads(x: __m512, y: __m512) -> __m512 {
+    _mm512_add_ps(
+        _mm512_shuffle_ps::<0x44>(x, y),
+        _mm512_shuffle_ps::<0xEE>(x, y),
+    )
+}
+
+/// The 128-bit lanes of two registers summed in neighbouring pairs: `[x0 + x1, x2 + x3,
+/// y0 + y1, y2 + y3]` (lanes of four floats).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn sum_halves(x: __m512, y: __m512) -> __m512 {
+    _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(x, y),
+        _mm512_shuffle_f32x4::<0xDD>(x, y),
+    )
+}
+
+/// The sixteen keys' scores (before scaling) of the tile's `R` rows, key `l`'s in lane `l`:
+/// [`key_dots`] of each key, summed across lanes by [`sum_pairs`], [`sum_quads`] and two
+/// rounds of [`sum_halves`] (the tree of the module doc), four keys at a time.
+///
+/// # Safety
+/// As [`key_dots`], for each of `keys`.
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn chunk_scores<const R: usize, const W: usize, T: KvElement>(
+    queries: &[*const f32; R],
+    keys: &[&[T]; LANES],
+    head_dim: usize,
+) -> [__m512; R] {
+    // Four keys at a time, summed down to one register per row (plain loops: closures would
+    // not inherit this function's features, and were not inlined).
+    let mut quads = [[_mm512_setzero_ps(); R]; 4];
+    for (g, quad) in quads.iter_mut().enumerate() {
+        let mut dots = [[_mm512_setzero_ps(); R]; 4];
+        for (k, dots) in dots.iter_mut().enumerate() {
+            // SAFETY: each key row and query holds `head_dim` values (the caller's contract).
+            *dots = unsafe { key_dots::<R, W, T>(queries, keys[4 * g + k].as_ptr(), head_dim) };
         }
-    });
-    // u[4g + m]: rows 4g..4g+4 at columns 4k + m (lane k).
-    let u: [__m512; LANES] = std::array::from_fn(|i| {
-        let (g, m) = (i / 4, i % 4);
-        let (a, b) = (t[4 * g + m / 2], t[4 * g + 2 + m / 2]);
-        if m % 2 == 0 {
-            _mm512_shuffle_ps::<0x44>(a, b)
-        } else {
-            _mm512_shuffle_ps::<0xEE>(a, b)
+        for r in 0..R {
+            quad[r] = sum_quads(
+                sum_pairs(dots[0][r], dots[1][r]),
+                sum_pairs(dots[2][r], dots[3][r]),
+            );
         }
-    });
-    // v[8h + m] (m < 4): rows 8h..8h+8 at columns m and m + 8; v[8h + 4 + m]: m + 4, m + 12.
-    let v: [__m512; LANES] = std::array::from_fn(|i| {
-        let (h, high, m) = (i / 8, (i / 4) % 2, i % 4);
-        let (a, b) = (u[8 * h + m], u[8 * h + 4 + m]);
-        if high == 0 {
-            _mm512_shuffle_f32x4::<0x88>(a, b)
-        } else {
-            _mm512_shuffle_f32x4::<0xDD>(a, b)
-        }
-    });
-    // Column c: from v[c % 8] (rows 0..8) and v[8 + c % 8] (rows 8..16).
-    std::array::from_fn(|c| {
-        let m = c % 8;
-        let (a, b) = (v[m], v[8 + m]);
-        if c < 8 {
-            _mm512_shuffle_f32x4::<0x88>(a, b)
-        } else {
-            _mm512_shuffle_f32x4::<0xDD>(a, b)
-        }
-    })
+    }
+    let mut sums = [_mm512_setzero_ps(); R];
+    for r in 0..R {
+        sums[r] = sum_halves(
+            sum_halves(quads[0][r], quads[1][r]),
+            sum_halves(quads[2][r], quads[3][r]),
+        );
+    }
+    sums
 }
 
 /// Which of keys `j0..j0 + 16` a row masks: its mask entries, and every key at or past `end`.
@@ -143,17 +160,16 @@ fn masked_lanes(mask_row: &[bool], j0: usize, end: usize) -> __mmask16 {
     _mm_cmpneq_epi8_mask(loaded, _mm_setzero_si128()) | !in_range
 }
 
-/// The scores of the tile's `R` rows over `seen.span` (`probs[r][c * 16 + l]`, then their
-/// probabilities in place), and each row's largest score and `Σ p` (-inf and 0 for a row
-/// that sees no key).
+/// [`TileSimd::scores_to_probabilities`] in sixteen lanes: a chunk of sixteen keys at a time
+/// ([`chunk_scores`]), walked through the block table.
 ///
-/// # Shapes
-/// - `seen.kt`: `[chunks ≥ span / 16, head_dim, 16]` from [`transpose_keys`]
-/// - `probs`: `[TILE_ROWS, chunks * 16]`
+/// # Safety
+/// `head_dim` must be a multiple of 16.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-fn scores_to_probabilities<const R: usize>(
+unsafe fn scores_to_probabilities<const R: usize, T: KvElement>(
     tile: &[Row],
     q: &[f32],
+    kv: &HeadKv<'_, T>,
     seen: &KeysSeen<'_>,
     probs: &mut [f32],
 ) -> ([f32; TILE_ROWS], [f32; TILE_ROWS]) {
@@ -161,45 +177,33 @@ fn scores_to_probabilities<const R: usize>(
     let start = seen.span.start;
     let chunks = seen.span.len().div_ceil(LANES);
     let stride = chunks * LANES;
-    let head_dim = seen.head_dim;
-    let key_chunk = |c: usize, d: usize| &seen.kt[(c * head_dim + d) * LANES..][..LANES];
+    let head_dim = kv.head_dim;
+    let queries: [*const f32; R] = std::array::from_fn(|r| q[tile[r].at..][..head_dim].as_ptr());
     let scale16 = _mm512_set1_ps(seen.scale);
     let minus_inf = _mm512_set1_ps(f32::NEG_INFINITY);
     let mut maxes = [minus_inf; R];
-    // Scores, two chunks at a time where there are two (2R independent FMA chains).
-    let mut c = 0;
-    while c < chunks {
-        let pair = if c + 1 < chunks { 2 } else { 1 };
-        let mut s = [[_mm512_setzero_ps(); 2]; R];
-        for d in 0..head_dim {
-            // SAFETY: 16 values each (slices of that length).
-            let k0 = unsafe { _mm512_loadu_ps(key_chunk(c, d).as_ptr()) };
-            let k1 = if pair == 2 {
-                // SAFETY: 16 values (a slice of that length).
-                unsafe { _mm512_loadu_ps(key_chunk(c + 1, d).as_ptr()) }
-            } else {
-                _mm512_setzero_ps()
-            };
-            for r in 0..R {
-                let qd = _mm512_set1_ps(q[tile[r].at + d]);
-                s[r][0] = _mm512_fmadd_ps(qd, k0, s[r][0]);
-                s[r][1] = _mm512_fmadd_ps(qd, k1, s[r][1]);
+    let mut walk = KeyChunks::new(kv, seen.span.clone());
+    for c in 0..chunks {
+        let keys: [&[T]; LANES] = walk.next(kv);
+        // SAFETY: every key row (a missing one is a row of zeros) and query holds `head_dim`
+        // values, a multiple of 16 (the caller's contract).
+        let sums = unsafe {
+            match head_dim / LANES {
+                4 => chunk_scores::<R, 4, T>(&queries, &keys, head_dim),
+                8 => chunk_scores::<R, 8, T>(&queries, &keys, head_dim),
+                _ => chunk_scores::<R, 0, T>(&queries, &keys, head_dim),
             }
-        }
-        for r in 0..R {
-            let row = &tile[r];
+        };
+        for (r, row) in tile.iter().enumerate() {
             let mask_row = &seen.mask[row.mask_at..row.mask_at + seen.keys];
-            for (h, &sum) in s[r].iter().enumerate().take(pair) {
-                let j0 = start + (c + h) * LANES;
-                let masked = masked_lanes(mask_row, j0, row.visible.end.min(seen.span.end));
-                let score = _mm512_mask_mov_ps(_mm512_mul_ps(sum, scale16), masked, minus_inf);
-                maxes[r] = _mm512_max_ps(maxes[r], score);
-                let at = r * stride + (c + h) * LANES;
-                // SAFETY: 16 values (a slice of that length).
-                unsafe { _mm512_storeu_ps(probs[at..][..LANES].as_mut_ptr(), score) };
-            }
+            let j0 = start + c * LANES;
+            let masked = masked_lanes(mask_row, j0, row.visible.end.min(seen.span.end));
+            let score = _mm512_mask_mov_ps(_mm512_mul_ps(sums[r], scale16), masked, minus_inf);
+            maxes[r] = _mm512_max_ps(maxes[r], score);
+            let at = r * stride + c * LANES;
+            // SAFETY: 16 values (a slice of that length).
+            unsafe { _mm512_storeu_ps(probs[at..][..LANES].as_mut_ptr(), score) };
         }
-        c += pair;
     }
     // Probabilities and their sums.
     let mut row_maxes = [f32::NEG_INFINITY; TILE_ROWS];
@@ -229,8 +233,21 @@ fn scores_to_probabilities<const R: usize>(
     (row_maxes, row_sums)
 }
 
-/// `out[row.dest..] = inv[row] × Σ_j p_j v_j` over keys `span`, 64 columns at a time (four
-/// registers per row: sixteen accumulators for a full tile), fewer for the last columns.
+/// Keys a pass of [`weighted_sum`] takes before the next pass over the same keys: their
+/// values (4 KB in f16 at a head width of 64) stay in L1 for every pass.
+const SUB_RUN: usize = 32;
+
+/// Registers of columns [`weighted_sum`] keeps per row between its sub-runs (256 columns).
+const WINDOW: usize = 16;
+
+/// [`TileSimd::weighted_sum`]: `W` registers of columns a pass, at most sixteen accumulators
+/// in all (eight registers for one or two rows, four for three or four), so that the values
+/// and the probability fit beside them in AVX-512's 32. The keys are walked in sub-runs of
+/// [`SUB_RUN`] that lie one after another, every pass over one sub-run before the next (each
+/// accumulator still takes its keys in key order), the values of the keys
+/// [`VALUES_AHEAD`](super::VALUES_AHEAD) on prefetched; a key no row of the tile sees is
+/// skipped (adding `0 × v` would change nothing: the values past a sequence's end may be
+/// stale, and are never multiplied).
 ///
 /// # Safety
 /// As [`TileSimd::weighted_sum`].
@@ -243,68 +260,145 @@ unsafe fn weighted_sum<const R: usize, T: KvElement>(
     inv: &[f32; TILE_ROWS],
     out: &SharedOut<f32>,
 ) {
-    let mut column = 0;
-    while column < kv.head_dim {
-        // SAFETY: `columns` needs this function's contract (`TileSimd::weighted_sum`'s:
-        // AVX-512, the tile's records this task's alone), and gets the same tile.
-        unsafe {
-            column += match (kv.head_dim - column) / LANES {
-                1 => columns::<R, 1, T>(tile, kv, span.clone(), column, probs, inv, out),
-                2 => columns::<R, 2, T>(tile, kv, span.clone(), column, probs, inv, out),
-                3 => columns::<R, 3, T>(tile, kv, span.clone(), column, probs, inv, out),
-                _ => columns::<R, 4, T>(tile, kv, span.clone(), column, probs, inv, out),
+    let stride = span.len().div_ceil(LANES) * LANES;
+    assert!(probs.len() >= R * stride);
+    let row_probs: [&[f32]; R] = std::array::from_fn(|r| &probs[r * stride..][..span.len()]);
+    let width = match R {
+        1 | 2 => 8,
+        _ => 4,
+    };
+    let registers = kv.head_dim / LANES;
+    for window in (0..registers).step_by(WINDOW) {
+        let window_registers = (registers - window).min(WINDOW);
+        let mut acc = [[_mm512_setzero_ps(); WINDOW]; R];
+        let mut ahead = super::ValuesAhead::new(kv, span.clone());
+        for (first, at, len) in kv.runs(span.clone()) {
+            let run = &kv.kv.v[at..at + len * kv.row_units];
+            for sub in (0..len).step_by(SUB_RUN) {
+                let keys = first + sub..first + (sub + SUB_RUN).min(len);
+                ahead.past(kv, keys.end);
+                let live = live_keys(&row_probs, keys.clone());
+                let values = run[sub * kv.row_units..].as_ptr();
+                // One pass of `W` registers of columns from `column`.
+                macro_rules! pass {
+                    ($w:literal, $column:expr) => {
+                        pass::<R, $w, T>(
+                            &mut acc,
+                            $column,
+                            window + $column,
+                            values,
+                            kv.row_units,
+                            &row_probs,
+                            keys.clone(),
+                            live,
+                        )
+                    };
+                }
+                let mut column = 0;
+                while column < window_registers {
+                    // SAFETY: this function's contract; the pass's registers are the window's
+                    // and the head's (it takes at most what is left of both), `values` the
+                    // sub-run's rows.
+                    column += unsafe {
+                        match (window_registers - column).min(width) {
+                            8.. => pass!(8, column),
+                            4..=7 => pass!(4, column),
+                            2 | 3 => pass!(2, column),
+                            _ => pass!(1, column),
+                        }
+                    };
+                }
             }
-        };
+        }
+        for (r, row) in tile[..R].iter().enumerate() {
+            let inv16 = _mm512_set1_ps(inv[r]);
+            for (w, &a) in acc[r][..window_registers].iter().enumerate() {
+                // SAFETY: the row's record is this task's (the caller's contract), and its
+                // sixteen columns from `16 (window + w)` lie inside it.
+                unsafe {
+                    let dest = out.slice(row.dest + (window + w) * LANES, LANES);
+                    _mm512_storeu_ps(dest.as_mut_ptr(), _mm512_mul_ps(a, inv16));
+                }
+            }
+        }
     }
 }
 
-/// [`weighted_sum`] for `W` registers of columns from `column`; returns how many columns.
+/// Which of `keys` (at most 32, from the first) some row sees with a probability other than
+/// zero, one bit per key: sixteen keys of every row compared at once.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn live_keys<const R: usize>(row_probs: &[&[f32]; R], keys: Range<usize>) -> u32 {
+    let mut live = 0u32;
+    let mut i = keys.start;
+    while i < keys.end {
+        let bit = i - keys.start;
+        if keys.end - i >= LANES {
+            let mut seen: __mmask16 = 0;
+            for p in row_probs {
+                // SAFETY: sixteen probabilities (a slice of that length).
+                let p = unsafe { _mm512_loadu_ps(p[i..i + LANES].as_ptr()) };
+                // Unordered: a NaN counts as seen, as `!=` has it.
+                seen |= _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(p, _mm512_setzero_ps());
+            }
+            live |= u32::from(seen) << bit;
+            i += LANES;
+        } else {
+            if row_probs.iter().any(|p| p[i] != 0.0) {
+                live |= 1 << bit;
+            }
+            i += 1;
+        }
+    }
+    live
+}
+
+/// One pass of [`weighted_sum`] over one sub-run: registers `column..column + W` of the
+/// window's accumulators (`from..from + W` of the head) take keys `keys` (`values` the first
+/// one's row, `row_units` apart), those whose bit in `live` is set; returns `W`.
 ///
 /// # Safety
-/// As [`TileSimd::weighted_sum`].
+/// As [`TileSimd::weighted_sum`]; `column + W <= WINDOW`, `16 (from + W) <= head_dim`, and
+/// `values` the start of `keys.len()` rows one after another.
+#[allow(clippy::too_many_arguments)]
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn columns<const R: usize, const W: usize, T: KvElement>(
-    tile: &[Row],
-    kv: &HeadKv<'_, T>,
-    span: Range<usize>,
+unsafe fn pass<const R: usize, const W: usize, T: KvElement>(
+    acc: &mut [[__m512; WINDOW]; R],
     column: usize,
-    probs: &[f32],
-    inv: &[f32; TILE_ROWS],
-    out: &SharedOut<f32>,
+    from: usize,
+    values: *const T,
+    row_units: usize,
+    row_probs: &[&[f32]; R],
+    keys: Range<usize>,
+    live: u32,
 ) -> usize {
-    let stride = span.len().div_ceil(LANES) * LANES;
-    let mut acc = [[_mm512_setzero_ps(); W]; R];
-    for (i, at) in kv.offsets(span).enumerate() {
-        // A key no row of the tile sees adds nothing (and its values may be stale).
-        if (0..R).all(|r| probs[r * stride + i] == 0.0) {
+    let mut a: [[__m512; W]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|w| acc[r][column + w]));
+    debug_assert!((1..=32).contains(&keys.len()));
+    let all = live == u32::MAX >> (32 - keys.len());
+    let probs: [*const f32; R] = std::array::from_fn(|r| row_probs[r][keys.clone()].as_ptr());
+    for key in 0..keys.len() {
+        if !all && live & (1 << key) == 0 {
             continue;
         }
-        let row = kv.value(at);
-        let mut values = [_mm512_setzero_ps(); W];
-        for (w, x) in values.iter_mut().enumerate() {
-            // SAFETY: `column + (w + 1) 16 <= head_dim`, the row's values.
-            *x = unsafe { T::load16(row.as_ptr(), column + w * LANES) };
-        }
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let p = _mm512_set1_ps(probs[r * stride + i]);
-            for (a, &x) in acc.iter_mut().zip(&values) {
-                *a = _mm512_fmadd_ps(p, x, *a);
+        // SAFETY: row `key` of the sub-run, its values `16 from..16 (from + W)` (the caller's
+        // contract); one probability of each row's `keys`.
+        unsafe {
+            let row = values.add(key * row_units);
+            let v: [__m512; W] = std::array::from_fn(|w| T::load16(row, (from + w) * LANES));
+            for r in 0..R {
+                let p = _mm512_set1_ps(*probs[r].add(key));
+                for w in 0..W {
+                    a[r][w] = _mm512_fmadd_ps(p, v[w], a[r][w]);
+                }
             }
         }
     }
-    for (r, row) in tile[..R].iter().enumerate() {
-        let inv16 = _mm512_set1_ps(inv[r]);
-        for (w, &a) in acc[r].iter().enumerate() {
-            let mut lanes = [0f32; LANES];
-            // SAFETY: 16 values into a local array.
-            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), _mm512_mul_ps(a, inv16)) };
-            for (l, &x) in lanes.iter().enumerate() {
-                // SAFETY: the row is this task's (the caller's contract).
-                unsafe { out.write(row.dest + column + w * LANES + l, x) };
-            }
-        }
+    for r in 0..R {
+        acc[r][column..column + W].copy_from_slice(&a[r]);
     }
-    W * LANES
+    W
 }
 
 /// [`crate::attention::x86::exp8`] on sixteen lanes: the same operations in the same order,
