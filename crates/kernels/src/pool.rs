@@ -251,7 +251,10 @@ impl ThreadPool {
 
 /// A range of indices claimed from both ends: by its owner from the front, by other threads
 /// from the back. Both ends live in one word (front in the high half), so that a claim is
-/// one compare-and-swap and the two ends never cross.
+/// one compare-and-swap and the two ends never cross. Each range has a pair of cache lines to
+/// itself: side by side, an owner's every claim took the line from the thread claiming its
+/// own range beside it (the pair, because the hardware fetches lines in pairs).
+#[repr(align(128))]
 struct TwoEnded(AtomicU64);
 
 impl TwoEnded {
