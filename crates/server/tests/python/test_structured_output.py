@@ -5,7 +5,8 @@ nested objects and arrays, enums, every JSON type, item and numeric bounds,
 additionalProperties, local $refs, anyOf/oneOf/allOf, const, patterns) is asked for through
 `response_format: json_schema`, greedy and sampled (temperature 1.0, three seeds): every output
 ends on its own (`stop`, with max_tokens far above what the answers need: JSON whitespace and
-numbers' digits are bounded) and validates (the `jsonschema` package checks it). Regexes and Lark grammars (the
+numbers' digits are bounded; an open object's extra properties are not, and one sampled answer
+to `all_of` ran to 223 tokens, the rest to at most 107) and validates (the `jsonschema` package checks it). Regexes and Lark grammars (the
 `regex` and `grammar` extension fields) likewise, checked with Python's `re` and `lark`.
 Malformed constraints are a 400 naming their field.
 """
@@ -23,7 +24,7 @@ import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
 SCHEMAS = json.loads((HERE / "structured_schemas.json").read_text())
-MAX_TOKENS = 200
+MAX_TOKENS = 400
 RUNS = [{"temperature": 0.0}] + [{"temperature": 1.0, "seed": s} for s in (1, 2, 3)]
 
 
