@@ -17,8 +17,8 @@ use crate::error::KernelError;
 use crate::float16::{self, is_float16};
 use crate::ggml::{GgmlType, dequantize};
 use crate::interleaved::{
-    GROUP, MAX_TILE, Q16Tiles, TILE, TileKernels, WIDE_ROWS, WideKernels, group_block_bytes, pack,
-    pack_parts, unpack_row, zeroed_on_huge_pages,
+    GROUP, Q16Tiles, TileKernels, WIDE_ROWS, WideKernels, group_block_bytes, pack, pack_parts,
+    unpack_row, zeroed_on_huge_pages,
 };
 use crate::pool::ThreadPool;
 use crate::quant::{DotKernel, has_kernel};
@@ -389,16 +389,17 @@ impl QuantMatrix {
         };
         if self.interleaved && self.passes == ActPasses::Q16 {
             let acts = quantize_activations_16(x, m, self.cols, tier, pool);
-            let row = |t: usize| &acts[t * per_row..(t + 1) * per_row];
+            // Every row's blocks found once, so a tile takes its rows as a slice of them.
+            let act_rows: Vec<&[Act16Block]> = acts.chunks_exact(per_row).collect();
             let tiles = Q16Tiles::new(tier);
             self.for_each_tile(m, pool, chunk, tiles.rows(), None, |w, g, rows| {
-                // An array (no allocation per tile): the slots past the tile's rows repeat
-                // its last and are not passed on.
-                let tile: [_; TILE] =
-                    std::array::from_fn(|i| row(rows.start + i.min(rows.len() - 1)));
                 // SAFETY: the tier was checked above; `w` is one group of `cols / 32` block
                 // columns, each activation row as many blocks.
-                unsafe { tiles.run(w, &tile[..rows.len()], |i, y| write(rows.start + i, g, &y)) };
+                unsafe {
+                    tiles.run(w, &act_rows[rows.clone()], |i, y| {
+                        write(rows.start + i, g, &y)
+                    })
+                };
             });
             return;
         }
@@ -434,14 +435,17 @@ impl QuantMatrix {
                 };
             };
             let wide_pairs: Option<&GroupWork<'_>> = wide.is_some().then_some(&run_wide);
+            // Every row's passes found once, so a tile takes its rows as a slice of them (an
+            // array built per tile was 2 % of a decode step).
+            let act_rows: Vec<_> = (0..m).map(acts).collect();
             self.for_each_tile(m, pool, chunk, tiles.rows(), wide_pairs, |w, g, rows| {
-                // An array (no allocation per tile): the slots past the tile's rows repeat
-                // its last and are not passed on.
-                let tile: [_; MAX_TILE] =
-                    std::array::from_fn(|i| acts(rows.start + i.min(rows.len() - 1)));
                 // SAFETY: the tier was checked above; `w` is one group of `cols / 32` block
                 // columns, each row of `hi` and `lo` as many blocks.
-                unsafe { tiles.run(w, &tile[..rows.len()], |i, y| write(rows.start + i, g, &y)) };
+                unsafe {
+                    tiles.run(w, &act_rows[rows.clone()], |i, y| {
+                        write(rows.start + i, g, &y)
+                    })
+                };
             });
             return;
         }
