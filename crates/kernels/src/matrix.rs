@@ -419,25 +419,21 @@ impl QuantMatrix {
             // more than a narrow tile takes) multiply two groups at once where the type has
             // wide tiles; their outputs are the narrow tiles' bits.
             let wide = WideKernels::new(self.ty, tier, self.passes).filter(|w| m >= w.min_rows());
+            // Every row's passes found once, so a tile takes its rows as a slice of them (an
+            // array built per tile was 2 % of a decode step).
+            let act_rows: Vec<_> = (0..m).map(acts).collect();
             let run_wide = |w: &[u8], g: usize, pass: Range<usize>| {
                 let wide = wide.expect("wide tiles when asked for");
-                // The pass's rows (the slots past its end repeat its last row and are not
-                // passed on).
-                let pass_rows: [_; ACT_ROWS_PER_PASS] =
-                    std::array::from_fn(|i| acts((pass.start + i).min(pass.end - 1)));
                 // SAFETY: the tier was checked above (wide tiles exist only for it); `w` is
                 // groups `g` and `g + 1`, each of `cols / 32` blocks' columns, each row of `hi`
                 // and `lo` as many blocks.
                 unsafe {
-                    wide.run_pass(w, &pass_rows[..pass.len()], |i, y: [f32; WIDE_ROWS]| {
+                    wide.run_pass(w, &act_rows[pass.clone()], |i, y: [f32; WIDE_ROWS]| {
                         write(pass.start + i, g, &y)
                     })
                 };
             };
             let wide_pairs: Option<&GroupWork<'_>> = wide.is_some().then_some(&run_wide);
-            // Every row's passes found once, so a tile takes its rows as a slice of them (an
-            // array built per tile was 2 % of a decode step).
-            let act_rows: Vec<_> = (0..m).map(acts).collect();
             self.for_each_tile(m, pool, chunk, tiles.rows(), wide_pairs, |w, g, rows| {
                 // SAFETY: the tier was checked above; `w` is one group of `cols / 32` block
                 // columns, each row of `hi` and `lo` as many blocks.
