@@ -404,11 +404,12 @@ impl QuantMatrix {
             return;
         }
         let (hi, lo) = quantize_activations(x, m, self.cols, self.passes, tier, pool);
+        let stride = act_row_stride(per_row);
         let acts = |t: usize| {
-            let span = t * per_row..(t + 1) * per_row;
+            let span = t * stride..t * stride + per_row;
             match self.passes {
                 // One row of zero blocks stands for every row's second pass.
-                ActPasses::One => (&hi[span], &lo[..]),
+                ActPasses::One => (&hi[span], &lo[..per_row]),
                 ActPasses::Two | ActPasses::Q16 => (&hi[span.clone()], &lo[span]),
             }
         };
@@ -568,6 +569,15 @@ fn quantize_activations_16(
     blocks
 }
 
+/// Blocks from one activation row's start to the next's: the row's blocks and one more. A
+/// 2,048-wide row is 64 blocks of 64 bytes, 4 KB, and rows 4 KB apart fall in the same sets of
+/// L1: a wide tile reading the same block of its eight rows in two passes asked one 8-way set
+/// for 16 lines, and a 1B Q8_0 prefill ran at half its speed. One more block puts each row a
+/// line further on.
+fn act_row_stride(per_row: usize) -> usize {
+    per_row + 1
+}
+
 /// `x` (`[m, cols]`) as activation blocks in `passes` (for one, `lo` is a single row of zero
 /// blocks, the second pass of every row), rows quantized in parallel when there are many.
 fn quantize_activations(
@@ -579,23 +589,24 @@ fn quantize_activations(
     pool: &ThreadPool,
 ) -> (Vec<ActBlock>, Vec<ActBlock>) {
     let per_row = cols / ACT_BLOCK;
+    let stride = act_row_stride(per_row);
     let empty = ActBlock::ZERO;
     let lo_rows = match passes {
         ActPasses::One => 1,
         ActPasses::Two | ActPasses::Q16 => m,
     };
-    let (mut hi, mut lo) = (vec![empty; m * per_row], vec![empty; lo_rows * per_row]);
+    let (mut hi, mut lo) = (vec![empty; m * stride], vec![empty; lo_rows * stride]);
     let (hi_out, lo_out) = (SharedOut::new(&mut hi), SharedOut::new(&mut lo));
     for_each_row(m, pool, |row| {
         let (hi, lo) = (&hi_out, &lo_out);
         // SAFETY: each row is quantized by exactly one task.
-        let hi = unsafe { hi.slice(row * per_row, per_row) };
+        let hi = unsafe { hi.slice(row * stride, per_row) };
         let x = &x[row * cols..(row + 1) * cols];
         match passes {
             ActPasses::One => quantize_row(x, hi, tier),
             ActPasses::Two | ActPasses::Q16 => {
                 // SAFETY: as `hi`'s: row `row` of `lo` is this task's alone.
-                let lo = unsafe { lo.slice(row * per_row, per_row) };
+                let lo = unsafe { lo.slice(row * stride, per_row) };
                 quantize_split_row(x, hi, lo, tier)
             }
         }
