@@ -262,6 +262,28 @@ impl<'a, T: KvElement> HeadKv<'a, T> {
         Some((at, n))
     }
 
+    /// Walks `cursor` on by up to `keys` keys, handing each run of adjacent rows to
+    /// `prefetch` (unit offset, rows: [`Self::prefetch_run`] or [`Self::prefetch_values`]);
+    /// returns how many keys it passed (fewer at the span's end).
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    fn prefetch_next(
+        &self,
+        cursor: &mut KeyCursor,
+        keys: usize,
+        prefetch: impl Fn(&Self, usize, usize),
+    ) -> usize {
+        let mut passed = 0;
+        while passed < keys {
+            let Some((at, n)) = self.next_run(cursor, keys - passed) else {
+                break;
+            };
+            prefetch(self, at, n);
+            passed += n;
+        }
+        passed
+    }
+
     /// Prefetches the rows of `rows` keys from unit offset `at`, one after another: the keys
     /// into L1 and the values into L2 (the values are read after the whole partition's
     /// scores, so they only need to be near).

@@ -241,14 +241,8 @@ impl ValuesAhead {
     /// The walk has reached key `at` (counted from the span's first): the values up to
     /// [`VALUES_AHEAD`] keys on are prefetched.
     pub(super) fn past<T: KvElement>(&mut self, kv: &HeadKv<'_, T>, at: usize) {
-        while self.done < at + VALUES_AHEAD {
-            let Some((row, n)) = kv.next_run(&mut self.cursor, at + VALUES_AHEAD - self.done)
-            else {
-                return;
-            };
-            kv.prefetch_values(row, n);
-            self.done += n;
-        }
+        let wanted = (at + VALUES_AHEAD).saturating_sub(self.done);
+        self.done += kv.prefetch_next(&mut self.cursor, wanted, HeadKv::prefetch_values);
     }
 }
 
@@ -274,14 +268,7 @@ impl<T: KvElement> KeyChunks<T> {
     /// did).
     pub(super) fn new(kv: &HeadKv<'_, T>, span: Range<usize>) -> Self {
         let mut ahead = kv.cursor(span.clone());
-        let mut first = 0;
-        while first < KEYS_AHEAD {
-            let Some((at, n)) = kv.next_run(&mut ahead, KEYS_AHEAD - first) else {
-                break;
-            };
-            kv.prefetch_run(at, n);
-            first += n;
-        }
+        kv.prefetch_next(&mut ahead, KEYS_AHEAD, HeadKv::prefetch_run);
         Self {
             cursor: kv.cursor(span),
             ahead,
@@ -310,14 +297,7 @@ impl<T: KvElement> KeyChunks<T> {
                 })
             }
         };
-        let mut prefetched = 0;
-        while prefetched < N {
-            let Some((at, n)) = kv.next_run(&mut self.ahead, N - prefetched) else {
-                break;
-            };
-            kv.prefetch_run(at, n);
-            prefetched += n;
-        }
+        kv.prefetch_next(&mut self.ahead, N, HeadKv::prefetch_run);
         keys
     }
 }
