@@ -1966,9 +1966,9 @@ mod x86 {
                             // SAFETY: `s < 8`: sub-block `s` (`sub_bytes`) at
                             // `Q6_K_QUANTS + sub_bytes s` ends by the column's end.
                             let q = unsafe { p.add(Q6_K_QUANTS + sub_bytes * s) };
-                            // The four chunks' values formed first, in straight-line code (a
-                            // loop over the chunks stayed a loop, its branches and bounds
-                            // checks a fifth of the tile's time).
+                            // The four chunks' values formed first, in straight-line code:
+                            // one loop forming and multiplying them compiled to a rolled loop
+                            // with branches and bounds checks (docs/kernels.md, Q6_K).
                             let values: [[__m256i; 2]; 4] = std::array::from_fn(|j| {
                                 // SAFETY: `j < 4`: the chunk `32 j ..` lies in the sub-block's
                                 // first 128 bytes, its nibbles.

@@ -572,8 +572,7 @@ fn quantize_activations_16(
 /// Blocks from one activation row's start to the next's: the row's blocks and one more. A
 /// 2,048-wide row is 64 blocks of 64 bytes, 4 KB, and rows 4 KB apart fall in the same sets of
 /// L1: a wide tile reading the same block of its eight rows in two passes asked one 8-way set
-/// for 16 lines, and a 1B Q8_0 prefill ran at half its speed. One more block puts each row a
-/// line further on.
+/// for 16 lines (docs/kernels.md, item 5). One more block puts each row a line further on.
 fn act_row_stride(per_row: usize) -> usize {
     per_row + 1
 }
@@ -612,4 +611,17 @@ fn quantize_activations(
         }
     });
     (hi, lo)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn activation_rows_are_never_4_kb_apart() {
+        for cols in [576, 1024, 1536, 2048, 3072, 4096, 8192, 14336, 16384] {
+            let bytes = act_row_stride(cols / ACT_BLOCK) * size_of::<ActBlock>();
+            assert_ne!(bytes % 4096, 0, "{cols}-wide rows {bytes} bytes apart");
+        }
+    }
 }
