@@ -113,13 +113,17 @@ fn test(extra: &[String]) -> Result<()> {
 }
 
 /// The Python packages of the server suite, pinned so a new SDK release cannot change a run.
-const PYTHON_TEST_PACKAGES: [&str; 5] = [
+const PYTHON_TEST_PACKAGES: [&str; 7] = [
     "openai==3.57.0",
     "pytest==9.2.0",
     "jsonschema==4.26.0",
     "lark==1.3.1",
     // test_tools.py: a multi-step agent loop against `kiln serve`.
     "openai-agents==0.24.0",
+    // test_anthropic.py: the Messages API through Anthropic's own SDK.
+    "anthropic==2.17.0",
+    // test_ollama.py: Ollama's API through its own client.
+    "ollama==0.6.3",
 ];
 
 /// `kiln serve` driven by the official OpenAI SDK and the small load test, with pytest in a

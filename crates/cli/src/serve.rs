@@ -68,6 +68,10 @@ pub struct Args {
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, value_name = "BYTES", default_value_t = 8 << 20, help_heading = "Server")]
     max_body_bytes: usize,
+    /// MiB of stored responses the Responses API keeps (`store: true`) for retrieval and
+    /// `previous_response_id`; past it the least recently used are evicted. 0 stores none.
+    #[arg(long, value_name = "MB", default_value_t = 64, help_heading = "Server")]
+    responses_store_mb: usize,
     /// Seconds running requests may go on after SIGINT / SIGTERM before they are cancelled; a
     /// second signal cancels them at once.
     #[arg(
@@ -294,6 +298,7 @@ impl BackendTask for Task {
                 .map_err(UsageError)?,
             tool_parser: args.tool_parser,
             reasoning_format: args.reasoning_format,
+            responses_store_bytes: args.responses_store_mb.saturating_mul(1 << 20),
         };
         let models = served_models(&args)?;
         let limits = FleetLimits {

@@ -180,6 +180,9 @@ pub struct Completion {
     pub text: Option<String>,
     /// Why it ended.
     pub finish_reason: FinishReason,
+    /// The stop string that ended it (with [`FinishReason::Stop`]; `None` when the caller
+    /// stopped it or a decoding mode did).
+    pub stop_string: Option<String>,
     /// Times, measured from submission.
     pub timings: Timings,
     /// How many times the scheduler evicted it to make room (its cache was recomputed).

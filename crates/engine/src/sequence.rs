@@ -169,6 +169,9 @@ impl SeqState {
             tokens: self.generated,
             text: has_text.then(|| self.stops.text().to_string()),
             finish_reason: reason,
+            stop_string: (reason == FinishReason::Stop)
+                .then(|| self.stops.matched().map(str::to_string))
+                .flatten(),
             timings: Timings {
                 time_to_first_token: first.duration_since(self.submitted),
                 decode: now.duration_since(first),

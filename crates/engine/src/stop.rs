@@ -87,6 +87,8 @@ pub struct StopMatcher {
     text: String,
     /// Bytes of `text` already handed out.
     emitted: usize,
+    /// The stop string that ended the text, once one has.
+    matched: Option<usize>,
 }
 
 /// What a new piece of text did.
@@ -124,10 +126,13 @@ impl StopMatcher {
         let mut found: Option<usize> = None;
         for (i, &byte) in piece.as_bytes().iter().enumerate() {
             let end = base + i + 1;
-            for stop in &mut self.stops {
+            for (k, stop) in self.stops.iter_mut().enumerate() {
                 if stop.step(byte) {
                     let start = end - stop.bytes.len();
-                    found = Some(found.map_or(start, |at| at.min(start)));
+                    if found.is_none_or(|at| start < at) {
+                        found = Some(start);
+                        self.matched = Some(k);
+                    }
                 }
             }
             if let Some(at) = found
@@ -183,6 +188,13 @@ impl StopMatcher {
         &self.text
     }
 
+    /// The stop string that ended the text (the one that starts first), if one did.
+    pub fn matched(&self) -> Option<&str> {
+        let stop = self.stops.get(self.matched?)?;
+        // Made from a `&str`: valid UTF-8.
+        std::str::from_utf8(&stop.bytes).ok()
+    }
+
     /// Steps taken by the stop strings' automata so far, table building included.
     #[cfg(test)]
     fn work(&self) -> u64 {
@@ -207,6 +219,23 @@ mod tests {
         }
         out.push(m.flush());
         (out, false, m.text().to_string())
+    }
+
+    #[test]
+    fn the_stop_string_that_starts_first_is_the_one_named() {
+        let stops = ["", "world", "lo wor", "x"].map(String::from);
+        let mut m = StopMatcher::new(&stops);
+        assert_eq!(m.matched(), None);
+        // "world" completes in the same piece, but "lo wor" started first.
+        let check = m.push("Hello world");
+        assert!(check.stopped);
+        assert_eq!(check.emit, "Hel");
+        assert_eq!(m.matched(), Some("lo wor"));
+        let mut m = StopMatcher::new(&stops[1..2]);
+        m.push("Hello ");
+        assert!(m.push("wor").emit.is_empty());
+        assert!(m.push("ld").stopped);
+        assert_eq!(m.matched(), Some("world"));
     }
 
     #[test]

@@ -90,7 +90,7 @@ impl Codec {
         if messages.is_empty() {
             return Err(ApiError::invalid_field("messages", "messages is empty"));
         }
-        let turns = crate::tools::conversation(messages, None)?;
+        let turns = crate::tools::conversation(messages, crate::tools::ToolTurns::Native)?;
         self.chat_prompt_turns(&turns, variables)
     }
 

@@ -138,6 +138,9 @@ fn serve<B: InferenceBackend>(
         splits_reasoning: options
             .reasoning_format
             .splits(loaded.chat_template.as_deref()),
+        // A second read of the headers only (milliseconds), for the APIs that describe models.
+        info: kiln_models::inspect(&loaded.path, &kiln_models::LoadOptions::default()).ok(),
+        chat_template: loaded.chat_template.clone(),
         commands,
         in_flight: in_flight.clone(),
         embeddings_waiting: AtomicUsize::new(0),

@@ -1,11 +1,37 @@
 //! Errors as OpenAI sends them: `{"error": {"message", "type", "param", "code"}}` with the
 //! status that says whose fault it is. Every rejection the server makes, the framework's
-//! included (malformed JSON, an oversized body, an unknown path), goes out in this shape.
+//! included (malformed JSON, an oversized body, an unknown path), goes out in this shape, or,
+//! on the routes of another API, in that API's ([`Dialect`]: Anthropic's
+//! `{"type": "error", "error": {"type", "message"}}`, Ollama's `{"error": "..."}`).
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
 use crate::api::response::{ErrorBody, ErrorDetail};
+
+/// Whose error shape a client parses: the API its route belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dialect {
+    /// `{"error": {"message", "type", "param", "code"}}`.
+    OpenAi,
+    /// `{"type": "error", "error": {"type", "message"}}` (the Messages API).
+    Anthropic,
+    /// `{"error": "message"}` (`/api/*`).
+    Ollama,
+}
+
+impl Dialect {
+    /// The dialect of the route at `path`.
+    pub fn of_path(path: &str) -> Self {
+        if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+            Dialect::Anthropic
+        } else if path.starts_with("/api/") {
+            Dialect::Ollama
+        } else {
+            Dialect::OpenAi
+        }
+    }
+}
 
 /// An error answer.
 #[derive(Debug, Clone, PartialEq)]
@@ -49,7 +75,7 @@ impl ApiError {
             code: Some("invalid_api_key"),
             ..Self::new(
                 StatusCode::UNAUTHORIZED,
-                "missing or invalid API key: send `Authorization: Bearer KEY`",
+                "missing or invalid API key: send `Authorization: Bearer KEY` (or `x-api-key: KEY`)",
             )
         }
     }
@@ -235,11 +261,65 @@ impl ApiError {
     pub fn body(&self) -> serde_json::Value {
         serde_json::to_value(self.envelope()).unwrap_or_default()
     }
+
+    /// Anthropic's `error.type` for this status.
+    fn anthropic_kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::FORBIDDEN => "permission_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
+            s if s.is_server_error() => "api_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    /// The body in `dialect`'s shape, as sent alone or as a stream's error event.
+    pub fn body_in(&self, dialect: Dialect) -> serde_json::Value {
+        match dialect {
+            Dialect::OpenAi => self.body(),
+            Dialect::Anthropic => serde_json::json!({
+                "type": "error",
+                "error": {"type": self.anthropic_kind(), "message": self.message},
+            }),
+            Dialect::Ollama => serde_json::json!({"error": self.message}),
+        }
+    }
+
+    /// The answer in `dialect`'s shape.
+    pub fn response_in(&self, dialect: Dialect) -> Response {
+        let mut response = (self.status, axum::Json(self.body_in(dialect))).into_response();
+        response.extensions_mut().insert(Spoken);
+        response
+    }
 }
 
+/// Marks an error answer already written in its route's dialect.
+#[derive(Debug, Clone, Copy)]
+struct Spoken;
+
 impl IntoResponse for ApiError {
+    /// OpenAI's shape; the error rides along in the answer's extensions, so that
+    /// [`in_dialect`] can write it in another API's shape on that API's routes.
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.envelope())).into_response()
+        let mut response = (self.status, axum::Json(self.envelope())).into_response();
+        response.extensions_mut().insert(self);
+        response
+    }
+}
+
+/// An answer on the route at `path`, its error (if it is one the server made) rewritten in
+/// that route's [`Dialect`].
+pub fn in_dialect(path: &str, response: Response) -> Response {
+    let dialect = Dialect::of_path(path);
+    if dialect == Dialect::OpenAi || response.extensions().get::<Spoken>().is_some() {
+        return response;
+    }
+    match response.extensions().get::<ApiError>() {
+        Some(error) => error.response_in(dialect),
+        None => response,
     }
 }
 
@@ -261,5 +341,32 @@ mod tests {
             ApiError::queue_full(3).body()["error"]["type"],
             "server_error"
         );
+    }
+
+    #[test]
+    fn each_api_reads_its_own_error_shape() {
+        let e = ApiError::invalid_field("max_tokens", "max_tokens must be at least 1");
+        let anthropic = e.body_in(Dialect::of_path("/v1/messages"));
+        assert_eq!(anthropic["type"], "error");
+        assert_eq!(anthropic["error"]["type"], "invalid_request_error");
+        assert_eq!(
+            anthropic["error"]["message"],
+            "max_tokens must be at least 1"
+        );
+        assert_eq!(
+            ApiError::queue_full(3).body_in(Dialect::Anthropic)["error"]["type"],
+            "overloaded_error"
+        );
+        let ollama = e.body_in(Dialect::of_path("/api/chat"));
+        assert_eq!(
+            ollama,
+            serde_json::json!({"error": "max_tokens must be at least 1"})
+        );
+        assert_eq!(
+            Dialect::of_path("/v1/messages/count_tokens"),
+            Dialect::Anthropic
+        );
+        assert_eq!(Dialect::of_path("/v1/chat/completions"), Dialect::OpenAi);
+        assert_eq!(Dialect::of_path("/v1/messagesx"), Dialect::OpenAi);
     }
 }

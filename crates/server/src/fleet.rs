@@ -101,6 +101,9 @@ struct Slot {
     load_time: Duration,
     /// When it last finished loading (Unix seconds), for `/v1/models`.
     created: u64,
+    /// When it unloads once no request holds it (a request's `keep_alive`, Ollama's field);
+    /// `None`: it stays until room is needed.
+    expires: Option<Instant>,
 }
 
 struct Inner {
@@ -170,6 +173,13 @@ impl Lease {
     pub fn ready(&self) -> &Arc<Ready> {
         &self.ready
     }
+
+    /// Keeps the model loaded for `keep` after the last request holding it ends, then unloads
+    /// it (`Some(ZERO)`: as soon as it is idle); `None`: until room is needed. The last request
+    /// to say decides, as in Ollama.
+    pub fn keep_alive(&self, keep: Option<Duration>) {
+        self.fleet.set_keep_alive(self.index, keep);
+    }
 }
 
 impl Drop for Lease {
@@ -216,6 +226,7 @@ impl Fleet {
                 unloads: 0,
                 load_time: Duration::ZERO,
                 created: 0,
+                expires: None,
             })
             .collect();
         Ok(Self {
@@ -540,8 +551,50 @@ impl Fleet {
         self.stopped.notify_all();
     }
 
+    fn set_keep_alive(&self, index: usize, keep: Option<Duration>) {
+        let mut inner = self.lock();
+        inner.slots[index].expires = keep.map(|keep| Instant::now() + keep);
+    }
+
+    /// When the model at `index` unloads once idle (`None`: not on a timer).
+    pub fn expires(&self, index: usize) -> Option<Instant> {
+        self.lock().slots[index].expires
+    }
+
+    /// Unloads the model at `index` if its keep-alive has run out and no request holds it;
+    /// otherwise, if it is idle on a timer, checks again when the timer runs out.
+    fn expire(self: &Arc<Self>, index: usize) {
+        let mut inner = self.lock();
+        if inner.shutting_down {
+            return;
+        }
+        let slot = &mut inner.slots[index];
+        let (Some(expires), 0, State::Loaded(_)) = (slot.expires, slot.leases, &slot.state) else {
+            return;
+        };
+        if expires <= Instant::now() {
+            slot.expires = None;
+            Self::begin_unload(slot, Some("because its keep_alive ran out"));
+            return;
+        }
+        drop(inner);
+        // A timer needs the runtime; without one (a test) the next release checks again.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let fleet = self.clone();
+            runtime.spawn(async move {
+                tokio::time::sleep_until(expires.into()).await;
+                fleet.expire(index);
+            });
+        }
+    }
+
     /// A lease on the model at `index` ended.
-    fn release(&self, index: usize) {
+    fn release(self: &Arc<Self>, index: usize) {
+        self.release_lease(index);
+        self.expire(index);
+    }
+
+    fn release_lease(&self, index: usize) {
         let mut guard = self.lock();
         let inner = &mut *guard;
         let slot = &mut inner.slots[index];
@@ -570,6 +623,9 @@ impl Fleet {
         }
         drop(inner);
         self.changed.notify_waiters();
+        // With no model loaded (each unloaded when idle), no engine thread will end to wake
+        // `wait_stopped`: wake it here.
+        self.stopped.notify_all();
     }
 
     /// Whether the server is stopping ([`Fleet::shutdown`] was called): no new work.
@@ -583,6 +639,29 @@ impl Fleet {
         while !(inner.shutting_down && inner.slots.iter().all(|s| !s.state.holds_memory())) {
             inner = self.stopped.wait(inner).unwrap_or_else(|p| p.into_inner());
         }
+    }
+
+    /// The model at `index`, when it is loaded.
+    pub fn loaded_model(&self, index: usize) -> Option<Arc<Ready>> {
+        match &self.lock().slots[index].state {
+            State::Loaded(ready) => Some(ready.clone()),
+            _ => None,
+        }
+    }
+
+    /// The entry of the model at `index`, and the bytes it holds (or is expected to).
+    pub fn entry(&self, index: usize) -> (ModelEntry, u64) {
+        let inner = self.lock();
+        let slot = &inner.slots[index];
+        (slot.entry.clone(), slot.bytes)
+    }
+
+    /// The index of the model `name` picks (as [`Fleet::acquire`] would).
+    ///
+    /// # Errors
+    /// 404 for a name no model has.
+    pub fn index_of(&self, name: Option<&str>) -> Result<usize, ApiError> {
+        Self::find(&self.lock(), name)
     }
 
     /// Every model, in the order given.
@@ -708,6 +787,22 @@ mod tests {
             fleet.shutdown();
             fleet.wait_stopped();
         }
+    }
+
+    #[test]
+    fn a_stop_wakes_a_waiter_when_no_model_is_loaded() {
+        // Every model unloaded while serving (a keep_alive of 0): the server waits in
+        // `wait_stopped` before the signal comes, and no engine thread ends after it.
+        let fleet = fleet_whose_threads(|f, i| f.load_failed(i, "never loaded".into()));
+        let (done, stopped) = std::sync::mpsc::channel();
+        let waiter = fleet.clone();
+        std::thread::spawn(move || {
+            waiter.wait_stopped();
+            done.send(()).unwrap();
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        fleet.shutdown();
+        assert!(stopped.recv_timeout(Duration::from_secs(10)).is_ok());
     }
 
     #[test]

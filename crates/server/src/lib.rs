@@ -38,6 +38,7 @@ mod listener;
 mod metrics;
 mod pooling;
 mod reasoning;
+mod responses_store;
 mod routes;
 mod tools;
 mod worker;
@@ -121,6 +122,9 @@ pub struct ServerOptions {
     /// Whether a thinking model's `<think>…</think>` goes to `reasoning_content`
     /// (`--reasoning-format`).
     pub reasoning_format: ReasoningFormat,
+    /// Most bytes the Responses API's stored responses hold together
+    /// (`--responses-store-mb`); past it the least recently used are evicted.
+    pub responses_store_bytes: usize,
 }
 
 impl ServerOptions {
@@ -159,6 +163,7 @@ impl Default for ServerOptions {
             json_whitespace: kiln_engine::JsonWhitespace::Bounded,
             embedding_pooling: None,
             tool_parser: ToolParser::Auto,
+            responses_store_bytes: 64 << 20,
             reasoning_format: ReasoningFormat::Auto,
         }
     }

@@ -14,13 +14,21 @@
 //! - `mod.rs`: the request types, [`parse`] and [`RequestBody`];
 //! - `de.rs`: the visitors of the fields that take several forms, and the bounded lists;
 //! - `generation.rs`: validation, from a body to a [`Generation`];
+//! - `chat.rs`: [`ChatInput`], what every chat endpoint's body becomes;
+//! - `anthropic.rs`: Anthropic's Messages API bodies, into a [`ChatInput`];
+//! - `responses.rs`: OpenAI's Responses API body, into a [`ChatInput`];
+//! - `ollama.rs`: Ollama's `/api/*` bodies, `options`, `format` and `keep_alive`;
 //! - `embeddings.rs`: `/v1/embeddings`' body ([`EmbeddingRequest`]);
 //! - `response.rs`: the bodies sent back, typed.
 
+pub mod anthropic;
+mod chat;
 mod de;
 mod embeddings;
 mod generation;
+pub mod ollama;
 pub mod response;
+pub mod responses;
 #[cfg(test)]
 mod tests;
 
@@ -31,6 +39,7 @@ use serde_json::value::RawValue;
 
 use crate::error::ApiError;
 
+pub use chat::ChatInput;
 pub use embeddings::{EmbeddingInput, EmbeddingRequest, EncodingFormat};
 pub use generation::{Generation, PromptInput, json_field};
 
@@ -149,7 +158,7 @@ pub struct ChatRequest {
 }
 
 /// One chat message.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 pub struct Message {
     /// `system`, `developer`, `user`, `assistant` or `tool`.
     pub role: String,
@@ -168,7 +177,7 @@ pub struct Message {
 }
 
 /// One of an assistant message's `tool_calls`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 pub struct MessageToolCall {
     /// The call's id.
     #[serde(default)]
@@ -178,7 +187,7 @@ pub struct MessageToolCall {
 }
 
 /// A call's `function`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 pub struct MessageFunctionCall {
     /// Its name.
     pub name: String,
@@ -188,7 +197,7 @@ pub struct MessageFunctionCall {
 }
 
 /// A message's content.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Content {
     /// Plain text.
     Text(String),
@@ -197,7 +206,7 @@ pub enum Content {
 }
 
 /// One content part.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 pub struct Part {
     /// The part's kind.
     #[serde(rename = "type")]

@@ -1,8 +1,9 @@
-//! A non-streamed answer: every choice's updates collected until it ends ([`collect`]), then
-//! written as one body ([`body`]).
+//! A non-streamed answer: every choice's updates collected until it ends ([`collect`]), a
+//! chat's choices read into reasoning, content and calls ([`chat_answers`], whatever the API),
+//! then written as one OpenAI body ([`body`]).
 
 use kiln_core::TokenId;
-use kiln_engine::{FinishReason, TokenLogprobs};
+use kiln_engine::{FinishReason, Timings, TokenLogprobs};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::job::{Endpoint, Job};
@@ -18,11 +19,69 @@ use crate::worker::Update;
 /// What one choice has produced so far.
 #[derive(Default)]
 pub(super) struct ChoiceState {
-    text: String,
-    tokens: usize,
-    cached_tokens: usize,
+    pub text: String,
+    pub tokens: usize,
+    pub cached_tokens: usize,
     logprobs: Vec<(TokenId, TokenLogprobs)>,
-    finish: Option<FinishReason>,
+    pub finish: Option<FinishReason>,
+    /// The stop string that ended it, if one did.
+    pub stop_string: Option<String>,
+    /// Its time to first token and decode time.
+    pub timings: Timings,
+}
+
+/// A tool call as every API writes it back: its id, the function and its arguments (JSON
+/// text of an object).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct CallOut {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+/// One chat choice's output, read: its reasoning (when the model's is split), its content and
+/// its calls (when the request offered tools).
+pub(super) struct ChatAnswer {
+    pub reasoning: Option<String>,
+    pub content: Option<String>,
+    pub calls: Vec<CallOut>,
+}
+
+/// Each chat choice's output read as the job says: reasoning first (its text may look like
+/// calls), then the calls in the answer.
+pub(super) fn chat_answers(job: &Job, choices: &[ChoiceState]) -> Vec<ChatAnswer> {
+    choices
+        .iter()
+        .enumerate()
+        .map(|(index, c)| {
+            let (reasoning, answer) = match job.thinking {
+                Some(starts_thinking) => reasoning::split(&c.text, starts_thinking),
+                None => (None, Some(c.text.clone())),
+            };
+            let parsed = match &answer {
+                Some(answer) => tools::parse(&job.tools, answer),
+                None => Parsed::default(),
+            };
+            ChatAnswer {
+                reasoning,
+                content: parsed.content,
+                calls: call_outs(job, index, &parsed.calls),
+            }
+        })
+        .collect()
+}
+
+/// Choice `choice`'s calls, each with its id.
+pub(super) fn call_outs(job: &Job, choice: usize, calls: &[ParsedCall]) -> Vec<CallOut> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(k, call)| CallOut {
+            id: tools::call_id(job.tools.format, &job.id, choice, k),
+            name: call.name.clone(),
+            arguments: call.arguments.clone(),
+        })
+        .collect()
 }
 
 /// Waits for every choice.
@@ -64,6 +123,8 @@ pub(super) async fn collect(
                 c.tokens = completion.tokens.len();
                 c.cached_tokens = completion.cached_tokens;
                 c.finish = Some(completion.finish_reason);
+                c.stop_string = completion.stop_string;
+                c.timings = completion.timings;
                 open -= 1;
             }
             Some(Update::Text { .. } | Update::Accepted) => {}
@@ -83,35 +144,21 @@ pub(super) fn body(job: &Job, choices: &[ChoiceState]) -> Result<Vec<u8>, ApiErr
     let logprobs = job.generation.logprobs;
     match job.endpoint {
         Endpoint::Chat => {
-            // Reasoning first (its text may look like calls), then the calls in the answer.
-            let split: Vec<(Option<String>, Option<String>)> = choices
-                .iter()
-                .map(|c| match job.thinking {
-                    Some(starts_thinking) => reasoning::split(&c.text, starts_thinking),
-                    None => (None, Some(c.text.clone())),
-                })
-                .collect();
-            let parsed: Vec<Parsed> = split
-                .iter()
-                .map(|(_, answer)| match answer {
-                    Some(answer) => tools::parse(&job.tools, answer),
-                    None => Parsed::default(),
-                })
-                .collect();
+            let answers = chat_answers(job, choices);
             let choices = choices
                 .iter()
-                .zip(parsed.iter().zip(&split))
+                .zip(&answers)
                 .enumerate()
-                .map(|(index, (c, (p, (thought, _))))| ChatChoice {
+                .map(|(index, (c, a))| ChatChoice {
                     index,
                     message: ChatMessage {
                         role: "assistant",
-                        content: p.content.as_deref(),
-                        reasoning_content: thought.as_deref(),
-                        tool_calls: (!p.calls.is_empty()).then(|| tool_calls(job, index, &p.calls)),
+                        content: a.content.as_deref(),
+                        reasoning_content: a.reasoning.as_deref(),
+                        tool_calls: (!a.calls.is_empty()).then(|| tool_calls(&a.calls)),
                     },
                     logprobs: logprobs.map(|_| ChatLogprobs::new(codec, &c.logprobs)),
-                    finish_reason: c.finish.map(|f| chat_finish_reason(f, p.calls.len())),
+                    finish_reason: c.finish.map(|f| chat_finish_reason(f, a.calls.len())),
                 });
             super::json_bytes(&answer(job, choices.collect(), usage))
         }
@@ -127,13 +174,12 @@ pub(super) fn body(job: &Job, choices: &[ChoiceState]) -> Result<Vec<u8>, ApiErr
     }
 }
 
-/// Choice `choice`'s calls as the body writes them, each with its id.
-fn tool_calls(job: &Job, choice: usize, calls: &[ParsedCall]) -> Vec<ToolCallBody> {
+/// Calls as OpenAI's chat body writes them.
+fn tool_calls(calls: &[CallOut]) -> Vec<ToolCallBody> {
     calls
         .iter()
-        .enumerate()
-        .map(|(k, call)| ToolCallBody {
-            id: tools::call_id(job.tools.format, &job.id, choice, k),
+        .map(|call| ToolCallBody {
+            id: call.id.clone(),
             kind: "function",
             function: FunctionCallBody {
                 name: call.name.clone(),

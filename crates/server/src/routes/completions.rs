@@ -9,13 +9,13 @@ use std::time::Instant;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 
-use super::job::{Endpoint, Job, submit};
-use super::{AppState, Arrived, ModelBody, blocking, collect, stream};
-use crate::api::{self, ChatRequest, CompletionRequest, PromptInput};
+use super::job::{Job, Origin, submit};
+use super::{AppState, Arrived, ModelBody, Ready, blocking, collect, stream};
+use crate::api::{self, ChatInput, ChatRequest, CompletionRequest, Generation, PromptInput};
 use crate::error::ApiError;
 use crate::fleet::Lease;
 use crate::reasoning;
-use crate::tools::{self, ToolFormat, ToolRequest};
+use crate::tools::{self, ToolFormat, ToolPlan, ToolRequest, ToolTurns};
 use kiln_core::TokenId;
 
 /// What [`super::Ready::check_text_fits`] says a prompt must fit in.
@@ -28,7 +28,11 @@ pub(super) async fn chat_completions(
 ) -> Response {
     let job = {
         let state = state.clone();
-        blocking(move || chat_job(&state, lease, body, arrived)).await
+        blocking(move || {
+            let input = ChatInput::from_openai(body)?;
+            chat_job(&state, lease, input, Origin::CHAT, arrived)
+        })
+        .await
     };
     match job {
         Ok(job) => run(state, job).await,
@@ -51,29 +55,65 @@ pub(super) async fn completions(
     }
 }
 
-/// A chat's job: its messages through the chat template (a text too long to fit refused
-/// first), with the tools the request offers ([`tools::plan`]: the template's `tools`, the
-/// generic format's system text, a grammar when a call is forced, how the output is read).
-fn chat_job(
+/// A chat's job: its messages through the chat template ([`render_chat`]), submitted as
+/// `origin`'s.
+pub(super) fn chat_job(
     state: &AppState,
     lease: Lease,
-    body: ChatRequest,
+    input: ChatInput,
+    origin: Origin,
     arrived: Instant,
 ) -> Result<Job, ApiError> {
     let ready = lease.ready().clone();
-    let mut generation = body.generation()?;
-    let text_bytes = body.messages.iter().map(api::Message::text_bytes).sum();
-    let limit = ready.sequence_tokens();
-    ready.check_text_fits(text_bytes, limit, "messages", KV_CACHE)?;
-    if body.messages.is_empty() {
-        return Err(ApiError::invalid_field("messages", "messages is empty"));
+    let RenderedChat {
+        prompt,
+        tools,
+        generation,
+    } = render_chat(&ready, input, origin.prompt_field)?;
+    let mut job = Job::new(state, lease, origin, vec![prompt], generation, arrived)?;
+    job.tools = tools;
+    if job.ready.splits_reasoning {
+        job.thinking = Some(prompt_opens_thinking(&job.ready.codec, &job.prompts[0]));
     }
-    let tool_request = ToolRequest::new(
-        body.tools.as_deref(),
-        body.tool_choice.as_deref(),
-        body.parallel_tool_calls,
-    )?;
-    let mut variables = body.template_variables()?;
+    Ok(job)
+}
+
+/// A chat's prompt and what tool calling makes of it.
+pub(super) struct RenderedChat {
+    pub prompt: Vec<TokenId>,
+    /// How the output is read for calls.
+    pub tools: ToolPlan,
+    /// The request's generation, with the tool grammar when a call is forced.
+    pub generation: Generation,
+}
+
+/// A chat's messages through `ready`'s chat template (a text too long to fit refused first,
+/// naming `prompt_field`), with the tools the request offers ([`tools::plan`]: the template's
+/// `tools`, the generic format's system text, a grammar when a call is forced, how the output
+/// is read).
+pub(super) fn render_chat(
+    ready: &Ready,
+    input: ChatInput,
+    prompt_field: &str,
+) -> Result<RenderedChat, ApiError> {
+    let ChatInput {
+        messages,
+        tools,
+        tool_choice,
+        parallel_tool_calls,
+        mut variables,
+        mut generation,
+    } = input;
+    let text_bytes = messages.iter().map(api::Message::text_bytes).sum();
+    let limit = ready.sequence_tokens();
+    ready.check_text_fits(text_bytes, limit, prompt_field, KV_CACHE)?;
+    if messages.is_empty() {
+        return Err(ApiError::invalid_field(
+            prompt_field,
+            format!("{prompt_field} is empty"),
+        ));
+    }
+    let tool_request = ToolRequest::from_values(tools, tool_choice, parallel_tool_calls)?;
     let plan = tools::plan(
         tool_request.as_ref(),
         ready.tool_format,
@@ -84,26 +124,25 @@ fn chat_job(
         (Some(request), Some(ToolFormat::Generic)) => Some(tools::generic_system_text(request)),
         _ => None,
     };
-    let turns = tools::conversation(&body.messages, generic_text.as_deref())?;
+    // A template that knows no tools gets earlier calls and results as text, whether or not
+    // this request offers tools (a reply after a tool result often offers none).
+    let tool_turns = if ready.tool_format == Some(ToolFormat::Generic) {
+        ToolTurns::AsText(generic_text.as_deref())
+    } else {
+        ToolTurns::Native
+    };
+    let turns = tools::conversation(&messages, tool_turns)?;
     let prompt = ready.codec.chat_prompt_turns(&turns, &variables)?;
-    let mut job = Job::new(
-        state,
-        lease,
-        Endpoint::Chat,
-        vec![prompt],
+    Ok(RenderedChat {
+        prompt,
+        tools: plan,
         generation,
-        arrived,
-    )?;
-    job.tools = plan;
-    if job.ready.splits_reasoning {
-        job.thinking = Some(prompt_opens_thinking(&job.ready.codec, &job.prompts[0]));
-    }
-    Ok(job)
+    })
 }
 
 /// Whether a chat prompt leaves the model inside `<think>` (DeepSeek-R1 distills' and QwQ's
 /// templates open it): read from the prompt's last tokens, where the generation prompt is.
-fn prompt_opens_thinking(codec: &crate::Codec, prompt: &[TokenId]) -> bool {
+pub(super) fn prompt_opens_thinking(codec: &crate::Codec, prompt: &[TokenId]) -> bool {
     const TAIL_TOKENS: usize = 16;
     let tail = &prompt[prompt.len().saturating_sub(TAIL_TOKENS)..];
     codec
@@ -149,7 +188,7 @@ fn completion_job(
     Job::new(
         state,
         lease,
-        Endpoint::Completions,
+        Origin::COMPLETIONS,
         prompts,
         generation,
         arrived,

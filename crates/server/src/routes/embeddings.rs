@@ -21,30 +21,10 @@ pub(super) async fn embeddings(
     ModelBody { lease, body }: ModelBody<EmbeddingRequest>,
 ) -> Result<Response, ApiError> {
     let ready = lease.ready().clone();
-    let d_model = ready.hidden_size.ok_or_else(|| {
-        ApiError::invalid_field("model", "this model gives no hidden states to embed")
-    })?;
+    let d_model = hidden_size(&ready)?;
     let format = body.encoding_format()?;
     let dimensions = body.dimensions(d_model)?;
-    let tokenizing = ready.clone();
-    let inputs = blocking(move || tokenize(&tokenizing, body.input)).await?;
-    if state.fleet.stopping() {
-        return Err(ApiError::shutting_down());
-    }
-    let _place = QueuePlace::take(&ready.embeddings_waiting, state.options.max_queue)?;
-    let tokens: usize = inputs.iter().map(Vec::len).sum();
-    let tag = state.response_id("embd");
-    let (reply, answer) = tokio::sync::oneshot::channel();
-    let job = EmbedJob {
-        inputs,
-        pooling: ready.pooling,
-        reply,
-        tag,
-    };
-    if ready.commands.send(Command::Embed(job)).is_err() {
-        return Err(ApiError::shutting_down());
-    }
-    let vectors = answer.await.map_err(|_| ApiError::shutting_down())??;
+    let (vectors, tokens) = embed(&state, &ready, body.input).await?;
     let name = ready.model.clone();
     let bytes = blocking(move || {
         let data = vectors
@@ -77,6 +57,48 @@ pub(super) async fn embeddings(
     })
     .await?;
     Ok(json_response(bytes))
+}
+
+/// The width of `ready`'s vectors.
+///
+/// # Errors
+/// A 400 when the model gives no hidden states.
+pub(super) fn hidden_size(ready: &Ready) -> Result<usize, ApiError> {
+    ready.hidden_size.ok_or_else(|| {
+        ApiError::invalid_field("model", "this model gives no hidden states to embed")
+    })
+}
+
+/// The vectors of `input` (one per entry, pooled as the model says) and the tokens they took,
+/// computed on the model's engine thread within the embedding queue's limit.
+///
+/// # Errors
+/// A 400 naming `input`; 503 when the queue is full or the server stops.
+pub(super) async fn embed(
+    state: &AppState,
+    ready: &Arc<Ready>,
+    input: Option<EmbeddingInput>,
+) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+    let tokenizing = ready.clone();
+    let inputs = blocking(move || tokenize(&tokenizing, input)).await?;
+    if state.fleet.stopping() {
+        return Err(ApiError::shutting_down());
+    }
+    let _place = QueuePlace::take(&ready.embeddings_waiting, state.options.max_queue)?;
+    let tokens: usize = inputs.iter().map(Vec::len).sum();
+    let tag = state.response_id("embd-");
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let job = EmbedJob {
+        inputs,
+        pooling: ready.pooling,
+        reply,
+        tag,
+    };
+    if ready.commands.send(Command::Embed(job)).is_err() {
+        return Err(ApiError::shutting_down());
+    }
+    let vectors = answer.await.map_err(|_| ApiError::shutting_down())??;
+    Ok((vectors, tokens))
 }
 
 /// Each input's tokens (text tokenized with the tokenizer's special tokens, as the model's

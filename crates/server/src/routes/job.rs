@@ -18,7 +18,8 @@ use crate::fleet::Lease;
 use crate::tools::ToolPlan;
 use crate::worker::{Command, Submission, Update};
 
-/// Which endpoint a job answers, for the shape of its bodies.
+/// The shape of a job's output: a chat's (reasoning, content and tool calls read from the
+/// text) or a text completion's (the text as it is).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Endpoint {
     Chat,
@@ -26,15 +27,7 @@ pub(super) enum Endpoint {
 }
 
 impl Endpoint {
-    /// The request field that holds the prompt (what a 400 about it names).
-    fn prompt_field(self) -> &'static str {
-        match self {
-            Endpoint::Chat => "messages",
-            Endpoint::Completions => "prompt",
-        }
-    }
-
-    /// The `object` of a whole answer.
+    /// The `object` of a whole OpenAI answer.
     pub fn object(self) -> &'static str {
         match self {
             Endpoint::Chat => "chat.completion",
@@ -42,7 +35,7 @@ impl Endpoint {
         }
     }
 
-    /// The `object` of a stream chunk.
+    /// The `object` of an OpenAI stream chunk.
     pub fn chunk_object(self) -> &'static str {
         match self {
             Endpoint::Chat => "chat.completion.chunk",
@@ -51,9 +44,45 @@ impl Endpoint {
     }
 }
 
+/// Which API's request a job answers: the shape of its output, its id and the request field
+/// that holds its prompt (what a 400 about it names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Origin {
+    pub endpoint: Endpoint,
+    /// The id's prefix, separator included (`chatcmpl-`, `msg_`).
+    pub id_prefix: &'static str,
+    pub prompt_field: &'static str,
+}
+
+impl Origin {
+    /// `/v1/chat/completions`.
+    pub const CHAT: Self = Self::new(Endpoint::Chat, "chatcmpl-", "messages");
+    /// `/v1/completions`.
+    pub const COMPLETIONS: Self = Self::new(Endpoint::Completions, "cmpl-", "prompt");
+    /// Anthropic's `/v1/messages`.
+    pub const MESSAGES: Self = Self::new(Endpoint::Chat, "msg_", "messages");
+    /// OpenAI's `/v1/responses`.
+    pub const RESPONSES: Self = Self::new(Endpoint::Chat, "resp_", "input");
+    /// Ollama's `/api/chat`.
+    pub const OLLAMA_CHAT: Self = Self::new(Endpoint::Chat, "chatcmpl-", "messages");
+    /// Ollama's `/api/generate`: a text's output, whether or not the prompt went through the
+    /// chat template.
+    pub const OLLAMA_GENERATE: Self = Self::new(Endpoint::Completions, "cmpl-", "prompt");
+
+    const fn new(endpoint: Endpoint, id_prefix: &'static str, prompt_field: &'static str) -> Self {
+        Self {
+            endpoint,
+            id_prefix,
+            prompt_field,
+        }
+    }
+}
+
 /// A validated request ready for the engine: one prompt per entry, `n` choices each.
 pub(super) struct Job {
     pub endpoint: Endpoint,
+    /// The request field that holds the prompt.
+    prompt_field: &'static str,
     pub id: String,
     pub created: u64,
     /// The model it runs on.
@@ -79,18 +108,16 @@ impl Job {
     pub fn new(
         state: &AppState,
         lease: Lease,
-        endpoint: Endpoint,
+        origin: Origin,
         prompts: Vec<Vec<TokenId>>,
         generation: Generation,
         arrived: Instant,
     ) -> Result<Self, ApiError> {
-        let prefix = match endpoint {
-            Endpoint::Chat => "chatcmpl",
-            Endpoint::Completions => "cmpl",
-        };
+        let endpoint = origin.endpoint;
         let mut job = Self {
             endpoint,
-            id: state.response_id(prefix),
+            prompt_field: origin.prompt_field,
+            id: state.response_id(origin.id_prefix),
             created: unix_time(),
             ready: lease.ready().clone(),
             _lease: lease,
@@ -110,7 +137,7 @@ impl Job {
             let field = if job.generation.beam.is_some() {
                 "num_beams"
             } else if job.prompts.len() > 1 {
-                endpoint.prompt_field()
+                job.prompt_field
             } else {
                 "n"
             };
@@ -185,7 +212,7 @@ impl Job {
             .check_vocab(ready.shape.vocab)
             .map_err(|e| ApiError::invalid_field("logit_bias", e.to_string()))?;
         let limit = ready.sequence_tokens();
-        let param = self.endpoint.prompt_field();
+        let param = self.prompt_field;
         let mut requests = Vec::with_capacity(self.choices());
         for prompt in &self.prompts {
             if let Some(why) = kiln_engine::prompt_problem(prompt, &ready.shape) {

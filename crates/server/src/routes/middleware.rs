@@ -92,18 +92,32 @@ fn strip_port(value: &str) -> &str {
     value.rsplit_once(':').map_or(value, |(host, _)| host)
 }
 
-/// The keyed routes need `Authorization: Bearer KEY` when the server has a key.
+/// Errors in the shape of the API whose route was asked ([`crate::error::Dialect`]): the
+/// outermost layer, so that the guards' and the framework's refusals are rewritten too.
+pub(super) async fn speak_dialect(request: Request, next: Next) -> Response {
+    let path = request.uri().path().to_string();
+    crate::error::in_dialect(&path, next.run(request).await)
+}
+
+/// The keyed routes need the key when the server has one: `Authorization: Bearer KEY`, or
+/// `x-api-key: KEY` (what Anthropic's SDKs send).
 pub(super) async fn require_key(
     State(state): State<Arc<AppState>>,
     request: Request,
     next: Next,
 ) -> Response {
     if let Some(key) = &state.options.api_key {
-        let given = request
-            .headers()
+        let headers = request.headers();
+        let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(bearer_token);
+            .and_then(bearer_token)
+            .or_else(|| {
+                headers
+                    .get("x-api-key")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::trim)
+            });
         if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.trim().as_bytes())) {
             return ApiError::unauthorized().into_response();
         }

@@ -5,12 +5,18 @@
 //! ([`crate::api::response`]).
 //!
 //! One file per endpoint family: [`completions`] (chat and completions, with [`job`]),
-//! [`models`], [`embeddings`], [`tokenize`] (and detokenize), [`health`] (and metrics). What every request
-//! passes through on its way in (the browser guard, the API key, CORS) is [`middleware`].
+//! [`anthropic`] (Anthropic's Messages API), [`responses`] (OpenAI's Responses API),
+//! [`ollama`] (Ollama's `/api/*`), [`models`], [`embeddings`], [`tokenize`] (and
+//! detokenize), [`health`] (and metrics). Every chat API's answer is read by the same
+//! [`collect::chat_answers`] or, streamed, [`chat_stream`], and written in its own shape.
+//! What every request passes through on its way in (the browser guard, the API key, CORS, the
+//! error shape of the route's API) is [`middleware`].
 //!
 //! The handlers speak in requests and tokens: what a request may generate in the cache is the
 //! engine's answer ([`kiln_engine::CacheSpec::room_per_sequence`]), never block arithmetic here.
 
+mod anthropic;
+mod chat_stream;
 mod collect;
 mod completions;
 mod embeddings;
@@ -18,6 +24,8 @@ mod health;
 mod job;
 mod middleware;
 mod models;
+mod ollama;
+mod responses;
 mod stream;
 mod tokenize;
 
@@ -42,7 +50,11 @@ use crate::codec::Codec;
 use crate::error::ApiError;
 use crate::fleet::{Fleet, Lease};
 use crate::metrics::Metrics;
+use crate::responses_store::ResponseStore;
 use crate::worker::Command;
+
+/// Most responses the Responses API keeps at once, whatever their size.
+const MAX_STORED_RESPONSES: usize = 10_000;
 
 /// What the handlers share.
 pub(crate) struct AppState {
@@ -50,6 +62,8 @@ pub(crate) struct AppState {
     /// The models: which are loaded, and the leases requests hold on them.
     pub fleet: Arc<Fleet>,
     pub metrics: Arc<Metrics>,
+    /// The Responses API's stored responses.
+    pub responses: ResponseStore,
     next_id: AtomicU64,
     id_prefix: u64,
 }
@@ -80,6 +94,11 @@ pub(crate) struct Ready {
     /// Whether chat answers are split into `reasoning_content` and `content`
     /// ([`crate::reasoning`]).
     pub splits_reasoning: bool,
+    /// What the model is, read from its files' headers when it loaded (`None`: they could not
+    /// be read again), for the APIs that describe models (Ollama's `/api/show`).
+    pub info: Option<kiln_models::ModelInfo>,
+    /// The chat template's source text.
+    pub chat_template: Option<String>,
     /// The model's engine thread.
     pub commands: Sender<Command>,
     /// Rows of engine requests accepted and not yet ended (the queue limit counts them).
@@ -138,6 +157,7 @@ impl Ready {
 impl AppState {
     pub fn new(options: ServerOptions, fleet: Arc<Fleet>, metrics: Arc<Metrics>) -> Self {
         Self {
+            responses: ResponseStore::new(options.responses_store_bytes, MAX_STORED_RESPONSES),
             options,
             fleet,
             metrics,
@@ -151,11 +171,11 @@ impl AppState {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// A fresh response id: `prefix-` then 24 hex digits, unique within this process and
-    /// unlikely to repeat across restarts.
+    /// A fresh response id: `prefix` (with its separator: `chatcmpl-`, `msg_`) then 24 hex
+    /// digits, unique within this process and unlikely to repeat across restarts.
     fn response_id(&self, prefix: &str) -> String {
         let n = self.next_number();
-        format!("{prefix}-{:016x}{n:08x}", self.id_prefix)
+        format!("{prefix}{:016x}{n:08x}", self.id_prefix)
     }
 }
 
@@ -205,6 +225,23 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(models::models))
         .route("/v1/embeddings", post(embeddings::embeddings))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::retrieve).delete(responses::delete),
+        )
+        .route(
+            "/v1/responses/{id}/input_items",
+            get(responses::input_items),
+        )
+        .route("/api/chat", post(ollama::chat))
+        .route("/api/generate", post(ollama::generate))
+        .route("/api/embed", post(ollama::embed_route))
+        .route("/api/show", post(ollama::show))
+        .route("/api/tags", get(ollama::tags))
+        .route("/api/ps", get(ollama::ps))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route_layer(axum::middleware::from_fn_with_state(
@@ -212,6 +249,7 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
             middleware::require_key,
         ));
     let open = Router::new()
+        .route("/api/version", get(ollama::version))
         .route("/health", get(health::health))
         .route("/metrics", get(health::metrics));
     let cors = state.options.cors;
@@ -224,11 +262,12 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
             middleware::guard_browsers,
         ))
         .with_state(state);
-    if cors {
+    let app = if cors {
         app.layer(middleware::cors())
     } else {
         app
-    }
+    };
+    app.layer(axum::middleware::from_fn(middleware::speak_dialect))
 }
 
 async fn not_found(request: Request) -> ApiError {

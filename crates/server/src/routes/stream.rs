@@ -13,14 +13,15 @@ use kiln_engine::TokenLogprobs;
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use super::chat_stream::ChoiceReader;
 use super::job::{Endpoint, Job};
 use crate::api::response::{
     ChatChunkChoice, ChatLogprob, ChatLogprobs, CompletionBody, Delta, FunctionDelta, TextChoice,
     TextLogprobs, ToolCallDelta, chat_finish_reason, finish_reason,
 };
 use crate::error::ApiError;
-use crate::reasoning::{ReasoningSplitter, Split};
-use crate::tools::{self, Parsed, StreamSplitter};
+use crate::reasoning::Split;
+use crate::tools::{self, Parsed};
 use crate::worker::Update;
 
 /// The events of `job`'s answer, as `updates` bring them.
@@ -28,21 +29,14 @@ pub(super) fn stream(
     job: Job,
     updates: UnboundedReceiver<Update>,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
-    let splitters = match job.tools.format {
-        Some(_) => (0..job.choices())
-            .map(|_| Some(StreamSplitter::new(&job.tools)))
+    let readers = match job.endpoint {
+        Endpoint::Chat => (0..job.choices())
+            .map(|_| ChoiceReader::new(&job))
             .collect(),
-        None => Vec::new(),
-    };
-    let reasoners = match job.thinking {
-        Some(starts_thinking) => (0..job.choices())
-            .map(|_| ReasoningSplitter::new(starts_thinking))
-            .collect(),
-        None => Vec::new(),
+        Endpoint::Completions => Vec::new(),
     };
     let streamer = Streamer {
-        splitters,
-        reasoners,
+        readers,
         open: job.choices(),
         completion_tokens: 0,
         cached_tokens: vec![0; job.choices()],
@@ -75,12 +69,9 @@ struct Streamer {
     text_offsets: HashMap<usize, usize>,
     started: bool,
     done: bool,
-    /// Per chat choice, when the request offers tools: what of its text is content now and
-    /// what is held for the calls.
-    splitters: Vec<Option<StreamSplitter>>,
-    /// Per chat choice, when the model's reasoning is split: what of its text is reasoning
-    /// (empty when not split).
-    reasoners: Vec<ReasoningSplitter>,
+    /// Per chat choice: what of its text is reasoning, what is content now and what is held
+    /// for the calls (empty for completions).
+    readers: Vec<ChoiceReader>,
 }
 
 /// Bytes of a call's arguments per chunk: they stream in pieces, as OpenAI streams them.
@@ -128,14 +119,7 @@ impl Streamer {
         let codec = &self.job.ready.codec;
         match self.job.endpoint {
             Endpoint::Chat => {
-                // A thinking model's reasoning first; the answer's part goes on to `chat_piece`.
-                let split = match self.reasoners.get_mut(index) {
-                    Some(reasoner) => reasoner.push(text),
-                    None => Split {
-                        reasoning: String::new(),
-                        content: text.to_string(),
-                    },
-                };
+                let split = self.readers[index].push(text);
                 self.chat_piece(index, split, logprobs)
             }
             Endpoint::Completions => {
@@ -160,8 +144,8 @@ impl Streamer {
     }
 
     /// A chat choice's next reasoning and answer text (and a token's log-probabilities) as one
-    /// chunk: with tools, only the answer's text that is surely content goes out now. `None`
-    /// when there is nothing to send.
+    /// chunk (the reader has held back what may be a call). `None` when there is nothing to
+    /// send.
     fn chat_piece(
         &mut self,
         index: usize,
@@ -169,10 +153,7 @@ impl Streamer {
         logprobs: Option<(TokenId, &TokenLogprobs)>,
     ) -> Option<SseEvent> {
         let thought = split.reasoning;
-        let content = match self.splitters.get_mut(index).and_then(Option::as_mut) {
-            Some(splitter) => splitter.push(&split.content),
-            None => split.content,
-        };
+        let content = split.content;
         if content.is_empty() && thought.is_empty() && logprobs.is_none() {
             return None;
         }
@@ -309,21 +290,13 @@ impl Streamer {
                 self.open -= 1;
                 self.completion_tokens += completion.tokens.len();
                 self.cached_tokens[choice] = completion.cached_tokens;
-                // What the reasoning splitter held back goes out as the text it turned out
+                // What the readers held back goes out as the text and calls it turned out
                 // to be.
-                if let Some(tail) = self
-                    .reasoners
-                    .get_mut(choice)
-                    .map(ReasoningSplitter::finish)
-                {
-                    events.extend(self.chat_piece(choice, tail, None));
-                }
-                let held = self
-                    .splitters
-                    .get_mut(choice)
-                    .and_then(Option::take)
-                    .map(StreamSplitter::finish)
-                    .unwrap_or_default();
+                let (tail, held) = match self.readers.get_mut(choice) {
+                    Some(reader) => reader.finish(),
+                    None => Default::default(),
+                };
+                events.extend(self.chat_piece(choice, tail, None));
                 let calls = held.calls.len();
                 events.extend(self.held_events(choice, held));
                 let reason = Some(match self.job.endpoint {
@@ -362,7 +335,7 @@ impl Streamer {
 }
 
 /// `text` in pieces of about `bytes` bytes, cut at character boundaries.
-fn pieces(text: &str, bytes: usize) -> Vec<&str> {
+pub(super) fn pieces(text: &str, bytes: usize) -> Vec<&str> {
     let mut out = Vec::new();
     let mut rest = text;
     while !rest.is_empty() {

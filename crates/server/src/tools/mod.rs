@@ -31,10 +31,9 @@ pub use stream::StreamSplitter;
 
 use kiln_engine::OutputConstraint;
 use kiln_models::chat::{ChatMessage, Role, ToolCall};
-use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
-use crate::api::{Message, json_field};
+use crate::api::Message;
 use crate::error::ApiError;
 
 /// How a model writes its tool calls.
@@ -170,21 +169,19 @@ pub struct ToolRequest {
 const MAX_NAME_CHARS: usize = 64;
 
 impl ToolRequest {
-    /// The tool fields of a chat request; `None` when it offers no tools and chooses none.
+    /// The tool fields of a chat request (in OpenAI's shape, which the other APIs' tool fields
+    /// are translated into); `None` when it offers no tools and chooses none.
     ///
     /// # Errors
     /// A 400 naming `tools` or `tool_choice`: a tool that is not a function with a name and
     /// an object schema, two tools of one name, a choice naming no offered function, or
     /// `required` / a named function without tools.
-    pub fn new(
-        tools: Option<&RawValue>,
-        tool_choice: Option<&RawValue>,
+    pub fn from_values(
+        tools: Option<Value>,
+        tool_choice: Option<Value>,
         parallel_tool_calls: Option<bool>,
     ) -> Result<Option<Self>, ApiError> {
-        let tools = match tools {
-            Some(raw) => json_field("tools", raw)?,
-            None => Value::Null,
-        };
+        let tools = tools.unwrap_or(Value::Null);
         let functions = match &tools {
             Value::Null => Vec::new(),
             Value::Array(list) => list
@@ -204,7 +201,7 @@ impl ToolRequest {
         }
         let choice = match tool_choice {
             None => None,
-            Some(raw) => parse_choice(&json_field("tool_choice", raw)?, &functions)?,
+            Some(value) => parse_choice(&value, &functions)?,
         };
         let choice = match (choice, functions.is_empty()) {
             (None, true) => return Ok(None),
@@ -497,21 +494,38 @@ pub fn plan(
     })
 }
 
+/// How [`conversation`] writes tool turns for the template.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolTurns<'a> {
+    /// As the template renders them: [`Role::Tool`] turns and the assistant's `tool_calls`.
+    Native,
+    /// For a template that knows no tools (the generic format): calls as the assistant's JSON
+    /// text, results as user turns of JSON, as minja's polyfills write them; and, when the
+    /// request offers tools, this system text first (appended to a system message, or as one).
+    AsText(Option<&'a str>),
+}
+
 /// The conversation as the template takes it: tool results as [`Role::Tool`] turns, an
-/// assistant's `tool_calls` with their arguments parsed. With `generic` (a template that knows
-/// no tools), the system text goes first (appended to a system message, or as one), calls
-/// become the assistant's JSON text and results user turns of JSON, as minja's polyfills
-/// write them.
+/// assistant's `tool_calls` with their arguments parsed, or both written as text
+/// ([`ToolTurns`]).
 ///
 /// # Errors
 /// A 400 naming the message at fault: an unknown role, a call whose arguments are not a JSON
 /// object, a tool message without `tool_call_id`.
 pub fn conversation(
     messages: &[Message],
-    generic: Option<&str>,
+    tool_turns: ToolTurns<'_>,
 ) -> Result<Vec<ChatMessage>, ApiError> {
     let mut turns = Vec::with_capacity(messages.len() + 1);
+    // The calls made so far: a tool message without a name is named after its call.
+    let mut called: Vec<(&str, &str)> = Vec::new();
     for (i, m) in messages.iter().enumerate() {
+        called.extend(
+            m.tool_calls
+                .iter()
+                .flatten()
+                .filter_map(|c| Some((c.id.as_deref()?, c.function.name.as_str()))),
+        );
         let content = match &m.content {
             Some(c) => c.text()?,
             None => String::new(),
@@ -532,7 +546,13 @@ pub fn conversation(
                         format!("messages[{i}]: a tool message needs its tool_call_id"),
                     ));
                 };
-                ChatMessage::tool_result(id.clone(), m.name.clone(), content)
+                let name = m.name.clone().or_else(|| {
+                    called
+                        .iter()
+                        .find(|(call, _)| call == id)
+                        .map(|(_, name)| name.to_string())
+                });
+                ChatMessage::tool_result(id.clone(), name, content)
             }
             other => {
                 return Err(ApiError::invalid_field(
@@ -546,8 +566,8 @@ pub fn conversation(
         };
         turns.push(turn);
     }
-    if let Some(text) = generic {
-        turns = polyfill(turns, text);
+    if let ToolTurns::AsText(system_text) = tool_turns {
+        turns = polyfill(turns, system_text);
     }
     Ok(turns)
 }
@@ -581,22 +601,25 @@ fn tool_calls(i: usize, calls: &[crate::api::MessageToolCall]) -> Result<Vec<Too
         .collect()
 }
 
-/// The generic format's turns for a template without tools: `system_text` in the system
-/// message, calls and results written out as JSON text.
-fn polyfill(turns: Vec<ChatMessage>, system_text: &str) -> Vec<ChatMessage> {
+/// The generic format's turns for a template without tools: `system_text` (if any) in the
+/// system message, calls and results written out as JSON text.
+fn polyfill(turns: Vec<ChatMessage>, system_text: Option<&str>) -> Vec<ChatMessage> {
     let mut out = Vec::with_capacity(turns.len() + 1);
-    match turns.first() {
-        Some(first) if first.role == Role::System => {
-            let content = if first.content.is_empty() {
-                system_text.to_string()
-            } else {
-                format!("{}\n\n{system_text}", first.content)
-            };
-            out.push(ChatMessage::new(Role::System, content));
+    let mut skip = 0;
+    if let Some(system_text) = system_text {
+        match turns.first() {
+            Some(first) if first.role == Role::System => {
+                let content = if first.content.is_empty() {
+                    system_text.to_string()
+                } else {
+                    format!("{}\n\n{system_text}", first.content)
+                };
+                out.push(ChatMessage::new(Role::System, content));
+            }
+            _ => out.push(ChatMessage::new(Role::System, system_text)),
         }
-        _ => out.push(ChatMessage::new(Role::System, system_text)),
+        skip = usize::from(turns.first().is_some_and(|t| t.role == Role::System));
     }
-    let skip = usize::from(turns.first().is_some_and(|t| t.role == Role::System));
     for turn in turns.into_iter().skip(skip) {
         out.push(match turn.role {
             Role::Assistant if !turn.tool_calls.is_empty() => {

@@ -20,6 +20,16 @@ fn plan(format: ToolFormat) -> ToolPlan {
     }
 }
 
+/// [`ToolRequest::from_values`] of the fields' JSON texts.
+fn request_of(
+    tools: Option<&RawValue>,
+    choice: Option<&RawValue>,
+    parallel: Option<bool>,
+) -> Result<Option<ToolRequest>, crate::error::ApiError> {
+    let value = |raw: &RawValue| serde_json::from_str::<Value>(raw.get()).unwrap();
+    ToolRequest::from_values(tools.map(value), choice.map(value), parallel)
+}
+
 #[test]
 fn hermes_blocks_after_text() {
     // Qwen2.5's template's format, two parallel calls, text before them.
@@ -158,16 +168,16 @@ const TOOLS: &str = r#"[{"type": "function", "function": {"name": "get_weather",
 #[test]
 fn requests_are_validated_naming_the_field() {
     let tools = raw(TOOLS);
-    let request = ToolRequest::new(Some(&tools), None, None).unwrap().unwrap();
+    let request = request_of(Some(&tools), None, None).unwrap().unwrap();
     assert_eq!(request.choice, ToolChoice::Auto);
     assert!(request.parallel);
     let named = raw(r#"{"type": "function", "function": {"name": "get_weather"}}"#);
-    let request = ToolRequest::new(Some(&tools), Some(&named), Some(false))
+    let request = request_of(Some(&tools), Some(&named), Some(false))
         .unwrap()
         .unwrap();
     assert_eq!(request.choice, ToolChoice::Named("get_weather".into()));
     assert!(
-        ToolRequest::new(None, Some(&raw("\"none\"")), None)
+        request_of(None, Some(&raw("\"none\"")), None)
             .unwrap()
             .is_none()
     );
@@ -175,7 +185,7 @@ fn requests_are_validated_naming_the_field() {
     let param = |tools: Option<&str>, choice: Option<&str>| {
         let tools = tools.map(raw);
         let choice = choice.map(raw);
-        ToolRequest::new(tools.as_deref(), choice.as_deref(), None)
+        request_of(tools.as_deref(), choice.as_deref(), None)
             .unwrap_err()
             .body()["error"]["param"]
             .as_str()
@@ -213,7 +223,7 @@ fn requests_are_validated_naming_the_field() {
 fn forced_choices_constrain_to_the_generic_shape() {
     let tools = raw(TOOLS);
     let required = raw("\"required\"");
-    let request = ToolRequest::new(Some(&tools), Some(&required), Some(false))
+    let request = request_of(Some(&tools), Some(&required), Some(false))
         .unwrap()
         .unwrap();
     let mut variables = Map::new();
