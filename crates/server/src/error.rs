@@ -302,7 +302,7 @@ struct Spoken;
 
 impl IntoResponse for ApiError {
     /// OpenAI's shape; the error rides along in the answer's extensions, so that
-    /// [`in_dialect`] can write it in another API's shape on that API's routes.
+    /// `in_dialect` can write it in another API's shape on that API's routes.
     fn into_response(self) -> Response {
         let mut response = (self.status, axum::Json(self.envelope())).into_response();
         response.extensions_mut().insert(self);

@@ -456,9 +456,9 @@ pub enum GenerateInput {
     /// No prompt: load (or, with `keep_alive: 0`, unload) the model.
     Load,
     /// The prompt as it is (`raw`), tokenized with the model's special tokens.
-    Raw(String, Generation),
+    Raw(String, Box<Generation>),
     /// `system` and `prompt` through the chat template, as a chat of two messages.
-    Chat(ChatInput),
+    Chat(Box<ChatInput>),
 }
 
 impl GenerateBody {
@@ -502,7 +502,7 @@ impl GenerateBody {
                     "raw mode does not support template, system, or context",
                 ));
             }
-            return Ok(GenerateInput::Raw(prompt, generation));
+            return Ok(GenerateInput::Raw(prompt, Box::new(generation)));
         }
         let message = |role: &str, text: String| Message {
             role: role.into(),
@@ -520,14 +520,14 @@ impl GenerateBody {
         if let Some(thinking) = think(self.think.as_deref())? {
             variables.insert("enable_thinking".into(), Value::Bool(thinking));
         }
-        Ok(GenerateInput::Chat(ChatInput {
+        Ok(GenerateInput::Chat(Box::new(ChatInput {
             messages,
             tools: None,
             tool_choice: None,
             parallel_tool_calls: None,
             variables,
             generation,
-        }))
+        })))
     }
 }
 

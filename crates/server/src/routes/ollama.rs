@@ -150,10 +150,7 @@ pub(super) async fn chat(
     if body.keep_alive.is_some() {
         lease.keep_alive(keep);
     }
-    let input = {
-        let body = body;
-        blocking(move || body.chat_input()).await
-    };
+    let input = blocking(move || body.chat_input()).await;
     let input = match input {
         Ok(Some(input)) => input,
         Ok(None) => return loaded_answer(lease.ready(), true, keep == Some(Duration::ZERO)),
@@ -179,7 +176,7 @@ pub(super) async fn generate(
             loaded_answer(lease.ready(), false, keep == Some(Duration::ZERO))
         }
         Ok(GenerateInput::Chat(input)) => {
-            run_chat(state, lease, input, Origin::OLLAMA_GENERATE, arrived).await
+            run_chat(state, lease, *input, Origin::OLLAMA_GENERATE, arrived).await
         }
         Ok(GenerateInput::Raw(prompt, generation)) => {
             let job = {
@@ -198,7 +195,7 @@ pub(super) async fn generate(
                         lease,
                         Origin::OLLAMA_GENERATE,
                         vec![ids],
-                        generation,
+                        *generation,
                         arrived,
                     )
                 })
@@ -305,6 +302,9 @@ fn piece_line(job: &Job, piece: Piece) -> Value {
         Endpoint::Completions => ("response", "thinking"),
     };
     let mut fields = Map::new();
+    if job.endpoint == Endpoint::Chat {
+        fields.insert("role".into(), json!("assistant"));
+    }
     match piece {
         Piece::Content(text) => {
             fields.insert(text_key.into(), json!(text));
@@ -323,7 +323,6 @@ fn piece_line(job: &Job, piece: Piece) -> Value {
     }
     match job.endpoint {
         Endpoint::Chat => {
-            fields.insert("role".into(), json!("assistant"));
             map.insert("message".into(), Value::Object(fields));
         }
         Endpoint::Completions => map.extend(fields),
