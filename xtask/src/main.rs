@@ -126,10 +126,36 @@ const PYTHON_TEST_PACKAGES: [&str; 7] = [
     "ollama==0.6.3",
 ];
 
+/// The Codex CLI that test_codex.py runs against `kiln serve`, pinned as the Python packages
+/// are.
+const CODEX_PACKAGE: &str = "@openai/codex@0.171.0";
+
+/// Installs the Codex CLI under `target/codex` with npm (once), when npm is on the machine;
+/// without it test_codex.py is skipped, and says why.
+fn install_codex() {
+    let folder = workspace_root().join("target/codex");
+    if folder.join("node_modules/.bin/codex").exists() {
+        return;
+    }
+    let installed = Command::new("npm")
+        .args(["install", "--no-audit", "--no-fund", "--silent", "--prefix"])
+        .arg(&folder)
+        .arg(CODEX_PACKAGE)
+        .status();
+    match installed {
+        Ok(status) if status.success() => {}
+        Ok(status) => eprintln!(
+            "npm install {CODEX_PACKAGE} failed ({status}): test_codex.py will be skipped"
+        ),
+        Err(e) => eprintln!("npm is not available ({e}): test_codex.py will be skipped"),
+    }
+}
+
 /// `kiln serve` driven by the official OpenAI SDK and the small load test, with pytest in a
 /// virtual environment under `target/python` (made once).
 fn server_tests() -> Result<()> {
     let python = python_env(&PYTHON_TEST_PACKAGES)?;
+    install_codex();
     run(Command::new(&python)
         .args([
             "-m",

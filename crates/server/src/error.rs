@@ -69,6 +69,15 @@ impl ApiError {
         }
     }
 
+    /// 400 naming the field whose prompt does not fit in the context or the KV cache
+    /// (OpenAI's `context_length_exceeded`, which clients such as the Codex CLI act on).
+    pub fn context_length_exceeded(param: &str, message: impl Into<String>) -> Self {
+        Self {
+            code: Some("context_length_exceeded"),
+            ..Self::invalid_field(param, message)
+        }
+    }
+
     /// 401: no key, or the wrong one.
     pub fn unauthorized() -> Self {
         Self {

@@ -99,6 +99,8 @@ pub struct Echo {
     pub instructions: Option<String>,
     /// The tools in the Responses API's shape.
     pub tools: Value,
+    /// The namespace of each function offered inside one: `(function, namespace)`.
+    pub namespaces: Vec<(String, String)>,
     pub tool_choice: Value,
     pub parallel_tool_calls: bool,
     /// `{"format": ...}`.
@@ -189,6 +191,28 @@ fn part_value(kind: &str, text: &str) -> Value {
     }
 }
 
+/// A function tool in chat completions' shape.
+fn chat_function(tool: &Value) -> Value {
+    let mut function = Map::new();
+    for key in ["name", "description", "parameters"] {
+        if let Some(v) = tool.get(key).filter(|v| !v.is_null()) {
+            function.insert(key.into(), v.clone());
+        }
+    }
+    json!({"type": "function", "function": function})
+}
+
+/// A function tool as the response echoes it.
+fn echo_function(tool: &Value) -> Value {
+    json!({
+        "type": "function",
+        "name": tool.get("name").cloned().unwrap_or(Value::Null),
+        "description": tool.get("description").cloned().unwrap_or(Value::Null),
+        "parameters": tool.get("parameters").cloned().unwrap_or(Value::Null),
+        "strict": tool.get("strict").cloned().unwrap_or(Value::Bool(true)),
+    })
+}
+
 /// A function call output's text: a string, or its text parts joined.
 fn output_text(field: &str, raw: Option<&RawValue>) -> Result<String, ApiError> {
     match raw {
@@ -228,7 +252,7 @@ impl ResponsesRequest {
         let (constraint, text) = self.text_format()?;
         generation.constraint = constraint.map(|c| ("text", c));
         let (new_messages, input_items) = self.input(history, &mut next_id)?;
-        let (tools, echo_tools) = self.tools()?;
+        let (tools, echo_tools, namespaces) = self.tools()?;
         let (tool_choice, echo_choice) = self.tool_choice()?;
         let mut variables = Map::new();
         let reasoning = match &self.reasoning {
@@ -251,6 +275,7 @@ impl ResponsesRequest {
         let echo = Echo {
             instructions: self.instructions.clone(),
             tools: echo_tools,
+            namespaces,
             tool_choice: echo_choice,
             parallel_tool_calls: self.parallel_tool_calls.unwrap_or(true),
             text,
@@ -315,40 +340,69 @@ impl ResponsesRequest {
         Ok((constraint, json!({"format": format})))
     }
 
-    /// The tools in chat completions' shape, and as the response echoes them.
-    fn tools(&self) -> Result<(Option<Value>, Value), ApiError> {
+    /// The tools in chat completions' shape, as the response echoes them, and the namespace
+    /// of each function that came in one. A `namespace` tool's functions are offered as they
+    /// are (their calls carry the namespace back); hosted tools kiln cannot run (`web_search`,
+    /// `file_search`, `code_interpreter`, MCP servers, custom text tools, ...) are not offered
+    /// to the model, and the log says so: clients such as the Codex CLI declare them whatever
+    /// the server.
+    fn tools(&self) -> Result<(Option<Value>, Value, Vec<(String, String)>), ApiError> {
         let Some(raw) = &self.tools else {
-            return Ok((None, json!([])));
+            return Ok((None, json!([]), Vec::new()));
         };
         let Value::Array(list) = json_field("tools", raw)? else {
             return Err(ApiError::invalid_field("tools", "tools must be a list"));
         };
         let mut chat = Vec::with_capacity(list.len());
         let mut echo = Vec::with_capacity(list.len());
+        let mut namespaces = Vec::new();
+        let mut dropped = Vec::new();
         for (i, tool) in list.into_iter().enumerate() {
-            let kind = tool.get("type").and_then(Value::as_str).unwrap_or("");
-            if kind != "function" {
-                return Err(ApiError::invalid_field(
-                    "tools",
-                    format!("tools[{i}] is of type {kind:?}: only function tools are supported"),
-                ));
-            }
-            let mut function = Map::new();
-            for key in ["name", "description", "parameters"] {
-                if let Some(v) = tool.get(key).filter(|v| !v.is_null()) {
-                    function.insert(key.into(), v.clone());
+            match tool.get("type").and_then(Value::as_str).unwrap_or("") {
+                "function" => {
+                    chat.push(chat_function(&tool));
+                    echo.push(echo_function(&tool));
+                }
+                "namespace" => {
+                    let name = tool.get("name").and_then(Value::as_str).unwrap_or("");
+                    let Some(Value::Array(inner)) = tool.get("tools") else {
+                        return Err(ApiError::invalid_field(
+                            "tools",
+                            format!("tools[{i}]: a namespace needs a list of tools"),
+                        ));
+                    };
+                    for function in inner {
+                        if function.get("type").and_then(Value::as_str) != Some("function") {
+                            dropped.push(format!(
+                                "{name}.{}",
+                                function.get("type").unwrap_or(&Value::Null)
+                            ));
+                            continue;
+                        }
+                        chat.push(chat_function(function));
+                        if let Some(f) = function.get("name").and_then(Value::as_str) {
+                            namespaces.push((f.to_string(), name.to_string()));
+                        }
+                    }
+                    echo.push(tool);
+                }
+                "" => {
+                    return Err(ApiError::invalid_field(
+                        "tools",
+                        format!("tools[{i}] has no type"),
+                    ));
+                }
+                kind => {
+                    dropped.push(kind.to_string());
+                    echo.push(tool);
                 }
             }
-            chat.push(json!({"type": "function", "function": function}));
-            echo.push(json!({
-                "type": "function",
-                "name": tool.get("name").cloned().unwrap_or(Value::Null),
-                "description": tool.get("description").cloned().unwrap_or(Value::Null),
-                "parameters": tool.get("parameters").cloned().unwrap_or(Value::Null),
-                "strict": tool.get("strict").cloned().unwrap_or(Value::Bool(true)),
-            }));
         }
-        Ok((Some(Value::Array(chat)), Value::Array(echo)))
+        if !dropped.is_empty() {
+            tracing::warn!(target: "kiln::serve", "the model is not offered tools it cannot call here: {}", dropped.join(", "));
+        }
+        let chat = (!chat.is_empty()).then_some(Value::Array(chat));
+        Ok((chat, Value::Array(echo), namespaces))
     }
 
     /// `tool_choice` in chat completions' shape, and as the response echoes it.
@@ -594,6 +648,43 @@ mod tests {
         let e = prepare(body, &[]).err().unwrap();
         assert_eq!(e.param.as_deref(), Some("input"));
         assert!(e.message.contains("call_7"), "{}", e.message);
+    }
+
+    #[test]
+    fn namespaced_functions_are_offered_and_hosted_tools_are_not() {
+        let p = prepare(
+            json!({"input": "hi", "tools": [
+                {"type": "web_search", "external_web_access": true},
+                {"type": "namespace", "name": "agents", "tools": [
+                    {"type": "function", "name": "spawn", "parameters": {"type": "object"}},
+                ]},
+                {"type": "function", "name": "shell", "parameters": {"type": "object"}},
+            ]}),
+            &[],
+        )
+        .unwrap();
+        let offered: Vec<&Value> = p
+            .chat
+            .tools
+            .as_ref()
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| &t["function"]["name"])
+            .collect();
+        assert_eq!(offered, [&json!("spawn"), &json!("shell")]);
+        assert_eq!(
+            p.echo.namespaces,
+            [("spawn".to_string(), "agents".to_string())]
+        );
+        assert_eq!(p.echo.tools.as_array().unwrap().len(), 3);
+        let only_hosted = prepare(
+            json!({"input": "hi", "tools": [{"type": "web_search"}]}),
+            &[],
+        )
+        .unwrap();
+        assert!(only_hosted.chat.tools.is_none());
     }
 
     #[test]

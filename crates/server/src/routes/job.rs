@@ -216,11 +216,15 @@ impl Job {
         let mut requests = Vec::with_capacity(self.choices());
         for prompt in &self.prompts {
             if let Some(why) = kiln_engine::prompt_problem(prompt, &ready.shape) {
-                return Err(ApiError::invalid_field(param, why));
+                return Err(if prompt.len() >= ready.shape.max_positions {
+                    ApiError::context_length_exceeded(param, why)
+                } else {
+                    ApiError::invalid_field(param, why)
+                });
             }
             // The engine knows the context; the pool this server gave the cache may be smaller.
             if prompt.len() >= limit {
-                return Err(ApiError::invalid_field(
+                return Err(ApiError::context_length_exceeded(
                     param,
                     format!(
                         "the prompt has {} tokens; the server's KV cache holds {limit} tokens \

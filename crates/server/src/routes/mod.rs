@@ -141,7 +141,7 @@ impl Ready {
         let longest = self.longest_token();
         let most = tokens.saturating_mul(longest).saturating_mul(2);
         if bytes > most {
-            return Err(ApiError::invalid_field(
+            return Err(ApiError::context_length_exceeded(
                 param,
                 format!(
                     "{param} is {bytes} bytes of text; {what} holds {tokens} tokens, and no \

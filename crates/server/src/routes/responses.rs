@@ -163,14 +163,18 @@ fn message_item(id: &str, text: Option<&str>, status: &str) -> Value {
     json!({"type": "message", "id": id, "status": status, "role": "assistant", "content": content})
 }
 
-fn call_item(ids: &OutputIds, call: &CallOut, arguments: &str, status: &str) -> Value {
-    json!({"type": "function_call", "id": ids.call(call), "call_id": call.id, "name": call.name,
-           "arguments": arguments, "status": status})
+fn call_item(echo: &Echo, ids: &OutputIds, call: &CallOut, arguments: &str, status: &str) -> Value {
+    let mut item = json!({"type": "function_call", "id": ids.call(call), "call_id": call.id,
+                          "name": call.name, "arguments": arguments, "status": status});
+    if let Some((_, namespace)) = echo.namespaces.iter().find(|(f, _)| *f == call.name) {
+        item["namespace"] = json!(namespace);
+    }
+    item
 }
 
 /// The output items of an answer: its reasoning, its text (unless it is only calls), its
 /// calls.
-fn output(ids: &OutputIds, answer: &ChatAnswer, status: &str) -> Vec<Value> {
+fn output(echo: &Echo, ids: &OutputIds, answer: &ChatAnswer, status: &str) -> Vec<Value> {
     let mut items = Vec::new();
     if let Some(reasoning) = answer.reasoning.as_deref().filter(|r| !r.is_empty()) {
         items.push(reasoning_item(&ids.reasoning, reasoning, "completed"));
@@ -183,7 +187,7 @@ fn output(ids: &OutputIds, answer: &ChatAnswer, status: &str) -> Vec<Value> {
         answer
             .calls
             .iter()
-            .map(|c| call_item(ids, c, &c.arguments, "completed")),
+            .map(|c| call_item(echo, ids, c, &c.arguments, "completed")),
     );
     items
 }
@@ -256,7 +260,7 @@ fn finished(
         job,
         context,
         status,
-        output(ids, answer, status),
+        output(&context.echo, ids, answer, status),
         Some(usage),
     )
 }
@@ -546,7 +550,15 @@ impl Writer {
                 self.close(events);
                 let index = self.done_items.len();
                 let id = self.ids.call(&call);
-                let e = self.event("response.output_item.added", json!({"output_index": index, "item": call_item(&self.ids, &call, "", "in_progress")}));
+                let echo = &self.context.as_ref().map(|c| c.echo.clone());
+                let Some(echo) = echo else {
+                    return;
+                };
+                let added = call_item(echo, &self.ids, &call, "", "in_progress");
+                let e = self.event(
+                    "response.output_item.added",
+                    json!({"output_index": index, "item": added}),
+                );
                 events.push(e);
                 for piece in super::stream::pieces(&call.arguments, 24) {
                     let e = self.event(
@@ -557,7 +569,7 @@ impl Writer {
                 }
                 let e = self.event("response.function_call_arguments.done", json!({"item_id": id, "output_index": index, "arguments": call.arguments, "name": call.name}));
                 events.push(e);
-                let item = call_item(&self.ids, &call, &call.arguments, "completed");
+                let item = call_item(echo, &self.ids, &call, &call.arguments, "completed");
                 self.done_items.push(item.clone());
                 let e = self.event(
                     "response.output_item.done",

@@ -596,6 +596,33 @@ def test_max_output_tokens_of_zero_is_a_400(client):
     assert caught.value.body["param"] == "max_output_tokens", caught.value.body
 
 
+def test_namespaced_functions_are_called_and_hosted_tools_are_not_offered(client):
+    """What the Codex CLI declares by default: a `namespace` of functions and the hosted
+    `web_search`. The namespace's functions are offered (a call names its namespace); a hosted
+    tool kiln cannot run is echoed but not offered."""
+    r = respond(
+        client,
+        input="What is the weather in Paris?",
+        tools=[
+            {"type": "web_search"},
+            {
+                "type": "namespace",
+                "name": "weather_ns",
+                "description": "Weather tools.",
+                "tools": [{k: v for k, v in TOOLS[0].items() if k != "strict"}],
+            },
+        ],
+        tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False,
+        max_output_tokens=120,
+    )
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1, r.output
+    assert calls[0].name == "get_weather" and calls[0].namespace == "weather_ns"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+    assert [t.type for t in r.tools] == ["web_search", "namespace"]
+
+
 @pytest.mark.parametrize(
     "fields, param",
     [
@@ -609,11 +636,11 @@ def test_max_output_tokens_of_zero_is_a_400(client):
             "input",
         ),
         ({"input": [{"type": "no_such_item", "text": "Hi"}]}, "input"),
-        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [{"name": "get_weather"}]}, "tools"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strng"}}}}, "text"),
     ],
-    ids=["unmatched-call-output", "unknown-item", "built-in-tool", "unknown-function", "bad-schema"],
+    ids=["unmatched-call-output", "unknown-item", "untyped-tool", "unknown-function", "bad-schema"],
 )
 def test_bad_fields_are_400s_naming_them(client, fields, param):
     fields = {"input": "Hi", **fields}
