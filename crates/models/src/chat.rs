@@ -264,6 +264,21 @@ fn now_unix() -> i64 {
         .map_or(0, |d| d.as_secs() as i64)
 }
 
+/// The UTC date `(year, month 1-12, day 1-31)` of a day counted from 1970-01-01 (Howard
+/// Hinnant's days-to-civil, no date crate needed).
+pub fn civil_date(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
 /// The few `strftime` fields chat templates use (`%d %b %Y` in Llama 3.1's), in UTC.
 fn strftime_utc(format: &str, unix: i64) -> String {
     const MONTHS: [&str; 12] = [
@@ -280,17 +295,7 @@ fn strftime_utc(format: &str, unix: i64) -> String {
         "November",
         "December",
     ];
-    // Howard Hinnant's days-to-civil.
-    let days = unix.div_euclid(86_400);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (year, month, day) = civil_date(unix.div_euclid(86_400));
     let name = MONTHS[(month - 1) as usize];
     let mut out = String::new();
     let mut chars = format.chars();

@@ -104,6 +104,8 @@ struct Slot {
     /// When it unloads once no request holds it (a request's `keep_alive`, Ollama's field);
     /// `None`: it stays until room is needed.
     expires: Option<Instant>,
+    /// When the pending keep-alive timer wakes, if one is pending.
+    timer: Option<Instant>,
 }
 
 struct Inner {
@@ -227,6 +229,7 @@ impl Fleet {
                 load_time: Duration::ZERO,
                 created: 0,
                 expires: None,
+                timer: None,
             })
             .collect();
         Ok(Self {
@@ -562,8 +565,12 @@ impl Fleet {
     }
 
     /// Unloads the model at `index` if its keep-alive has run out and no request holds it;
-    /// otherwise, if it is idle on a timer, checks again when the timer runs out.
+    /// otherwise, if it is idle on a timer, checks again when the timer runs out. One timer
+    /// per model is pending at a time (a busy server's requests each end here), and it wakes
+    /// at least daily, so a keep-alive of years never sleeps past what the runtime's timer
+    /// takes.
     fn expire(self: &Arc<Self>, index: usize) {
+        const MOST_SLEEP: Duration = Duration::from_secs(86_400);
         let mut inner = self.lock();
         if inner.shutting_down {
             return;
@@ -572,20 +579,34 @@ impl Fleet {
         let (Some(expires), 0, State::Loaded(_)) = (slot.expires, slot.leases, &slot.state) else {
             return;
         };
-        if expires <= Instant::now() {
+        let now = Instant::now();
+        if expires <= now {
             slot.expires = None;
             Self::begin_unload(slot, Some("because its keep_alive ran out"));
             return;
         }
-        drop(inner);
-        // A timer needs the runtime; without one (a test) the next release checks again.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let fleet = self.clone();
-            runtime.spawn(async move {
-                tokio::time::sleep_until(expires.into()).await;
-                fleet.expire(index);
-            });
+        let wake = expires.min(now + MOST_SLEEP);
+        if slot.timer.is_some_and(|armed| armed <= wake) {
+            return;
         }
+        // A timer needs the runtime; without one (a test) the next release checks again.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        slot.timer = Some(wake);
+        drop(inner);
+        let fleet = self.clone();
+        runtime.spawn(async move {
+            tokio::time::sleep_until(wake.into()).await;
+            {
+                let mut inner = fleet.lock();
+                let slot = &mut inner.slots[index];
+                if slot.timer == Some(wake) {
+                    slot.timer = None;
+                }
+            }
+            fleet.expire(index);
+        });
     }
 
     /// A lease on the model at `index` ended.

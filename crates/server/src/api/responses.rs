@@ -191,6 +191,14 @@ fn part_value(kind: &str, text: &str) -> Value {
     }
 }
 
+/// A request's tools: as the model is offered them (chat completions' shape), as the response
+/// echoes them, and the namespace of each function that came in one (`(function, namespace)`).
+struct Tools {
+    chat: Option<Value>,
+    echo: Value,
+    namespaces: Vec<(String, String)>,
+}
+
 /// A function tool in chat completions' shape.
 fn chat_function(tool: &Value) -> Value {
     let mut function = Map::new();
@@ -252,7 +260,11 @@ impl ResponsesRequest {
         let (constraint, text) = self.text_format()?;
         generation.constraint = constraint.map(|c| ("text", c));
         let (new_messages, input_items) = self.input(history, &mut next_id)?;
-        let (tools, echo_tools, namespaces) = self.tools()?;
+        let Tools {
+            chat: tools,
+            echo: echo_tools,
+            namespaces,
+        } = self.tools()?;
         let (tool_choice, echo_choice) = self.tool_choice()?;
         let mut variables = Map::new();
         let reasoning = match &self.reasoning {
@@ -346,9 +358,13 @@ impl ResponsesRequest {
     /// `file_search`, `code_interpreter`, MCP servers, custom text tools, ...) are not offered
     /// to the model, and the log says so: clients such as the Codex CLI declare them whatever
     /// the server.
-    fn tools(&self) -> Result<(Option<Value>, Value, Vec<(String, String)>), ApiError> {
+    fn tools(&self) -> Result<Tools, ApiError> {
         let Some(raw) = &self.tools else {
-            return Ok((None, json!([]), Vec::new()));
+            return Ok(Tools {
+                chat: None,
+                echo: json!([]),
+                namespaces: Vec::new(),
+            });
         };
         let Value::Array(list) = json_field("tools", raw)? else {
             return Err(ApiError::invalid_field("tools", "tools must be a list"));
@@ -401,8 +417,11 @@ impl ResponsesRequest {
         if !dropped.is_empty() {
             tracing::warn!(target: "kiln::serve", "the model is not offered tools it cannot call here: {}", dropped.join(", "));
         }
-        let chat = (!chat.is_empty()).then_some(Value::Array(chat));
-        Ok((chat, Value::Array(echo), namespaces))
+        Ok(Tools {
+            chat: (!chat.is_empty()).then_some(Value::Array(chat)),
+            echo: Value::Array(echo),
+            namespaces,
+        })
     }
 
     /// `tool_choice` in chat completions' shape, and as the response echoes it.
@@ -695,10 +714,7 @@ mod tests {
                 "max_output_tokens",
             ),
             (json!({"input": [{"type": "bogus"}]}), "input"),
-            (
-                json!({"input": "hi", "tools": [{"type": "web_search"}]}),
-                "tools",
-            ),
+            (json!({"input": "hi", "tools": [{"name": "f"}]}), "tools"),
             (
                 json!({"input": "hi", "text": {"format": {"type": "xml"}}}),
                 "text",

@@ -41,16 +41,7 @@ fn rfc3339(time: SystemTime) -> String {
     let since = time.duration_since(UNIX_EPOCH).unwrap_or_default();
     let secs = since.as_secs();
     let (days, rest) = ((secs / 86_400) as i64, secs % 86_400);
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (year, month, day) = kiln_models::chat::civil_date(days);
     format!(
         "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:09}Z",
         rest / 3600,
@@ -138,18 +129,27 @@ fn loaded_answer(ready: &Ready, chat: bool, unload: bool) -> Response {
     whole(&Value::Object(map))
 }
 
+/// Applies a request's `keep_alive` (when it gives one) to its model, and returns it.
+fn keep_model(
+    lease: &Lease,
+    raw: Option<&serde_json::value::RawValue>,
+) -> Result<Option<Duration>, ApiError> {
+    let keep = keep_alive(raw)?;
+    if raw.is_some() {
+        lease.keep_alive(keep);
+    }
+    Ok(keep)
+}
+
 pub(super) async fn chat(
     Arrived(arrived): Arrived,
     State(state): State<Arc<AppState>>,
     ModelBody { lease, body }: ModelBody<ChatBody>,
 ) -> Response {
-    let keep = match keep_alive(body.keep_alive.as_deref()) {
+    let keep = match keep_model(&lease, body.keep_alive.as_deref()) {
         Ok(keep) => keep,
         Err(e) => return e.into_response(),
     };
-    if body.keep_alive.is_some() {
-        lease.keep_alive(keep);
-    }
     let input = blocking(move || body.chat_input()).await;
     let input = match input {
         Ok(Some(input)) => input,
@@ -164,13 +164,10 @@ pub(super) async fn generate(
     State(state): State<Arc<AppState>>,
     ModelBody { lease, body }: ModelBody<GenerateBody>,
 ) -> Response {
-    let keep = match keep_alive(body.keep_alive.as_deref()) {
+    let keep = match keep_model(&lease, body.keep_alive.as_deref()) {
         Ok(keep) => keep,
         Err(e) => return e.into_response(),
     };
-    if body.keep_alive.is_some() {
-        lease.keep_alive(keep);
-    }
     match body.input() {
         Ok(GenerateInput::Load) => {
             loaded_answer(lease.ready(), false, keep == Some(Duration::ZERO))
@@ -398,9 +395,7 @@ pub(super) async fn embed_route(
 ) -> Response {
     let started = Instant::now();
     let result = async {
-        if body.keep_alive.is_some() {
-            lease.keep_alive(keep_alive(body.keep_alive.as_deref())?);
-        }
+        keep_model(&lease, body.keep_alive.as_deref())?;
         let ready = lease.ready().clone();
         let d_model = hidden_size(&ready)?;
         let dimensions = match body.dimensions {
