@@ -299,15 +299,9 @@ impl ApiError {
 
     /// The answer in `dialect`'s shape.
     pub fn response_in(&self, dialect: Dialect) -> Response {
-        let mut response = (self.status, axum::Json(self.body_in(dialect))).into_response();
-        response.extensions_mut().insert(Spoken);
-        response
+        (self.status, axum::Json(self.body_in(dialect))).into_response()
     }
 }
-
-/// Marks an error answer already written in its route's dialect.
-#[derive(Debug, Clone, Copy)]
-struct Spoken;
 
 impl IntoResponse for ApiError {
     /// OpenAI's shape; the error rides along in the answer's extensions, so that
@@ -323,7 +317,7 @@ impl IntoResponse for ApiError {
 /// that route's [`Dialect`].
 pub fn in_dialect(path: &str, response: Response) -> Response {
     let dialect = Dialect::of_path(path);
-    if dialect == Dialect::OpenAi || response.extensions().get::<Spoken>().is_some() {
+    if dialect == Dialect::OpenAi {
         return response;
     }
     match response.extensions().get::<ApiError>() {

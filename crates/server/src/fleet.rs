@@ -662,6 +662,11 @@ impl Fleet {
         }
     }
 
+    /// How many models it serves (loaded or not).
+    pub fn count(&self) -> usize {
+        self.lock().slots.len()
+    }
+
     /// The model at `index`, when it is loaded.
     pub fn loaded_model(&self, index: usize) -> Option<Arc<Ready>> {
         match &self.lock().slots[index].state {

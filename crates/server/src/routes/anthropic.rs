@@ -10,9 +10,8 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
-use futures_util::StreamExt;
 use kiln_engine::FinishReason;
 use serde_json::{Value, json};
 
@@ -20,6 +19,7 @@ use super::chat_stream::{ChatStream, Ending, Piece, Step};
 use super::collect::{CallOut, ChatAnswer, ChoiceState, chat_answers, collect};
 use super::completions::{chat_job, render_chat};
 use super::job::{Job, Origin, submit};
+use super::stream::{ARGUMENT_PIECE_BYTES, EventWriter, pieces, sse};
 use super::{AppState, Arrived, ModelBody, blocking, json_bytes, json_response};
 use crate::api::anthropic::{MessageBody, MessageUsage, MessagesRequest, tool_use_id};
 use crate::error::Dialect;
@@ -118,9 +118,6 @@ fn message_body<'a>(job: &'a Job, choice: &'a ChoiceState, answer: ChatAnswer) -
     }
 }
 
-/// Bytes of a call's input per `input_json_delta`.
-const INPUT_PIECE_BYTES: usize = 24;
-
 /// The open content block of a streamed message.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Open {
@@ -176,7 +173,7 @@ impl Writer {
                 let input = block["input"].to_string();
                 block["input"] = json!({});
                 let index = self.start(block, events);
-                for piece in super::stream::pieces(&input, INPUT_PIECE_BYTES) {
+                for piece in pieces(&input, ARGUMENT_PIECE_BYTES) {
                     events.push(event(
                         "content_block_delta",
                         &json!({"type": "content_block_delta", "index": index,
@@ -266,22 +263,23 @@ impl Writer {
     }
 }
 
+impl EventWriter for Writer {
+    fn ended(&self) -> bool {
+        self.done
+    }
+
+    fn events(&mut self) -> impl Future<Output = Vec<SseEvent>> + Send {
+        self.next_events()
+    }
+}
+
 /// The message as Anthropic's server-sent events.
 fn stream(chat: ChatStream) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
-    let writer = Writer {
+    sse(Writer {
         chat,
         open: None,
         next_index: 0,
         started: false,
         done: false,
-    };
-    let events = futures_util::stream::unfold(writer, |mut w| async move {
-        if w.done {
-            return None;
-        }
-        let events = w.next_events().await;
-        Some((events, w))
     })
-    .flat_map(|events| futures_util::stream::iter(events.into_iter().map(Ok)));
-    Sse::new(events).keep_alive(KeepAlive::default())
 }

@@ -249,12 +249,13 @@ fn tool_call(name: &str, arguments: &str) -> Value {
 /// The whole answer of a job that was not streamed.
 fn final_object(job: &Job, choice: &ChoiceState) -> Value {
     let mut map = stamp(&job.ready);
+    let answer = chat_answers(job, std::slice::from_ref(choice)).remove(0);
+    let content = json!(answer.content.unwrap_or_default());
     match job.endpoint {
         Endpoint::Chat => {
-            let answer = chat_answers(job, std::slice::from_ref(choice)).remove(0);
             let mut message = Map::new();
             message.insert("role".into(), json!("assistant"));
-            message.insert("content".into(), json!(answer.content.unwrap_or_default()));
+            message.insert("content".into(), content);
             if let Some(thinking) = answer.reasoning {
                 message.insert("thinking".into(), json!(thinking));
             }
@@ -269,8 +270,7 @@ fn final_object(job: &Job, choice: &ChoiceState) -> Value {
             map.insert("message".into(), Value::Object(message));
         }
         Endpoint::Completions => {
-            let answer = chat_answers(job, std::slice::from_ref(choice)).remove(0);
-            map.insert("response".into(), json!(answer.content.unwrap_or_default()));
+            map.insert("response".into(), content);
             if let Some(thinking) = answer.reasoning {
                 map.insert("thinking".into(), json!(thinking));
             }
@@ -513,7 +513,7 @@ fn listed(state: &AppState, index: usize) -> (Value, Option<Arc<Ready>>) {
 }
 
 pub(super) async fn tags(State(state): State<Arc<AppState>>) -> Response {
-    let models: Vec<Value> = (0..state.fleet.list().len())
+    let models: Vec<Value> = (0..state.fleet.count())
         .map(|i| listed(&state, i).0)
         .collect();
     whole(&json!({"models": models}))
@@ -521,7 +521,7 @@ pub(super) async fn tags(State(state): State<Arc<AppState>>) -> Response {
 
 pub(super) async fn ps(State(state): State<Arc<AppState>>) -> Response {
     let now = Instant::now();
-    let models: Vec<Value> = (0..state.fleet.list().len())
+    let models: Vec<Value> = (0..state.fleet.count())
         .filter_map(|i| {
             let (mut value, ready) = listed(&state, i);
             let ready = ready?;

@@ -12,9 +12,8 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::{Path, Query, State};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
-use futures_util::StreamExt;
 use kiln_engine::FinishReason;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -23,6 +22,7 @@ use super::chat_stream::{ChatStream, Piece, Step};
 use super::collect::{CallOut, ChatAnswer, chat_answers, collect};
 use super::completions::chat_job;
 use super::job::{Job, Origin, submit};
+use super::stream::{ARGUMENT_PIECE_BYTES, EventWriter, pieces, sse};
 use super::{AppState, Arrived, ModelBody, blocking, json_bytes, json_response};
 use crate::api::responses::{Echo, ResponsesRequest};
 use crate::api::{Content, Message, MessageFunctionCall, MessageToolCall};
@@ -560,7 +560,7 @@ impl Writer {
                     json!({"output_index": index, "item": added}),
                 );
                 events.push(e);
-                for piece in super::stream::pieces(&call.arguments, 24) {
+                for piece in pieces(&call.arguments, ARGUMENT_PIECE_BYTES) {
                     let e = self.event(
                         "response.function_call_arguments.delta",
                         json!({"item_id": id, "output_index": index, "delta": piece}),
@@ -657,6 +657,16 @@ impl Writer {
     }
 }
 
+impl EventWriter for Writer {
+    fn ended(&self) -> bool {
+        self.finished
+    }
+
+    fn events(&mut self) -> impl Future<Output = Vec<SseEvent>> + Send {
+        self.next_events()
+    }
+}
+
 /// The response as typed server-sent events.
 fn stream(
     state: Arc<AppState>,
@@ -677,13 +687,5 @@ fn stream(
         started: false,
         finished: false,
     };
-    let events = futures_util::stream::unfold(writer, |mut w| async move {
-        if w.finished {
-            return None;
-        }
-        let events = w.next_events().await;
-        Some((events, w))
-    })
-    .flat_map(|events| futures_util::stream::iter(events.into_iter().map(Ok)));
-    Sse::new(events).keep_alive(KeepAlive::default())
+    sse(writer)
 }

@@ -14,6 +14,7 @@ use serde::Serialize;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::chat_stream::ChoiceReader;
+use super::collect::call_outs;
 use super::job::{Endpoint, Job};
 use crate::api::response::{
     ChatChunkChoice, ChatLogprob, ChatLogprobs, CompletionBody, Delta, FunctionDelta, TextChoice,
@@ -21,7 +22,7 @@ use crate::api::response::{
 };
 use crate::error::ApiError;
 use crate::reasoning::Split;
-use crate::tools::{self, Parsed};
+use crate::tools::Parsed;
 use crate::worker::Update;
 
 /// The events of `job`'s answer, as `updates` bring them.
@@ -46,15 +47,43 @@ pub(super) fn stream(
         job,
         updates,
     };
-    let events = futures_util::stream::unfold(streamer, |mut s| async move {
-        if s.done {
+    sse(streamer)
+}
+
+/// A writer of server-sent events in some API's shape: the events of each next update, until
+/// its last has gone out.
+pub(super) trait EventWriter: Send + 'static {
+    /// Whether its last event has gone out.
+    fn ended(&self) -> bool;
+
+    /// The events of the next update (possibly none).
+    fn events(&mut self) -> impl Future<Output = Vec<SseEvent>> + Send;
+}
+
+/// `writer`'s events as one answer of server-sent events, with keep-alive comments while it
+/// waits.
+pub(super) fn sse<W: EventWriter>(
+    writer: W,
+) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
+    let events = futures_util::stream::unfold(writer, |mut w| async move {
+        if w.ended() {
             return None;
         }
-        let events = s.next_events().await;
-        Some((events, s))
+        let events = w.events().await;
+        Some((events, w))
     })
     .flat_map(|events| futures_util::stream::iter(events.into_iter().map(Ok)));
     Sse::new(events).keep_alive(KeepAlive::default())
+}
+
+impl EventWriter for Streamer {
+    fn ended(&self) -> bool {
+        self.done
+    }
+
+    fn events(&mut self) -> impl Future<Output = Vec<SseEvent>> + Send {
+        self.next_events()
+    }
 }
 
 struct Streamer {
@@ -74,8 +103,9 @@ struct Streamer {
     readers: Vec<ChoiceReader>,
 }
 
-/// Bytes of a call's arguments per chunk: they stream in pieces, as OpenAI streams them.
-const ARGUMENT_PIECE_BYTES: usize = 24;
+/// Bytes of a call's arguments per chunk: they stream in pieces, as OpenAI streams them (and
+/// every other API's writer does too).
+pub(super) const ARGUMENT_PIECE_BYTES: usize = 24;
 
 /// One data event of `value`'s JSON.
 fn data<T: Serialize>(value: &T) -> SseEvent {
@@ -192,16 +222,11 @@ impl Streamer {
                 ..Delta::default()
             }));
         }
-        for (k, call) in held.calls.iter().enumerate() {
+        for (k, call) in call_outs(&self.job, index, &held.calls).iter().enumerate() {
             events.push(delta_chunk(Delta {
                 tool_calls: Some(vec![ToolCallDelta {
                     index: k,
-                    id: Some(tools::call_id(
-                        self.job.tools.format,
-                        &self.job.id,
-                        index,
-                        k,
-                    )),
+                    id: Some(call.id.clone()),
                     kind: Some("function"),
                     function: FunctionDelta {
                         name: Some(call.name.clone()),
