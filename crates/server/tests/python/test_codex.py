@@ -33,7 +33,8 @@ when the round trip is done and Codex has acted on kiln's answer to the second r
 it ended the turn on its own (a text answer) with exit code 0, or it ran the call that answer
 made and sent its output back in a third request, after which the test stops Codex. A run
 whose first answer is text (no tool call), or that hangs (a sampled call may run on for
-thousands of tokens), is tried again, within `BUDGET_S`.
+thousands of tokens), or whose calls ran no shell command (all of them `write_stdin`), is tried
+again, within `BUDGET_S`; the test fails unless one run passes.
 """
 
 import http.client
@@ -52,10 +53,10 @@ import pytest
 
 from conftest import API_KEY, ROOT, KilnServer
 
-ATTEMPTS = 3
-BUDGET_S = 110.0
+ATTEMPTS = 5
+BUDGET_S = 240.0
 # The longest one `codex exec` run may take.
-RUN_S = 60.0
+RUN_S = 45.0
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "Run the shell command: echo hello"
 # The generic tool format's own JSON shapes, as kiln writes the turns into the prompt.
@@ -348,9 +349,11 @@ def test_codex_exec_tool_round_trip(codex, tmp_path):
             if ended_by == "codex":
                 assert code == 0, "\n\n".join(report)
             second = run.second()
-            if second is None:
+            # A run whose calls were all of Codex's other tool (`write_stdin`, which the sampled
+            # model picks now and then) ran no command: the round trip asked for is the shell's,
+            # so it is tried again, as a run whose first answer is text is.
+            if second is None or not commands:
                 continue
-            assert commands, "\n\n".join(report)
             assert len(finished) >= second + 1, "".join(server.log[log_from:])
             if ended_by == "codex" or run.acted_on_second():
                 passed = True
